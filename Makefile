@@ -1,0 +1,64 @@
+# One entry point for set-up, code generation, tests, demo and benchmarks.
+# Every target installs what it needs into .venv first, so a fresh clone needs only `make demo`
+# and `make test`.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+PYTHON  := $(BIN)/python
+STAMP   := $(VENV)/.installed
+PB_OUT  := shared/pb
+PROTOS  := $(wildcard protos/scd/v1/*.proto)
+PB_GEN  := $(PB_OUT)/scd/v1/.generated
+COMPOSE := .venv-compose/bin/docker-compose
+
+.PHONY: all install proto lint test demo models eval-pair bench-quality bench-ttft compose-config clean
+
+all: test
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+install: $(STAMP)
+
+# Generated code: written here only, never edited. Imports are rewritten to relative ones
+# (as TGI does) so the package lives under shared/pb/.
+$(PB_GEN): $(PROTOS) $(STAMP)
+	rm -rf $(PB_OUT)/scd && mkdir -p $(PB_OUT)/scd/v1
+	$(PYTHON) -m grpc_tools.protoc -Iprotos --python_out=$(PB_OUT) --pyi_out=$(PB_OUT) \
+		--grpc_python_out=$(PB_OUT) $(PROTOS)
+	sed -i -E 's/^from scd\.v1 import/from . import/' $(PB_OUT)/scd/v1/*.py
+	touch $(PB_OUT)/scd/__init__.py $(PB_OUT)/scd/v1/__init__.py $@
+
+proto: $(PB_GEN)
+
+lint: $(STAMP)
+	$(BIN)/buf lint
+
+# docker-compose 1.29.2 validates the compose file without an engine; it needs PyYAML 5.4.1,
+# whose sdist only builds with Cython < 3, so it lives in its own venv.
+$(COMPOSE):
+	$(PY) -m venv .venv-compose
+	.venv-compose/bin/pip install -q "cython<3" wheel setuptools
+	.venv-compose/bin/pip install -q --no-build-isolation pyyaml==5.4.1
+	.venv-compose/bin/pip install -q docker-compose==1.29.2
+
+compose-config: $(COMPOSE)
+	$(COMPOSE) -f docker-compose.yml config -q
+
+test: $(PB_GEN) $(COMPOSE)
+	$(PYTHON) -m pytest -q
+
+demo: $(PB_GEN)
+	$(PYTHON) -m bench.demo
+
+models: $(STAMP)
+	$(PYTHON) -m qa.train
+
+eval-pair: $(STAMP)
+	$(PYTHON) -m qa.evaluate pair
+
+clean:
+	rm -rf $(PB_OUT)/scd .cache .pytest_cache

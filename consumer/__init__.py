@@ -1,0 +1,1 @@
+"""The consumer service: rebuild the context's KV from the producer's stream, decode, stream tokens."""

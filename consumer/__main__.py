@@ -1,0 +1,9 @@
+"""`python -m consumer`: run the consumer service until SIGTERM/SIGINT, then drain (flags: --help)."""
+
+import sys
+
+from shared.config import ConsumerConfig
+from shared.serving import main
+
+if __name__ == "__main__":
+    main("consumer", ConsumerConfig, sys.argv[1:])

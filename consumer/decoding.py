@@ -1,0 +1,72 @@
+"""Question prefill, token sampling and incremental detokenization on the consumer model.
+
+Pure torch + tokenizer; runs on the consumer's compute thread. Knows nothing about transfer
+codecs or gRPC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from shared.models import LoadedModel
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+
+class Sampler:
+    def __init__(self, sampling: Sampling, device: torch.device):
+        self.sampling = sampling
+        self.generator = None
+        if sampling.temperature > 0:
+            self.generator = torch.Generator(device=device).manual_seed(sampling.seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits: [vocab] of the last position -> next token id."""
+        if self.generator is None:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits.float() / self.sampling.temperature, dim=-1)
+        if self.sampling.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < self.sampling.top_p  # always keeps the top token
+            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+@torch.inference_mode()
+def forward_logits(loaded: LoadedModel, ids: list[int], cache: DynamicCache) -> torch.Tensor:
+    """Run ids on top of the cache (positions continue after it); last position's logits [vocab]."""
+    tensor = torch.tensor([ids], device=loaded.device)  # [1, n]
+    out = loaded.model(input_ids=tensor, cache=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[0, -1]
+
+
+class Detokenizer:
+    """Turns a growing list of ids into text deltas, holding back an unfinished UTF-8 sequence."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd") or not text.startswith(self.emitted):
+            return ""
+        delta, self.emitted = text[len(self.emitted) :], text
+        return delta
+
+    def flush(self) -> str:
+        """Text still held back once generation has ended (e.g. an incomplete byte sequence)."""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        delta = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
+        self.emitted = text
+        return delta

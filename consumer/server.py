@@ -1,0 +1,184 @@
+"""Consumer gRPC servicer (thin: validate and tokenize the request, run GenerateEngine, convert
+events to messages) and process wiring (config, model load, producer client, health, drain)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import structlog
+
+import shared
+from shared import codecs as codec_lib
+from shared import describe, logs, serving
+from shared.config import ConsumerConfig
+from shared.errors import InvalidArgument, Unavailable
+from shared.models import LoadedModel, load_model, warm_up
+from shared.pb import common_pb2, consumer_pb2, consumer_pb2_grpc
+from consumer.decoding import Sampling
+from consumer.engine import GenerateEngine, GenerateJob, GenerateResult, TokenOut
+from consumer.producer_client import ProducerClient
+
+log = logs.get("consumer")
+SERVICE_NAME = consumer_pb2.DESCRIPTOR.services_by_name["ConsumerService"].full_name
+DEFAULT_NEW_TOKENS = 32
+FINISH = {"length": consumer_pb2.FINISH_REASON_LENGTH, "stop": consumer_pb2.FINISH_REASON_STOP}
+
+
+class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
+    """Registered before the port opens; answers UNAVAILABLE until `attach` gives it a model."""
+
+    def __init__(self, config: ConsumerConfig, executor: ThreadPoolExecutor):
+        self.config = config
+        self.executor = executor
+        self.loaded: LoadedModel | None = None
+
+    def attach(self, loaded: LoadedModel, client: ProducerClient) -> None:
+        self.codecs = codec_lib.create_codecs(loaded)
+        self.engine = GenerateEngine(loaded, self.executor, client)
+        self.loaded = loaded
+
+    def _ready(self) -> LoadedModel:
+        if self.loaded is None:
+            raise Unavailable("consumer model is still loading")
+        return self.loaded
+
+    def _ids(self, prompt: consumer_pb2.Prompt, field: str, limit: int, special: bool) -> list[int]:
+        which = prompt.WhichOneof("input")
+        if which is None:
+            raise InvalidArgument(f"{field}: required (text or token_ids)")
+        if which == "text":
+            ids = self.loaded.tokenizer(prompt.text, add_special_tokens=special)["input_ids"]
+        else:
+            ids = list(prompt.token_ids.ids)
+        vocab = self.loaded.info.vocab_size
+        if not 1 <= len(ids) <= limit:
+            raise InvalidArgument(f"{field}: {len(ids)} tokens not in 1..{limit}")
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise InvalidArgument(f"{field}.token_ids: id {bad} >= vocab_size {vocab}")
+        return ids
+
+    def _job(self, request: consumer_pb2.GenerateRequest, request_id: str, timeout_s: float) -> GenerateJob:
+        cfg = self.config
+        context_ids = self._ids(request.context, "context", cfg.max_context_tokens, special=True)
+        question_ids = self._ids(request.question, "question", cfg.max_question_tokens, special=False)
+        max_new = request.max_new_tokens or DEFAULT_NEW_TOKENS
+        if max_new > cfg.max_new_tokens:
+            raise InvalidArgument(f"max_new_tokens: {max_new} > limit {cfg.max_new_tokens}")
+        s = request.sampling
+        if not 0 <= s.temperature <= 10:
+            raise InvalidArgument(f"sampling.temperature: {s.temperature} not in [0, 10]")
+        if not 0 <= s.top_p <= 1:
+            raise InvalidArgument(f"sampling.top_p: {s.top_p} not in [0, 1]")
+        codec = codec_lib.lookup(self.codecs, request.transfer.name or "raw")
+        options = codec.resolve(dict(request.transfer.options))
+        vocab = self.loaded.info.vocab_size
+        bad = next((t for t in request.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise InvalidArgument(f"stop_token_ids: id {bad} >= vocab_size {vocab}")
+        eos = self.loaded.tokenizer.eos_token_id
+        stop = frozenset(request.stop_token_ids) or (frozenset([eos]) if eos is not None else frozenset())
+        return GenerateJob(
+            request_id=request_id,
+            context_ids=context_ids,
+            question_ids=question_ids,
+            codec=codec,
+            options=options,
+            max_new_tokens=max_new,
+            sampling=Sampling(s.temperature, s.top_p or 1.0, s.seed),
+            stop_ids=stop,
+            deadline=time.monotonic() + timeout_s,
+        )
+
+    @serving.stream_errors
+    async def Generate(self, request, context):
+        received = time.perf_counter()
+        request_id = request.request_id or uuid.uuid4().hex
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            self._ready()
+            job = self._job(request, request_id, serving.remaining_s(context, self.config.default_timeout_s))
+            job.received_at = received
+            log.info("generate.start", mode=job.codec.name, context_tokens=len(job.context_ids),
+                     question_tokens=len(job.question_ids), deadline_s=context.time_remaining())
+            async for item in self.engine.run(job):
+                if isinstance(item, TokenOut):
+                    yield consumer_pb2.GenerateResponse(token=consumer_pb2.TokenDelta(ids=item.ids, text=item.text))
+                elif isinstance(item, GenerateResult):
+                    log.info("generate.done", mode=item.codec, ttft_ms=round(item.ttft_ms, 2), tokens=item.generated_tokens,
+                             bytes=item.bytes_received, total_ms=round(item.total_ms, 2))
+                    yield consumer_pb2.GenerateResponse(stats=result_to_pb(item))
+
+    @serving.unary_errors
+    async def Describe(self, request, context):
+        loaded = self._ready()
+        cfg = self.config
+        return consumer_pb2.ConsumerServiceDescribeResponse(
+            model=describe.model_to_pb(loaded.info),
+            codecs=describe.codecs_to_pb(self.codecs),
+            limits=common_pb2.Limits(max_context_tokens=cfg.max_context_tokens, max_question_tokens=cfg.max_question_tokens,
+                                     max_new_tokens=cfg.max_new_tokens),
+            producer_target=cfg.producer,
+            server_version=shared.__version__,
+            api_version=shared.API_VERSION,
+        )
+
+
+def result_to_pb(r: GenerateResult) -> consumer_pb2.GenerateStats:
+    return consumer_pb2.GenerateStats(
+        request_id=r.request_id,
+        transfer=common_pb2.CodecSpec(name=r.codec, options=r.options),
+        context_tokens=r.context_tokens,
+        question_tokens=r.question_tokens,
+        generated_tokens=r.generated_tokens,
+        ttft_ms=r.ttft_ms,
+        transfer_ms=r.transfer_ms,
+        rebuild_ms=r.rebuild_ms,
+        question_prefill_ms=r.question_prefill_ms,
+        decode_ms=r.decode_ms,
+        total_ms=r.total_ms,
+        bytes_received=r.bytes_received,
+        raw_kv_bytes=r.raw_kv_bytes,
+        finish_reason=FINISH[r.finish_reason],
+        producer_prefill_ms=r.producer_prefill_ms,
+        producer_encode_ms=r.producer_encode_ms,
+        producer_store_hit=r.producer_store_hit,
+    )
+
+
+class ConsumerServer:
+    """Bind, load the model (health NOT_SERVING meanwhile), warm up, then SERVING."""
+
+    def __init__(self, config: ConsumerConfig):
+        self.config = config
+        self.server = serving.Server([SERVICE_NAME], config.host, config.port)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="consumer-compute")
+        self.servicer = ConsumerServicer(config, self.executor)
+        consumer_pb2_grpc.add_ConsumerServiceServicer_to_server(self.servicer, self.server.server)
+        self.client: ProducerClient | None = None
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    async def start(self) -> None:
+        await self.server.start()
+        log.info("server.started", address=self.address, model=self.config.model, producer=self.config.producer)
+
+    async def load(self, loaded: LoadedModel | None = None) -> None:
+        cfg = self.config
+        if loaded is None:
+            loaded = await logs.run_in(self.executor, load_model, cfg.model, cfg.dtype, cfg.device)
+        await logs.run_in(self.executor, warm_up, loaded)
+        self.client = ProducerClient(cfg.producer, loaded.info.weight_digest)
+        self.servicer.attach(loaded, self.client)
+        await self.server.serving()
+        log.info("server.serving", model=loaded.info.model_id, dtype=loaded.info.dtype, device=loaded.info.device,
+                 digest=loaded.info.weight_digest[:16])
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        await self.server.drain(self.config.drain_grace_s if grace_s is None else grace_s)
+        if self.client is not None:
+            await self.client.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)

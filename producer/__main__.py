@@ -1,0 +1,9 @@
+"""`python -m producer`: run the producer service until SIGTERM/SIGINT, then drain (flags: --help)."""
+
+import sys
+
+from shared.config import ProducerConfig
+from shared.serving import main
+
+if __name__ == "__main__":
+    main("producer", ProducerConfig, sys.argv[1:])

@@ -1,0 +1,171 @@
+"""Producer gRPC servicer (thin: validate, call PrefillEngine, convert with shared.wire) and
+process wiring (config, model load, health, drain)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import structlog
+
+import shared
+from shared import codecs as codec_lib
+from shared import describe, logs, serving, wire
+from shared.config import ProducerConfig
+from shared.errors import InvalidArgument, ResourceExhausted, Unavailable
+from shared.models import LoadedModel, load_model, warm_up
+from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
+from producer.prefill import EncodedLayer, PrefillDone, PrefillEngine
+
+log = logs.get("producer")
+SERVICE_NAME = producer_pb2.DESCRIPTOR.services_by_name["ProducerService"].full_name
+
+
+class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
+    """Registered before the port opens; answers UNAVAILABLE until `attach` gives it a model."""
+
+    def __init__(self, config: ProducerConfig, executor: ThreadPoolExecutor):
+        self.config = config
+        self.executor = executor
+        self.loaded: LoadedModel | None = None
+        self.stats = producer_pb2.ProducerStats()
+        self.inflight = 0
+
+    def attach(self, loaded: LoadedModel) -> None:
+        self.codecs = {n: c for n, c in codec_lib.create_codecs(loaded).items() if c.uses_producer}
+        self.engine = PrefillEngine(loaded, self.executor, self.config.queue_depth)
+        self.loaded = loaded
+
+    def _ready(self) -> None:
+        if self.loaded is None:
+            raise Unavailable("producer model is still loading")
+
+    def _validate(self, request: producer_pb2.PrefillRequest) -> None:
+        self._ready()
+        n = len(request.token_ids)
+        if not 1 <= n <= self.config.max_context_tokens:
+            raise InvalidArgument(f"token_ids: length {n} not in 1..{self.config.max_context_tokens}")
+        vocab = self.loaded.info.vocab_size
+        bad = next((t for t in request.token_ids if t >= vocab), None)
+        if bad is not None:
+            raise InvalidArgument(f"token_ids: id {bad} >= vocab_size {vocab}")
+
+    @serving.stream_errors
+    async def Prefill(self, request, context):
+        started = time.perf_counter()
+        request_id = request.request_id or uuid.uuid4().hex
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            self._validate(request)
+            codec = codec_lib.lookup(self.codecs, request.codec.name or "raw")
+            options = codec.resolve(dict(request.codec.options))
+            if self.inflight >= self.config.max_inflight:
+                raise ResourceExhausted(f"prefills in flight: {self.inflight} >= max_inflight {self.config.max_inflight}")
+            encoder = codec.encoder(options, len(request.token_ids))
+            self.inflight += 1
+            self.stats.prefills_started += 1
+            log.info("prefill.start", tokens=len(request.token_ids), codec=codec.name, deadline_s=context.time_remaining())
+            info = self.loaded.info
+            yield producer_pb2.PrefillResponse(
+                header=producer_pb2.PrefillHeader(
+                    request_id=request_id,
+                    producer=describe.model_to_pb(info),
+                    codec=common_pb2.CodecSpec(name=codec.name, options=options),
+                    codec_format_version=codec.format_version,
+                    num_layers=info.num_layers,
+                    num_tokens=len(request.token_ids),
+                    kv_dtype=info.dtype,
+                    codec_metadata=encoder.metadata(),
+                )
+            )
+            max_chunk = self.config.max_chunk_bytes
+
+            def pack(layer, payloads):
+                return [c for kind, t in payloads.items() for c in wire.payload_to_pb(layer, kind, t, max_chunk)]
+
+            sent_chunks = sent_payloads = sent_bytes = 0
+            outcome = "failed"
+            try:
+                async with contextlib.aclosing(self.engine.stream(list(request.token_ids), encoder, pack)) as layers:
+                    async for item in layers:
+                        if isinstance(item, EncodedLayer):
+                            for chunk in item.packed:
+                                yield producer_pb2.PrefillResponse(chunk=chunk)
+                            sent_chunks += len(item.packed)
+                            sent_payloads += len({c.kind for c in item.packed})
+                            sent_bytes += item.payload_bytes
+                        elif isinstance(item, PrefillDone):
+                            total_ms = (time.perf_counter() - started) * 1e3
+                            yield producer_pb2.PrefillResponse(
+                                trailer=producer_pb2.PrefillTrailer(
+                                    payload_bytes=sent_bytes,
+                                    chunk_count=sent_chunks,
+                                    payload_count=sent_payloads,
+                                    prefill_ms=item.prefill_ms,
+                                    encode_ms=item.encode_ms,
+                                    total_ms=total_ms,
+                                )
+                            )
+                            outcome = "completed"
+                            log.info("prefill.done", bytes=sent_bytes, chunks=sent_chunks, prefill_ms=round(item.prefill_ms, 2),
+                                     encode_ms=round(item.encode_ms, 2), total_ms=round(total_ms, 2))
+            except asyncio.CancelledError:
+                outcome = "cancelled"
+                raise
+            finally:
+                self.inflight -= 1
+                if outcome == "completed":
+                    self.stats.prefills_completed += 1
+                elif outcome == "cancelled" or context.cancelled():
+                    self.stats.prefills_cancelled += 1
+                    log.info("prefill.cancelled", bytes_sent=sent_bytes)
+                else:
+                    self.stats.prefills_failed += 1
+
+    @serving.unary_errors
+    async def Describe(self, request, context):
+        self._ready()
+        return producer_pb2.ProducerServiceDescribeResponse(
+            model=describe.model_to_pb(self.loaded.info),
+            codecs=describe.codecs_to_pb(self.codecs),
+            limits=common_pb2.Limits(max_context_tokens=self.config.max_context_tokens, max_chunk_bytes=self.config.max_chunk_bytes),
+            server_version=shared.__version__,
+            api_version=shared.API_VERSION,
+            stats=self.stats,
+        )
+
+
+class ProducerServer:
+    """Bind, load the model (health NOT_SERVING meanwhile), warm up, then SERVING."""
+
+    def __init__(self, config: ProducerConfig):
+        self.config = config
+        self.server = serving.Server([SERVICE_NAME], config.host, config.port)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="producer-compute")
+        self.servicer = ProducerServicer(config, self.executor)
+        producer_pb2_grpc.add_ProducerServiceServicer_to_server(self.servicer, self.server.server)
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    async def start(self) -> None:
+        await self.server.start()
+        log.info("server.started", address=self.address, model=self.config.model)
+
+    async def load(self, loaded: LoadedModel | None = None) -> None:
+        cfg = self.config
+        if loaded is None:
+            loaded = await logs.run_in(self.executor, load_model, cfg.model, cfg.dtype, cfg.device)
+        await logs.run_in(self.executor, warm_up, loaded)
+        self.servicer.attach(loaded)
+        await self.server.serving()
+        log.info("server.serving", model=loaded.info.model_id, dtype=loaded.info.dtype, device=loaded.info.device,
+                 digest=loaded.info.weight_digest[:16])
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        await self.server.drain(self.config.drain_grace_s if grace_s is None else grace_s)
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,93 @@
+"""KV-cache mechanics on a Hugging Face decoder: per-layer capture during the producer's
+prefill, and building a consumer cache layer by layer.
+
+Owns forward hooks and `DynamicCache` assembly. Knows nothing about codecs' payload formats,
+wire types or gRPC.
+"""
+
+from __future__ import annotations
+
+import enum
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from transformers import DynamicCache
+
+from shared.models import LoadedModel
+
+
+class Capture(enum.Flag):
+    """What an encoder needs from each layer of the producer's forward."""
+
+    NONE = 0
+    KV = enum.auto()  # post-RoPE keys and values as stored in the cache
+    NORMED = enum.auto()  # the layer's input_layernorm output
+    HIDDEN = enum.auto()  # the residual stream entering the layer
+
+
+@dataclass
+class LayerState:
+    """One decoder layer of the producer's prefill over T context tokens (batch 1)."""
+
+    index: int
+    keys: torch.Tensor | None = None  # [n_kv, T, head_dim], post-RoPE
+    values: torch.Tensor | None = None  # [n_kv, T, head_dim]
+    normed: torch.Tensor | None = None  # [T, hidden], input_layernorm(hidden)
+    hidden: torch.Tensor | None = None  # [T, hidden], residual stream entering the layer
+
+
+@contextmanager
+def layer_capture(loaded: LoadedModel, cache: DynamicCache, needs: Capture, on_layer: Callable[[LayerState], None]) -> Iterator[None]:
+    """While active, calls on_layer(state) right after each decoder layer of a batch-1 forward.
+
+    on_layer runs inside the forward, on its thread; raising from it aborts the forward (how a
+    cancelled prefill stops at the next layer boundary).
+    """
+    handles = []
+    pending: dict[int, LayerState] = {}
+    for index, layer in enumerate(loaded.layers):
+
+        def pre(module, args, kwargs, index=index):
+            state = pending.setdefault(index, LayerState(index))
+            if Capture.HIDDEN in needs:
+                hidden = args[0] if args else kwargs["hidden_states"]
+                state.hidden = hidden[0].detach()  # [T, d]
+
+        def normed(module, args, output, index=index):
+            pending.setdefault(index, LayerState(index)).normed = output[0].detach()  # [T, d]
+
+        def post(module, args, kwargs, output, index=index):
+            state = pending.pop(index, None) or LayerState(index)
+            if Capture.KV in needs:
+                state.keys = cache.layers[index].keys[0]  # [n_kv, T, hd]
+                state.values = cache.layers[index].values[0]
+            on_layer(state)
+
+        handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+        if Capture.NORMED in needs:
+            handles.append(layer.input_layernorm.register_forward_hook(normed))
+        handles.append(layer.register_forward_hook(post, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.inference_mode()
+def prefill_context(loaded: LoadedModel, ids: torch.Tensor, cache: DynamicCache | None = None) -> DynamicCache:
+    """Run the decoder stack (no LM head) over ids [1, T], filling and returning the cache."""
+    cache = cache if cache is not None else DynamicCache(config=loaded.model.config)
+    loaded.model.model(input_ids=ids, cache=cache, use_cache=True)
+    return cache
+
+
+def empty_cache(loaded: LoadedModel) -> DynamicCache:
+    return DynamicCache(config=loaded.model.config)
+
+
+def put_layer(cache: DynamicCache, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Store one layer's K/V ([n_kv, T, hd] each, post-RoPE) into the cache."""
+    cache.update(keys[None], values[None], layer)

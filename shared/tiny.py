@@ -1,0 +1,76 @@
+"""Tiny random-weight models built deterministically on first use, for exactness tests and as a
+no-download default. `ensure_tiny(name)` writes a normal Hugging Face checkpoint directory
+(config, safetensors, tokenizer) that `from_pretrained` loads like any other.
+
+Owns the builtin names ("tiny-llama", "tiny-qwen2") and their configs; nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+
+_CORPUS = (
+    "The producer reads a long context and the consumer writes the answer. "
+    "Semantic cache distillation sends compact codes instead of the raw key value cache. "
+    "Most layers are rebuilt from low rank subspaces and a few layers are patched. "
+    "0 1 2 3 4 5 6 7 8 9 alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu. "
+)
+
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=8192,
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+BUILTIN = {
+    "tiny-llama": lambda vocab: LlamaConfig(vocab_size=vocab, **_COMMON),
+    "tiny-qwen2": lambda vocab: Qwen2Config(vocab_size=vocab, **_COMMON),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SCD_CACHE_DIR", Path(__file__).resolve().parent.parent / ".cache")) / "models"
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE (every string encodes) trained on a fixed corpus: deterministic."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def ensure_tiny(name: str, seed: int = 0) -> Path:
+    """Return the checkpoint directory of builtin `name`, building it the first time."""
+    path = cache_dir() / name
+    if (path / "config.json").exists():
+        return path
+    tokenizer = build_tokenizer()
+    config = BUILTIN[name](len(tokenizer))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(path) if not path.exists() else None
+    return path

@@ -1,0 +1,85 @@
+"""Shared test fixtures: real producer and consumer gRPC servers in-process on free ports,
+ready when their health service says SERVING."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import AsyncIterator
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from consumer.server import ConsumerServer
+from producer.server import ProducerServer
+from shared import logs
+from shared.config import ConsumerConfig, ProducerConfig
+from shared.pb import consumer_pb2, consumer_pb2_grpc, producer_pb2_grpc
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+logs.configure("tests", os.environ.get("SCD_TEST_LOG_LEVEL", "WARNING"))
+
+
+async def wait_serving(address: str, timeout_s: float = 60.0) -> None:
+    """Block until the server's overall health is SERVING (Health.Watch, no sleeps)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        async for reply in stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s):
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+
+
+class Pair:
+    def __init__(self, producer: ProducerServer, consumer: ConsumerServer):
+        self.producer = producer
+        self.consumer = consumer
+        self.channel = grpc.aio.insecure_channel(consumer.address)
+        self.stub = consumer_pb2_grpc.ConsumerServiceStub(self.channel)
+        self.producer_channel = grpc.aio.insecure_channel(producer.address)
+        self.producer_stub = producer_pb2_grpc.ProducerServiceStub(self.producer_channel)
+
+    async def generate(self, timeout: float = 120.0, **fields) -> tuple[list[int], str, consumer_pb2.GenerateStats]:
+        """One Generate call; returns (token ids, text, stats)."""
+        ids, text, stats = [], "", None
+        async for msg in self.stub.Generate(consumer_pb2.GenerateRequest(**fields), timeout=timeout):
+            if msg.WhichOneof("kind") == "token":
+                ids += msg.token.ids
+                text += msg.token.text
+            else:
+                stats = msg.stats
+        return ids, text, stats
+
+    async def close(self) -> None:
+        await self.channel.close()
+        await self.producer_channel.close()
+
+
+@contextlib.asynccontextmanager
+async def running_pair(producer_model: str = "tiny-llama", consumer_model: str | None = None, dtype: str = "float32",
+                       producer_kw: dict | None = None, consumer_kw: dict | None = None) -> AsyncIterator[Pair]:
+    """Producer and consumer servers on free loopback ports, torn down on exit."""
+    producer = ProducerServer(ProducerConfig(port=0, model=producer_model, dtype=dtype, device="cpu", drain_grace_s=0.5,
+                                             **(producer_kw or {})))
+    await producer.start()
+    await producer.load()
+    consumer = ConsumerServer(ConsumerConfig(port=0, model=consumer_model or producer_model, dtype=dtype, device="cpu",
+                                             producer=producer.address, drain_grace_s=0.5, **(consumer_kw or {})))
+    await consumer.start()
+    await consumer.load()
+    await wait_serving(producer.address)
+    await wait_serving(consumer.address)
+    pair = Pair(producer, consumer)
+    try:
+        yield pair
+    finally:
+        await pair.close()
+        await consumer.stop()
+        await producer.stop()
+
+
+def prompt(text: str | None = None, ids: list[int] | None = None) -> consumer_pb2.Prompt:
+    if ids is not None:
+        return consumer_pb2.Prompt(token_ids=consumer_pb2.TokenIds(ids=ids))
+    return consumer_pb2.Prompt(text=text)
