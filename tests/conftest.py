@@ -12,11 +12,12 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from consumer.client import ConsumerClient, prompt  # noqa: F401  (re-exported for tests)
 from consumer.server import ConsumerServer
 from producer.server import ProducerServer
 from shared import logs
 from shared.config import ConsumerConfig, ProducerConfig
-from shared.pb import consumer_pb2, consumer_pb2_grpc, producer_pb2_grpc
+from shared.pb import consumer_pb2, producer_pb2_grpc
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 logs.configure("tests", os.environ.get("SCD_TEST_LOG_LEVEL", "WARNING"))
@@ -32,27 +33,23 @@ async def wait_serving(address: str, timeout_s: float = 60.0) -> None:
 
 
 class Pair:
+    """A running producer/consumer pair with clients of both."""
+
     def __init__(self, producer: ProducerServer, consumer: ConsumerServer):
         self.producer = producer
         self.consumer = consumer
-        self.channel = grpc.aio.insecure_channel(consumer.address)
-        self.stub = consumer_pb2_grpc.ConsumerServiceStub(self.channel)
+        self.client = ConsumerClient(consumer.address)
+        self.stub = self.client.stub
         self.producer_channel = grpc.aio.insecure_channel(producer.address)
         self.producer_stub = producer_pb2_grpc.ProducerServiceStub(self.producer_channel)
 
     async def generate(self, timeout: float = 120.0, **fields) -> tuple[list[int], str, consumer_pb2.GenerateStats]:
         """One Generate call; returns (token ids, text, stats)."""
-        ids, text, stats = [], "", None
-        async for msg in self.stub.Generate(consumer_pb2.GenerateRequest(**fields), timeout=timeout):
-            if msg.WhichOneof("kind") == "token":
-                ids += msg.token.ids
-                text += msg.token.text
-            else:
-                stats = msg.stats
-        return ids, text, stats
+        answer = await self.client.generate(timeout=timeout, **fields)
+        return answer.ids, answer.text, answer.stats
 
     async def close(self) -> None:
-        await self.channel.close()
+        await self.client.channel.close()
         await self.producer_channel.close()
 
 
@@ -77,9 +74,3 @@ async def running_pair(producer_model: str = "tiny-llama", consumer_model: str |
         await pair.close()
         await consumer.stop()
         await producer.stop()
-
-
-def prompt(text: str | None = None, ids: list[int] | None = None) -> consumer_pb2.Prompt:
-    if ids is not None:
-        return consumer_pb2.Prompt(token_ids=consumer_pb2.TokenIds(ids=ids))
-    return consumer_pb2.Prompt(text=text)

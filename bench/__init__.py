@@ -1,0 +1,1 @@
+"""Demo and benchmarks: real services in subprocesses, driven over gRPC, printing JSON lines."""

@@ -1,0 +1,89 @@
+"""Start the producer and consumer as real processes (optionally inside network namespaces),
+wait for gRPC health SERVING, and stop them with SIGTERM (graceful drain) on exit."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from shared.healthcheck import check
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Service:
+    name: str
+    address: str
+    process: subprocess.Popen
+    log_path: Path
+
+
+def wait_healthy(service: Service, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check(service.address, timeout_s=1.0):
+        if service.process.poll() is not None:
+            raise RuntimeError(f"{service.name} exited with {service.process.returncode}; log: {service.log_path}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{service.name} not SERVING after {timeout_s}s; log: {service.log_path}")
+        time.sleep(0.2)
+
+
+def spawn(name: str, args: Sequence[str], address: str, log_dir: Path, prefix: Sequence[str] = ()) -> Service:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([*prefix, sys.executable, "-m", name, *args], cwd=ROOT, env=env,
+                               stdout=subprocess.DEVNULL, stderr=open(log_path, "w"))
+    return Service(name, address, process, log_path)
+
+
+def stop(service: Service, timeout_s: float = 30.0) -> int:
+    """SIGTERM, wait for the drain, return the exit code (SIGKILL after timeout_s)."""
+    if service.process.poll() is None:
+        service.process.send_signal(signal.SIGTERM)
+        try:
+            service.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            service.process.kill()
+            service.process.wait()
+    return service.process.returncode
+
+
+@contextlib.contextmanager
+def running(producer_args: Sequence[str], consumer_args: Sequence[str], log_dir: Path,
+            producer_host: str = "127.0.0.1", consumer_host: str = "127.0.0.1",
+            producer_prefix: Sequence[str] = (), consumer_prefix: Sequence[str] = (),
+            timeout_s: float = 300.0) -> Iterator[tuple[Service, Service]]:
+    """Producer then consumer (pointed at it), both SERVING; both stopped on exit."""
+    pport, cport = free_port(), free_port()
+    producer = spawn("producer", ["--host", producer_host, "--port", str(pport), *producer_args],
+                     f"{producer_host}:{pport}", log_dir, producer_prefix)
+    consumer = None
+    try:
+        consumer = spawn("consumer", ["--host", consumer_host, "--port", str(cport), "--producer",
+                                      f"{producer_host}:{pport}", *consumer_args],
+                         f"{consumer_host}:{cport}", log_dir, consumer_prefix)
+        wait_healthy(producer, timeout_s)
+        wait_healthy(consumer, timeout_s)
+        yield producer, consumer
+    finally:
+        codes = {}
+        if consumer is not None:
+            codes["consumer"] = stop(consumer)
+        codes["producer"] = stop(producer)
+        print(f"# services stopped: exit codes {codes}", file=sys.stderr)
