@@ -1,0 +1,73 @@
+"""Per-layer math on a Hugging Face decoder, done with the model's own modules so results match
+its forward bit for bit: K/V from a layer's normalized input (Patch), RoPE on pre-RoPE keys
+(Reuse), and running a span of decoder layers from a hidden state (Recompute).
+
+Supports Llama-style attention (Llama, Qwen2 with q/k/v biases, Qwen3 with k_norm). Knows
+nothing about codecs or the wire.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask
+
+from shared.models import LoadedModel
+
+
+def positions(loaded: LoadedModel, num_tokens: int, start: int = 0) -> torch.Tensor:
+    return torch.arange(start, start + num_tokens, device=loaded.device)[None]  # [1, T]
+
+
+def _rope_fn(loaded: LoadedModel, layer: int):
+    attn = loaded.layers[layer].self_attn
+    return sys.modules[type(attn).__module__].apply_rotary_pos_emb
+
+
+@torch.inference_mode()
+def rope(loaded: LoadedModel, layer: int, keys_pre: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Apply the model's rotary embedding: keys_pre [n_kv, T, hd] -> post-RoPE [n_kv, T, hd]."""
+    cos, sin = loaded.model.model.rotary_emb(keys_pre, position_ids=pos)  # [1, T, hd] each
+    _, keys = _rope_fn(loaded, layer)(keys_pre[None], keys_pre[None], cos, sin)
+    return keys[0]
+
+
+@torch.inference_mode()
+def kv_pre_rope(loaded: LoadedModel, layer: int, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pre-RoPE keys (after k_norm where the model has one) and values from the layer's
+    normalized input normed [T, d] -> ([n_kv, T, hd], [n_kv, T, hd])."""
+    attn = loaded.layers[layer].self_attn
+    info = loaded.info
+    shape = (normed.shape[0], info.num_kv_heads, info.head_dim)
+    keys = attn.k_proj(normed).view(shape)  # [T, n_kv, hd]
+    if hasattr(attn, "k_norm"):
+        keys = attn.k_norm(keys)
+    values = attn.v_proj(normed).view(shape)
+    return keys.transpose(0, 1), values.transpose(0, 1)
+
+
+@torch.inference_mode()
+def kv_from_normed(loaded: LoadedModel, layer: int, normed: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache entries the layer would store for normalized input normed [T, d]: post-RoPE
+    keys and values, [n_kv, T, hd] each."""
+    keys, values = kv_pre_rope(loaded, layer, normed)
+    return rope(loaded, layer, keys, pos), values
+
+
+@torch.inference_mode()
+def run_layers(loaded: LoadedModel, hidden: torch.Tensor, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Run decoder layers start..end-1 over the residual stream entering layer `start`,
+    hidden [T, d] (context positions 0..T-1); returns each layer's (keys, values), [n_kv, T, hd]."""
+    model = loaded.model.model
+    cache = DynamicCache(config=loaded.model.config)
+    h = hidden[None].to(loaded.dtype)  # [1, T, d]
+    pos = positions(loaded, hidden.shape[0])
+    mask = create_causal_mask(config=model.config, inputs_embeds=h, attention_mask=None, cache=cache, position_ids=pos)
+    emb = model.rotary_emb(h, position_ids=pos)
+    out = []
+    for index in range(start, end):
+        h = model.layers[index](h, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, position_embeddings=emb)
+        out.append((cache.layers[index].keys[0], cache.layers[index].values[0]))
+    return out
