@@ -1,0 +1,137 @@
+"""`recompute`: DroidSpeak-style selective layer recompute. The producer sends its raw K/V for
+every layer outside a contiguous span [start, end) and, at layer `start`, the residual stream
+entering that layer (`hidden`, [T, d], producer dtype); layers start+1..end-1 send nothing. The
+consumer runs its OWN decoder layers start..end-1 over that hidden state (shared.layers.run_layers)
+to make its own K/V for the span, while later layers are still in flight.
+
+With C == P this is exact (the span is recomputed from the true hidden state). With a fine-tuned
+C it replaces the producer's K/V on the span with C's, which is where C's and P's states
+diverge most when the span is chosen by profiling (shared.recompute_profile.profile_span).
+
+Options `start`, `end` (integers, 0 <= start < end <= num_layers), or "auto" (default) for
+`default_span`: the middle quarter of the layers, width = max(1, round(L / 4)) with halves
+rounded up, start = (L - width) // 2; e.g. L=4 -> [1, 2), L=24 -> [9, 15), L=28 -> [10, 17).
+One "auto" beside a number keeps the default width next to that number.
+`resolve` turns "auto" into numbers on the consumer, so the producer, the stream header and the
+stats all carry the concrete span.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from shared import layers
+from shared.codecs.base import Capture, CacheDecoder, Codec, LayerEncoder, LayerState, StreamInfo, register
+from shared.codecs.raw import KVDecoder
+from shared.errors import DataLoss, FailedPrecondition, InvalidArgument
+
+
+def parse_layer(value: str) -> str:
+    if value != "auto":
+        try:
+            index = int(value)
+        except ValueError:
+            raise ValueError("must be a layer index or 'auto'") from None
+        if index < 0:
+            raise ValueError("must be >= 0")
+    return value
+
+
+def default_span(num_layers: int) -> tuple[int, int]:
+    """The middle ~25% of the layers (see module doc)."""
+    width = max(1, (num_layers + 2) // 4)
+    start = (num_layers - width) // 2
+    return start, start + width
+
+
+def span(options: Mapping[str, str], num_layers: int, model_id: str) -> tuple[int, int]:
+    """The span [start, end) the options name for a model of num_layers layers; InvalidArgument
+    naming the option and the limit when it does not fit."""
+    auto_start, auto_end = default_span(num_layers)
+    width = auto_end - auto_start
+    raw_start, raw_end = options.get("start", "auto"), options.get("end", "auto")
+    where = f"for codec 'recompute' on model {model_id} with num_layers={num_layers}"
+    for key, value in (("start", raw_start), ("end", raw_end)):
+        try:
+            parse_layer(value)
+        except ValueError as exc:
+            raise InvalidArgument(f"transfer.options[{key!r}]={value!r} {where}: {exc}") from None
+    if raw_start == "auto" and raw_end == "auto":
+        start, end = auto_start, auto_end
+    elif raw_end == "auto":  # the default width from the given start
+        start = int(raw_start)
+        end = min(start + width, num_layers)
+    elif raw_start == "auto":  # the default width up to the given end
+        end = int(raw_end)
+        start = max(0, end - width)
+    else:
+        start, end = int(raw_start), int(raw_end)
+    # a given value is checked against the limit; a derived one always fits
+    if raw_start != "auto" and not 0 <= start < num_layers:
+        raise InvalidArgument(f"transfer.options['start']={raw_start!r} {where}: must be in 0..{num_layers - 1}")
+    if not start < end <= num_layers:
+        raise InvalidArgument(f"transfer.options['end']={raw_end!r} {where}: must be in {start + 1}..{num_layers}"
+                              f" (start={start} < end <= num_layers)")
+    return start, end
+
+
+class RecomputeEncoder(LayerEncoder):
+    captures = Capture.KV | Capture.HIDDEN
+
+    def __init__(self, start: int, end: int):
+        self.start, self.end = start, end
+
+    def encode(self, state: LayerState) -> dict[str, torch.Tensor]:
+        if state.index == self.start:
+            return {"hidden": state.hidden}  # [T, d], residual stream entering layer `start`
+        if self.start < state.index < self.end:
+            return {}  # the consumer recomputes it
+        return {"k": state.keys, "v": state.values}  # [n_kv, T, hd] each
+
+
+class RecomputeDecoder(KVDecoder):
+    def __init__(self, codec: Codec, stream: StreamInfo):
+        super().__init__(codec, stream)
+        info = codec.model.info
+        self.start, self.end = span(stream.options, info.num_layers, info.model_id)
+
+    def add_layer(self, layer: int, payloads: dict[str, torch.Tensor]) -> None:
+        if layer == self.start:
+            hidden = payloads.get("hidden")
+            if hidden is None:
+                raise DataLoss(f"layer {layer}: payload 'hidden' missing (start of the recompute span)")
+            want = (self.stream.num_tokens, self.loaded.info.hidden_size)
+            if tuple(hidden.shape) != want:
+                raise FailedPrecondition(f"layer {layer} payload 'hidden' has shape {list(hidden.shape)},"
+                                         f" consumer expects {list(want)} [tokens, hidden_size]")
+            span_kv = layers.run_layers(self.loaded, hidden.to(self.loaded.device), self.start, self.end)
+            for offset, (keys, values) in enumerate(span_kv):
+                self.store(self.start + offset, keys, values)  # the consumer's own K/V for the span
+        elif self.start < layer < self.end:
+            if payloads:
+                raise DataLoss(f"layer {layer}: unexpected payload(s) {sorted(payloads)} inside the recompute span")
+        else:
+            super().add_layer(layer, payloads)
+
+
+@register
+class RecomputeCodec(Codec):
+    name = "recompute"
+    description = ("DroidSpeak-style: producer K/V outside a layer span, the consumer recomputes the span from a"
+                   " hidden state (options start, end)")
+    option_parsers = {"start": ("auto", parse_layer), "end": ("auto", parse_layer)}
+
+    def resolve(self, options: Mapping[str, str]) -> dict[str, str]:
+        resolved = super().resolve(options)
+        info = self.model.info
+        start, end = span(resolved, info.num_layers, info.model_id)
+        return {"start": str(start), "end": str(end)}
+
+    def encoder(self, options: Mapping[str, str], num_tokens: int) -> LayerEncoder:
+        info = self.model.info
+        return RecomputeEncoder(*span(options, info.num_layers, info.model_id))
+
+    def decoder(self, stream: StreamInfo) -> CacheDecoder:
+        return RecomputeDecoder(self, stream)
