@@ -22,7 +22,7 @@ import torch
 
 from shared import logs
 from shared.codecs import Codec, StreamInfo
-from shared.errors import DataLoss, DeadlineExceeded
+from shared.errors import DataLoss, DeadlineExceeded, FailedPrecondition
 from shared.models import LoadedModel
 from consumer.decoding import Detokenizer, Sampler, Sampling, forward_logits
 
@@ -168,8 +168,11 @@ class GenerateEngine:
         try:
             async for event in stream:
                 if isinstance(event, StreamHeader):
+                    if event.stream.format_version != job.codec.format_version:
+                        raise FailedPrecondition(f"codec '{job.codec.name}' payload format {event.stream.format_version} from the "
+                                                 f"producer; this consumer decodes format {job.codec.format_version}")
                     decoder = job.codec.decoder(event.stream)
-                    result.options = dict(event.stream.options)
+                    result.options = {**event.stream.options, **event.stream.metadata}
                     producer_kv = dataclasses.replace(self.loaded.info, dtype=event.stream.kv_dtype)
                     result.raw_kv_bytes = producer_kv.kv_bytes(event.stream.num_tokens)
                 elif isinstance(event, LayerPayloads):

@@ -15,6 +15,7 @@ from shared import describe, logs, serving
 from shared.config import ConsumerConfig
 from shared.errors import InvalidArgument, Unavailable
 from shared.models import LoadedModel, load_model, warm_up
+from shared.scd.artifact import discover
 from shared.pb import common_pb2, consumer_pb2, consumer_pb2_grpc
 from consumer.decoding import Sampling
 from consumer.engine import GenerateEngine, GenerateJob, GenerateResult, TokenOut
@@ -35,7 +36,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         self.loaded: LoadedModel | None = None
 
     def attach(self, loaded: LoadedModel, client: ProducerClient) -> None:
-        self.codecs = codec_lib.create_codecs(loaded)
+        self.codecs = codec_lib.create_codecs(loaded, artifacts=discover(self.config.artifact_paths))
         self.engine = GenerateEngine(loaded, self.executor, client)
         self.loaded = loaded
 

@@ -18,6 +18,7 @@ from shared import describe, logs, serving, wire
 from shared.config import ProducerConfig
 from shared.errors import InvalidArgument, ResourceExhausted, Unavailable
 from shared.models import LoadedModel, load_model, warm_up
+from shared.scd.artifact import discover
 from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
 from producer.prefill import EncodedLayer, PrefillDone, PrefillEngine
 
@@ -36,7 +37,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         self.inflight = 0
 
     def attach(self, loaded: LoadedModel) -> None:
-        self.codecs = {n: c for n, c in codec_lib.create_codecs(loaded).items() if c.uses_producer}
+        self.codecs = {n: c for n, c in codec_lib.create_codecs(loaded, artifacts=discover(self.config.artifact_paths)).items() if c.uses_producer}
         self.engine = PrefillEngine(loaded, self.executor, self.config.queue_depth)
         self.loaded = loaded
 
@@ -64,7 +65,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             options = codec.resolve(dict(request.codec.options))
             if self.inflight >= self.config.max_inflight:
                 raise ResourceExhausted(f"prefills in flight: {self.inflight} >= max_inflight {self.config.max_inflight}")
-            encoder = codec.encoder(options, len(request.token_ids))
+            encoder = codec.make_encoder(options, len(request.token_ids), request.consumer_weight_digest)
             self.inflight += 1
             self.stats.prefills_started += 1
             log.info("prefill.start", tokens=len(request.token_ids), codec=codec.name, deadline_s=context.time_remaining())

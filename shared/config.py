@@ -28,6 +28,11 @@ class ServerConfig:
     max_context_tokens: int = 8192
     drain_grace_s: float = 10.0  # SIGTERM: finish in-flight calls for this long
     log_level: str = "INFO"
+    artifacts: str = ""  # comma-separated SCD artifact files or directories
+
+    @property
+    def artifact_paths(self) -> list[str]:
+        return [p for p in self.artifacts.split(",") if p]
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

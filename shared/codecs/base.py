@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Mapping
+from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -21,6 +21,9 @@ from transformers import DynamicCache
 from shared.errors import InvalidArgument
 from shared.kv import Capture, LayerState  # noqa: F401  (part of the codec interface)
 from shared.models import LoadedModel
+
+if TYPE_CHECKING:
+    from shared.scd.artifact import Artifact
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,9 @@ class Codec(ABC):
     # option name -> (default, parser); parsers raise ValueError on bad values
     option_parsers: ClassVar[Mapping[str, tuple[str, Callable[[str], object]]]] = {}
 
-    def __init__(self, model: LoadedModel):
+    def __init__(self, model: LoadedModel, artifacts: Sequence["Artifact"] = ()):
         self.model = model
+        self.artifacts = list(artifacts)  # calibrated codec artifacts (shared.scd.artifact), if any
 
     def resolve(self, options: Mapping[str, str]) -> dict[str, str]:
         """Validate options and fill defaults; errors name the option and what is allowed."""
@@ -91,6 +95,10 @@ class Codec(ABC):
     @abstractmethod
     def encoder(self, options: Mapping[str, str], num_tokens: int) -> LayerEncoder: ...
 
+    def make_encoder(self, options: Mapping[str, str], num_tokens: int, consumer_digest: str) -> LayerEncoder:
+        """What the producer calls; codecs that depend on the consumer's weights override this."""
+        return self.encoder(options, num_tokens)
+
     @abstractmethod
     def decoder(self, stream: StreamInfo) -> CacheDecoder: ...
 
@@ -107,13 +115,13 @@ def registered() -> dict[str, type[Codec]]:
     return dict(_REGISTRY)
 
 
-def create_codecs(model: LoadedModel, names: list[str] | None = None) -> dict[str, Codec]:
+def create_codecs(model: LoadedModel, names: list[str] | None = None, artifacts: Sequence["Artifact"] = ()) -> dict[str, Codec]:
     """Instantiate the named codecs (default: all registered) around one service's model."""
     chosen = names or sorted(_REGISTRY)
     missing = [n for n in chosen if n not in _REGISTRY]
     if missing:
         raise ValueError(f"codecs: unknown {missing}; registered: {sorted(_REGISTRY)}")
-    return {n: _REGISTRY[n](model) for n in chosen}
+    return {n: _REGISTRY[n](model, artifacts) for n in chosen}
 
 
 def lookup(codecs: Mapping[str, Codec], name: str) -> Codec:

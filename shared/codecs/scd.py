@@ -1,0 +1,124 @@
+"""`scd`: Semantic Cache Distillation. Each layer travels as the action its schedule gives it:
+Reuse codes (int8, per-token scale) rebuilt through a learned low-rank basis, a Patch (predicted
+normalized input, from which the consumer computes K/V with its own weights), raw or quantized
+K/V. Schedules and fitted tensors come from a calibrated artifact (shared.scd).
+
+Options: `schedule` (name or text form), or `max_loss` (cheapest schedule whose calibrated loss
+is within it) or `max_bytes_per_token` (lowest loss within it); default: the lowest-loss
+schedule. `artifact` picks an artifact by id; default: the one calibrated for this pair.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from transformers import DynamicCache
+
+from shared import kv, layers
+from shared.codecs.base import CacheDecoder, Capture, Codec, LayerEncoder, LayerState, StreamInfo, register
+from shared.errors import DataLoss, FailedPrecondition, InvalidArgument
+from shared.scd import ops
+from shared.scd.artifact import Artifact, for_pair
+from shared.scd.schedule import Schedule
+
+
+def _optional_float(text: str) -> float | None:
+    if text == "":
+        return None
+    value = float(text)
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+class ScdEncoder(LayerEncoder):
+    def __init__(self, art: Artifact, schedule: Schedule, entry_meta: dict[str, str]):
+        self.art, self.schedule, self.entry_meta = art, schedule, entry_meta
+        self.captures = (Capture.NORMED if ops.needs_normed(schedule.actions) else Capture.NONE) | (
+            Capture.KV if ops.needs_kv(schedule.actions) else Capture.NONE)
+
+    def encode(self, state: LayerState) -> dict[str, torch.Tensor]:
+        return ops.encode_layer(self.art, state.index, self.schedule.actions[state.index], state, self.art.geometry.quant_group)
+
+    def metadata(self) -> dict[str, str]:
+        return self.entry_meta
+
+
+class ScdDecoder(CacheDecoder):
+    def __init__(self, codec: "ScdCodec", art: Artifact, schedule: Schedule, stream: StreamInfo):
+        self.codec, self.art, self.schedule, self.stream = codec, art, schedule, stream
+        self.cache = kv.empty_cache(codec.model)
+        self.pos = layers.positions(codec.model, stream.num_tokens)
+        self.received: set[int] = set()
+
+    def add_layer(self, layer: int, payloads: dict[str, torch.Tensor]) -> None:
+        action = self.schedule.actions[layer]
+        try:
+            keys, values = ops.decode_layer(self.art, layer, action, payloads, self.codec.model, self.pos,
+                                            self.art.geometry.quant_group)
+        except KeyError as exc:
+            raise DataLoss(f"layer {layer} ({action}): payload {exc} missing") from None
+        kv.put_layer(self.cache, layer, keys, values)
+        self.received.add(layer)
+
+    def finish(self, context_ids: torch.Tensor) -> DynamicCache:
+        missing = sorted(set(range(self.stream.num_layers)) - self.received)
+        if missing:
+            raise DataLoss(f"stream ended without layers {missing}")
+        return self.cache
+
+
+@register
+class ScdCodec(Codec):
+    name = "scd"
+    description = "semantic cache distillation: learned low-rank Reuse codes + Patch layers under a loss budget"
+    option_parsers = {
+        "schedule": ("", str),
+        "max_loss": ("", _optional_float),
+        "max_bytes_per_token": ("", _optional_float),
+        "artifact": ("", str),
+    }
+
+    def __init__(self, model, artifacts=()):
+        super().__init__(model, artifacts)
+        device = model.device
+        self.artifacts = [Artifact({k: v.to(device) for k, v in a.tensors.items()}, a.meta, a.path) for a in artifacts]
+
+    def _by_id(self, artifact_id: str) -> Artifact:
+        for art in self.artifacts:
+            if art.artifact_id == artifact_id:
+                return art
+        raise FailedPrecondition(f"SCD artifact {artifact_id!r} is not loaded here (loaded: {[a.artifact_id for a in self.artifacts]})")
+
+    def encoder(self, options: Mapping[str, str], num_tokens: int) -> LayerEncoder:
+        return self.make_encoder(options, num_tokens, "")
+
+    def make_encoder(self, options: Mapping[str, str], num_tokens: int, consumer_digest: str) -> LayerEncoder:
+        if not self.artifacts:
+            raise FailedPrecondition("codec 'scd': the producer has no SCD artifact loaded (--artifacts)")
+        art = for_pair(self.artifacts, self.model.info.weight_digest, consumer_digest, options.get("artifact", ""))
+        art.check_model("producer", self.model.info)
+        if consumer_digest:
+            art.check_digest("consumer", consumer_digest, "the consumer's, as the request states it")
+        entry = art.pick(options.get("schedule", ""), _optional_float(options.get("max_loss", "")),
+                         _optional_float(options.get("max_bytes_per_token", "")))
+        schedule = Schedule.parse(entry.schedule, art.num_layers)
+        meta = {"artifact": art.artifact_id, "schedule": entry.schedule, "schedule_name": entry.name,
+                "calibrated_loss": f"{entry.loss:.6g}", "bytes_per_token": f"{entry.bytes_per_token:g}"}
+        return ScdEncoder(art, schedule, meta)
+
+    def decoder(self, stream: StreamInfo) -> CacheDecoder:
+        for key in ("artifact", "schedule"):
+            if key not in stream.metadata:
+                raise DataLoss(f"scd stream header lacks codec_metadata[{key!r}]")
+        art = self._by_id(stream.metadata["artifact"])
+        art.check_model("consumer", self.model.info)
+        if art.num_layers != stream.num_layers:
+            raise FailedPrecondition(f"artifact has {art.num_layers} layers, stream {stream.num_layers}")
+        try:
+            schedule = Schedule.parse(stream.metadata["schedule"], art.num_layers)
+        except InvalidArgument as exc:
+            raise DataLoss(f"scd stream header: {exc}") from None
+        return ScdDecoder(self, art, schedule, stream)
+

@@ -1,0 +1,144 @@
+"""The SCD codec artifact: one safetensors file holding the fitted per-layer tensors, with its JSON
+metadata (format version, model ids and weight digests, corpus digest, geometry, the Pareto set
+of schedules with measured loss and bytes per token) stored in the file's header metadata.
+
+Owns saving, loading, discovery, digest checks and schedule choice under budgets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors.torch import load_file, safe_open, save_file
+
+from shared.errors import FailedPrecondition, InvalidArgument
+from shared.models import ModelInfo
+from shared.scd.schedule import Geometry, Schedule
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ScheduleEntry:
+    name: str
+    schedule: str
+    loss: float  # calibrated mean KL(oracle || reconstructed), nats per answer token
+    bytes_per_token: float
+
+
+@dataclass
+class Artifact:
+    tensors: dict[str, torch.Tensor]
+    meta: dict
+    path: Path | None = None
+
+    @property
+    def artifact_id(self) -> str:
+        return self.meta["artifact_id"]
+
+    @property
+    def num_layers(self) -> int:
+        return self.meta["geometry"]["num_layers"]
+
+    @property
+    def geometry(self) -> Geometry:
+        g = self.meta["geometry"]
+        return Geometry(g["hidden"], g["kv_width"], g["kv_element_bytes"], g.get("quant_group", 32))
+
+    @property
+    def schedules(self) -> list[ScheduleEntry]:
+        return [ScheduleEntry(**s) for s in self.meta.get("schedules", [])]
+
+    def tensor(self, layer: int, name: str) -> torch.Tensor:
+        return self.tensors[f"layer.{layer}.{name}"]
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.meta["format_version"] = FORMAT_VERSION
+        self.meta["artifact_id"] = _content_id(self.tensors, self.meta)
+        save_file({k: v.contiguous() for k, v in self.tensors.items()}, str(path), metadata={"scd": json.dumps(self.meta)})
+        path.with_suffix(".json").write_text(json.dumps(self.meta, indent=2) + "\n")
+        self.path = path
+
+    @staticmethod
+    def load(path: Path) -> "Artifact":
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads((f.metadata() or {}).get("scd", "{}"))
+        version = meta.get("format_version")
+        if version != FORMAT_VERSION:
+            raise FailedPrecondition(f"artifact {path}: format_version {version}, this build reads {FORMAT_VERSION}")
+        return Artifact(load_file(str(path)), meta, path)
+
+    def check_model(self, role: str, info: ModelInfo) -> None:
+        """Refuse to serve with weights other than the ones calibrated on (role: producer|consumer)."""
+        self.check_digest(role, info.weight_digest, f"loaded {info.model_id}")
+
+    def check_digest(self, role: str, digest: str, what: str) -> None:
+        want = self.meta[role]
+        if want["weight_digest"] != digest:
+            raise FailedPrecondition(
+                f"artifact {self.artifact_id}: {role} weight digest {want['weight_digest'][:16]}... ({want['model_id']}) "
+                f"!= {digest[:16]}... ({what})"
+            )
+
+    def pick(self, schedule: str = "", max_loss: float | None = None, max_bytes: float | None = None) -> ScheduleEntry:
+        """A named schedule (or a caller's own schedule text), or the cheapest meeting max_loss, or the
+        best loss within max_bytes, or (no budget) the lowest-loss schedule."""
+        entries = self.schedules
+        if schedule:
+            for e in entries:
+                if schedule in (e.name, e.schedule):
+                    return e
+            if "." not in schedule and self.num_layers > 1:
+                raise InvalidArgument(f"transfer.options['schedule']: {schedule!r} is not a schedule of artifact "
+                                      f"{self.artifact_id}: {[e.name for e in entries]}, nor a per-layer schedule text")
+            parsed = Schedule.parse(schedule, self.num_layers)  # a caller's own schedule: loss not calibrated
+            return ScheduleEntry("custom", str(parsed), float("nan"), parsed.bytes_per_token(self.geometry))
+        fits = [e for e in entries if (max_loss is None or e.loss <= max_loss) and (max_bytes is None or e.bytes_per_token <= max_bytes)]
+        if not fits:
+            raise InvalidArgument(f"transfer.options: no schedule with loss <= {max_loss} and bytes_per_token <= {max_bytes}; "
+                                  f"available (loss, bytes/token): {[(round(e.loss, 4), e.bytes_per_token) for e in entries]}")
+        if max_loss is not None:
+            return min(fits, key=lambda e: (e.bytes_per_token, e.loss))
+        return min(fits, key=lambda e: (e.loss, e.bytes_per_token))
+
+
+def _content_id(tensors: dict[str, torch.Tensor], meta: dict) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    body = {k: v for k, v in meta.items() if k not in ("artifact_id", "schedules")}
+    digest.update(json.dumps(body, sort_keys=True).encode())
+    return digest.hexdigest()[:16]
+
+
+def discover(paths: Iterable[str | Path]) -> list[Artifact]:
+    """Load every artifact in the given files or directories (*.safetensors)."""
+    found = []
+    for p in map(Path, paths):
+        files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+        found += [Artifact.load(f) for f in files]
+    return found
+
+
+def for_pair(artifacts: list[Artifact], producer_digest: str, consumer_digest: str, artifact_id: str = "") -> Artifact:
+    """The artifact calibrated for this (producer, consumer) pair, or a precise error."""
+    if artifact_id:
+        match = [a for a in artifacts if a.artifact_id == artifact_id]
+        if not match:
+            raise InvalidArgument(f"transfer.options['artifact']: {artifact_id!r} not loaded; loaded: {[a.artifact_id for a in artifacts]}")
+        return match[0]
+    match = [a for a in artifacts if a.meta["producer"]["weight_digest"] == producer_digest
+             and (not consumer_digest or a.meta["consumer"]["weight_digest"] == consumer_digest)]
+    if not match:
+        raise FailedPrecondition(
+            f"no SCD artifact for producer digest {producer_digest[:16]}... and consumer digest {consumer_digest[:16] or '(unknown)'}...; "
+            f"loaded: {[(a.artifact_id, a.meta['producer']['model_id'], a.meta['consumer']['model_id']) for a in artifacts]}"
+        )
+    return match[0]

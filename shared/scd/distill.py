@@ -1,0 +1,120 @@
+"""`python -m shared.scd.distill`: calibrate an SCD artifact for a (producer, consumer) pair.
+
+Library entry point `distill(...)`; the CLI loads the models, builds the calibration corpus
+(default: the QA generator's train split; or a text / JSONL file) and held-out question/answer
+set, fits, searches schedules and writes `<out>.safetensors` (+ a readable `<out>.json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from shared.models import LoadedModel, load_model
+from shared.scd import calibrate, ops, search
+from shared.scd.artifact import Artifact
+from shared.scd.schedule import Geometry
+
+
+def geometry(info) -> Geometry:
+    element = 2 if info.dtype in ("bfloat16", "float16") else 4
+    return Geometry(hidden=info.hidden_size, kv_width=2 * info.num_kv_heads * info.head_dim, kv_element_bytes=element)
+
+
+def distill(producer: LoadedModel, consumer: LoadedModel, corpus: list[list[int]], heldout: list[search.HeldOut], *,
+            corpus_name: str, loss_target: float = 0.02, generations: int = 30, seed: int = 0, ridge_rel: float = 1e-3,
+            max_schedules: int = 12, log=print) -> Artifact:
+    torch.manual_seed(seed)
+    started = time.perf_counter()
+    same = producer.info.weight_digest == consumer.info.weight_digest
+    moments = calibrate.collect(producer, consumer, corpus, total=len(corpus))
+    g = geometry(producer.info)
+    meta = {
+        "producer": {"model_id": producer.info.model_id, "weight_digest": producer.info.weight_digest},
+        "consumer": {"model_id": consumer.info.model_id, "weight_digest": consumer.info.weight_digest},
+        "corpus": {"name": corpus_name, "digest": calibrate.corpus_digest(corpus), "sequences": len(corpus),
+                   "tokens": sum(map(len, corpus))},
+        "geometry": {"num_layers": consumer.info.num_layers, "hidden": g.hidden, "kv_width": g.kv_width,
+                     "kv_element_bytes": g.kv_element_bytes, "quant_group": g.quant_group},
+        "calibration": {"seed": seed, "ridge_rel": ridge_rel, "homogeneous": same, "loss_target": loss_target,
+                        "heldout_examples": len(heldout), "loss": "mean KL(oracle || reconstructed), nats per answer token"},
+    }
+    art = Artifact(calibrate.fit(moments, consumer, same, ridge_rel), meta)
+    log(f"fitted {consumer.info.num_layers} layers in {time.perf_counter() - started:.1f}s")
+    ev = search.LossEvaluator(art, producer, consumer, heldout)
+    lattice = search.action_lattice(g, with_quant=ops.quantize is not None)
+    front, report = search.search(ev, lattice, g, loss_target, generations=generations, seed=seed, log=log)
+    if len(front) > max_schedules:  # keep the ends and an even spread between
+        step = (len(front) - 1) / (max_schedules - 1)
+        front = [front[round(i * step)] for i in range(max_schedules)]
+    meta["schedules"] = [{"name": f"s{i}", "schedule": str(p.schedule), "loss": p.loss, "bytes_per_token": p.bytes_per_token}
+                         for i, p in enumerate(front)]
+    meta["search"] = report
+    meta["calibration"]["wall_s"] = round(time.perf_counter() - started, 1)
+    return art
+
+
+def qa_corpus(n: int, heldout: int, ctx_tokens: int, task: str, tokenizer) -> tuple[list[list[int]], list[search.HeldOut]]:
+    from qa.task import examples
+
+    def ids(text: str, special: bool) -> list[int]:
+        return tokenizer(text, add_special_tokens=special)["input_ids"]
+
+    corpus = [ids(e.context, True) + ids(e.question + " " + e.answer, False) for e in examples("train", n, ctx_tokens, task)]
+    held = []
+    for e in examples("validation", heldout, ctx_tokens, task):
+        q, a = ids(e.question, False), ids(" " + e.answer, False)
+        held.append(search.HeldOut(ids(e.context, True), q + a, len(q)))
+    return corpus, held
+
+
+def text_corpus(path: Path, n: int, heldout: int, tokenizer) -> tuple[list[list[int]], list[search.HeldOut]]:
+    """Lines of a text file, or the "text" field of a JSONL file; the last `heldout` sequences are
+    split into context (first 80%) / question (next 10%) / answer (last 10%)."""
+    lines = [l for l in path.read_text().splitlines() if l.strip()]
+    texts = [json.loads(l)["text"] for l in lines] if path.suffix == ".jsonl" else lines
+    seqs = [tokenizer(t)["input_ids"] for t in texts]
+    corpus, rest = seqs[:n], seqs[n : n + heldout]
+    held = [search.HeldOut(s[: int(len(s) * 0.8)], s[int(len(s) * 0.8) :], max(1, int(len(s) * 0.1))) for s in rest]
+    return corpus, held
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--producer", required=True, help="path, hub id or builtin tiny name")
+    p.add_argument("--consumer", required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--corpus", default="qa", help="'qa' (QA generator train split) or a .txt/.jsonl file")
+    p.add_argument("--task", default="tuned", help="QA task of the calibration corpus (the consumer's)")
+    p.add_argument("--n", type=int, default=64, help="calibration sequences")
+    p.add_argument("--heldout", type=int, default=12, help="held-out question/answer examples for the loss")
+    p.add_argument("--ctx", type=int, default=256, help="context tokens of QA calibration examples")
+    p.add_argument("--loss-target", type=float, default=0.02)
+    p.add_argument("--generations", type=int, default=30)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, type=Path, help="output .safetensors path")
+    args = p.parse_args(argv)
+    torch.set_num_threads(2)
+    producer = load_model(args.producer, args.dtype, "auto")
+    consumer = producer if args.consumer == args.producer else load_model(args.consumer, args.dtype, "auto")
+    if args.corpus == "qa":
+        corpus, held = qa_corpus(args.n, args.heldout, args.ctx, args.task, consumer.tokenizer)
+        name = f"qa:{args.task}:train:n={args.n}:ctx={args.ctx}"
+    else:
+        corpus, held = text_corpus(Path(args.corpus), args.n, args.heldout, consumer.tokenizer)
+        name = f"file:{args.corpus}"
+    art = distill(producer, consumer, corpus, held, corpus_name=name, loss_target=args.loss_target,
+                  generations=args.generations, seed=args.seed, log=lambda m: print(m, file=sys.stderr))
+    art.save(args.out)
+    for s in art.meta["schedules"]:
+        print(json.dumps({"artifact": art.artifact_id, **s}))
+    print(f"wrote {args.out} ({art.artifact_id})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

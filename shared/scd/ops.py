@@ -1,0 +1,89 @@
+"""Per-layer SCD encode (producer) and decode (consumer) for every schedule action.
+
+The one implementation of the reconstruction math: the scd codec calls it in the services, and
+the schedule search calls it to measure loss, so calibrated losses describe what is served.
+
+Tensors of layer l in the artifact (d = hidden, D = 2·n_kv·head_dim):
+  mu_x [d]  mean of P's normalized input      encoder [d, D]  x^P -> coefficients in `basis`
+  mu_y [D]  mean of C's pre-RoPE [k | v]       basis [D, D]    orthonormal PCA basis of y^C, by variance
+  patch [d, d], mu_c [d]: x̂ = (x^P - mu_x) patch + mu_c predicts C's normalized input
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared import layers
+from shared.kv import LayerState
+from shared.models import LoadedModel
+from shared.scd.artifact import Artifact
+from shared.scd.schedule import Action
+
+try:  # KIVI-style quantization for the QUANT action
+    from shared import quantize
+except ImportError:  # pragma: no cover - before the quant module lands
+    quantize = None
+
+
+def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row: x [T, n] -> codes int8 [T, n], scale fp16 [T]."""
+    scale = (x.abs().amax(dim=1) / 127.0).clamp_min(1e-8).to(torch.float16)
+    codes = torch.round(x / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def from_int8_rows(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return codes.float() * scale.float()[:, None]
+
+
+@torch.inference_mode()
+def encode_layer(art: Artifact, layer: int, action: Action, state: LayerState, group_size: int = 32) -> dict[str, torch.Tensor]:
+    """Producer side: payloads for one layer from its LayerState (needs normed, or keys/values)."""
+    if action.kind == "raw":
+        return {"k": state.keys, "v": state.values}
+    if action.kind == "quant":
+        return quantize.encode_kv(state.keys, state.values, action.param, group_size)
+    x = state.normed.float() - art.tensor(layer, "mu_x")  # [T, d]
+    if action.kind in ("reuse", "reuse_fp16"):
+        z = x @ art.tensor(layer, "encoder")[:, : action.param]  # [T, r]
+        if action.kind == "reuse_fp16":
+            return {"z": z.to(torch.float16)}
+        codes, scale = int8_rows(z)
+        return {"z": codes, "z_scale": scale}
+    if action.kind == "patch":
+        return {"x": (x @ art.tensor(layer, "patch") + art.tensor(layer, "mu_c")).to(torch.float16)}  # [T, d]
+    raise ValueError(action)
+
+
+@torch.inference_mode()
+def decode_layer(art: Artifact, layer: int, action: Action, payloads: dict[str, torch.Tensor], consumer: LoadedModel,
+                 pos: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Consumer side: post-RoPE (keys, values), [n_kv, T, hd] each, in the consumer's dtype."""
+    device, dtype = consumer.device, consumer.dtype
+    info = consumer.info
+    if action.kind == "raw":
+        return payloads["k"].to(device, dtype), payloads["v"].to(device, dtype)
+    if action.kind == "quant":
+        shape = (info.num_kv_heads, pos.shape[1], info.head_dim)
+        keys, values = quantize.decode_kv(payloads, action.param, group_size, shape)
+        return keys.to(device, dtype), values.to(device, dtype)
+    if action.kind == "patch":
+        return layers.kv_from_normed(consumer, layer, payloads["x"].to(device, dtype), pos)
+    if action.kind in ("reuse", "reuse_fp16"):
+        z = payloads["z"].float() if action.kind == "reuse_fp16" else from_int8_rows(payloads["z"], payloads["z_scale"])
+        z = z.to(device)  # [T, r]
+        basis = art.tensor(layer, "basis").to(device)[:, : action.param]  # [D, r]
+        y = z @ basis.T + art.tensor(layer, "mu_y").to(device)  # [T, D] = [k_pre | v]
+        T, half = y.shape[0], y.shape[1] // 2
+        keys = y[:, :half].reshape(T, info.num_kv_heads, info.head_dim).transpose(0, 1).to(dtype)
+        values = y[:, half:].reshape(T, info.num_kv_heads, info.head_dim).transpose(0, 1).to(dtype)
+        return layers.rope(consumer, layer, keys, pos), values
+    raise ValueError(action)
+
+
+def needs_normed(actions) -> bool:
+    return any(a.kind in ("reuse", "reuse_fp16", "patch") for a in actions)
+
+
+def needs_kv(actions) -> bool:
+    return any(a.kind in ("raw", "quant") for a in actions)

@@ -1,0 +1,171 @@
+"""Loss-constrained schedule search.
+
+Loss of a schedule = mean KL(oracle || reconstructed) of the consumer's next-token distributions
+over held-out answer tokens (teacher forcing), where "oracle" is C prefilling the context itself
+and "reconstructed" is C attending over the cache the schedule rebuilds, through the same
+`shared.scd.ops` code the services run. Search: per-layer sensitivities, greedy upgrades by
+marginal loss per byte, then an evolutionary refinement over the layer x action lattice seeded
+from the greedy path; the result is the Pareto set (bytes per token vs measured loss).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from shared import kv, layers
+from shared.models import LoadedModel
+from shared.scd import ops
+from shared.scd.artifact import Artifact
+from shared.scd.schedule import Action, Geometry, Schedule, bytes_per_token
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    context_ids: list[int]
+    qa_ids: list[int]  # question then answer tokens
+    answer_start: int  # index in qa_ids of the first answer token
+
+
+class LossEvaluator:
+    """Caches each (example, layer, action) reconstruction; a schedule's loss is then a short
+    teacher-forced forward of C per example."""
+
+    def __init__(self, art: Artifact, producer: LoadedModel, consumer: LoadedModel, heldout: Sequence[HeldOut]):
+        self.art, self.producer, self.consumer, self.heldout = art, producer, consumer, list(heldout)
+        self.states: list[dict[int, kv.LayerState]] = []
+        self.oracle_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self.oracle_logp: list[torch.Tensor] = []
+        self.memo: dict[tuple[int, int, Action], tuple[torch.Tensor, torch.Tensor]] = {}
+        for ex in self.heldout:
+            ids = torch.tensor([ex.context_ids], device=producer.device)
+            cache = kv.empty_cache(producer)
+            states: dict[int, kv.LayerState] = {}
+            with kv.layer_capture(producer, cache, kv.Capture.KV | kv.Capture.NORMED, lambda s: states.__setitem__(s.index, s)):
+                kv.prefill_context(producer, ids, cache)
+            self.states.append(states)
+            own = kv.prefill_context(consumer, torch.tensor([ex.context_ids], device=consumer.device))
+            self.oracle_kv.append([(own.layers[i].keys[0], own.layers[i].values[0]) for i in range(consumer.info.num_layers)])
+            self.oracle_logp.append(self._answer_logp(ex, self.oracle_kv[-1]))
+        self.evaluations = 0
+
+    @torch.inference_mode()
+    def _answer_logp(self, ex: HeldOut, layer_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        cache = kv.empty_cache(self.consumer)
+        for i, (k, v) in enumerate(layer_kv):
+            kv.put_layer(cache, i, k, v)
+        qa = torch.tensor([ex.qa_ids], device=self.consumer.device)
+        logits = self.consumer.model(input_ids=qa, cache=cache, use_cache=True).logits[0]  # [n, vocab]
+        return torch.log_softmax(logits[ex.answer_start - 1 : -1].float(), dim=-1)  # predicts answer tokens
+
+    def layer_kv(self, index: int, layer: int, action: Action | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if action is None:
+            return self.oracle_kv[index][layer]
+        key = (index, layer, action)
+        if key not in self.memo:
+            state = self.states[index][layer]
+            payloads = {n: t.detach().cpu().contiguous() for n, t in ops.encode_layer(self.art, layer, action, state).items()}
+            pos = layers.positions(self.consumer, len(self.heldout[index].context_ids))
+            self.memo[key] = ops.decode_layer(self.art, layer, action, payloads, self.consumer, pos)
+        return self.memo[key]
+
+    def loss(self, actions: Sequence[Action | None]) -> float:
+        """Mean KL over held-out answer tokens; None in a layer means C's own (oracle) K/V."""
+        self.evaluations += 1
+        total, count = 0.0, 0
+        for index, ex in enumerate(self.heldout):
+            logp = self._answer_logp(ex, [self.layer_kv(index, l, a) for l, a in enumerate(actions)])
+            ref = self.oracle_logp[index]
+            total += float((ref.exp() * (ref - logp)).sum())
+            count += ref.shape[0]
+        return max(0.0, total / max(count, 1))  # KL >= 0; float error can dip below
+
+
+def action_lattice(g: Geometry, with_quant: bool) -> list[Action]:
+    ranks, r = [], 2
+    while r < g.kv_width:
+        ranks.append(r)
+        r *= 2
+    ranks.append(g.kv_width)
+    lattice = [Action("reuse", r) for r in ranks] + [Action("patch"), Action("raw")]
+    if with_quant:
+        lattice += [Action("quant", 4), Action("quant", 8)]
+    return sorted(lattice, key=lambda a: bytes_per_token(a, g))
+
+
+@dataclass
+class Point:
+    schedule: Schedule
+    bytes_per_token: float
+    loss: float
+
+
+def pareto(points: list[Point]) -> list[Point]:
+    """Non-dominated points (fewer bytes or lower loss), sorted by bytes."""
+    front, best = [], float("inf")
+    for p in sorted(points, key=lambda p: (p.bytes_per_token, p.loss)):
+        if p.loss < best - 1e-12:
+            front.append(p)
+            best = p.loss
+    return front
+
+
+def search(ev: LossEvaluator, lattice: list[Action], g: Geometry, loss_target: float, generations: int = 30,
+           population: int = 16, patience: int = 6, seed: int = 0, log=print) -> tuple[list[Point], dict]:
+    num_layers = ev.consumer.info.num_layers
+    seen: dict[str, Point] = {}
+
+    def measure(actions: tuple[Action, ...]) -> Point:
+        s = Schedule(actions)
+        if str(s) not in seen:
+            seen[str(s)] = Point(s, s.bytes_per_token(g), ev.loss(actions))
+        return seen[str(s)]
+
+    # 1. sensitivities: only layer l approximated, the others C's own K/V
+    sens = {(l, a): ev.loss([a if i == l else None for i in range(num_layers)]) for l in range(num_layers) for a in lattice}
+    # 2. greedy: from the cheapest action everywhere, upgrade by best marginal (loss drop / extra byte)
+    current = [lattice[0]] * num_layers
+    path = [measure(tuple(current))]
+    while True:
+        best, choice = 0.0, None
+        for l in range(num_layers):
+            for a in lattice:
+                extra = bytes_per_token(a, g) - bytes_per_token(current[l], g)
+                gain = sens[(l, current[l])] - sens[(l, a)]
+                if extra > 0 and gain > 0 and gain / extra > best:
+                    best, choice = gain / extra, (l, a)
+        if choice is None:
+            break
+        current[choice[0]] = choice[1]
+        path.append(measure(tuple(current)))
+    log(f"greedy: {len(path)} schedules, front {len(pareto(list(seen.values())))}")
+    # 3. evolutionary refinement seeded from the greedy path
+    rng = random.Random(seed)
+
+    def cheapest_meeting() -> float:
+        ok = [p.bytes_per_token for p in seen.values() if p.loss <= loss_target]
+        return min(ok) if ok else float("inf")
+
+    best_bytes, stale = cheapest_meeting(), 0
+    for gen in range(generations):
+        front = pareto(list(seen.values()))
+        for _ in range(population):
+            parent = list(rng.choice(front).schedule.actions)
+            for _ in range(rng.choice((1, 1, 2))):
+                l = rng.randrange(num_layers)
+                i = lattice.index(parent[l])
+                parent[l] = lattice[max(0, min(len(lattice) - 1, i + rng.choice((-2, -1, 1, 2))))]
+            measure(tuple(parent))
+        now = cheapest_meeting()
+        stale = stale + 1 if now >= best_bytes else 0
+        best_bytes = min(best_bytes, now)
+        log(f"evo gen {gen}: evaluated {len(seen)}, front {len(pareto(list(seen.values())))}, "
+            f"cheapest with loss <= {loss_target}: {best_bytes} B/token")
+        if best_bytes < float("inf") and stale >= patience:
+            break
+    report = {"sensitivity": {f"{l}:{a}": v for (l, a), v in sens.items()}, "evaluated": len(seen),
+              "generations": gen + 1, "greedy_path": [str(p.schedule) for p in path]}
+    return pareto(list(seen.values())), report

@@ -1,0 +1,132 @@
+"""SCD calibration, reconstruction, schedules and artifact checks on tiny models."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from shared import kv, layers
+from shared.errors import FailedPrecondition, InvalidArgument
+from shared.models import load_model
+from shared.scd import calibrate, ops, search
+from shared.scd.artifact import Artifact
+from shared.scd.distill import distill, geometry
+from shared.scd.schedule import Action, Schedule, bytes_per_token
+
+
+def random_corpus(n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 380, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def heldout(n: int, seed: int) -> list[search.HeldOut]:
+    return [search.HeldOut(ids[:80], ids[80:], 6) for ids in random_corpus(n, 92, seed)]
+
+
+@pytest.fixture(scope="module")
+def homogeneous():
+    model = load_model("tiny-llama", "float32", "cpu")
+    art = distill(model, model, random_corpus(12, 96, 0), heldout(3, 1), corpus_name="random", generations=2, log=lambda m: None)
+    return model, art
+
+
+def states_of(model, ids):
+    cache = kv.empty_cache(model)
+    states = {}
+    with kv.layer_capture(model, cache, kv.Capture.KV | kv.Capture.NORMED, lambda s: states.__setitem__(s.index, s)):
+        kv.prefill_context(model, torch.tensor([ids]), cache)
+    return states
+
+
+def reconstruct(art, model, states, action, layer, T):
+    payloads = {n: t.cpu() for n, t in ops.encode_layer(art, layer, action, states[layer]).items()}
+    return ops.decode_layer(art, layer, action, payloads, model, layers.positions(model, T))
+
+
+def test_full_rank_reuse_reproduces_raw_kv_and_error_falls_with_rank(homogeneous):
+    model, art = homogeneous
+    ids = random_corpus(1, 70, 7)[0]
+    states = states_of(model, ids)
+    full = art.geometry.kv_width
+    for layer in range(model.info.num_layers):
+        keys, values = reconstruct(art, model, states, Action("reuse", full), layer, len(ids))
+        scale = states[layer].keys.abs().max()
+        # exact linear algebra; the int8 code quantization is the only error
+        assert (keys - states[layer].keys).abs().max() < 0.02 * scale
+        assert (values - states[layer].values).abs().max() < 0.02 * states[layer].values.abs().max()
+        errors = []
+        for r in (2, 4, 8, 16, 32, full):
+            k, v = reconstruct(art, model, states, Action("reuse", r), layer, len(ids))
+            errors.append(float(torch.cat([(k - states[layer].keys).flatten(), (v - states[layer].values).flatten()]).norm()))
+        assert all(a >= b for a, b in zip(errors, errors[1:])), errors
+
+
+def test_patch_is_exact_when_producer_is_consumer(homogeneous):
+    model, art = homogeneous
+    ids = random_corpus(1, 50, 8)[0]
+    states = states_of(model, ids)
+    for layer in range(model.info.num_layers):
+        keys, values = reconstruct(art, model, states, Action("patch"), layer, len(ids))
+        torch.testing.assert_close(keys, states[layer].keys, atol=2e-3, rtol=1e-3)  # fp16 payload
+        torch.testing.assert_close(values, states[layer].values, atol=2e-3, rtol=1e-3)
+
+
+def test_pareto_set_is_sorted_non_dominated_and_budgets_pick_from_it(homogeneous):
+    _, art = homogeneous
+    entries = art.schedules
+    assert len(entries) >= 2
+    assert all(a.bytes_per_token < b.bytes_per_token and a.loss > b.loss for a, b in zip(entries, entries[1:]))
+    g = art.geometry
+    for e in entries:
+        assert Schedule.parse(e.schedule, art.num_layers).bytes_per_token(g) == e.bytes_per_token
+    mid = entries[len(entries) // 2]
+    assert art.pick(max_loss=mid.loss).bytes_per_token <= mid.bytes_per_token
+    assert art.pick(max_loss=mid.loss).loss <= mid.loss
+    assert art.pick(max_bytes=mid.bytes_per_token).bytes_per_token <= mid.bytes_per_token
+    assert art.pick(schedule=mid.name) == mid
+    with pytest.raises(InvalidArgument, match="no schedule with loss <= -1"):
+        art.pick(max_loss=-1.0)
+
+
+def test_calibration_is_deterministic_for_a_seed():
+    model = load_model("tiny-qwen2", "float32", "cpu")
+    other = load_model("tiny-qwen2", "float32", "cpu")
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in other.model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    other.info = dataclasses.replace(other.info, weight_digest="perturbed")
+    corpus = random_corpus(6, 64, 0)
+    a = distill(model, other, corpus, heldout(2, 1), corpus_name="r", generations=1, log=lambda m: None)
+    b = distill(model, other, corpus, heldout(2, 1), corpus_name="r", generations=1, log=lambda m: None)
+    assert a.tensors.keys() == b.tensors.keys()
+    assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
+    assert a.meta["schedules"] == b.meta["schedules"]
+    assert not a.meta["calibration"]["homogeneous"]
+
+
+def test_artifact_round_trips_and_refuses_other_weights_and_versions(homogeneous, tmp_path):
+    model, art = homogeneous
+    path = tmp_path / "a.safetensors"
+    art.save(path)
+    back = Artifact.load(path)
+    assert back.artifact_id == art.artifact_id and back.schedules == art.schedules
+    back.check_model("consumer", model.info)
+    with pytest.raises(FailedPrecondition, match="consumer weight digest"):
+        back.check_model("consumer", dataclasses.replace(model.info, weight_digest="0" * 64))
+    back.meta["format_version"] = 99
+    from safetensors.torch import save_file
+    import json
+
+    save_file(back.tensors, str(tmp_path / "v99.safetensors"), metadata={"scd": json.dumps(back.meta)})
+    with pytest.raises(FailedPrecondition, match="format_version 99"):
+        Artifact.load(tmp_path / "v99.safetensors")
+
+
+def test_byte_costs():
+    g = geometry(load_model("tiny-llama", "bfloat16", "cpu").info)
+    assert bytes_per_token(Action("raw"), g) == 2 * 2 * 16 * 2 * 2 / 2 * 1 == 128  # 2*n_kv*hd elements * 2 bytes
+    assert bytes_per_token(Action("reuse", 8), g) == 10
+    assert bytes_per_token(Action("patch"), g) == 128

@@ -1,0 +1,70 @@
+"""The scd codec through the real services: full-rank exactness, budgets, and refusals."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from shared.models import load_model
+from shared.pb import common_pb2
+from shared.scd.distill import distill
+from tests.conftest import prompt, running_pair
+from tests.test_scd import heldout, random_corpus
+
+CONTEXT = "Semantic cache distillation sends compact codes instead of the raw key value cache. " * 6
+
+
+@pytest.fixture(scope="module")
+def artifact_dir(tmp_path_factory):
+    model = load_model("tiny-llama", "float32", "cpu")
+    art = distill(model, model, random_corpus(12, 96, 0), heldout(3, 1), corpus_name="random", generations=2,
+                  log=lambda m: None)
+    path = tmp_path_factory.mktemp("artifacts")
+    art.save(path / "tiny-llama-homogeneous.safetensors")
+    return path, art
+
+
+async def test_full_rank_scd_gives_raw_tokens_and_budgets_choose_schedules(artifact_dir):
+    path, art = artifact_dir
+    full = ".".join(["F64"] * 4)
+    async with running_pair("tiny-llama", producer_kw={"artifacts": str(path)}, consumer_kw={"artifacts": str(path)}) as pair:
+        fields = dict(context=prompt(CONTEXT), question=prompt(" which layers?"), max_new_tokens=16)
+        raw, _, raw_stats = await pair.generate(transfer=common_pb2.CodecSpec(name="raw"), **fields)
+        ids, _, stats = await pair.generate(transfer=common_pb2.CodecSpec(name="scd", options={"schedule": full}), **fields)
+        assert ids == raw
+        assert stats.transfer.options["schedule"] == full
+        assert stats.bytes_received == raw_stats.bytes_received // 2  # fp16 codes at full rank vs fp32 K/V
+        cheapest = art.schedules[0]
+        ids, _, stats = await pair.generate(
+            transfer=common_pb2.CodecSpec(name="scd", options={"max_bytes_per_token": str(cheapest.bytes_per_token)}), **fields)
+        assert stats.transfer.options["schedule"] == cheapest.schedule
+        assert stats.bytes_received == pytest.approx(cheapest.bytes_per_token * stats.context_tokens, rel=0.01)
+        best = min(art.schedules, key=lambda e: e.loss)
+        _, _, stats = await pair.generate(
+            transfer=common_pb2.CodecSpec(name="scd", options={"max_loss": str(best.loss)}), **fields)
+        assert float(stats.transfer.options["calibrated_loss"]) <= best.loss * (1 + 1e-5)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pair.generate(transfer=common_pb2.CodecSpec(name="scd", options={"max_loss": "-1"}), **fields)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_loss" in err.value.details()
+
+
+async def test_artifact_for_other_consumer_weights_is_refused(artifact_dir, tmp_path):
+    path, _ = artifact_dir
+    other = load_model("tiny-llama", "float32", "cpu")
+    for p in other.model.parameters():
+        p.data.mul_(1.01)
+    other.model.save_pretrained(tmp_path)
+    other.tokenizer.save_pretrained(tmp_path)
+    async with running_pair("tiny-llama", consumer_model=str(tmp_path), producer_kw={"artifacts": str(path)},
+                            consumer_kw={"artifacts": str(path)}) as pair:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pair.generate(context=prompt(CONTEXT), question=prompt(" q"), transfer=common_pb2.CodecSpec(name="scd"))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no SCD artifact for producer digest" in err.value.details()
+        # naming the artifact explicitly gets past the producer; the digests still must match
+        art_id = next(iter(pair.consumer.servicer.codecs["scd"].artifacts)).artifact_id
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pair.generate(context=prompt(CONTEXT), question=prompt(" q"),
+                                transfer=common_pb2.CodecSpec(name="scd", options={"artifact": art_id}))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "consumer weight digest" in err.value.details()
