@@ -11,7 +11,7 @@ PROTOS  := $(wildcard protos/scd/v1/*.proto)
 PB_GEN  := $(PB_OUT)/scd/v1/.generated
 COMPOSE := .venv-compose/bin/docker-compose
 
-.PHONY: all install proto lint test demo models eval-pair bench-quality bench-ttft compose-config clean
+.PHONY: all install proto lint test demo models eval-pair artifacts bench-quality bench-ttft compose-config clean
 
 all: test
 
@@ -59,6 +59,16 @@ models: $(STAMP)
 
 eval-pair: $(STAMP)
 	$(PYTHON) -m qa.evaluate pair
+
+# SCD codec artifacts for the trained pair (committed; rebuild after `make models`).
+artifacts: $(PB_GEN)
+	$(PYTHON) -m shared.scd.distill --producer checkpoints/qa-base --consumer checkpoints/qa-tuned \
+		--dtype bfloat16 --out artifacts/qa-base-to-tuned.safetensors
+	$(PYTHON) -m shared.scd.distill --producer checkpoints/qa-tuned --consumer checkpoints/qa-tuned \
+		--dtype bfloat16 --out artifacts/qa-tuned-to-tuned.safetensors
+
+bench-quality: $(PB_GEN)
+	$(PYTHON) -m bench.quality
 
 clean:
 	rm -rf $(PB_OUT)/scd .cache .pytest_cache

@@ -22,27 +22,35 @@ FALLBACK_CONTEXT = ("The producer reads a long context and the consumer writes t
 FALLBACK_QUESTION = " Which layers are patched?"
 
 
-def default_example() -> tuple[str, str, str, str, str]:
-    """(producer model, consumer model, context, question, gold) - the trained pair when shipped."""
+ARTIFACT = services.ROOT / "artifacts/qa-base-to-tuned.safetensors"
+
+
+def default_example() -> tuple[str, str, str, str, str, str]:
+    """(producer model, consumer model, artifacts, context, question, gold): the trained pair and
+    its SCD artifact when shipped, else the tiny random model (no scd)."""
     if (PAIR / "qa-base" / "config.json").exists() and (PAIR / "qa-tuned" / "config.json").exists():
         from qa.task import make_example
 
         ex = make_example(seed=0, split="test", ctx_tokens=512, task="tuned")
-        return str(PAIR / "qa-base"), str(PAIR / "qa-tuned"), ex.context, ex.question, ex.answer
-    return "tiny-llama", "tiny-llama", FALLBACK_CONTEXT, FALLBACK_QUESTION, ""
+        artifacts = str(ARTIFACT) if ARTIFACT.exists() else ""
+        return str(PAIR / "qa-base"), str(PAIR / "qa-tuned"), artifacts, ex.context, ex.question, ex.answer
+    return "tiny-llama", "tiny-llama", "", FALLBACK_CONTEXT, FALLBACK_QUESTION, ""
 
 
-async def ask_all(address: str, context: str, question: str, max_new_tokens: int) -> list[dict]:
+async def ask_all(address: str, context: str, question: str, max_new_tokens: int, has_artifact: bool) -> list[dict]:
     rows = []
     async with ConsumerClient(address) as client:
-        modes = [c.name for c in (await client.describe()).codecs]
-        modes = ["oracle"] + [m for m in modes if m != "oracle"]
+        described = await client.describe()
+        modes = [c.name for c in described.codecs]
+        modes = ["oracle"] + [m for m in modes if m != "oracle" and (m != "scd" or has_artifact)]
         oracle_ids = None
         for mode in modes:
             answer = await client.generate(mode=mode, context=prompt(context), question=prompt(question),
                                            max_new_tokens=max_new_tokens)
             oracle_ids = answer.ids if mode == "oracle" else oracle_ids
-            print(f"[{mode:>8}] {answer.text.strip()!r}", file=sys.stderr)
+            chosen = dict(answer.stats.transfer.options)
+            detail = chosen.get("schedule") or ",".join(f"{k}={v}" for k, v in sorted(chosen.items()))
+            print(f"[{mode:>9}] {answer.text.strip()!r}  ({detail or 'no options'})", file=sys.stderr)
             rows.append({"mode": mode, "tokens": answer.stats.generated_tokens, "ttft_ms": round(answer.stats.ttft_ms, 2),
                          "bytes": answer.stats.bytes_received, "raw_kv_bytes": answer.stats.raw_kv_bytes,
                          "match_oracle": answer.ids == oracle_ids})
@@ -50,22 +58,23 @@ async def ask_all(address: str, context: str, question: str, max_new_tokens: int
 
 
 def main() -> None:
-    p_model, c_model, context, question, gold = default_example()
+    p_model, c_model, artifacts, context, question, gold = default_example()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--producer-model", default=p_model)
     parser.add_argument("--consumer-model", default=c_model)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--artifacts", default=artifacts, help="SCD artifact file(s) for both services")
+    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--consumer", help="use a running consumer at HOST:PORT instead of starting services")
     args = parser.parse_args()
     print(f"# context: {len(context.split())} words; question: {question.strip()!r}; gold: {gold!r}", file=sys.stderr)
     if args.consumer:
-        rows = asyncio.run(ask_all(args.consumer, context, question, args.max_new_tokens))
+        rows = asyncio.run(ask_all(args.consumer, context, question, args.max_new_tokens, bool(args.artifacts)))
     else:
-        common = ["--dtype", args.dtype, "--log-level", "WARNING"]
+        common = ["--dtype", args.dtype, "--log-level", "WARNING", "--artifacts", args.artifacts]
         with services.running(["--model", args.producer_model, *common], ["--model", args.consumer_model, *common],
                               log_dir=services.ROOT / "bench/runs/demo") as (_, consumer):
-            rows = asyncio.run(ask_all(consumer.address, context, question, args.max_new_tokens))
+            rows = asyncio.run(ask_all(consumer.address, context, question, args.max_new_tokens, bool(args.artifacts)))
     for row in rows:
         print(json.dumps(row))
 

@@ -55,20 +55,29 @@ def distill(producer: LoadedModel, consumer: LoadedModel, corpus: list[list[int]
     meta["schedules"] = [{"name": f"s{i}", "schedule": str(p.schedule), "loss": p.loss, "bytes_per_token": p.bytes_per_token}
                          for i, p in enumerate(front)]
     meta["search"] = report
+    # the recompute baseline's span, chosen by profiling on the same held-out set (DroidSpeak-style)
+    from shared.codecs.recompute import default_span
+    from shared.recompute_profile import profile_span
+
+    width = max(1, default_span(consumer.info.num_layers)[1] - default_span(consumer.info.num_layers)[0])
+    spans = profile_span(producer, consumer, [h.context_ids for h in heldout], [h.qa_ids[: h.answer_start] for h in heldout],
+                         [h.qa_ids[h.answer_start :] for h in heldout], width)
+    meta["recompute_span"] = [spans[0]["start"], spans[0]["end"]]
+    meta["recompute_profile"] = spans
     meta["calibration"]["wall_s"] = round(time.perf_counter() - started, 1)
     return art
 
 
 def qa_corpus(n: int, heldout: int, ctx_tokens: int, task: str, tokenizer) -> tuple[list[list[int]], list[search.HeldOut]]:
-    from qa.task import examples
+    from qa.task import END, examples
 
     def ids(text: str, special: bool) -> list[int]:
         return tokenizer(text, add_special_tokens=special)["input_ids"]
 
-    corpus = [ids(e.context, True) + ids(e.question + " " + e.answer, False) for e in examples("train", n, ctx_tokens, task)]
+    corpus = [ids(e.context, True) + ids(f"{e.question} {e.answer} {END}", False) for e in examples("train", n, ctx_tokens, task)]
     held = []
     for e in examples("validation", heldout, ctx_tokens, task):
-        q, a = ids(e.question, False), ids(" " + e.answer, False)
+        q, a = ids(e.question, False), ids(f"{e.answer} {END}", False)  # the answer and its terminator
         held.append(search.HeldOut(ids(e.context, True), q + a, len(q)))
     return corpus, held
 
