@@ -123,6 +123,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             producer_target=cfg.producer,
             server_version=shared.__version__,
             api_version=shared.API_VERSION,
+            artifacts=describe.artifacts_to_pb(self.codecs),
         )
 
 

@@ -135,6 +135,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             limits=common_pb2.Limits(max_context_tokens=self.config.max_context_tokens, max_chunk_bytes=self.config.max_chunk_bytes),
             server_version=shared.__version__,
             api_version=shared.API_VERSION,
+            artifacts=describe.artifacts_to_pb(self.codecs),
             stats=self.stats,
         )
 

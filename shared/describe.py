@@ -19,3 +19,21 @@ def codecs_to_pb(codecs: Mapping[str, Codec]) -> list[common_pb2.CodecInfo]:
         common_pb2.CodecInfo(name=name, description=c.description, uses_producer=c.uses_producer)
         for name, c in sorted(codecs.items())
     ]
+
+
+def artifacts_to_pb(codecs: Mapping[str, Codec]) -> list[common_pb2.ArtifactInfo]:
+    """The SCD artifacts the service loaded, with their schedules."""
+    codec = codecs.get("scd")
+    out = []
+    for art in codec.artifacts if codec is not None else []:
+        out.append(common_pb2.ArtifactInfo(
+            artifact_id=art.artifact_id,
+            format_version=art.meta["format_version"],
+            producer_model_id=art.meta["producer"]["model_id"],
+            producer_weight_digest=art.meta["producer"]["weight_digest"],
+            consumer_model_id=art.meta["consumer"]["model_id"],
+            consumer_weight_digest=art.meta["consumer"]["weight_digest"],
+            schedules=[common_pb2.ScheduleInfo(name=e.name, schedule=e.schedule, calibrated_loss=e.loss,
+                                               bytes_per_token=e.bytes_per_token) for e in art.schedules],
+        ))
+    return out

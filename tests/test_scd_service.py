@@ -43,6 +43,14 @@ async def test_full_rank_scd_gives_raw_tokens_and_budgets_choose_schedules(artif
         _, _, stats = await pair.generate(
             transfer=common_pb2.CodecSpec(name="scd", options={"max_loss": str(best.loss)}), **fields)
         assert float(stats.transfer.options["calibrated_loss"]) <= best.loss * (1 + 1e-5)
+        from shared.pb import consumer_pb2, producer_pb2
+
+        for reply in (await pair.stub.Describe(consumer_pb2.ConsumerServiceDescribeRequest()),
+                      await pair.producer_stub.Describe(producer_pb2.ProducerServiceDescribeRequest())):
+            (listed,) = reply.artifacts
+            assert listed.artifact_id == art.artifact_id and listed.format_version == 1
+            assert [(s.name, s.schedule, s.bytes_per_token) for s in listed.schedules] == \
+                [(e.name, e.schedule, e.bytes_per_token) for e in art.schedules]
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await pair.generate(transfer=common_pb2.CodecSpec(name="scd", options={"max_loss": "-1"}), **fields)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_loss" in err.value.details()
