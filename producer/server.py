@@ -9,7 +9,6 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import structlog
 
 import shared

@@ -74,3 +74,19 @@ async def running_pair(producer_model: str = "tiny-llama", consumer_model: str |
         await pair.close()
         await consumer.stop()
         await producer.stop()
+
+
+async def assert_refused_by_both(pair: Pair, spec, named: str, **fields) -> None:
+    """The consumer (Generate) and the producer (Prefill) both refuse `spec` with
+    INVALID_ARGUMENT and a message containing `named`."""
+    from shared.pb import producer_pb2
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await pair.generate(max_new_tokens=2, transfer=spec, **fields)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in err.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in pair.producer_stub.Prefill(producer_pb2.PrefillRequest(token_ids=[5, 6, 7], codec=spec), timeout=10):
+            pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in err.value.details()

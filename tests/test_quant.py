@@ -4,14 +4,13 @@ end-to-end greedy decoding on the tiny models."""
 
 from __future__ import annotations
 
-import grpc
 import pytest
 import torch
 
 from shared import kv, quantize, wire
 from shared.models import load_model
-from shared.pb import common_pb2, producer_pb2
-from tests.conftest import prompt, running_pair
+from shared.pb import common_pb2
+from tests.conftest import assert_refused_by_both, prompt, running_pair
 from tests.test_end_to_end import CONTEXT, QUESTION
 
 SHAPES = [(2, 97, 16), (2, 64, 64), (1, 5, 7), (4, 1, 128), (3, 130, 24)]
@@ -133,16 +132,7 @@ def test_codes_survive_the_wire_bit_exactly(bits):
 )
 async def test_invalid_options_are_refused_by_both_services(options, named, pair_llama):
     spec = common_pb2.CodecSpec(name="quant", options=options)
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await pair_llama.generate(context=prompt(CONTEXT), question=prompt(QUESTION), max_new_tokens=2, transfer=spec)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert named in err.value.details()
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        request = producer_pb2.PrefillRequest(token_ids=[5, 6, 7], codec=spec)
-        async for _ in pair_llama.producer_stub.Prefill(request, timeout=10):
-            pass
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert named in err.value.details()
+    await assert_refused_by_both(pair_llama, spec, named, context=prompt(CONTEXT), question=prompt(QUESTION))
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 
-import grpc
 import pytest
 import torch
 
@@ -15,9 +14,9 @@ from shared.codecs import StreamInfo
 from shared.codecs.recompute import RecomputeCodec, default_span, span
 from shared.errors import InvalidArgument
 from shared.models import load_model
-from shared.pb import common_pb2, producer_pb2
+from shared.pb import common_pb2
 from shared.recompute_profile import profile_span
-from tests.conftest import prompt, running_pair
+from tests.conftest import assert_refused_by_both, prompt, running_pair
 from tests.test_end_to_end import CONTEXT, QUESTION, local_greedy
 
 NEW = 16
@@ -55,16 +54,7 @@ def test_decoder_checks_the_span_against_the_consumers_layers():
 )
 async def test_invalid_options_are_refused_by_both_services(options, named, pair_llama):
     spec = common_pb2.CodecSpec(name="recompute", options=options)
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await pair_llama.generate(context=prompt(CONTEXT), question=prompt(QUESTION), max_new_tokens=2, transfer=spec)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert named in err.value.details()
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        request = producer_pb2.PrefillRequest(token_ids=[5, 6, 7], codec=spec)
-        async for _ in pair_llama.producer_stub.Prefill(request, timeout=10):
-            pass
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert named in err.value.details()
+    await assert_refused_by_both(pair_llama, spec, named, context=prompt(CONTEXT), question=prompt(QUESTION))
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 from shared import kv, layers
 from shared.errors import FailedPrecondition, InvalidArgument
 from shared.models import load_model
-from shared.scd import calibrate, ops, search
+from shared.scd import ops, search
 from shared.scd.artifact import Artifact
 from shared.scd.distill import distill, geometry
 from shared.scd.schedule import Action, Schedule, bytes_per_token

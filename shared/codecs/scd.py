@@ -13,10 +13,9 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
-from transformers import DynamicCache
-
-from shared import kv, layers
+from shared import layers
 from shared.codecs.base import CacheDecoder, Capture, Codec, LayerEncoder, LayerState, StreamInfo, register
+from shared.codecs.raw import KVDecoder
 from shared.errors import DataLoss, FailedPrecondition, InvalidArgument
 from shared.scd import ops
 from shared.scd.artifact import Artifact, for_pair
@@ -45,28 +44,20 @@ class ScdEncoder(LayerEncoder):
         return self.entry_meta
 
 
-class ScdDecoder(CacheDecoder):
+class ScdDecoder(KVDecoder):
     def __init__(self, codec: "ScdCodec", art: Artifact, schedule: Schedule, stream: StreamInfo):
-        self.codec, self.art, self.schedule, self.stream = codec, art, schedule, stream
-        self.cache = kv.empty_cache(codec.model)
+        super().__init__(codec, stream)
+        self.art, self.schedule = art, schedule
         self.pos = layers.positions(codec.model, stream.num_tokens)
-        self.received: set[int] = set()
 
     def add_layer(self, layer: int, payloads: dict[str, torch.Tensor]) -> None:
         action = self.schedule.actions[layer]
         try:
-            keys, values = ops.decode_layer(self.art, layer, action, payloads, self.codec.model, self.pos,
+            keys, values = ops.decode_layer(self.art, layer, action, payloads, self.loaded, self.pos,
                                             self.art.geometry.quant_group)
         except KeyError as exc:
             raise DataLoss(f"layer {layer} ({action}): payload {exc} missing") from None
-        kv.put_layer(self.cache, layer, keys, values)
-        self.received.add(layer)
-
-    def finish(self, context_ids: torch.Tensor) -> DynamicCache:
-        missing = sorted(set(range(self.stream.num_layers)) - self.received)
-        if missing:
-            raise DataLoss(f"stream ended without layers {missing}")
-        return self.cache
+        self.store(layer, keys, values)
 
 
 @register
