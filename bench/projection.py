@@ -1,0 +1,151 @@
+"""`python -m bench.projection`: a PROJECTION (not a measurement) of TTFT per transfer mode for a
+7B-class model on one H200 at 10-400 Gbit/s, fed with the bytes per token measured by bench.ttft.
+
+Formula (all times in ms; T context tokens, q question tokens, B link Gbit/s):
+
+    prefill P(T)  = (2 N T + 2 L d T^2) / (mfu * peak)        dense weights + causal attention FLOPs
+    question Q    = 2 N / (hbm_eff * hbm)                     a short prefill is weight-read bound
+    wire W_m(T,B) = T * kv_bytes_per_token * r_m * 8 / (link_eff * B)
+    rebuild R_m   = c_m * P(T)                                consumer compute to rebuild (patch/recompute)
+
+    oracle        = P(T + q)                                  the consumer prefills everything itself
+    mode m, warm  = max(W_m, R_m) + Q                         context already in the producer's store
+    mode m, cold  = max(P(T), W_m, R_m) + Q                   producer prefill streamed layer by layer
+
+Layers pipeline perfectly (a layer's wire time overlaps the next layer's compute), as the services
+do; the pipeline fill (one layer) and the first token's argmax are ignored. r_m is the measured
+ratio of payload bytes to the raw KV bytes of the benchmark model (median over the --results rows
+of that mode and schedule), c_m the measured median rebuild_ms over the same context's oracle
+TTFT; both can be overridden (--ratio, --rebuild-frac). The 7B geometry (Qwen2.5-7B: 28 layers,
+hidden 3584, 4 KV heads x 128, bf16 -> 57,344 raw KV bytes per token) and the H200 figures
+(989 TFLOP/s dense bf16, 4.8 TB/s HBM) are stated assumptions, as are mfu 0.45, hbm_eff 0.6 and
+link_eff 0.9. The crossover bandwidth at which mode m matches oracle (warm) is
+B* = T kv_bytes r_m 8 / (link_eff (oracle - Q)) when R_m + Q < oracle, else never.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results" / "ttft.jsonl"
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    model: str = "7B-class (Qwen2.5-7B geometry)"
+    params: float = 7.6e9  # N
+    layers: int = 28  # L
+    hidden: int = 3584  # d
+    kv_heads: int = 4
+    head_dim: int = 128
+    kv_element_bytes: int = 2  # bf16
+    gpu: str = "1x H200"
+    peak_flops: float = 989e12  # dense bf16
+    mfu: float = 0.45  # prefill model-FLOPs utilization (assumed)
+    hbm_bytes_s: float = 4.8e12
+    hbm_eff: float = 0.6  # assumed
+    link_eff: float = 0.9  # goodput / line rate (measured ~0.96 on the tbf link here)
+    question_tokens: int = 32
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_element_bytes
+
+
+def prefill_ms(a: Assumptions, tokens: int) -> float:
+    flops = 2 * a.params * tokens + 2 * a.layers * a.hidden * tokens ** 2
+    return flops / (a.mfu * a.peak_flops) * 1e3
+
+
+def question_ms(a: Assumptions) -> float:
+    return 2 * a.params / (a.hbm_eff * a.hbm_bytes_s) * 1e3
+
+
+def wire_ms(a: Assumptions, tokens: int, ratio: float, gbps: float) -> float:
+    return tokens * a.kv_bytes_per_token * ratio * 8 / (a.link_eff * gbps * 1e9) * 1e3
+
+
+def project(a: Assumptions, tokens: int, ratio: float, rebuild_frac: float, gbps: float, store: str) -> float:
+    w, r, q = wire_ms(a, tokens, ratio, gbps), rebuild_frac * prefill_ms(a, tokens), question_ms(a)
+    return (max(w, r) if store == "warm" else max(prefill_ms(a, tokens), w, r)) + q
+
+
+def crossover_gbps(a: Assumptions, tokens: int, ratio: float, rebuild_frac: float) -> float | None:
+    oracle, q = prefill_ms(a, tokens + a.question_tokens), question_ms(a)
+    if rebuild_frac * prefill_ms(a, tokens) + q >= oracle:
+        return None
+    return tokens * a.kv_bytes_per_token * ratio * 8 / (a.link_eff * (oracle - q) * 1e-3) / 1e9
+
+
+def measured_modes(rows: list[dict], model: str | None) -> dict[str, tuple[float, float]]:
+    """{label: (bytes ratio r_m, rebuild fraction c_m)} from bench.ttft rows (one model)."""
+    models = sorted({r["model"] for r in rows})
+    model = model or next((m for m in models if "qwen05b" in m), models[0] if models else None)
+    rows = [r for r in rows if r["model"] == model]
+    oracle = {r["ctx_tokens"]: r["ttft_ms_median"] for r in rows if r["mode"] == "oracle"}
+    rows = [r for r in rows if r["mode"] != "oracle" and r.get("raw_kv_bytes")]
+    ratios, fracs = defaultdict(list), defaultdict(list)
+    for r in rows:
+        name = f"{r['mode']}({r['schedule']})" if r.get("schedule") else r["mode"]
+        ratios[name].append(r["bytes"] / r["raw_kv_bytes"])
+        if r["ctx_tokens"] in oracle:
+            fracs[name].append(r["rebuild_ms"] / oracle[r["ctx_tokens"]])
+    return {n: (statistics.median(v), statistics.median(fracs[n]) if fracs[n] else 0.0) for n, v in ratios.items()}
+
+
+def _pairs(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        key, _, value = item.rpartition("=")
+        out[key] = float(value)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.projection", description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", type=Path, default=RESULTS, help="bench.ttft rows to take r_m and c_m from")
+    p.add_argument("--from-model", help="which model's rows (default: qwen05b-random if present)")
+    p.add_argument("--ratio", nargs="*", default=[], help="MODE=R bytes ratio to raw KV, e.g. 'quant(bits=4)=0.28'")
+    p.add_argument("--rebuild-frac", nargs="*", default=[], help="MODE=C consumer rebuild compute / full prefill")
+    p.add_argument("--contexts", nargs="+", type=int, default=[4096, 32768])
+    p.add_argument("--gbps", nargs="+", type=float, default=[10, 25, 50, 100, 200, 400])
+    p.add_argument("--mfu", type=float, default=Assumptions.mfu)
+    args = p.parse_args(argv)
+    a = Assumptions(mfu=args.mfu)
+    rows = [json.loads(l) for l in args.results.read_text().splitlines() if l.strip()] if args.results.exists() else []
+    modes = {"raw": (1.0, 0.0), **measured_modes(rows, args.from_model)}
+    for name, r in _pairs(args.ratio).items():
+        modes[name] = (r, modes.get(name, (1.0, 0.0))[1])
+    for name, c in _pairs(args.rebuild_frac).items():
+        modes[name] = (modes.get(name, (1.0, 0.0))[0], c)
+    print(json.dumps({"projection": True, "assumptions": {**asdict(a), "kv_bytes_per_token": a.kv_bytes_per_token},
+                      "modes": {n: {"bytes_ratio": round(r, 4), "rebuild_frac": round(c, 4)} for n, (r, c) in modes.items()}}))
+    table = [f"**PROJECTION, not measured: {a.model} on {a.gpu}** (TTFT ms, ratio to oracle; warm store / cold store)\n"]
+    for ctx in args.contexts:
+        oracle = prefill_ms(a, ctx + a.question_tokens)
+        print(json.dumps({"projection": True, "ctx_tokens": ctx, "mode": "oracle", "ttft_ms": round(oracle, 2)}))
+        table += [f"{ctx} tokens, oracle {oracle:.1f} ms\n", "| mode | " + " | ".join(f"{g:g} Gbps" for g in args.gbps)
+                  + " | beats oracle from |", "|---" * (len(args.gbps) + 2) + "|"]
+        for name, (ratio, frac) in sorted(modes.items()):
+            cells = []
+            for g in args.gbps:
+                warm, cold = (project(a, ctx, ratio, frac, g, s) for s in ("warm", "cold"))
+                for store, ms in (("warm", warm), ("cold", cold)):
+                    print(json.dumps({"projection": True, "model": a.model, "gpu": a.gpu, "bandwidth_gbps": g,
+                                      "ctx_tokens": ctx, "mode": name, "store": store, "ttft_ms": round(ms, 2),
+                                      "ratio_to_oracle": round(ms / oracle, 3),
+                                      "bytes_per_token": round(ratio * a.kv_bytes_per_token, 1)}))
+                cells.append(f"{warm:.1f} ({warm / oracle:.2f}) / {cold:.1f}")
+            cross = crossover_gbps(a, ctx, ratio, frac)
+            table.append(f"| {name} | " + " | ".join(cells) + f" | {f'{cross:.1f} Gbps' if cross else 'never'} |")
+        table.append("")
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
