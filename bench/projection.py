@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mfu", type=float, default=Assumptions.mfu)
     args = p.parse_args(argv)
     a = Assumptions(mfu=args.mfu)
-    rows = [json.loads(l) for l in args.results.read_text().splitlines() if l.strip()] if args.results.exists() else []
+    rows = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()] if args.results.exists() else []
     modes = {"raw": (1.0, 0.0), **measured_modes(rows, args.from_model)}
     for name, r in _pairs(args.ratio).items():
         modes[name] = (r, modes.get(name, (1.0, 0.0))[1])
