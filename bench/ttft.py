@@ -187,6 +187,7 @@ class Workload:
     tokenizer: object = None
     max_new_tokens: int = 2  # the second token times one decode step
     stop_ids: list[int] = field(default_factory=list)
+    max_ctx: int | None = None  # longest context the input generator can make
     _serial: int = 0
 
     def request(self, ctx_tokens: int, warm: bool) -> tuple[list[int], list[int], str | None]:
@@ -215,11 +216,13 @@ def workload_for(scale: str, args) -> Workload | None:
         if not ((base / "config.json").exists() and (tuned / "config.json").exists()):
             note(f"skip scale trained: {base} and {tuned} not found (make models)")
             return None
+        from qa.task import FACT_TOKENS, VALUES
         from qa.tokenizer import end_token_id, load_tokenizer
 
         tok = load_tokenizer(base)
+        max_ctx = FACT_TOKENS * (len(VALUES) // 2) + 1  # every value word once per context
         return Workload("qa-base->qa-tuned", str(base), str(tuned), dtype, len(tok), qa=True, tokenizer=tok,
-                        max_new_tokens=4, stop_ids=[end_token_id(tok)])
+                        max_new_tokens=4, stop_ids=[end_token_id(tok)], max_ctx=max_ctx)
     if scale == "qwen05b":
         path = str(ensure_qwen05b())
         return Workload("qwen05b-random", path, path, dtype, QWEN05B["vocab_size"])
@@ -360,6 +363,9 @@ async def bench_scale(w: Workload, consumer_address: str, link, args, grid, emit
             shaping = qdisc["kind"] if bw is not None or link.kind == "loopback" else "none"
             note(f"[{w.name}] link {bw or 'unshaped'} Mbit: qdisc {qdisc}, measured {link_mbit:.1f} Mbit/s")
             for ctx in contexts:
+                if w.max_ctx and ctx > w.max_ctx:
+                    note(f"skip ctx {ctx} for {w.name}: its QA generator makes at most {w.max_ctx}-token contexts")
+                    continue
                 for mode in modes:
                     if mode in refused or (mode.name == ORACLE and ctx in oracle_done):
                         continue
