@@ -20,6 +20,7 @@ from shared.models import LoadedModel, load_model, warm_up
 from shared.scd.artifact import discover
 from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
 from producer.prefill import EncodedLayer, PrefillDone, PrefillEngine
+from producer.store import ContextStore, StoredPrefill, store_key
 
 log = logs.get("producer")
 SERVICE_NAME = producer_pb2.DESCRIPTOR.services_by_name["ProducerService"].full_name
@@ -34,6 +35,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         self.loaded: LoadedModel | None = None
         self.stats = producer_pb2.ProducerStats()
         self.inflight = 0
+        self.store = ContextStore(config.store_bytes)
 
     def attach(self, loaded: LoadedModel) -> None:
         self.codecs = {n: c for n, c in codec_lib.create_codecs(loaded, artifacts=discover(self.config.artifact_paths)).items() if c.uses_producer}
@@ -86,10 +88,13 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             def pack(layer, payloads):
                 return [c for kind, t in payloads.items() for c in wire.payload_to_pb(layer, kind, t, max_chunk)]
 
+            key = store_key(request.token_ids, codec.name, options, encoder.metadata())
+            stored = self.store.get(key)
+            source = self._replay(stored) if stored else self._record(key, self.engine.stream(list(request.token_ids), encoder, pack))
             sent_chunks = sent_payloads = sent_bytes = 0
             outcome = "failed"
             try:
-                async with contextlib.aclosing(self.engine.stream(list(request.token_ids), encoder, pack)) as layers:
+                async with contextlib.aclosing(source) as layers:
                     async for item in layers:
                         if isinstance(item, EncodedLayer):
                             for chunk in item.packed:
@@ -107,6 +112,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                                     prefill_ms=item.prefill_ms,
                                     encode_ms=item.encode_ms,
                                     total_ms=total_ms,
+                                    store_hit=stored is not None,
                                 )
                             )
                             outcome = "completed"
@@ -119,11 +125,29 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                 self.inflight -= 1
                 if outcome == "completed":
                     self.stats.prefills_completed += 1
+                    self.stats.store_hits += stored is not None
                 elif outcome == "cancelled" or context.cancelled():
                     self.stats.prefills_cancelled += 1
                     log.info("prefill.cancelled", bytes_sent=sent_bytes)
                 else:
                     self.stats.prefills_failed += 1
+
+    async def _replay(self, stored: StoredPrefill):
+        """A store hit: the stored layers, no forward, no encode."""
+        for layer in stored.layers:
+            yield layer
+        yield PrefillDone(prefill_ms=0.0, encode_ms=0.0, layers=len(stored.layers))
+
+    async def _record(self, key: str, layers):
+        """Pass the engine's layers through; keep them in the store once the prefill completed."""
+        kept = []
+        async with contextlib.aclosing(layers):
+            async for item in layers:
+                if isinstance(item, EncodedLayer):
+                    kept.append(item)
+                elif isinstance(item, PrefillDone):
+                    self.store.put(key, StoredPrefill(tuple(kept), sum(x.payload_bytes for x in kept)))
+                yield item
 
     @serving.unary_errors
     async def Describe(self, request, context):

@@ -51,11 +51,14 @@ class ProducerConfig(ServerConfig):
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
     queue_depth: int = 2  # encoded layers buffered ahead of the network (backpressure)
     max_inflight: int = 8  # concurrent Prefill calls; more get RESOURCE_EXHAUSTED
+    store_bytes: int = 1 << 30  # context store budget (encoded streams kept for reuse); 0 disables
 
     def validate(self) -> None:
         super().validate()
         if not 1024 <= self.max_chunk_bytes <= DEFAULT_MAX_CHUNK_BYTES:
             raise ValueError(f"max_chunk_bytes: {self.max_chunk_bytes} not in 1024..{DEFAULT_MAX_CHUNK_BYTES}")
+        if self.store_bytes < 0:
+            raise ValueError(f"store_bytes: {self.store_bytes} must be >= 0")
         if self.queue_depth < 1 or self.max_inflight < 1:
             raise ValueError("queue_depth and max_inflight: must be >= 1")
 

@@ -1,0 +1,53 @@
+"""The producer's context store: encoded prefill streams kept for reuse, content-addressed by
+(context token ids, codec, resolved options, codec metadata), least-recently-used first out
+within a byte budget. A hit skips the forward and the encode: the stored chunks are re-sent.
+
+Knows nothing about gRPC or models; entries are opaque packed layers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class StoredPrefill:
+    layers: tuple[Any, ...]  # EncodedLayer items, in layer order
+    nbytes: int  # payload bytes held
+
+
+def store_key(token_ids: Sequence[int], codec: str, options: Mapping[str, str], metadata: Mapping[str, str]) -> str:
+    digest = hashlib.sha256()
+    digest.update(json.dumps([codec, sorted(options.items()), sorted(metadata.items())]).encode())
+    digest.update(b"|" + ",".join(map(str, token_ids)).encode())
+    return digest.hexdigest()
+
+
+class ContextStore:
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.entries: OrderedDict[str, StoredPrefill] = OrderedDict()
+        self.nbytes = 0
+
+    def get(self, key: str) -> StoredPrefill | None:
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def put(self, key: str, entry: StoredPrefill) -> bool:
+        """Insert (evicting least recently used entries); False when it can never fit."""
+        if entry.nbytes > self.budget_bytes:
+            return False
+        if key in self.entries:
+            self.nbytes -= self.entries.pop(key).nbytes
+        while self.nbytes + entry.nbytes > self.budget_bytes:
+            _, evicted = self.entries.popitem(last=False)
+            self.nbytes -= evicted.nbytes
+        self.entries[key] = entry
+        self.nbytes += entry.nbytes
+        return True
