@@ -70,5 +70,11 @@ artifacts: $(PB_GEN)
 bench-quality: $(PB_GEN)
 	$(PYTHON) -m bench.quality
 
+# Needs root (network namespaces + tc). TTFT_ARGS narrows the grid, e.g. TTFT_ARGS="--quick".
+TTFT_ARGS ?=
+bench-ttft: $(PB_GEN)
+	$(PYTHON) -m bench.ttft $(TTFT_ARGS)
+	$(PYTHON) -m bench.projection
+
 clean:
 	rm -rf $(PB_OUT)/scd .cache .pytest_cache
