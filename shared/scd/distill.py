@@ -18,7 +18,7 @@ import torch
 from shared.models import LoadedModel, load_model
 from shared.scd import calibrate, ops, search
 from shared.scd.artifact import Artifact
-from shared.scd.schedule import Geometry
+from shared.scd.schedule import Geometry, Schedule
 
 
 def geometry(info) -> Geometry:
@@ -28,7 +28,9 @@ def geometry(info) -> Geometry:
 
 def distill(producer: LoadedModel, consumer: LoadedModel, corpus: list[list[int]], heldout: list[search.HeldOut], *,
             corpus_name: str, loss_target: float = 0.02, generations: int = 30, seed: int = 0, ridge_rel: float = 1e-3,
-            max_schedules: int = 12, log=print) -> Artifact:
+            max_schedules: int = 12, schedules: list[str] | None = None, log=print) -> Artifact:
+    """Fit an artifact and measure its schedules: searched (default), or exactly the given
+    schedule texts (`schedules`, e.g. for a timing-only model where a search costs too much)."""
     torch.manual_seed(seed)
     started = time.perf_counter()
     same = producer.info.weight_digest == consumer.info.weight_digest
@@ -47,8 +49,13 @@ def distill(producer: LoadedModel, consumer: LoadedModel, corpus: list[list[int]
     art = Artifact(calibrate.fit(moments, consumer, same, ridge_rel), meta)
     log(f"fitted {consumer.info.num_layers} layers in {time.perf_counter() - started:.1f}s")
     ev = search.LossEvaluator(art, producer, consumer, heldout)
-    lattice = search.action_lattice(g, with_quant=ops.quantize is not None)
-    front, report = search.search(ev, lattice, g, loss_target, generations=generations, seed=seed, log=log)
+    if schedules:
+        given = [Schedule.parse(text, consumer.info.num_layers) for text in schedules]
+        front = sorted((search.Point(s, s.bytes_per_token(g), ev.loss(s.actions)) for s in given), key=lambda p: p.bytes_per_token)
+        report = {"given": [str(s) for s in given]}
+    else:
+        lattice = search.action_lattice(g, with_quant=ops.quantize is not None)
+        front, report = search.search(ev, lattice, g, loss_target, generations=generations, seed=seed, log=log)
     if len(front) > max_schedules:  # keep the ends and an even spread between
         step = (len(front) - 1) / (max_schedules - 1)
         front = [front[round(i * step)] for i in range(max_schedules)]
@@ -59,11 +66,14 @@ def distill(producer: LoadedModel, consumer: LoadedModel, corpus: list[list[int]
     from shared.codecs.recompute import default_span
     from shared.recompute_profile import profile_span
 
-    width = max(1, default_span(consumer.info.num_layers)[1] - default_span(consumer.info.num_layers)[0])
-    spans = profile_span(producer, consumer, [h.context_ids for h in heldout], [h.qa_ids[: h.answer_start] for h in heldout],
-                         [h.qa_ids[h.answer_start :] for h in heldout], width)
-    meta["recompute_span"] = [spans[0]["start"], spans[0]["end"]]
-    meta["recompute_profile"] = spans
+    start, end = default_span(consumer.info.num_layers)
+    if same:  # recomputing from the true hidden state is exact for any span: keep the default
+        meta["recompute_span"] = [start, end]
+    else:
+        spans = profile_span(producer, consumer, [h.context_ids for h in heldout], [h.qa_ids[: h.answer_start] for h in heldout],
+                             [h.qa_ids[h.answer_start :] for h in heldout], end - start)
+        meta["recompute_span"] = [spans[0]["start"], spans[0]["end"]]
+        meta["recompute_profile"] = spans
     meta["calibration"]["wall_s"] = round(time.perf_counter() - started, 1)
     return art
 
@@ -106,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--loss-target", type=float, default=0.02)
     p.add_argument("--generations", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--schedules", default="", help="measure these schedules instead of searching: comma-separated, "
+                   "each per-layer text ('R16.R16.P.W') or one action for every layer ('R32*')")
     p.add_argument("--out", required=True, type=Path, help="output .safetensors path")
     args = p.parse_args(argv)
     torch.set_num_threads(2)
@@ -117,8 +129,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         corpus, held = text_corpus(Path(args.corpus), args.n, args.heldout, consumer.tokenizer)
         name = f"file:{args.corpus}"
+    layers_n = consumer.info.num_layers
+    given = [".".join([t[:-1]] * layers_n) if t.endswith("*") else t for t in args.schedules.split(",") if t]
     art = distill(producer, consumer, corpus, held, corpus_name=name, loss_target=args.loss_target,
-                  generations=args.generations, seed=args.seed, log=lambda m: print(m, file=sys.stderr))
+                  generations=args.generations, seed=args.seed, schedules=given, log=lambda m: print(m, file=sys.stderr))
     art.save(args.out)
     for s in art.meta["schedules"]:
         print(json.dumps({"artifact": art.artifact_id, **s}))
