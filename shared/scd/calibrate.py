@@ -6,7 +6,7 @@ Fits per layer l (x^P, x^C: normalized layer inputs; y^C = C's pre-RoPE [k | v])
 - basis: eigenvectors of cov(y^C), by decreasing variance; mu_y = mean(y^C);
 - encoder: ridge regression of (y^C - mu_y) on (x^P - mu_x), expressed in the basis. When P and
   C are the same weights and K has no k_norm, the exact map W_kv^T is used instead;
-- patch: ridge regression of x^C on x^P (identity when P == C).
+- patch: ridge regression of x^C on x^P (identity when P == C, then not stored).
 """
 
 from __future__ import annotations
@@ -114,11 +114,10 @@ def fit(moments: list[LayerMoments], consumer: LoadedModel, same: bool, ridge_re
         basis = eigvecs[:, torch.argsort(eigvals, descending=True)]  # [D, D]
         # a deterministic sign per basis vector (eigh's signs are arbitrary)
         basis = basis * torch.sign(basis[basis.abs().argmax(0), torch.arange(basis.shape[1])])[None]
-        if same:
-            patch, mu_c = torch.eye(cxx.shape[0], dtype=torch.float64), mu_x
-        else:
-            patch = ridge(cxx, m.cov("xp", "xc", "xpxc"), ridge_rel)  # [d, d]
-        for name, value in {"mu_x": mu_x, "mu_y": mu_y, "basis": basis, "encoder": full @ basis, "patch": patch, "mu_c": mu_c}.items():
+        fitted = {"mu_x": mu_x, "mu_y": mu_y, "basis": basis, "encoder": full @ basis}
+        if not same:  # P == C: the patch predictor is the identity, not stored
+            fitted.update(patch=ridge(cxx, m.cov("xp", "xc", "xpxc"), ridge_rel), mu_c=mu_c)  # [d, d], [d]
+        for name, value in fitted.items():
             tensors[f"layer.{layer}.{name}"] = value.float().contiguous()
     return tensors
 

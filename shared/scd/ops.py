@@ -7,6 +7,7 @@ Tensors of layer l in the artifact (d = hidden, D = 2·n_kv·head_dim):
   mu_x [d]  mean of P's normalized input      encoder [d, D]  x^P -> coefficients in `basis`
   mu_y [D]  mean of C's pre-RoPE [k | v]       basis [D, D]    orthonormal PCA basis of y^C, by variance
   patch [d, d], mu_c [d]: x̂ = (x^P - mu_x) patch + mu_c predicts C's normalized input
+                         (absent in a homogeneous artifact: x̂ = x^P)
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def encode_layer(art: Artifact, layer: int, action: Action, state: LayerState, g
         codes, scale = int8_rows(z)
         return {"z": codes, "z_scale": scale}
     if action.kind == "patch":
+        if f"layer.{layer}.patch" not in art.tensors:  # homogeneous artifact: identity predictor
+            return {"x": state.normed.to(torch.float16)}
         return {"x": (x @ art.tensor(layer, "patch") + art.tensor(layer, "mu_c")).to(torch.float16)}  # [T, d]
     raise ValueError(action)
 
