@@ -93,11 +93,13 @@ def qa_corpus(n: int, heldout: int, ctx_tokens: int, task: str, tokenizer) -> tu
 
 
 def text_corpus(path: Path, n: int, heldout: int, tokenizer) -> tuple[list[list[int]], list[search.HeldOut]]:
-    """Lines of a text file, or the "text" field of a JSONL file; the last `heldout` sequences are
-    split into context (first 80%) / question (next 10%) / answer (last 10%)."""
-    lines = [l for l in path.read_text().splitlines() if l.strip()]
-    texts = [json.loads(l)["text"] for l in lines] if path.suffix == ".jsonl" else lines
-    seqs = [tokenizer(t)["input_ids"] for t in texts]
+    """Lines of a text file, or JSONL records with "text" or pre-tokenized "ids"; the last
+    `heldout` sequences are split into context (first 80%) / question (next 10%) / answer (last 10%)."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines] if path.suffix == ".jsonl" else [{"text": line} for line in lines]
+    seqs = [r["ids"] if "ids" in r else tokenizer(r["text"])["input_ids"] for r in records]
+    if any(len(s) < 10 for s in seqs):
+        raise ValueError(f"{path}: every sequence needs >= 10 tokens (the tokenizer may not know its words)")
     corpus, rest = seqs[:n], seqs[n : n + heldout]
     held = [search.HeldOut(s[: int(len(s) * 0.8)], s[int(len(s) * 0.8) :], max(1, int(len(s) * 0.1))) for s in rest]
     return corpus, held
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--producer", required=True, help="path, hub id or builtin tiny name")
     p.add_argument("--consumer", required=True)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--corpus", default="qa", help="'qa' (QA generator train split) or a .txt/.jsonl file")
+    p.add_argument("--corpus", default="qa", help="'qa' (QA generator train split), a .txt file, or .jsonl with text or ids")
     p.add_argument("--task", default="tuned", help="QA task of the calibration corpus (the consumer's)")
     p.add_argument("--n", type=int, default=64, help="calibration sequences")
     p.add_argument("--heldout", type=int, default=12, help="held-out question/answer examples for the loss")
