@@ -21,7 +21,7 @@ STATED_RAW_F1_DROP = 0.10  # naive reuse of the base's KV vs the tuned model's o
 
 @pytest.fixture(scope="module")
 def pair():
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     base = AutoModelForCausalLM.from_pretrained(ROOT / "qa-base").eval()
     tuned = AutoModelForCausalLM.from_pretrained(ROOT / "qa-tuned").eval()
     tok = AutoTokenizer.from_pretrained(ROOT / "qa-base")
