@@ -6,7 +6,8 @@ reuse), and the layer-mixing rows (C with P's KV in some layers, its own in the 
 The per-example prediction is pluggable (`qa.predict.Predictor`), so a service-backed
 predictor runs through the same `evaluate` function. Knows nothing about training.
 
-    python -m qa.evaluate pair [--n 200] [--ctx 256 512 1024] [--checkpoints checkpoints]
+    python -m qa.evaluate pair [--n 200] [--ctx 512 256 1024] [--checkpoints checkpoints]
+    python -m qa.evaluate model checkpoints/qa-tuned --task tuned [--ctx 512] [--n 200]
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def pair_report(checkpoints: str | Path, n: int, ctxs: list[int], mix_ctx: int, 
         ]
     rows.append(({"model": "tuned", "ctx": mix_ctx}, own_prefill(tuned, tok), "base"))  # kept its base skill?
     mixes = {f"0-{half - 1}": range(half), f"{half}-{n_layers - 1}": range(half, n_layers)}
-    mixes.update({str(i): [i] for i in range(n_layers)})
+    if n_layers > 2:  # with two layers the halves already are the single layers
+        mixes.update({str(i): [i] for i in range(n_layers)})
     for label, layers in mixes.items():
         pred = cross_cache(base, tuned, tok, producer_layers=layers)
         rows.append(({"model": "tuned", "cache_from": "base", "mode": "raw", "base_layers": label, "ctx": mix_ctx}, pred, "tuned"))
@@ -85,11 +87,23 @@ def main(argv: list[str] | None = None) -> None:
     pair.add_argument("--ctx", type=int, nargs="+", default=[512, 256, 1024])
     pair.add_argument("--mix-ctx", type=int, default=512, help="context length of the layer-mixing rows")
     pair.add_argument("--split", default="test", choices=["train", "validation", "test"])
-    pair.add_argument("--threads", type=int, default=1, help="intra-op threads; 1 is far faster on shared cores")
+    one = sub.add_parser("model", help="one checkpoint's own prefill on one task")
+    one.add_argument("checkpoint")
+    one.add_argument("--task", default="base", choices=["base", "tuned"])
+    one.add_argument("--n", type=int, default=200)
+    one.add_argument("--ctx", type=int, nargs="+", default=[512])
+    one.add_argument("--split", default="test", choices=["train", "validation", "test"])
+    for p in (pair, one):
+        p.add_argument("--threads", type=int, default=1, help="intra-op threads; 1 is far faster on shared cores")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.command == "pair":
         pair_report(args.checkpoints, args.n, args.ctx, args.mix_ctx, args.split)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.checkpoint).eval()
+        predict = own_prefill(model, load_tokenizer(args.checkpoint))
+        for ctx in args.ctx:
+            _emit({"model": str(args.checkpoint), **evaluate(predict, args.split, args.n, ctx, args.task)})
 
 
 if __name__ == "__main__":

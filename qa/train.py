@@ -55,9 +55,9 @@ class Phase:
     eval_every: int = 100
 
 
-BASE = Phase("qa-base", "base", steps=2400, lr=2e-3, warmup=100, queries=("base",) * 16,
+BASE = Phase("qa-base", "base", steps=1300, lr=2e-3, warmup=100, queries=("base",) * 16,
              min_facts=8, max_facts=120, curriculum=True, first_seed=0, data_seed=1, decay_from=0.75)
-TUNED = Phase("qa-tuned", "tuned", steps=300, lr=5e-4, warmup=20, queries=("tuned",) * 12 + ("base",) * 4,
+TUNED = Phase("qa-tuned", "tuned", steps=500, lr=1e-3, warmup=20, queries=("tuned",) * 12 + ("base",) * 4,
               min_facts=8, max_facts=120, curriculum=False, first_seed=SPLIT_SIZE // 2, data_seed=2,
               decay_from=0.0)
 
@@ -137,7 +137,7 @@ def train_phase(model, tok, phase: Phase, val_n: int = 50) -> History:
             hist.val_em.append((step + 1, em))
             tqdm.write(f"{phase.name} step {step + 1}: qa_loss {sum(hist.qa_loss[-50:]) / len(hist.qa_loss[-50:]):.3f} "
                        f"copy_loss {sum(hist.copy_loss[-50:]) / len(hist.copy_loss[-50:]):.3f} "
-                       f"facts<= {cur} val_em@512 {em:.3f}")
+                       f"facts<= {hi} val_em@512 {em:.3f}")
         bar.set_postfix(loss=f"{qa_loss.item():.3f}", copy=f"{copy_loss.item():.2f}", acc=f"{acc:.2f}", facts=cur)
     model.eval()
     return hist
@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--base-steps", type=int, default=BASE.steps)
     parser.add_argument("--tuned-steps", type=int, default=TUNED.steps)
+    parser.add_argument("--tuned-only", action="store_true",
+                        help="reuse <out>/qa-base from an earlier run (same result: phases are seeded separately)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -183,16 +185,24 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(MODEL_SEED)
     model = LlamaForCausalLM(model_config(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, args.layers))
     histories, summary = {}, {"threads": args.threads, "model_seed": MODEL_SEED, "layers": args.layers}
-    for phase in (base_phase, tuned_phase):
+    phases = (base_phase, tuned_phase)
+    if args.tuned_only:
+        model = LlamaForCausalLM.from_pretrained(out / BASE.name).eval()
+        summary = json.loads((out / "train_summary.json").read_text())
+        if "history" in summary[BASE.name]:
+            histories[BASE.name] = History(**summary[BASE.name]["history"])
+        phases = (tuned_phase,)
+    for phase in phases:
         p0 = time.time()
         torch.manual_seed(MODEL_SEED + phase.data_seed)
         histories[phase.name] = hist = train_phase(model, tok, phase)
         model.save_pretrained(out / phase.name)  # safetensors, fp32
         tok.save_pretrained(out / phase.name)
         wall = time.time() - p0
-        summary[phase.name] = {"phase": asdict(phase), "wall_s": round(wall, 1), "val_em_512": hist.val_em}
+        summary[phase.name] = {"phase": asdict(phase), "wall_s": round(wall, 1), "val_em_512": hist.val_em,
+                               "history": asdict(hist)}
         print(f"{phase.name}: {phase.steps} steps in {wall:.1f} s, saved to {out / phase.name}", flush=True)
-    summary["total_wall_s"] = round(time.time() - t0, 1)
+    summary["total_wall_s"] = round(sum(summary[p.name]["wall_s"] for p in (base_phase, tuned_phase)), 1)
     plot(histories, out / "loss_curve.png")
     (out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"total wall time {summary['total_wall_s']:.1f} s on {args.threads} threads", flush=True)
