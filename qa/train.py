@@ -4,7 +4,7 @@ Owns the model architecture, the optimizer schedule, the fact-count curriculum a
 checkpoint layout (`<out>/qa-base`, `<out>/qa-tuned`: safetensors + config + tokenizer, plus
 `<out>/loss_curve.png` and `<out>/train_summary.json`). Plain torch loop on CPU with a tqdm bar.
 
-    python -m qa.train [--out checkpoints] [--threads 2]
+    python -m qa.train [--out checkpoints] [--threads 1] [--layers 2] [--tuned-only]
 
 Every step = a QA batch (one train-split seed per row, several queries per context, loss on
 answer tokens) + an auxiliary copy batch (see qa.batches). The base phase raises the number of
