@@ -42,6 +42,11 @@ class Artifact:
         return self.meta["artifact_id"]
 
     @property
+    def window(self) -> int:
+        """Tokens of producer state each code is computed from (1: the token itself)."""
+        return self.meta.get("calibration", {}).get("window", 1)
+
+    @property
     def num_layers(self) -> int:
         return self.meta["geometry"]["num_layers"]
 

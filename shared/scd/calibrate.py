@@ -69,14 +69,26 @@ def kv_targets(consumer: LoadedModel, layer: int, normed: torch.Tensor) -> torch
     return torch.cat([keys.transpose(0, 1).reshape(T, -1), values.transpose(0, 1).reshape(T, -1)], dim=1).float().cpu()
 
 
-def collect(producer: LoadedModel, consumer: LoadedModel, corpus: Iterable[list[int]], total: int | None = None) -> list[LayerMoments]:
+def windowed(x: torch.Tensor, window: int) -> torch.Tensor:
+    """Causal window of a token's state: [T, d] -> [T, window * d], row t = [x_t, x_{t-1}, ...],
+    zeros before the first token. The encoder and the patch predictor read P's state through it,
+    so a consumer feature that P carries at a neighbouring token (e.g. a fine-tune that shifted
+    a previous-token head) is still linearly reachable."""
+    if window == 1:
+        return x
+    shifted = [torch.cat([x.new_zeros(k, x.shape[1]), x[: x.shape[0] - k]]) for k in range(window)]
+    return torch.cat(shifted, dim=1)
+
+
+def collect(producer: LoadedModel, consumer: LoadedModel, corpus: Iterable[list[int]], total: int | None = None,
+            window: int = 1) -> list[LayerMoments]:
     same = producer.info.weight_digest == consumer.info.weight_digest
     moments = [LayerMoments() for _ in range(consumer.info.num_layers)]
     for ids in tqdm(corpus, total=total, desc="calibrate", unit="seq"):
         xps = normed_inputs(producer, ids)
         xcs = xps if same else normed_inputs(consumer, ids)
         for layer, (xp, xc) in enumerate(zip(xps, xcs)):
-            moments[layer].update(xp, xc, kv_targets(consumer, layer, xc))
+            moments[layer].update(windowed(xp, window), xc, kv_targets(consumer, layer, xc))
     return moments
 
 
@@ -102,7 +114,7 @@ def fit(moments: list[LayerMoments], consumer: LoadedModel, same: bool, ridge_re
     for layer, m in enumerate(moments):
         mu_x, mu_y, mu_c = m.mean("xp"), m.mean("y"), m.mean("xc")
         cxx = m.cov("xp", "xp", "xpxp")
-        exact = exact_kv_map(consumer, layer) if same else None
+        exact = exact_kv_map(consumer, layer) if same and cxx.shape[0] == consumer.info.hidden_size else None
         if exact is not None:
             weight, bias = exact
             full = weight  # [d, D]: y - mu_y = (x - mu_x) W exactly

@@ -28,13 +28,14 @@ def geometry(info) -> Geometry:
 
 def distill(producer: LoadedModel, consumer: LoadedModel, corpus: list[list[int]], heldout: list[search.HeldOut], *,
             corpus_name: str, loss_target: float = 0.02, generations: int = 30, seed: int = 0, ridge_rel: float = 1e-3,
-            max_schedules: int = 12, schedules: list[str] | None = None, log=print) -> Artifact:
+            max_schedules: int = 12, schedules: list[str] | None = None, window: int = 1, log=print) -> Artifact:
     """Fit an artifact and measure its schedules: searched (default), or exactly the given
     schedule texts (`schedules`, e.g. for a timing-only model where a search costs too much)."""
     torch.manual_seed(seed)
     started = time.perf_counter()
     same = producer.info.weight_digest == consumer.info.weight_digest
-    moments = calibrate.collect(producer, consumer, corpus, total=len(corpus))
+    window = 1 if same else window  # P == C: the token's own state determines its K/V exactly
+    moments = calibrate.collect(producer, consumer, corpus, total=len(corpus), window=window)
     g = geometry(producer.info)
     meta = {
         "producer": {"model_id": producer.info.model_id, "weight_digest": producer.info.weight_digest},
@@ -43,7 +44,7 @@ def distill(producer: LoadedModel, consumer: LoadedModel, corpus: list[list[int]
                    "tokens": sum(map(len, corpus))},
         "geometry": {"num_layers": consumer.info.num_layers, "hidden": g.hidden, "kv_width": g.kv_width,
                      "kv_element_bytes": g.kv_element_bytes, "quant_group": g.quant_group},
-        "calibration": {"seed": seed, "ridge_rel": ridge_rel, "homogeneous": same, "loss_target": loss_target,
+        "calibration": {"seed": seed, "ridge_rel": ridge_rel, "homogeneous": same, "window": window, "loss_target": loss_target,
                         "heldout_examples": len(heldout), "loss": "mean KL(oracle || reconstructed), nats per answer token"},
     }
     art = Artifact(calibrate.fit(moments, consumer, same, ridge_rel), meta)
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--loss-target", type=float, default=0.02)
     p.add_argument("--generations", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--window", type=int, default=1, help="tokens of producer state per code (heterogeneous pairs)")
     p.add_argument("--schedules", default="", help="measure these schedules instead of searching: comma-separated, "
                    "each per-layer text ('R16.R16.P.W') or one action for every layer ('R32*')")
     p.add_argument("--out", required=True, type=Path, help="output .safetensors path")
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     layers_n = consumer.info.num_layers
     given = [".".join([t[:-1]] * layers_n) if t.endswith("*") else t for t in args.schedules.split(",") if t]
     art = distill(producer, consumer, corpus, held, corpus_name=name, loss_target=args.loss_target,
-                  generations=args.generations, seed=args.seed, schedules=given, log=lambda m: print(m, file=sys.stderr))
+                  generations=args.generations, seed=args.seed, schedules=given, window=args.window, log=lambda m: print(m, file=sys.stderr))
     art.save(args.out)
     for s in art.meta["schedules"]:
         print(json.dumps({"artifact": art.artifact_id, **s}))

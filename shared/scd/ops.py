@@ -4,9 +4,10 @@ The one implementation of the reconstruction math: the scd codec calls it in the
 the schedule search calls it to measure loss, so calibrated losses describe what is served.
 
 Tensors of layer l in the artifact (d = hidden, D = 2·n_kv·head_dim):
-  mu_x [d]  mean of P's normalized input      encoder [d, D]  x^P -> coefficients in `basis`
+  mu_x [w·d] mean of P's windowed normalized input (calibrate.windowed; w = 1: the input itself)
+  encoder [w·d, D]  windowed x^P -> coefficients in `basis`
   mu_y [D]  mean of C's pre-RoPE [k | v]       basis [D, D]    orthonormal PCA basis of y^C, by variance
-  patch [d, d], mu_c [d]: x̂ = (x^P - mu_x) patch + mu_c predicts C's normalized input
+  patch [w·d, d], mu_c [d]: x̂ = (x^P - mu_x) patch + mu_c predicts C's normalized input
                          (absent in a homogeneous artifact: x̂ = x^P)
 """
 
@@ -18,6 +19,7 @@ from shared import layers
 from shared.kv import LayerState
 from shared.models import LoadedModel
 from shared.scd.artifact import Artifact
+from shared.scd.calibrate import windowed
 from shared.scd.schedule import Action
 
 try:  # KIVI-style quantization for the QUANT action
@@ -44,7 +46,7 @@ def encode_layer(art: Artifact, layer: int, action: Action, state: LayerState, g
         return {"k": state.keys, "v": state.values}
     if action.kind == "quant":
         return quantize.encode_kv(state.keys, state.values, action.param, group_size)
-    x = state.normed.float() - art.tensor(layer, "mu_x")  # [T, d]
+    x = windowed(state.normed.float(), art.window) - art.tensor(layer, "mu_x")  # [T, window * d]
     if action.kind in ("reuse", "reuse_fp16"):
         z = x @ art.tensor(layer, "encoder")[:, : action.param]  # [T, r]
         if action.kind == "reuse_fp16":
