@@ -37,7 +37,8 @@ def default_example() -> tuple[str, str, str, str, str, str]:
     return "tiny-llama", "tiny-llama", "", FALLBACK_CONTEXT, FALLBACK_QUESTION, ""
 
 
-async def ask_all(address: str, context: str, question: str, max_new_tokens: int, has_artifact: bool) -> list[dict]:
+async def ask_all(address: str, context: str, question: str, max_new_tokens: int, has_artifact: bool,
+                  stop_ids: list[int]) -> list[dict]:
     rows = []
     async with ConsumerClient(address) as client:
         described = await client.describe()
@@ -46,7 +47,7 @@ async def ask_all(address: str, context: str, question: str, max_new_tokens: int
         oracle_ids = None
         for mode in modes:
             answer = await client.generate(mode=mode, context=prompt(context), question=prompt(question),
-                                           max_new_tokens=max_new_tokens)
+                                           max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
             oracle_ids = answer.ids if mode == "oracle" else oracle_ids
             chosen = dict(answer.stats.transfer.options)
             detail = chosen.get("schedule") or ",".join(f"{k}={v}" for k, v in sorted(chosen.items()))
@@ -67,14 +68,19 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--consumer", help="use a running consumer at HOST:PORT instead of starting services")
     args = parser.parse_args()
+    stop_ids = []
+    if gold:  # the QA pair: answers end with its '.' token
+        from qa.tokenizer import end_token_id, load_tokenizer
+
+        stop_ids = [end_token_id(load_tokenizer(args.consumer_model))]
     print(f"# context: {len(context.split())} words; question: {question.strip()!r}; gold: {gold!r}", file=sys.stderr)
     if args.consumer:
-        rows = asyncio.run(ask_all(args.consumer, context, question, args.max_new_tokens, bool(args.artifacts)))
+        rows = asyncio.run(ask_all(args.consumer, context, question, args.max_new_tokens, bool(args.artifacts), stop_ids))
     else:
         common = ["--dtype", args.dtype, "--log-level", "WARNING", "--artifacts", args.artifacts]
         with services.running(["--model", args.producer_model, *common], ["--model", args.consumer_model, *common],
                               log_dir=services.ROOT / "bench/runs/demo") as (_, consumer):
-            rows = asyncio.run(ask_all(consumer.address, context, question, args.max_new_tokens, bool(args.artifacts)))
+            rows = asyncio.run(ask_all(consumer.address, context, question, args.max_new_tokens, bool(args.artifacts), stop_ids))
     for row in rows:
         print(json.dumps(row))
 
