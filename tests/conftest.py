@@ -90,3 +90,19 @@ async def assert_refused_by_both(pair: Pair, spec, named: str, **fields) -> None
             pass
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert named in err.value.details()
+
+
+def perturbed_model(name: str, seed: int, scale: float, save_to=None):
+    """A same-architecture stand-in for a fine-tuned variant: builtin `name` with seeded noise on
+    every weight; with save_to, saved (weights + tokenizer) where a server can load it."""
+    from shared.models import load_model
+
+    loaded = load_model(name, "float32", "cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in loaded.model.parameters():
+            p.add_(scale * torch.randn_like(p))
+    if save_to is not None:
+        loaded.model.save_pretrained(save_to)
+        loaded.tokenizer.save_pretrained(save_to)
+    return loaded

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from shared.models import load_model
 from shared.pb import common_pb2
-from tests.conftest import prompt, running_pair
+from tests.conftest import perturbed_model, prompt, running_pair
 
 CONTEXT = "The producer reads a long context and the consumer writes the answer. " * 12
 QUESTION = " Which layers are patched? alpha beta"
@@ -65,13 +65,7 @@ async def test_raw_across_different_models_is_naive_reuse(tmp_path):
     """Producer tiny-llama feeding a consumer loaded (from_pretrained) with other weights of the
     same architecture: the consumer decodes on the producer's KV."""
     local_p = load_model("tiny-llama", "float32", "cpu")
-    local_c = load_model("tiny-llama", "float32", "cpu")
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in local_c.model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    local_c.model.save_pretrained(tmp_path)
-    local_c.tokenizer.save_pretrained(tmp_path)
+    local_c = perturbed_model("tiny-llama", seed=1, scale=0.05, save_to=tmp_path)
     tok = local_c.tokenizer
     ctx_ids = tok(CONTEXT)["input_ids"]
     q_ids = tok(QUESTION, add_special_tokens=False)["input_ids"]

@@ -16,7 +16,7 @@ from shared.errors import InvalidArgument
 from shared.models import load_model
 from shared.pb import common_pb2
 from shared.recompute_profile import profile_span
-from tests.conftest import assert_refused_by_both, prompt, running_pair
+from tests.conftest import assert_refused_by_both, perturbed_model, prompt, running_pair
 from tests.test_end_to_end import CONTEXT, QUESTION, local_greedy
 
 NEW = 16
@@ -89,14 +89,7 @@ async def test_recompute_with_the_same_model_equals_oracle(arch):
 def different_consumer(tmp_path_factory):
     """tiny-llama with perturbed weights, saved where a server can load it (a fine-tuned C)."""
     path = tmp_path_factory.mktemp("consumer")
-    local_c = load_model("tiny-llama", "float32", "cpu")
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in local_c.model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    local_c.model.save_pretrained(path)
-    local_c.tokenizer.save_pretrained(path)
-    return path, local_c
+    return path, perturbed_model("tiny-llama", seed=1, scale=0.05, save_to=path)
 
 
 @torch.inference_mode()

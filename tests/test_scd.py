@@ -14,6 +14,7 @@ from shared.scd import ops, search
 from shared.scd.artifact import Artifact
 from shared.scd.distill import distill, geometry
 from shared.scd.schedule import Action, Schedule, bytes_per_token
+from tests.conftest import perturbed_model
 
 
 def random_corpus(n: int, length: int, seed: int) -> list[list[int]]:
@@ -92,11 +93,7 @@ def test_pareto_set_is_sorted_non_dominated_and_budgets_pick_from_it(homogeneous
 
 def test_calibration_is_deterministic_for_a_seed():
     model = load_model("tiny-qwen2", "float32", "cpu")
-    other = load_model("tiny-qwen2", "float32", "cpu")
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for p in other.model.parameters():
-            p.add_(0.02 * torch.randn_like(p))
+    other = perturbed_model("tiny-qwen2", seed=3, scale=0.02)
     other.info = dataclasses.replace(other.info, weight_digest="perturbed")
     corpus = random_corpus(6, 64, 0)
     a = distill(model, other, corpus, heldout(2, 1), corpus_name="r", generations=1, log=lambda m: None)
