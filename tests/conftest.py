@@ -55,13 +55,13 @@ class Pair:
 
 @contextlib.asynccontextmanager
 async def running_pair(producer_model: str = "tiny-llama", consumer_model: str | None = None, dtype: str = "float32",
-                       producer_kw: dict | None = None, consumer_kw: dict | None = None) -> AsyncIterator[Pair]:
+                       producer_kw: dict | None = None, consumer_kw: dict | None = None, device: str = "cpu") -> AsyncIterator[Pair]:
     """Producer and consumer servers on free loopback ports, torn down on exit."""
-    producer = ProducerServer(ProducerConfig(port=0, model=producer_model, dtype=dtype, device="cpu", drain_grace_s=0.5,
+    producer = ProducerServer(ProducerConfig(port=0, model=producer_model, dtype=dtype, device=device, drain_grace_s=0.5,
                                              **(producer_kw or {})))
     await producer.start()
     await producer.load()
-    consumer = ConsumerServer(ConsumerConfig(port=0, model=consumer_model or producer_model, dtype=dtype, device="cpu",
+    consumer = ConsumerServer(ConsumerConfig(port=0, model=consumer_model or producer_model, dtype=dtype, device=device,
                                              producer=producer.address, drain_grace_s=0.5, **(consumer_kw or {})))
     await consumer.start()
     await consumer.load()
