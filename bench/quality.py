@@ -23,6 +23,7 @@ from consumer.client import ConsumerClient, prompt
 from qa.metrics import exact_match, f1_score
 from qa.task import END, examples
 from shared.scd.artifact import Artifact
+from shared.scd.search import evenly_spaced
 
 ROOT = services.ROOT
 RESULTS = ROOT / "bench/results"
@@ -37,11 +38,7 @@ def modes_for(artifact: Artifact, max_schedules: int) -> list[tuple[str, dict]]:
     span = artifact.meta.get("recompute_span")
     runs = [("oracle", {}), ("raw", {}), ("quant", {"bits": "8"}), ("quant", {"bits": "4"})]
     runs.append(("recompute", {"start": str(span[0]), "end": str(span[1])} if span else {}))
-    entries = artifact.schedules
-    if len(entries) > max_schedules:
-        step = (len(entries) - 1) / (max_schedules - 1)
-        entries = [entries[round(i * step)] for i in range(max_schedules)]
-    runs += [("scd", {"schedule": e.name}) for e in entries]
+    runs += [("scd", {"schedule": e.name}) for e in evenly_spaced(artifact.schedules, max_schedules)]
     return runs
 
 

@@ -57,9 +57,7 @@ def distill(producer: LoadedModel, consumer: LoadedModel, corpus: list[list[int]
     else:
         lattice = search.action_lattice(g, with_quant=ops.quantize is not None)
         front, report = search.search(ev, lattice, g, loss_target, generations=generations, seed=seed, log=log)
-    if len(front) > max_schedules:  # keep the ends and an even spread between
-        step = (len(front) - 1) / (max_schedules - 1)
-        front = [front[round(i * step)] for i in range(max_schedules)]
+    front = search.evenly_spaced(front, max_schedules)
     meta["schedules"] = [{"name": f"s{i}", "schedule": str(p.schedule), "loss": p.loss, "bytes_per_token": p.bytes_per_token}
                          for i, p in enumerate(front)]
     meta["search"] = report

@@ -113,6 +113,14 @@ def pareto(points: list[Point]) -> list[Point]:
     return front
 
 
+def evenly_spaced(items: list, n: int) -> list:
+    """At most n items: both ends and an even spread between (items kept in order)."""
+    if len(items) <= n:
+        return list(items)
+    step = (len(items) - 1) / (n - 1)
+    return [items[round(i * step)] for i in range(n)]
+
+
 def search(ev: LossEvaluator, lattice: list[Action], g: Geometry, loss_target: float, generations: int = 30,
            population: int = 16, patience: int = 6, seed: int = 0, log=print) -> tuple[list[Point], dict]:
     num_layers = ev.consumer.info.num_layers
