@@ -35,5 +35,6 @@ def artifacts_to_pb(codecs: Mapping[str, Codec]) -> list[common_pb2.ArtifactInfo
             consumer_weight_digest=art.meta["consumer"]["weight_digest"],
             schedules=[common_pb2.ScheduleInfo(name=e.name, schedule=e.schedule, calibrated_loss=e.loss,
                                                bytes_per_token=e.bytes_per_token) for e in art.schedules],
+            predictor_layers=art.predictor_layers,
         ))
     return out

@@ -2,7 +2,8 @@
 its forward bit for bit: K/V from a layer's normalized input (Patch), RoPE on pre-RoPE keys
 (Reuse), and running a span of decoder layers from a hidden state (Recompute).
 
-Supports Llama-style attention (Llama, Qwen2 with q/k/v biases, Qwen3 with k_norm). Knows
+`rope` and `kv_pre_rope` are differentiable (the SCD predictor trains through them); the caller
+picks the grad mode. Supports Llama-style attention (Llama, Qwen2 with q/k/v biases, Qwen3 with k_norm). Knows
 nothing about codecs or the wire.
 """
 
@@ -26,7 +27,6 @@ def _rope_fn(loaded: LoadedModel, layer: int):
     return sys.modules[type(attn).__module__].apply_rotary_pos_emb
 
 
-@torch.inference_mode()
 def rope(loaded: LoadedModel, layer: int, keys_pre: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Apply the model's rotary embedding: keys_pre [n_kv, T, hd] -> post-RoPE [n_kv, T, hd]."""
     cos, sin = loaded.model.model.rotary_emb(keys_pre, position_ids=pos)  # [1, T, hd] each
@@ -34,7 +34,6 @@ def rope(loaded: LoadedModel, layer: int, keys_pre: torch.Tensor, pos: torch.Ten
     return keys[0]
 
 
-@torch.inference_mode()
 def kv_pre_rope(loaded: LoadedModel, layer: int, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Pre-RoPE keys (after k_norm where the model has one) and values from the layer's
     normalized input normed [T, d] -> ([n_kv, T, hd], [n_kv, T, hd])."""

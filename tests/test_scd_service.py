@@ -7,6 +7,7 @@ import pytest
 
 from shared.models import load_model
 from shared.pb import common_pb2
+from shared.scd.artifact import FORMAT_VERSION
 from shared.scd.distill import distill
 from tests.conftest import prompt, running_pair
 from tests.test_scd import heldout, random_corpus
@@ -48,7 +49,7 @@ async def test_full_rank_scd_gives_raw_tokens_and_budgets_choose_schedules(artif
         for reply in (await pair.stub.Describe(consumer_pb2.ConsumerServiceDescribeRequest()),
                       await pair.producer_stub.Describe(producer_pb2.ProducerServiceDescribeRequest())):
             (listed,) = reply.artifacts
-            assert listed.artifact_id == art.artifact_id and listed.format_version == 1
+            assert listed.artifact_id == art.artifact_id and listed.format_version == FORMAT_VERSION
             assert [(s.name, s.schedule, s.bytes_per_token) for s in listed.schedules] == \
                 [(e.name, e.schedule, e.bytes_per_token) for e in art.schedules]
         with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
@@ -20,7 +20,8 @@ from shared.errors import FailedPrecondition, InvalidArgument
 from shared.models import ModelInfo
 from shared.scd.schedule import Geometry, Schedule
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # written; 2 added optional learned predictors (layer.<l>.predictor.*)
+READABLE_VERSIONS = (1, 2)  # a version-1 artifact is a version-2 artifact without predictors
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,22 @@ class Artifact:
     tensors: dict[str, torch.Tensor]
     meta: dict
     path: Path | None = None
+    _predictors: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def predictor_layers(self) -> list[int]:
+        return sorted(int(l) for l in self.meta.get("predictor", {}).get("layers", {}))
+
+    def predictor(self, layer: int):
+        """The layer's learned predictor module (built once, on its tensors' device), or None."""
+        config = self.meta.get("predictor", {}).get("config")
+        if config is None:
+            return None
+        if layer not in self._predictors:
+            from shared.scd.predictor import from_tensors
+
+            self._predictors[layer] = from_tensors(self.tensors, layer, config)
+        return self._predictors[layer]
 
     @property
     def artifact_id(self) -> str:
@@ -75,8 +92,8 @@ class Artifact:
         with safe_open(str(path), "pt") as f:
             meta = json.loads((f.metadata() or {}).get("scd", "{}"))
         version = meta.get("format_version")
-        if version != FORMAT_VERSION:
-            raise FailedPrecondition(f"artifact {path}: format_version {version}, this build reads {FORMAT_VERSION}")
+        if version not in READABLE_VERSIONS:
+            raise FailedPrecondition(f"artifact {path}: format_version {version}, this build reads {list(READABLE_VERSIONS)}")
         return Artifact(load_file(str(path)), meta, path)
 
     def check_model(self, role: str, info: ModelInfo) -> None:

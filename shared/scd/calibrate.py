@@ -7,6 +7,8 @@ Fits per layer l (x^P, x^C: normalized layer inputs; y^C = C's pre-RoPE [k | v])
 - encoder: ridge regression of (y^C - mu_y) on (x^P - mu_x), expressed in the basis. When P and
   C are the same weights and K has no k_norm, the exact map W_kv^T is used instead;
 - patch: ridge regression of x^C on x^P (identity when P == C, then not stored).
+Where a layer has a learned predictor (shared.scd.predictor), its output (an estimate of x^C)
+replaces x^P, and the layer is then fitted like P == C: exact W_kv encoder, identity patch.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def normed_inputs(loaded: LoadedModel, ids: list[int]) -> list[torch.Tensor]:
     return [out[i] for i in range(loaded.info.num_layers)]
 
 
+@torch.no_grad()
 def kv_targets(consumer: LoadedModel, layer: int, normed: torch.Tensor) -> torch.Tensor:
     """C's pre-RoPE [k | v] for its normalized input: [T, 2 * n_kv * hd], float32 on CPU."""
     keys, values = layers.kv_pre_rope(consumer, layer, normed.to(consumer.device, consumer.dtype))
@@ -80,15 +83,29 @@ def windowed(x: torch.Tensor, window: int) -> torch.Tensor:
     return torch.cat(shifted, dim=1)
 
 
+@torch.no_grad()
+def producer_features(xp: torch.Tensor, window: int, predictor=None) -> torch.Tensor:
+    """What a layer's linear encoder and patch map read: the learned predictor's output
+    (shared.scd.predictor) where the layer has one, else P's windowed state. xp: [T, d]."""
+    if predictor is not None:
+        from shared.scd.predictor import predict
+
+        return predict(predictor, xp)
+    return windowed(xp, window)
+
+
 def collect(producer: LoadedModel, consumer: LoadedModel, corpus: Iterable[list[int]], total: int | None = None,
-            window: int = 1) -> list[LayerMoments]:
+            window: int = 1, predictors: dict | None = None) -> list[LayerMoments]:
+    """Per-layer moments over the corpus; `predictors` maps layer -> learned predictor."""
     same = producer.info.weight_digest == consumer.info.weight_digest
+    predictors = predictors or {}
     moments = [LayerMoments() for _ in range(consumer.info.num_layers)]
     for ids in tqdm(corpus, total=total, desc="calibrate", unit="seq"):
         xps = normed_inputs(producer, ids)
         xcs = xps if same else normed_inputs(consumer, ids)
         for layer, (xp, xc) in enumerate(zip(xps, xcs)):
-            moments[layer].update(windowed(xp, window), xc, kv_targets(consumer, layer, xc))
+            features = producer_features(xp.to(producer.device), window, predictors.get(layer)).cpu()
+            moments[layer].update(features, xc, kv_targets(consumer, layer, xc))
     return moments
 
 
@@ -109,12 +126,17 @@ def exact_kv_map(consumer: LoadedModel, layer: int) -> tuple[torch.Tensor, torch
     return weight, bias
 
 
-def fit(moments: list[LayerMoments], consumer: LoadedModel, same: bool, ridge_rel: float = 1e-3) -> dict[str, torch.Tensor]:
+def fit(moments: list[LayerMoments], consumer: LoadedModel, same: bool, ridge_rel: float = 1e-3,
+        predicted: frozenset[int] = frozenset()) -> dict[str, torch.Tensor]:
+    """Per-layer tensors. `same` (P == C) and the `predicted` layers (features = a learned
+    predictor's estimate of C's normalized input) use C's own K/V map: the exact W_kv where K/V
+    are linear in the input (ridge otherwise) and an identity patch (not stored)."""
     tensors = {}
     for layer, m in enumerate(moments):
         mu_x, mu_y, mu_c = m.mean("xp"), m.mean("y"), m.mean("xc")
         cxx = m.cov("xp", "xp", "xpxp")
-        exact = exact_kv_map(consumer, layer) if same and cxx.shape[0] == consumer.info.hidden_size else None
+        own = same or layer in predicted  # the features already live in C's input space
+        exact = exact_kv_map(consumer, layer) if own and cxx.shape[0] == consumer.info.hidden_size else None
         if exact is not None:
             weight, bias = exact
             full = weight  # [d, D]: y - mu_y = (x - mu_x) W exactly
@@ -127,7 +149,7 @@ def fit(moments: list[LayerMoments], consumer: LoadedModel, same: bool, ridge_re
         # a deterministic sign per basis vector (eigh's signs are arbitrary)
         basis = basis * torch.sign(basis[basis.abs().argmax(0), torch.arange(basis.shape[1])])[None]
         fitted = {"mu_x": mu_x, "mu_y": mu_y, "basis": basis, "encoder": full @ basis}
-        if not same:  # P == C: the patch predictor is the identity, not stored
+        if not own:  # the patch map is the identity, not stored
             fitted.update(patch=ridge(cxx, m.cov("xp", "xc", "xpxc"), ridge_rel), mu_c=mu_c)  # [d, d], [d]
         for name, value in fitted.items():
             tensors[f"layer.{layer}.{name}"] = value.float().contiguous()

@@ -12,13 +12,15 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from shared.models import LoadedModel, load_model
-from shared.scd import calibrate, ops, search
+from shared.scd import calibrate, ops, predictor, search
 from shared.scd.artifact import Artifact
-from shared.scd.schedule import Geometry, Schedule
+from shared.scd.predictor import TrainConfig
+from shared.scd.schedule import Action, Geometry, Schedule
 
 
 def geometry(info) -> Geometry:
@@ -28,9 +30,16 @@ def geometry(info) -> Geometry:
 
 def distill(producer: LoadedModel, consumer: LoadedModel, corpus: list[list[int]], heldout: list[search.HeldOut], *,
             corpus_name: str, loss_target: float = 0.02, generations: int = 30, seed: int = 0, ridge_rel: float = 1e-3,
-            max_schedules: int = 12, schedules: list[str] | None = None, window: int = 1, log=print) -> Artifact:
+            max_schedules: int = 12, schedules: list[str] | None = None, window: int = 1,
+            predictor_layers: str = "none", predictor_examples: Iterator[search.HeldOut] | None = None,
+            predictor_train: TrainConfig = TrainConfig(), log=print) -> Artifact:
     """Fit an artifact and measure its schedules: searched (default), or exactly the given
-    schedule texts (`schedules`, e.g. for a timing-only model where a search costs too much)."""
+    schedule texts (`schedules`, e.g. for a timing-only model where a search costs too much).
+
+    predictor_layers (heterogeneous pairs): "none", "all", "auto" (the layers whose Patch through
+    the linear map alone loses more than loss_target) or comma-separated layer indices; those
+    layers get a learned predictor (shared.scd.predictor) trained on `predictor_examples`, and the
+    linear maps are refitted on its output."""
     torch.manual_seed(seed)
     started = time.perf_counter()
     same = producer.info.weight_digest == consumer.info.weight_digest
@@ -49,6 +58,20 @@ def distill(producer: LoadedModel, consumer: LoadedModel, corpus: list[list[int]
     }
     art = Artifact(calibrate.fit(moments, consumer, same, ridge_rel), meta)
     log(f"fitted {consumer.info.num_layers} layers in {time.perf_counter() - started:.1f}s")
+    chosen, linear_loss = ([], {}) if same else _predictor_layers(predictor_layers, art, producer, consumer, heldout, loss_target, log)
+    if chosen:
+        if predictor_examples is None:
+            raise ValueError("predictor_layers needs predictor_examples to train on")
+        models, reports = {}, {}
+        for layer in chosen:
+            models[layer], reports[str(layer)] = predictor.train(producer, consumer, layer, predictor_examples, predictor_train, log)
+        moments = calibrate.collect(producer, consumer, corpus, total=len(corpus), window=window, predictors=models)
+        tensors = calibrate.fit(moments, consumer, same, ridge_rel, predicted=frozenset(models))
+        for layer, model in models.items():
+            tensors.update(predictor.to_tensors(layer, model))
+        meta["predictor"] = {"config": reports[str(chosen[0])]["config"], "layers": reports, "patch_loss_linear": linear_loss}
+        art = Artifact(tensors, meta)
+        log(f"refitted with learned predictors on layers {chosen}")
     ev = search.LossEvaluator(art, producer, consumer, heldout)
     if schedules:
         given = [Schedule.parse(text, consumer.info.num_layers) for text in schedules]
@@ -77,18 +100,56 @@ def distill(producer: LoadedModel, consumer: LoadedModel, corpus: list[list[int]
     return art
 
 
-def qa_corpus(n: int, heldout: int, ctx_tokens: int, task: str, tokenizer) -> tuple[list[list[int]], list[search.HeldOut]]:
-    from qa.task import END, examples
+def _predictor_layers(spec: str, art: Artifact, producer: LoadedModel, consumer: LoadedModel, heldout, loss_target: float,
+                      log) -> tuple[list[int], dict[str, float]]:
+    """(layers to give a predictor, Patch loss per layer with the linear map alone if measured)."""
+    n = consumer.info.num_layers
+    if spec == "none":
+        return [], {}
+    if spec == "all":
+        return list(range(n)), {}
+    if spec != "auto":
+        return sorted({int(x) for x in spec.split(",")}), {}
+    ev = search.LossEvaluator(art, producer, consumer, heldout)
+    losses = {l: ev.loss([Action("patch") if i == l else None for i in range(n)]) for l in range(n)}
+    log(f"patch loss with the linear map alone, per layer: {losses}")
+    return [l for l, v in losses.items() if v > loss_target], {str(l): v for l, v in losses.items()}
+
+
+def qa_heldout(example, tokenizer) -> search.HeldOut:
+    """A QA example as ids: context (with BOS), question + answer + END, scored from the answer."""
+    from qa.task import END
 
     def ids(text: str, special: bool) -> list[int]:
         return tokenizer(text, add_special_tokens=special)["input_ids"]
 
-    corpus = [ids(e.context, True) + ids(f"{e.question} {e.answer} {END}", False) for e in examples("train", n, ctx_tokens, task)]
-    held = []
-    for e in examples("validation", heldout, ctx_tokens, task):
-        q, a = ids(e.question, False), ids(f"{e.answer} {END}", False)  # the answer and its terminator
-        held.append(search.HeldOut(ids(e.context, True), q + a, len(q)))
-    return corpus, held
+    q, a = ids(example.question, False), ids(f"{example.answer} {END}", False)  # the answer and its terminator
+    return search.HeldOut(ids(example.context, True), q + a, len(q))
+
+
+def qa_stream(ctx_tokens: int, task: str, tokenizer) -> Iterator[search.HeldOut]:
+    """Endless examples of the QA train split, in seed order (predictor training)."""
+    from qa.task import examples
+
+    seed = 0
+    while True:
+        yield from (qa_heldout(e, tokenizer) for e in examples("train", 1000, ctx_tokens, task, start=seed))
+        seed += 1000
+
+
+def text_stream(corpus: list[list[int]]) -> Iterator[search.HeldOut]:
+    """Endless (first 80% | last 20%, all scored) splits of the corpus sequences, in order."""
+    while True:
+        for s in corpus:
+            cut = max(1, int(len(s) * 0.8))
+            yield search.HeldOut(s[:cut], s[cut:], 0)
+
+
+def qa_corpus(n: int, heldout: int, ctx_tokens: int, task: str, tokenizer) -> tuple[list[list[int]], list[search.HeldOut]]:
+    from qa.task import examples
+
+    corpus = [h.context_ids + h.qa_ids for h in (qa_heldout(e, tokenizer) for e in examples("train", n, ctx_tokens, task))]
+    return corpus, [qa_heldout(e, tokenizer) for e in examples("validation", heldout, ctx_tokens, task)]
 
 
 def text_corpus(path: Path, n: int, heldout: int, tokenizer) -> tuple[list[list[int]], list[search.HeldOut]]:
@@ -120,6 +181,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--window", type=int, default=1, help="tokens of producer state per code (heterogeneous pairs)")
     p.add_argument("--schedules", default="", help="measure these schedules instead of searching: comma-separated, "
                    "each per-layer text ('R16.R16.P.W') or one action for every layer ('R32*')")
+    p.add_argument("--predictor-layers", default="none",
+                   help="heterogeneous pairs: layers with a learned non-linear predictor: none | all | auto | '1,3'")
+    p.add_argument("--predictor-steps", default="1500,600", help="predictor training steps: kv-error stage, KL stage")
+    p.add_argument("--predictor-ctx", type=int, default=512, help="context tokens of QA predictor training examples")
     p.add_argument("--out", required=True, type=Path, help="output .safetensors path")
     args = p.parse_args(argv)
     torch.set_num_threads(2)
@@ -131,10 +196,14 @@ def main(argv: list[str] | None = None) -> None:
     else:
         corpus, held = text_corpus(Path(args.corpus), args.n, args.heldout, consumer.tokenizer)
         name = f"file:{args.corpus}"
+    stream = qa_stream(args.predictor_ctx, args.task, consumer.tokenizer) if args.corpus == "qa" else text_stream(corpus)
+    mse_steps, kl_steps = (int(x) for x in args.predictor_steps.split(","))
+    train_cfg = TrainConfig(mse_steps=mse_steps, kl_steps=kl_steps, seed=args.seed)
     layers_n = consumer.info.num_layers
     given = [".".join([t[:-1]] * layers_n) if t.endswith("*") else t for t in args.schedules.split(",") if t]
     art = distill(producer, consumer, corpus, held, corpus_name=name, loss_target=args.loss_target,
-                  generations=args.generations, seed=args.seed, schedules=given, window=args.window, log=lambda m: print(m, file=sys.stderr))
+                  generations=args.generations, seed=args.seed, schedules=given, window=args.window, predictor_layers=args.predictor_layers, predictor_examples=stream,
+                  predictor_train=train_cfg, log=lambda m: print(m, file=sys.stderr))
     art.save(args.out)
     for s in art.meta["schedules"]:
         print(json.dumps({"artifact": art.artifact_id, **s}))

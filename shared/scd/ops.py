@@ -4,11 +4,13 @@ The one implementation of the reconstruction math: the scd codec calls it in the
 the schedule search calls it to measure loss, so calibrated losses describe what is served.
 
 Tensors of layer l in the artifact (d = hidden, D = 2·n_kv·head_dim):
-  mu_x [w·d] mean of P's windowed normalized input (calibrate.windowed; w = 1: the input itself)
-  encoder [w·d, D]  windowed x^P -> coefficients in `basis`
+  mu_x [w·d] mean of the producer features: P's windowed normalized input (calibrate.windowed;
+            w = 1: the input itself), or the layer's learned predictor output (d wide) where
+            the artifact has `layer.<l>.predictor.*` tensors (shared.scd.predictor)
+  encoder [w·d, D]  producer features -> coefficients in `basis`
   mu_y [D]  mean of C's pre-RoPE [k | v]       basis [D, D]    orthonormal PCA basis of y^C, by variance
-  patch [w·d, d], mu_c [d]: x̂ = (x^P - mu_x) patch + mu_c predicts C's normalized input
-                         (absent in a homogeneous artifact: x̂ = x^P)
+  patch [w·d, d], mu_c [d]: x̂ = (features - mu_x) patch + mu_c predicts C's normalized input
+                         (absent for P == C and for predictor layers: x̂ = the features)
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from shared import layers
 from shared.kv import LayerState
 from shared.models import LoadedModel
 from shared.scd.artifact import Artifact
-from shared.scd.calibrate import windowed
+from shared.scd.calibrate import producer_features
 from shared.scd.schedule import Action
 
 try:  # KIVI-style quantization for the QUANT action
@@ -46,7 +48,8 @@ def encode_layer(art: Artifact, layer: int, action: Action, state: LayerState, g
         return {"k": state.keys, "v": state.values}
     if action.kind == "quant":
         return quantize.encode_kv(state.keys, state.values, action.param, group_size)
-    x = windowed(state.normed.float(), art.window) - art.tensor(layer, "mu_x")  # [T, window * d]
+    features = producer_features(state.normed.float(), art.window, art.predictor(layer))  # [T, w·d]
+    x = features - art.tensor(layer, "mu_x")
     if action.kind in ("reuse", "reuse_fp16"):
         z = x @ art.tensor(layer, "encoder")[:, : action.param]  # [T, r]
         if action.kind == "reuse_fp16":
@@ -54,8 +57,8 @@ def encode_layer(art: Artifact, layer: int, action: Action, state: LayerState, g
         codes, scale = int8_rows(z)
         return {"z": codes, "z_scale": scale}
     if action.kind == "patch":
-        if f"layer.{layer}.patch" not in art.tensors:  # homogeneous artifact: identity predictor
-            return {"x": state.normed.to(torch.float16)}
+        if f"layer.{layer}.patch" not in art.tensors:  # P == C, or a learned predictor: the features are x̂
+            return {"x": features.to(torch.float16)}
         return {"x": (x @ art.tensor(layer, "patch") + art.tensor(layer, "mu_c")).to(torch.float16)}  # [T, d]
     raise ValueError(action)
 

@@ -1,0 +1,182 @@
+"""Learned non-linear predictor of the consumer's normalized layer input, for heterogeneous pairs.
+
+A per-token linear map from P's state cannot rebuild a layer of C whose input depends on how the
+fine-tune rewired earlier attention (what C's earlier layers read at *other* positions). The
+predictor is one small causal transformer layer, a Hugging Face `LlamaModel` with one decoder
+layer and RoPE, run with `inputs_embeds` = P's normalized input of layer l over the context
+([T, d] -> [T, d]) as a residual correction of it (untrained, it is the identity).
+The producer runs it in the layer hook; the ridge encoder and patch map of that layer are then
+fitted on its output instead of on P's raw state (shared.scd.calibrate), so Reuse codes and
+Patch payloads both come from it. The consumer never runs it.
+
+Training (streaming, never holding the corpus): stage 1 minimises the normalized error of C's
+pre-RoPE [k | v] computed from the prediction (only W_k, W_v and k_norm of C see it, so that is
+the error that reaches the cache); stage 2 adds the end-to-end loss the schedule search
+measures: KL(C with its own cache || C with this layer rebuilt from the prediction) over the
+scored continuation tokens (a search.HeldOut: the answer of a QA example), every other layer C's own.
+
+Stored in the artifact as `layer.<l>.predictor.<parameter>` tensors plus the model config in
+the metadata. Knows nothing about schedules or the wire.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator
+
+import torch
+from transformers import LlamaConfig, LlamaModel
+
+from shared import kv, layers
+from shared.models import LoadedModel
+from shared.scd.search import HeldOut
+
+PREFIX = "predictor."
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    mse_steps: int = 1500
+    kl_steps: int = 600
+    batch: int = 4  # sequences per optimizer step
+    lr: float = 2e-3  # peak learning rate, stage 1 (one-cycle schedule)
+    kl_lr: float = 5e-4  # peak learning rate, stage 2
+    kl_weight: float = 1.0  # stage 2 loss = normalized kv error + kl_weight * KL
+    intermediate_mult: int = 2  # MLP width = mult * hidden
+    seed: int = 0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def model_config(consumer: LoadedModel, intermediate_mult: int = 2) -> dict:
+    """JSON-able LlamaConfig kwargs for a one-layer predictor of this consumer's width."""
+    cfg = consumer.model.config.get_text_config(decoder=True)
+    info = consumer.info
+    heads = max(1, info.hidden_size // info.head_dim)
+    return {"vocab_size": 1, "hidden_size": info.hidden_size, "intermediate_size": intermediate_mult * info.hidden_size,
+            "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": info.head_dim,
+            "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+            "rope_parameters": {"rope_theta": float(cfg.rope_parameters.get("rope_theta", 10000.0)), "rope_type": "default"},
+            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+
+
+def build(config: dict) -> LlamaModel:
+    """A one-layer LlamaModel used as a residual map x -> x + attn(x) + mlp(...): no final norm,
+    and the attention and MLP output projections start at zero, so an untrained predictor is
+    the identity (naive reuse of P's state) and training learns only the correction."""
+    model = LlamaModel(LlamaConfig(**config))
+    model.norm = torch.nn.Identity()
+    for block in model.layers:
+        torch.nn.init.zeros_(block.self_attn.o_proj.weight)
+        torch.nn.init.zeros_(block.mlp.down_proj.weight)
+    model.embed_tokens.weight.requires_grad_(False)  # unused: inputs arrive as embeddings
+    return model
+
+
+def predict(model: LlamaModel, normed: torch.Tensor) -> torch.Tensor:
+    """P's normalized layer input [T, d] -> predicted C normalized input [T, d], float32."""
+    return model(inputs_embeds=normed.float()[None]).last_hidden_state[0]
+
+
+def to_tensors(layer: int, model: LlamaModel) -> dict[str, torch.Tensor]:
+    return {f"layer.{layer}.{PREFIX}{name}": t.detach().float().contiguous() for name, t in model.state_dict().items()
+            if not name.startswith("embed_tokens")}
+
+
+def from_tensors(tensors: dict[str, torch.Tensor], layer: int, config: dict) -> LlamaModel | None:
+    """The layer's predictor (eval mode, on its tensors' device), or None if it has none."""
+    head = f"layer.{layer}.{PREFIX}"
+    state = {name[len(head):]: t for name, t in tensors.items() if name.startswith(head)}
+    if not state:
+        return None
+    model = build(config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if not m.startswith("embed_tokens")]:
+        raise ValueError(f"layer {layer} predictor: missing {missing}, unexpected {unexpected}")
+    device = next(iter(state.values())).device
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _kv_error(consumer: LoadedModel, layer: int, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error of C's pre-RoPE [k | v] from pred vs from target ([T, d] each),
+    normalized by the target's per-dimension variance (1.0 = predicting the mean)."""
+    kp, vp = layers.kv_pre_rope(consumer, layer, pred.to(consumer.dtype))
+    with torch.no_grad():
+        kt, vt = layers.kv_pre_rope(consumer, layer, target.to(consumer.dtype))
+    yp, yt = torch.cat([kp, vp], -1).float(), torch.cat([kt, vt], -1).float()  # [n_kv, T, 2 hd]
+    return ((yp - yt) ** 2).mean() / yt.var(1).mean().clamp_min(1e-12)
+
+
+def _kl(consumer: LoadedModel, layer: int, pred: torch.Tensor, ex: HeldOut) -> torch.Tensor:
+    """KL(C on its own cache || C with `layer` rebuilt from pred) over ex's scored tokens."""
+    device = consumer.device
+    ctx = torch.tensor([ex.context_ids], device=device)
+    cont = torch.tensor([ex.qa_ids], device=device)
+    scored = slice(max(ex.answer_start - 1, 0), cont.shape[1] - 1)  # logits that predict the scored tokens
+    with torch.no_grad():
+        own = kv.prefill_context(consumer, ctx)
+        ref = torch.log_softmax(consumer.model(input_ids=cont, cache=own, use_cache=True).logits[0, scored].float(), -1)
+        own = kv.prefill_context(consumer, ctx)
+    keys_pre, values = layers.kv_pre_rope(consumer, layer, pred.to(consumer.dtype))
+    keys = layers.rope(consumer, layer, keys_pre, layers.positions(consumer, len(ex.context_ids)))
+    cache = kv.empty_cache(consumer)
+    for i in range(consumer.info.num_layers):
+        if i == layer:
+            kv.put_layer(cache, i, keys, values)
+        else:
+            kv.put_layer(cache, i, own.layers[i].keys[0], own.layers[i].values[0])
+    logp = torch.log_softmax(consumer.model(input_ids=cont, cache=cache, use_cache=True).logits[0, scored].float(), -1)
+    return (ref.exp() * (ref - logp)).sum(-1).mean()
+
+
+@torch.no_grad()
+def _states(loaded: LoadedModel, ids: list[int], layer: int) -> torch.Tensor:
+    from shared.scd.calibrate import normed_inputs
+
+    return normed_inputs(loaded, ids)[layer]
+
+
+def train(producer: LoadedModel, consumer: LoadedModel, layer: int, examples: Iterator[HeldOut], cfg: TrainConfig,
+          log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> tuple[LlamaModel, dict]:
+    """Fit layer `layer`'s predictor on examples drawn from `examples` (context, continuation,
+    scored start; at least batch * (mse_steps + kl_steps) of them). Returns (model in eval mode, report)."""
+    torch.manual_seed(cfg.seed + layer)
+    started = time.perf_counter()
+    config = model_config(consumer, cfg.intermediate_mult)
+    model = build(config).to(consumer.device).train()
+    for p in list(producer.model.parameters()) + list(consumer.model.parameters()):
+        p.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    curve = []
+    for stage, steps, lr in (("kv", cfg.mse_steps, cfg.lr), ("kl", cfg.kl_steps, cfg.kl_lr)):
+        if steps == 0:
+            continue
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+        for step in range(steps):
+            opt.zero_grad()
+            err_sum = kl_sum = 0.0
+            for _ in range(cfg.batch):
+                ex = next(examples)
+                seq = ex.context_ids + ex.qa_ids if stage == "kv" else ex.context_ids
+                xp, xc = _states(producer, seq, layer).to(consumer.device), _states(consumer, seq, layer)
+                pred = predict(model, xp)
+                loss = err = _kv_error(consumer, layer, pred, xc)
+                if stage == "kl":
+                    kl = _kl(consumer, layer, pred, ex)
+                    loss = err + cfg.kl_weight * kl
+                    kl_sum += kl.item() / cfg.batch
+                (loss / cfg.batch).backward()
+                err_sum += err.item() / cfg.batch
+            opt.step()
+            sched.step()
+            if step % 50 == 0 or step == steps - 1:
+                curve.append({"stage": stage, "step": step, "kv_error": round(err_sum, 5), "kl": round(kl_sum, 5)})
+                log(f"predictor layer {layer} {stage} step {step}/{steps}: kv_error {err_sum:.4f}"
+                    + (f" kl {kl_sum:.4f}" if stage == "kl" else ""))
+    model.eval().requires_grad_(False)
+    report = {"config": config, "train": cfg.to_json(), "curve": curve, "wall_s": round(time.perf_counter() - started, 1)}
+    return model, report

@@ -1,0 +1,103 @@
+"""The learned SCD predictor (shared.scd.predictor) on a tiny heterogeneous pair: training lowers
+the consumer-K/V error, the artifact round-trips it, the producer's encoder reads through it,
+and the real services serve a predictor artifact with the tokens of the in-process codec path."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from shared import kv, layers
+from shared.models import load_model, weight_digest
+from shared.pb import common_pb2, consumer_pb2
+from shared.scd import ops, predictor
+from shared.scd.artifact import Artifact
+from shared.scd.distill import distill
+from shared.scd.schedule import Schedule
+from tests.conftest import perturbed_model, prompt, running_pair
+from tests.test_end_to_end import CONTEXT, QUESTION
+from tests.test_scd import heldout, random_corpus, states_of
+
+TRAIN = predictor.TrainConfig(mse_steps=100, kl_steps=6, batch=2, lr=1e-2, kl_lr=1e-3)
+LAYER = 1
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(producer, consumer, artifact saved under a directory, that directory, consumer path)."""
+    consumer_path = tmp_path_factory.mktemp("consumer")
+    producer = load_model("tiny-llama", "float32", "cpu")
+    consumer = perturbed_model("tiny-llama", seed=1, scale=0.05, save_to=consumer_path)
+    consumer.info = dataclasses.replace(consumer.info, model_id=str(consumer_path), weight_digest=weight_digest(consumer.model))
+    art = distill(producer, consumer, random_corpus(12, 96, 0), heldout(3, 1), corpus_name="random", generations=1,
+                  predictor_layers=str(LAYER), predictor_examples=itertools.cycle(heldout(16, 7)),
+                  predictor_train=TRAIN, schedules=["R8.P.R8.R8", "W.P.W.W"], log=lambda m: None)
+    directory = tmp_path_factory.mktemp("artifacts")
+    art.save(directory / "tiny-hetero.safetensors")
+    return producer, consumer, art, directory, consumer_path
+
+
+def test_training_lowers_the_consumer_kv_error(pair):
+    _, _, art, _, _ = pair
+    curve = art.meta["predictor"]["layers"][str(LAYER)]["curve"]
+    kv_stage = [c["kv_error"] for c in curve if c["stage"] == "kv"]
+    assert kv_stage[-1] < 0.6 * kv_stage[0]
+    assert [c for c in curve if c["stage"] == "kl"][-1]["kl"] >= 0
+    assert art.predictor_layers == [LAYER] and art.predictor(0) is None
+
+
+def test_artifact_round_trips_the_predictor_and_the_encoder_reads_through_it(pair):
+    producer, _, art, directory, _ = pair
+    back = Artifact.load(directory / "tiny-hetero.safetensors")
+    assert back.predictor_layers == [LAYER]
+    ids = random_corpus(1, 70, 11)[0]
+    state = states_of(producer, ids)[LAYER]
+    with torch.no_grad():
+        expected_x = predictor.predict(art.predictor(LAYER), state.normed)
+        assert torch.equal(predictor.predict(back.predictor(LAYER), state.normed), expected_x)
+    x = expected_x - back.tensor(LAYER, "mu_x")
+    patch = ops.encode_layer(back, LAYER, Schedule.parse("W.P.W.W", 4).actions[LAYER], state)["x"]
+    assert f"layer.{LAYER}.patch" not in back.tensors  # the predictor's output is the patch
+    assert torch.equal(patch, expected_x.to(torch.float16))
+    reuse = ops.encode_layer(back, LAYER, Schedule.parse("R8.R8.R8.R8", 4).actions[LAYER], state)
+    codes, scale = ops.int8_rows(x @ back.tensor(LAYER, "encoder")[:, :8])
+    assert torch.equal(reuse["z"], codes) and torch.equal(reuse["z_scale"], scale)
+
+
+@torch.inference_mode()
+def codec_reference(producer, consumer, art, schedule: str, ctx_ids, q_ids, n: int) -> list[int]:
+    """The scd codec path in-process: encode every layer from P's states, decode into C's cache, greedy."""
+    actions = Schedule.parse(schedule, art.num_layers).actions
+    states = states_of(producer, ctx_ids)
+    cache = kv.empty_cache(consumer)
+    pos = layers.positions(consumer, len(ctx_ids))
+    for layer, action in enumerate(actions):
+        payloads = {k: v.contiguous() for k, v in ops.encode_layer(art, layer, action, states[layer]).items()}
+        kv.put_layer(cache, layer, *ops.decode_layer(art, layer, action, payloads, consumer, pos))
+    logits = consumer.model(input_ids=torch.tensor([q_ids]), cache=cache, use_cache=True).logits[0, -1]
+    out = []
+    for _ in range(n):
+        out.append(int(torch.argmax(logits)))
+        if out[-1] == consumer.tokenizer.eos_token_id:  # the services stop there too
+            break
+        logits = consumer.model(input_ids=torch.tensor([[out[-1]]]), cache=cache, use_cache=True).logits[0, -1]
+    return out
+
+
+async def test_services_serve_a_predictor_artifact_like_the_in_process_codec(pair):
+    producer, consumer, art, directory, consumer_path = pair
+    tok = consumer.tokenizer
+    ctx_ids, q_ids = tok(CONTEXT)["input_ids"], tok(QUESTION, add_special_tokens=False)["input_ids"]
+    schedule = "R8.P.R8.R8"
+    expected = codec_reference(producer, consumer, art, schedule, ctx_ids, q_ids, 12)
+    async with running_pair("tiny-llama", consumer_model=str(consumer_path), producer_kw={"artifacts": str(directory)},
+                            consumer_kw={"artifacts": str(directory)}) as services:
+        ids, _, stats = await services.generate(context=prompt(CONTEXT), question=prompt(QUESTION), max_new_tokens=12,
+                                                transfer=common_pb2.CodecSpec(name="scd", options={"schedule": schedule}))
+        assert ids == expected
+        assert stats.transfer.options["schedule"] == schedule
+        (listed,) = (await services.stub.Describe(consumer_pb2.ConsumerServiceDescribeRequest())).artifacts
+        assert list(listed.predictor_layers) == [LAYER]
