@@ -25,6 +25,12 @@ TRAIN = predictor.TrainConfig(mse_steps=100, kl_steps=6, batch=2, lr=1e-2, kl_lr
 LAYER = 1
 
 
+def train_examples() -> list[predictor.TrainExample]:
+    """Random contexts, each with three scored continuations (two of one length: one batch)."""
+    seqs = random_corpus(12, 100, 7)
+    return [predictor.TrainExample(s[:80], ((s[80:90], 4), (s[90:100], 0), (s[85:92], 2))) for s in seqs]
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """(producer, consumer, artifact saved under a directory, that directory, consumer path)."""
@@ -33,7 +39,7 @@ def pair(tmp_path_factory):
     consumer = perturbed_model("tiny-llama", seed=1, scale=0.05, save_to=consumer_path)
     consumer.info = dataclasses.replace(consumer.info, model_id=str(consumer_path), weight_digest=weight_digest(consumer.model))
     art = distill(producer, consumer, random_corpus(12, 96, 0), heldout(3, 1), corpus_name="random", generations=1,
-                  predictor_layers=str(LAYER), predictor_examples=itertools.cycle(heldout(16, 7)),
+                  predictor_layers=str(LAYER), predictor_examples=itertools.cycle(train_examples()),
                   predictor_train=TRAIN, schedules=["R8.P.R8.R8", "W.P.W.W"], log=lambda m: None)
     directory = tmp_path_factory.mktemp("artifacts")
     art.save(directory / "tiny-hetero.safetensors")
@@ -101,3 +107,17 @@ async def test_services_serve_a_predictor_artifact_like_the_in_process_codec(pai
         assert stats.transfer.options["schedule"] == schedule
         (listed,) = (await services.stub.Describe(consumer_pb2.ConsumerServiceDescribeRequest())).artifacts
         assert list(listed.predictor_layers) == [LAYER]
+
+
+@torch.no_grad()
+def test_kl_is_zero_for_the_true_input_and_batching_does_not_change_it(pair):
+    _, consumer, _, _, _ = pair
+    ex = train_examples()[0]
+    true_x = predictor._states(consumer, ex.context_ids, LAYER)
+    assert float(predictor._kl(consumer, LAYER, true_x, ex)) == pytest.approx(0.0, abs=1e-5)
+    noisy = true_x + 0.3 * torch.randn(true_x.shape, generator=torch.Generator().manual_seed(0))
+    together = float(predictor._kl(consumer, LAYER, noisy, ex))
+    singles = [(float(predictor._kl(consumer, LAYER, noisy, predictor.TrainExample(ex.context_ids, (c,)))),
+                len(c[0]) - 1 - max(c[1] - 1, 0)) for c in ex.continuations]
+    assert together > 1e-3
+    assert together == pytest.approx(sum(k * n for k, n in singles) / sum(n for _, n in singles), rel=1e-4)

@@ -19,7 +19,7 @@ import torch
 from shared.models import LoadedModel, load_model
 from shared.scd import calibrate, ops, predictor, search
 from shared.scd.artifact import Artifact
-from shared.scd.predictor import TrainConfig
+from shared.scd.predictor import TrainConfig, TrainExample
 from shared.scd.schedule import Action, Geometry, Schedule
 
 
@@ -31,7 +31,7 @@ def geometry(info) -> Geometry:
 def distill(producer: LoadedModel, consumer: LoadedModel, corpus: list[list[int]], heldout: list[search.HeldOut], *,
             corpus_name: str, loss_target: float = 0.02, generations: int = 30, seed: int = 0, ridge_rel: float = 1e-3,
             max_schedules: int = 12, schedules: list[str] | None = None, window: int = 1,
-            predictor_layers: str = "none", predictor_examples: Iterator[search.HeldOut] | None = None,
+            predictor_layers: str = "none", predictor_examples: Iterator[TrainExample] | None = None,
             predictor_train: TrainConfig = TrainConfig(), log=print) -> Artifact:
     """Fit an artifact and measure its schedules: searched (default), or exactly the given
     schedule texts (`schedules`, e.g. for a timing-only model where a search costs too much).
@@ -127,22 +127,35 @@ def qa_heldout(example, tokenizer) -> search.HeldOut:
     return search.HeldOut(ids(example.context, True), q + a, len(q))
 
 
-def qa_stream(ctx_tokens: int, task: str, tokenizer) -> Iterator[search.HeldOut]:
-    """Endless examples of the QA train split, in seed order (predictor training)."""
-    from qa.task import examples
+def qa_stream(ctx_tokens: int, task: str, tokenizer, questions: int = 8) -> Iterator[TrainExample]:
+    """Endless QA train-split contexts, each with `questions` questions about its facts (the
+    example's own first), answers scored; deterministic (predictor training)."""
+    import random
+
+    from qa.task import END, examples, render_question
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     seed = 0
     while True:
-        yield from (qa_heldout(e, tokenizer) for e in examples("train", 1000, ctx_tokens, task, start=seed))
+        for e in examples("train", 1000, ctx_tokens, task, start=seed):
+            rng = random.Random(e.context)
+            facts = [e.target] + rng.sample([f for f in e.facts if f != e.target], min(questions, len(e.facts)) - 1)
+            conts = []
+            for fact in facts:
+                q, a = render_question(fact, task)
+                conts.append((ids(q) + ids(f"{a} {END}"), len(ids(q))))
+            yield TrainExample(tokenizer(e.context)["input_ids"], tuple(conts))
         seed += 1000
 
 
-def text_stream(corpus: list[list[int]]) -> Iterator[search.HeldOut]:
+def text_stream(corpus: list[list[int]]) -> Iterator[TrainExample]:
     """Endless (first 80% | last 20%, all scored) splits of the corpus sequences, in order."""
     while True:
         for s in corpus:
             cut = max(1, int(len(s) * 0.8))
-            yield search.HeldOut(s[:cut], s[cut:], 0)
+            yield TrainExample(s[:cut], ((s[cut:], 0),))
 
 
 def qa_corpus(n: int, heldout: int, ctx_tokens: int, task: str, tokenizer) -> tuple[list[list[int]], list[search.HeldOut]]:

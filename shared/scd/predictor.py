@@ -13,7 +13,7 @@ Training (streaming, never holding the corpus): stage 1 minimises the normalized
 pre-RoPE [k | v] computed from the prediction (only W_k, W_v and k_norm of C see it, so that is
 the error that reaches the cache); stage 2 adds the end-to-end loss the schedule search
 measures: KL(C with its own cache || C with this layer rebuilt from the prediction) over the
-scored continuation tokens (a search.HeldOut: the answer of a QA example), every other layer C's own.
+scored continuation tokens (answers to questions about the context), every other layer C's own.
 
 Stored in the artifact as `layer.<l>.predictor.<parameter>` tensors plus the model config in
 the metadata. Knows nothing about schedules or the wire.
@@ -31,9 +31,17 @@ from transformers import LlamaConfig, LlamaModel
 
 from shared import kv, layers
 from shared.models import LoadedModel
-from shared.scd.search import HeldOut
 
 PREFIX = "predictor."
+
+
+@dataclass(frozen=True)
+class TrainExample:
+    """One context and the continuations the KL stage scores on top of it (several questions
+    about one context give a denser signal than one)."""
+
+    context_ids: list[int]
+    continuations: tuple[tuple[list[int], int], ...]  # (ids, index of the first scored token)
 
 
 @dataclass(frozen=True)
@@ -110,26 +118,39 @@ def _kv_error(consumer: LoadedModel, layer: int, pred: torch.Tensor, target: tor
     return ((yp - yt) ** 2).mean() / yt.var(1).mean().clamp_min(1e-12)
 
 
-def _kl(consumer: LoadedModel, layer: int, pred: torch.Tensor, ex: HeldOut) -> torch.Tensor:
-    """KL(C on its own cache || C with `layer` rebuilt from pred) over ex's scored tokens."""
+def _cache(consumer: LoadedModel, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], batch: int):
+    """A cache holding layer_kv ([n_kv, T, hd] each) for `batch` continuations of one context."""
+    cache = kv.empty_cache(consumer)
+    for i, (k, v) in enumerate(layer_kv):
+        cache.update(k[None].expand(batch, -1, -1, -1), v[None].expand(batch, -1, -1, -1), i)
+    return cache
+
+
+def _kl(consumer: LoadedModel, layer: int, pred: torch.Tensor, ex: TrainExample) -> torch.Tensor:
+    """KL(C on its own cache || C with `layer` rebuilt from pred), mean over the scored tokens of
+    all of ex's continuations (those of one length run as one batch)."""
     device = consumer.device
-    ctx = torch.tensor([ex.context_ids], device=device)
-    cont = torch.tensor([ex.qa_ids], device=device)
-    scored = slice(max(ex.answer_start - 1, 0), cont.shape[1] - 1)  # logits that predict the scored tokens
     with torch.no_grad():
-        own = kv.prefill_context(consumer, ctx)
-        ref = torch.log_softmax(consumer.model(input_ids=cont, cache=own, use_cache=True).logits[0, scored].float(), -1)
-        own = kv.prefill_context(consumer, ctx)
+        own = kv.prefill_context(consumer, torch.tensor([ex.context_ids], device=device))
+        own_kv = [(own.layers[i].keys[0], own.layers[i].values[0]) for i in range(consumer.info.num_layers)]
     keys_pre, values = layers.kv_pre_rope(consumer, layer, pred.to(consumer.dtype))
     keys = layers.rope(consumer, layer, keys_pre, layers.positions(consumer, len(ex.context_ids)))
-    cache = kv.empty_cache(consumer)
-    for i in range(consumer.info.num_layers):
-        if i == layer:
-            kv.put_layer(cache, i, keys, values)
-        else:
-            kv.put_layer(cache, i, own.layers[i].keys[0], own.layers[i].values[0])
-    logp = torch.log_softmax(consumer.model(input_ids=cont, cache=cache, use_cache=True).logits[0, scored].float(), -1)
-    return (ref.exp() * (ref - logp)).sum(-1).mean()
+    mixed_kv = [(keys, values) if i == layer else pair for i, pair in enumerate(own_kv)]
+    total, count = pred.new_zeros(()), 0
+    for length in sorted({len(ids) for ids, _ in ex.continuations}):
+        group = [(ids, start) for ids, start in ex.continuations if len(ids) == length]
+        ids = torch.tensor([g[0] for g in group], device=device)  # [b, n]
+        with torch.no_grad():
+            ref = torch.log_softmax(consumer.model(input_ids=ids, cache=_cache(consumer, own_kv, len(group)),
+                                                   use_cache=True).logits.float(), -1)  # [b, n, vocab]
+        logp = torch.log_softmax(consumer.model(input_ids=ids, cache=_cache(consumer, mixed_kv, len(group)),
+                                                use_cache=True).logits.float(), -1)
+        for j, (_, start) in enumerate(group):
+            scored = slice(max(start - 1, 0), length - 1)  # logits that predict the scored tokens
+            r, p = ref[j, scored], logp[j, scored]
+            total = total + (r.exp() * (r - p)).sum()
+            count += r.shape[0]
+    return total / max(count, 1)
 
 
 @torch.no_grad()
@@ -139,10 +160,10 @@ def _states(loaded: LoadedModel, ids: list[int], layer: int) -> torch.Tensor:
     return normed_inputs(loaded, ids)[layer]
 
 
-def train(producer: LoadedModel, consumer: LoadedModel, layer: int, examples: Iterator[HeldOut], cfg: TrainConfig,
+def train(producer: LoadedModel, consumer: LoadedModel, layer: int, examples: Iterator[TrainExample], cfg: TrainConfig,
           log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> tuple[LlamaModel, dict]:
-    """Fit layer `layer`'s predictor on examples drawn from `examples` (context, continuation,
-    scored start; at least batch * (mse_steps + kl_steps) of them). Returns (model in eval mode, report)."""
+    """Fit layer `layer`'s predictor on examples drawn from `examples` (at least
+    batch * (mse_steps + kl_steps) of them). Returns (model in eval mode, report)."""
     torch.manual_seed(cfg.seed + layer)
     started = time.perf_counter()
     config = model_config(consumer, cfg.intermediate_mult)
@@ -161,8 +182,8 @@ def train(producer: LoadedModel, consumer: LoadedModel, layer: int, examples: It
             err_sum = kl_sum = 0.0
             for _ in range(cfg.batch):
                 ex = next(examples)
-                seq = ex.context_ids + ex.qa_ids if stage == "kv" else ex.context_ids
-                xp, xc = _states(producer, seq, layer).to(consumer.device), _states(consumer, seq, layer)
+                xp = _states(producer, ex.context_ids, layer).to(consumer.device)
+                xc = _states(consumer, ex.context_ids, layer)
                 pred = predict(model, xp)
                 loss = err = _kv_error(consumer, layer, pred, xc)
                 if stage == "kl":
