@@ -119,14 +119,19 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-schedules", type=int, default=8)
+    p.add_argument("--artifact", action="append", default=[], metavar="PAIR=PATH",
+                   help="use this artifact for a pair instead of the shipped one (repeatable)")
+    p.add_argument("--out-dir", type=Path, default=RESULTS, help="where quality.{jsonl,md,png} go")
     args = p.parse_args()
+    overrides = dict(a.split("=", 1) for a in args.artifact)
     from qa.tokenizer import end_token_id
     from transformers import AutoTokenizer
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for pair in args.pairs.split(","):
         producer, consumer, artifact_path = PAIRS[pair]
+        artifact_path = overrides.get(pair, artifact_path)
         artifact = Artifact.load(ROOT / artifact_path)
         end_id = end_token_id(AutoTokenizer.from_pretrained(ROOT / consumer))
         common = ["--dtype", args.dtype, "--log-level", "WARNING", "--artifacts", str(ROOT / artifact_path)]
@@ -134,9 +139,9 @@ def main() -> None:
                               log_dir=ROOT / "bench/runs/quality") as (_, c):
             rows += asyncio.run(run_pair(pair, c.address, artifact, args.n, args.ctx, args.max_schedules, end_id,
                                          4 if args.dtype == "float32" else 2))
-    (RESULTS / "quality.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    plot(rows, RESULTS / "quality.png")
-    (RESULTS / "quality.md").write_text(table(rows) + "\n")
+    (args.out_dir / "quality.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plot(rows, args.out_dir / "quality.png")
+    (args.out_dir / "quality.md").write_text(table(rows) + "\n")
     print(table(rows), file=sys.stderr)
 
 
