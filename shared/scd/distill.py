@@ -198,9 +198,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="heterogeneous pairs: layers with a learned non-linear predictor: none | all | auto | '1,3'")
     p.add_argument("--predictor-steps", default="1500,600", help="predictor training steps: kv-error stage, KL stage")
     p.add_argument("--predictor-ctx", type=int, default=512, help="context tokens of QA predictor training examples")
+    p.add_argument("--predictor-mult", type=int, default=2, help="predictor MLP width / hidden size")
+    p.add_argument("--predictor-depth", type=int, default=1, help="predictor decoder layers")
+    p.add_argument("--predictor-kl-lr", type=float, default=5e-4, help="peak learning rate of the KL stage")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--out", required=True, type=Path, help="output .safetensors path")
     args = p.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     producer = load_model(args.producer, args.dtype, "auto")
     consumer = producer if args.consumer == args.producer else load_model(args.consumer, args.dtype, "auto")
     if args.corpus == "qa":
@@ -211,7 +215,8 @@ def main(argv: list[str] | None = None) -> None:
         name = f"file:{args.corpus}"
     stream = qa_stream(args.predictor_ctx, args.task, consumer.tokenizer) if args.corpus == "qa" else text_stream(corpus)
     mse_steps, kl_steps = (int(x) for x in args.predictor_steps.split(","))
-    train_cfg = TrainConfig(mse_steps=mse_steps, kl_steps=kl_steps, seed=args.seed)
+    train_cfg = TrainConfig(mse_steps=mse_steps, kl_steps=kl_steps, seed=args.seed, intermediate_mult=args.predictor_mult,
+                            depth=args.predictor_depth, kl_lr=args.predictor_kl_lr)
     layers_n = consumer.info.num_layers
     given = [".".join([t[:-1]] * layers_n) if t.endswith("*") else t for t in args.schedules.split(",") if t]
     art = distill(producer, consumer, corpus, held, corpus_name=name, loss_target=args.loss_target,

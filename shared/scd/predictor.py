@@ -53,26 +53,27 @@ class TrainConfig:
     kl_lr: float = 5e-4  # peak learning rate, stage 2
     kl_weight: float = 1.0  # stage 2 loss = normalized kv error + kl_weight * KL
     intermediate_mult: int = 2  # MLP width = mult * hidden
+    depth: int = 1  # decoder layers in the predictor
     seed: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-def model_config(consumer: LoadedModel, intermediate_mult: int = 2) -> dict:
-    """JSON-able LlamaConfig kwargs for a one-layer predictor of this consumer's width."""
+def model_config(consumer: LoadedModel, intermediate_mult: int = 2, depth: int = 1) -> dict:
+    """JSON-able LlamaConfig kwargs for a predictor of this consumer's width."""
     cfg = consumer.model.config.get_text_config(decoder=True)
     info = consumer.info
     heads = max(1, info.hidden_size // info.head_dim)
     return {"vocab_size": 1, "hidden_size": info.hidden_size, "intermediate_size": intermediate_mult * info.hidden_size,
-            "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": info.head_dim,
+            "num_hidden_layers": depth, "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": info.head_dim,
             "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
             "rope_parameters": {"rope_theta": float(cfg.rope_parameters.get("rope_theta", 10000.0)), "rope_type": "default"},
             "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 
 
 def build(config: dict) -> LlamaModel:
-    """A one-layer LlamaModel used as a residual map x -> x + attn(x) + mlp(...): no final norm,
+    """A LlamaModel (one layer by default) used as a residual map x -> x + attn(x) + mlp(...): no final norm,
     and the attention and MLP output projections start at zero, so an untrained predictor is
     the identity (naive reuse of P's state) and training learns only the correction."""
     model = LlamaModel(LlamaConfig(**config))
@@ -166,7 +167,7 @@ def train(producer: LoadedModel, consumer: LoadedModel, layer: int, examples: It
     batch * (mse_steps + kl_steps) of them). Returns (model in eval mode, report)."""
     torch.manual_seed(cfg.seed + layer)
     started = time.perf_counter()
-    config = model_config(consumer, cfg.intermediate_mult)
+    config = model_config(consumer, cfg.intermediate_mult, cfg.depth)
     model = build(config).to(consumer.device).train()
     for p in list(producer.model.parameters()) + list(consumer.model.parameters()):
         p.requires_grad_(False)
