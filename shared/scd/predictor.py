@@ -9,7 +9,7 @@ The producer runs it in the layer hook; the ridge encoder and patch map of that 
 fitted on its output instead of on P's raw state (shared.scd.calibrate), so Reuse codes and
 Patch payloads both come from it. The consumer never runs it.
 
-Training (streaming, never holding the corpus): stage 1 minimises the normalized error of C's
+Training (in fp32, streaming, never holding the corpus): stage 1 minimises the normalized error of C's
 pre-RoPE [k | v] computed from the prediction (only W_k, W_v and k_norm of C see it, so that is
 the error that reaches the cache); stage 2 adds the end-to-end loss the schedule search
 measures: KL(C with its own cache || C with this layer rebuilt from the prediction) over the
@@ -21,6 +21,8 @@ the metadata. Knows nothing about schedules or the wire.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -161,12 +163,21 @@ def _states(loaded: LoadedModel, ids: list[int], layer: int) -> torch.Tensor:
     return normed_inputs(loaded, ids)[layer]
 
 
+def _float32(loaded: LoadedModel) -> LoadedModel:
+    """The model itself if fp32, else an fp32 copy of its (already rounded) weights: training
+    runs in fp32 (bf16 matmuls are slow on CPU and their gradients noisy)."""
+    if loaded.dtype == torch.float32:
+        return loaded
+    return dataclasses.replace(loaded, model=copy.deepcopy(loaded.model).float())
+
+
 def train(producer: LoadedModel, consumer: LoadedModel, layer: int, examples: Iterator[TrainExample], cfg: TrainConfig,
           log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> tuple[LlamaModel, dict]:
     """Fit layer `layer`'s predictor on examples drawn from `examples` (at least
     batch * (mse_steps + kl_steps) of them). Returns (model in eval mode, report)."""
     torch.manual_seed(cfg.seed + layer)
     started = time.perf_counter()
+    producer, consumer = _float32(producer), _float32(consumer)
     config = model_config(consumer, cfg.intermediate_mult, cfg.depth)
     model = build(config).to(consumer.device).train()
     for p in list(producer.model.parameters()) + list(consumer.model.parameters()):
