@@ -121,3 +121,15 @@ def test_kl_is_zero_for_the_true_input_and_batching_does_not_change_it(pair):
                 len(c[0]) - 1 - max(c[1] - 1, 0)) for c in ex.continuations]
     assert together > 1e-3
     assert together == pytest.approx(sum(k * n for k, n in singles) / sum(n for _, n in singles), rel=1e-4)
+
+
+def test_homogeneous_pairs_get_no_predictor_and_auto_follows_the_linear_patch_loss(pair):
+    producer, consumer, art, _, _ = pair
+    same = distill(producer, producer, random_corpus(6, 64, 0), heldout(2, 1), corpus_name="r", predictor_layers="all",
+                   schedules=["R8.R8.R8.R8"], log=lambda m: None)
+    assert same.predictor_layers == [] and "predictor" not in same.meta
+    auto = distill(producer, consumer, random_corpus(6, 64, 0), heldout(2, 1), corpus_name="r", predictor_layers="auto",
+                   predictor_examples=itertools.cycle(train_examples()), schedules=["R8.R8.R8.R8"], loss_target=0.0,
+                   predictor_train=predictor.TrainConfig(mse_steps=2, kl_steps=1, batch=1), log=lambda m: None)
+    linear = auto.meta["predictor"]["patch_loss_linear"]
+    assert auto.predictor_layers == [int(l) for l, loss in linear.items() if loss > 0.0] != []

@@ -2,8 +2,8 @@
 
 A per-token linear map from P's state cannot rebuild a layer of C whose input depends on how the
 fine-tune rewired earlier attention (what C's earlier layers read at *other* positions). The
-predictor is one small causal transformer layer, a Hugging Face `LlamaModel` with one decoder
-layer and RoPE, run with `inputs_embeds` = P's normalized input of layer l over the context
+predictor is a small causal transformer, a Hugging Face `LlamaModel` with one decoder layer
+(`depth` configurable) and RoPE, run with `inputs_embeds` = P's normalized input of layer l over the context
 ([T, d] -> [T, d]) as a residual correction of it (untrained, it is the identity).
 The producer runs it in the layer hook; the ridge encoder and patch map of that layer are then
 fitted on its output instead of on P's raw state (shared.scd.calibrate), so Reuse codes and
@@ -70,14 +70,15 @@ def model_config(consumer: LoadedModel, intermediate_mult: int = 2, depth: int =
     return {"vocab_size": 1, "hidden_size": info.hidden_size, "intermediate_size": intermediate_mult * info.hidden_size,
             "num_hidden_layers": depth, "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": info.head_dim,
             "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-            "rope_parameters": {"rope_theta": float(cfg.rope_parameters.get("rope_theta", 10000.0)), "rope_type": "default"},
+            "rope_parameters": {"rope_theta": float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+                                "rope_type": "default"},
             "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 
 
 def build(config: dict) -> LlamaModel:
-    """A LlamaModel (one layer by default) used as a residual map x -> x + attn(x) + mlp(...): no final norm,
-    and the attention and MLP output projections start at zero, so an untrained predictor is
-    the identity (naive reuse of P's state) and training learns only the correction."""
+    """A LlamaModel used as a residual map x -> x + attn(x) + mlp(...): no final norm, and the
+    attention and MLP output projections start at zero, so an untrained predictor is the
+    identity (naive reuse of P's state) and training learns only the correction."""
     model = LlamaModel(LlamaConfig(**config))
     model.norm = torch.nn.Identity()
     for block in model.layers:
