@@ -63,7 +63,8 @@ eval-pair: $(STAMP)
 # SCD codec artifacts for the trained pair (committed; rebuild after `make models`).
 artifacts: $(PB_GEN)
 	$(PYTHON) -m shared.scd.distill --producer checkpoints/qa-base --consumer checkpoints/qa-tuned \
-		--dtype bfloat16 --window 3 --out artifacts/qa-base-to-tuned.safetensors
+		--dtype bfloat16 --predictor-layers auto --predictor-steps 1500,2000 --predictor-depth 2 --threads 1 \
+		--out artifacts/qa-base-to-tuned.safetensors
 	$(PYTHON) -m shared.scd.distill --producer checkpoints/qa-tuned --consumer checkpoints/qa-tuned \
 		--dtype bfloat16 --out artifacts/qa-tuned-to-tuned.safetensors
 

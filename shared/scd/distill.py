@@ -196,10 +196,10 @@ def main(argv: list[str] | None = None) -> None:
                    "each per-layer text ('R16.R16.P.W') or one action for every layer ('R32*')")
     p.add_argument("--predictor-layers", default="none",
                    help="heterogeneous pairs: layers with a learned non-linear predictor: none | all | auto | '1,3'")
-    p.add_argument("--predictor-steps", default="1500,600", help="predictor training steps: kv-error stage, KL stage")
+    p.add_argument("--predictor-steps", default="1500,2000", help="predictor training steps: kv-error stage, KL stage")
     p.add_argument("--predictor-ctx", type=int, default=512, help="context tokens of QA predictor training examples")
     p.add_argument("--predictor-mult", type=int, default=2, help="predictor MLP width / hidden size")
-    p.add_argument("--predictor-depth", type=int, default=1, help="predictor decoder layers")
+    p.add_argument("--predictor-depth", type=int, default=2, help="predictor decoder layers")
     p.add_argument("--predictor-kl-lr", type=float, default=5e-4, help="peak learning rate of the KL stage")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--out", required=True, type=Path, help="output .safetensors path")

@@ -2,8 +2,8 @@
 
 A per-token linear map from P's state cannot rebuild a layer of C whose input depends on how the
 fine-tune rewired earlier attention (what C's earlier layers read at *other* positions). The
-predictor is a small causal transformer, a Hugging Face `LlamaModel` with one decoder layer
-(`depth` configurable) and RoPE, run with `inputs_embeds` = P's normalized input of layer l over the context
+predictor is a small causal transformer, a Hugging Face `LlamaModel` with two decoder layers
+(`depth`) and RoPE, run with `inputs_embeds` = P's normalized input of layer l over the context
 ([T, d] -> [T, d]) as a residual correction of it (untrained, it is the identity).
 The producer runs it in the layer hook; the ridge encoder and patch map of that layer are then
 fitted on its output instead of on P's raw state (shared.scd.calibrate), so Reuse codes and
@@ -49,20 +49,20 @@ class TrainExample:
 @dataclass(frozen=True)
 class TrainConfig:
     mse_steps: int = 1500
-    kl_steps: int = 600
+    kl_steps: int = 2000
     batch: int = 4  # sequences per optimizer step
     lr: float = 2e-3  # peak learning rate, stage 1 (one-cycle schedule)
     kl_lr: float = 5e-4  # peak learning rate, stage 2
     kl_weight: float = 1.0  # stage 2 loss = normalized kv error + kl_weight * KL
     intermediate_mult: int = 2  # MLP width = mult * hidden
-    depth: int = 1  # decoder layers in the predictor
+    depth: int = 2  # decoder layers in the predictor
     seed: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-def model_config(consumer: LoadedModel, intermediate_mult: int = 2, depth: int = 1) -> dict:
+def model_config(consumer: LoadedModel, intermediate_mult: int = 2, depth: int = 2) -> dict:
     """JSON-able LlamaConfig kwargs for a predictor of this consumer's width."""
     cfg = consumer.model.config.get_text_config(decoder=True)
     info = consumer.info
