@@ -133,3 +133,13 @@ def test_homogeneous_pairs_get_no_predictor_and_auto_follows_the_linear_patch_lo
                    predictor_train=predictor.TrainConfig(mse_steps=2, kl_steps=1, batch=1), log=lambda m: None)
     linear = auto.meta["predictor"]["patch_loss_linear"]
     assert auto.predictor_layers == [int(l) for l, loss in linear.items() if loss > 0.0] != []
+
+
+def test_predictor_training_is_deterministic_for_a_seed(pair):
+    producer, consumer, _, _, _ = pair
+    cfg = predictor.TrainConfig(mse_steps=5, kl_steps=3, batch=2)
+    a, report_a = predictor.train(producer, consumer, LAYER, itertools.cycle(train_examples()), cfg, log=lambda m: None)
+    b, report_b = predictor.train(producer, consumer, LAYER, itertools.cycle(train_examples()), cfg, log=lambda m: None)
+    assert report_a["curve"] == report_b["curve"]
+    sa, sb = predictor.to_tensors(LAYER, a), predictor.to_tensors(LAYER, b)
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
