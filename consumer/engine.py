@@ -67,6 +67,7 @@ class GenerateJob:
     stop_ids: frozenset[int]
     deadline: float  # time.monotonic() value
     received_at: float = field(default_factory=time.perf_counter)
+    fallback: str = ""  # why the transfer planner kept or replaced the requested mode ("" = not asked)
 
 
 @dataclass

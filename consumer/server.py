@@ -19,6 +19,7 @@ from shared.scd.artifact import discover
 from shared.pb import common_pb2, consumer_pb2, consumer_pb2_grpc
 from consumer.decoding import Sampling
 from consumer.engine import GenerateEngine, GenerateJob, GenerateResult, TokenOut
+from consumer.planner import Observation, TransferPlanner
 from consumer.producer_client import ProducerClient
 
 log = logs.get("consumer")
@@ -38,6 +39,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
     def attach(self, loaded: LoadedModel, client: ProducerClient) -> None:
         self.codecs = codec_lib.create_codecs(loaded, artifacts=discover(self.config.artifact_paths))
         self.engine = GenerateEngine(loaded, self.executor, client)
+        self.planner = TransferPlanner()
         self.loaded = loaded
 
     def _ready(self) -> LoadedModel:
@@ -75,6 +77,13 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             raise InvalidArgument(f"sampling.top_p: {s.top_p} not in [0, 1]")
         codec = codec_lib.lookup(self.codecs, request.transfer.name or "raw")
         options = codec.resolve(dict(request.transfer.options))
+        fallback = ""
+        if request.fallback_to_oracle and codec.uses_producer:
+            decision = self.planner.decide(codec.name, options, len(context_ids))
+            fallback = decision.reason
+            if decision.local:
+                codec = self.codecs["oracle"]
+                options = codec.resolve({})
         vocab = self.loaded.info.vocab_size
         bad = next((t for t in request.stop_token_ids if t >= vocab), None)
         if bad is not None:
@@ -91,6 +100,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             sampling=Sampling(s.temperature, s.top_p or 1.0, s.seed),
             stop_ids=stop,
             deadline=time.monotonic() + timeout_s,
+            fallback=fallback,
         )
 
     @serving.stream_errors
@@ -107,6 +117,11 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
                 if isinstance(item, TokenOut):
                     yield consumer_pb2.GenerateResponse(token=consumer_pb2.TokenDelta(ids=item.ids, text=item.text))
                 elif isinstance(item, GenerateResult):
+                    self.planner.observe(Observation(item.codec, job.options, item.context_tokens, item.bytes_received,
+                                                     item.transfer_ms, item.rebuild_ms, item.producer_prefill_ms,
+                                                     item.producer_encode_ms, item.producer_store_hit))
+                    if job.fallback:
+                        item.options["fallback"] = job.fallback
                     log.info("generate.done", mode=item.codec, ttft_ms=round(item.ttft_ms, 2), tokens=item.generated_tokens,
                              bytes=item.bytes_received, total_ms=round(item.total_ms, 2))
                     yield consumer_pb2.GenerateResponse(stats=result_to_pb(item))
