@@ -83,13 +83,14 @@ def codec_reference(producer, consumer, art, schedule: str, ctx_ids, q_ids, n: i
     for layer, action in enumerate(actions):
         payloads = {k: v.contiguous() for k, v in ops.encode_layer(art, layer, action, states[layer]).items()}
         kv.put_layer(cache, layer, *ops.decode_layer(art, layer, action, payloads, consumer, pos))
-    logits = consumer.model(input_ids=torch.tensor([q_ids]), cache=cache, use_cache=True).logits[0, -1]
+    device = consumer.device
+    logits = consumer.model(input_ids=torch.tensor([q_ids], device=device), cache=cache, use_cache=True).logits[0, -1]
     out = []
     for _ in range(n):
         out.append(int(torch.argmax(logits)))
         if out[-1] == consumer.tokenizer.eos_token_id:  # the services stop there too
             break
-        logits = consumer.model(input_ids=torch.tensor([[out[-1]]]), cache=cache, use_cache=True).logits[0, -1]
+        logits = consumer.model(input_ids=torch.tensor([[out[-1]]], device=device), cache=cache, use_cache=True).logits[0, -1]
     return out
 
 

@@ -37,7 +37,7 @@ def states_of(model, ids):
     cache = kv.empty_cache(model)
     states = {}
     with kv.layer_capture(model, cache, kv.Capture.KV | kv.Capture.NORMED, lambda s: states.__setitem__(s.index, s)):
-        kv.prefill_context(model, torch.tensor([ids]), cache)
+        kv.prefill_context(model, torch.tensor([ids], device=model.device), cache)
     return states
 
 

@@ -73,8 +73,7 @@ class ScdCodec(Codec):
 
     def __init__(self, model, artifacts=()):
         super().__init__(model, artifacts)
-        device = model.device
-        self.artifacts = [Artifact({k: v.to(device) for k, v in a.tensors.items()}, a.meta, a.path) for a in artifacts]
+        self.artifacts = [a.to(model.device) for a in artifacts]
 
     def _by_id(self, artifact_id: str) -> Artifact:
         for art in self.artifacts:

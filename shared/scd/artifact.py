@@ -39,6 +39,10 @@ class Artifact:
     path: Path | None = None
     _predictors: dict = field(default_factory=dict, repr=False, compare=False)
 
+    def to(self, device) -> "Artifact":
+        """The same artifact with its tensors on `device` (where the model runs)."""
+        return Artifact({k: v.to(device) for k, v in self.tensors.items()}, self.meta, self.path)
+
     @property
     def predictor_layers(self) -> list[int]:
         return sorted(int(l) for l in self.meta.get("predictor", {}).get("layers", {}))

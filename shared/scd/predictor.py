@@ -94,7 +94,7 @@ def predict(model: LlamaModel, normed: torch.Tensor) -> torch.Tensor:
 
 
 def to_tensors(layer: int, model: LlamaModel) -> dict[str, torch.Tensor]:
-    return {f"layer.{layer}.{PREFIX}{name}": t.detach().float().contiguous() for name, t in model.state_dict().items()
+    return {f"layer.{layer}.{PREFIX}{name}": t.detach().float().cpu().contiguous() for name, t in model.state_dict().items()
             if not name.startswith("embed_tokens")}
 
 

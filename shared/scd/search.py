@@ -35,7 +35,7 @@ class LossEvaluator:
     teacher-forced forward of C per example."""
 
     def __init__(self, art: Artifact, producer: LoadedModel, consumer: LoadedModel, heldout: Sequence[HeldOut]):
-        self.art, self.producer, self.consumer, self.heldout = art, producer, consumer, list(heldout)
+        self.art, self.producer, self.consumer, self.heldout = art.to(producer.device), producer, consumer, list(heldout)
         self.states: list[dict[int, kv.LayerState]] = []
         self.oracle_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         self.oracle_logp: list[torch.Tensor] = []
