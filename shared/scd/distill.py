@@ -2,7 +2,9 @@
 
 Library entry point `distill(...)`; the CLI loads the models, builds the calibration corpus
 (default: the QA generator's train split; or a text / JSONL file) and held-out question/answer
-set, fits, searches schedules and writes `<out>.safetensors` (+ a readable `<out>.json`).
+set, fits, trains learned predictors where asked (`--predictor-layers`, heterogeneous pairs;
+shared.scd.predictor) and refits on them, searches schedules and writes `<out>.safetensors`
+(+ a readable `<out>.json`).
 """
 
 from __future__ import annotations
