@@ -76,6 +76,13 @@ async def running_pair(producer_model: str = "tiny-llama", consumer_model: str |
         await producer.stop()
 
 
+@pytest.fixture(scope="module")
+async def pair_llama() -> AsyncIterator[Pair]:
+    """A tiny-llama producer/consumer pair shared by one test module."""
+    async with running_pair("tiny-llama") as pair:
+        yield pair
+
+
 async def assert_refused_by_both(pair: Pair, spec, named: str, **fields) -> None:
     """The consumer (Generate) and the producer (Prefill) both refuse `spec` with
     INVALID_ARGUMENT and a message containing `named`."""

@@ -135,12 +135,6 @@ async def test_invalid_options_are_refused_by_both_services(options, named, pair
     await assert_refused_by_both(pair_llama, spec, named, context=prompt(CONTEXT), question=prompt(QUESTION))
 
 
-@pytest.fixture(scope="module")
-async def pair_llama():
-    async with running_pair("tiny-llama") as pair:
-        yield pair
-
-
 @torch.inference_mode()
 def question_logits(loaded, ctx_ids, q_ids, bits):
     """Teacher-forced logits over the question on a context cache whose K/V went through

@@ -57,12 +57,6 @@ async def test_invalid_options_are_refused_by_both_services(options, named, pair
     await assert_refused_by_both(pair_llama, spec, named, context=prompt(CONTEXT), question=prompt(QUESTION))
 
 
-@pytest.fixture(scope="module")
-async def pair_llama():
-    async with running_pair("tiny-llama") as pair:
-        yield pair
-
-
 @pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen2"])
 async def test_recompute_with_the_same_model_equals_oracle(arch):
     local = load_model(arch, "float32", "cpu")
