@@ -39,30 +39,17 @@ async def test_modes_on_cuda_match_local_model(mode, tmp_path):
 async def test_predictor_artifact_trains_and_serves_on_cuda(tmp_path):
     """A heterogeneous artifact with a learned predictor, trained on CUDA, served by both services
     on CUDA: the tokens equal the in-process codec path on the same device."""
-    import dataclasses
-    import itertools
-
-    from shared.models import weight_digest
     from shared.scd import predictor
-    from shared.scd.distill import distill
-    from tests.conftest import perturbed_model
-    from tests.test_predictor import codec_reference, train_examples
-    from tests.test_scd import heldout, random_corpus
+    from tests.test_predictor import codec_reference, hetero_artifact
 
-    consumer_path = tmp_path / "consumer"
-    perturbed_model("tiny-llama", seed=1, scale=0.05, save_to=consumer_path)
-    producer = load_model("tiny-llama", "float32", "cuda")
-    consumer = load_model(str(consumer_path), "float32", "cuda")
-    consumer.info = dataclasses.replace(consumer.info, weight_digest=weight_digest(consumer.model))
-    art = distill(producer, consumer, random_corpus(8, 96, 0), heldout(2, 1), corpus_name="random", generations=1,
-                  predictor_layers="1", predictor_examples=itertools.cycle(train_examples()),
-                  predictor_train=predictor.TrainConfig(mse_steps=20, kl_steps=4, batch=2), schedules=["R8.P.R8.R8"],
-                  log=lambda m: None)
-    art.save(tmp_path / "artifacts" / "a.safetensors")
+    consumer_path, directory = tmp_path / "consumer", tmp_path / "artifacts"
+    directory.mkdir()
+    producer, consumer, art = hetero_artifact(consumer_path, directory, "cuda",
+                                              predictor.TrainConfig(mse_steps=20, kl_steps=4, batch=2), ["R8.P.R8.R8"])
     tok = consumer.tokenizer
     ctx_ids, q_ids = tok(CONTEXT)["input_ids"], tok(QUESTION, add_special_tokens=False)["input_ids"]
     expected = codec_reference(producer, consumer, art, "R8.P.R8.R8", ctx_ids, q_ids, 8)
-    kw = {"artifacts": str(tmp_path / "artifacts")}
+    kw = {"artifacts": str(directory)}
     async with running_pair("tiny-llama", consumer_model=str(consumer_path), device="cuda", producer_kw=kw,
                             consumer_kw=kw) as pair:
         ids, _, _ = await pair.generate(context=prompt(CONTEXT), question=prompt(QUESTION), max_new_tokens=8,

@@ -4,14 +4,13 @@ and the real services serve a predictor artifact with the tokens of the in-proce
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import pytest
 import torch
 
 from shared import kv, layers
-from shared.models import load_model, weight_digest
+from shared.models import load_model
 from shared.pb import common_pb2, consumer_pb2
 from shared.scd import ops, predictor
 from shared.scd.artifact import Artifact
@@ -31,18 +30,24 @@ def train_examples() -> list[predictor.TrainExample]:
     return [predictor.TrainExample(s[:80], ((s[80:90], 4), (s[90:100], 0), (s[85:92], 2))) for s in seqs]
 
 
+def hetero_artifact(consumer_path, directory, device: str, train: predictor.TrainConfig, schedules: list[str]):
+    """Producer tiny-llama, a perturbed consumer saved at consumer_path (both loaded on device),
+    and their artifact with a layer-LAYER predictor, saved in directory: (producer, consumer, art)."""
+    perturbed_model("tiny-llama", seed=1, scale=0.05, save_to=consumer_path)
+    producer = load_model("tiny-llama", "float32", device)
+    consumer = load_model(str(consumer_path), "float32", device)
+    art = distill(producer, consumer, random_corpus(12, 96, 0), heldout(3, 1), corpus_name="random", generations=1,
+                  predictor_layers=str(LAYER), predictor_examples=itertools.cycle(train_examples()),
+                  predictor_train=train, schedules=schedules, log=lambda m: None)
+    art.save(directory / "tiny-hetero.safetensors")
+    return producer, consumer, art
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """(producer, consumer, artifact saved under a directory, that directory, consumer path)."""
-    consumer_path = tmp_path_factory.mktemp("consumer")
-    producer = load_model("tiny-llama", "float32", "cpu")
-    consumer = perturbed_model("tiny-llama", seed=1, scale=0.05, save_to=consumer_path)
-    consumer.info = dataclasses.replace(consumer.info, model_id=str(consumer_path), weight_digest=weight_digest(consumer.model))
-    art = distill(producer, consumer, random_corpus(12, 96, 0), heldout(3, 1), corpus_name="random", generations=1,
-                  predictor_layers=str(LAYER), predictor_examples=itertools.cycle(train_examples()),
-                  predictor_train=TRAIN, schedules=["R8.P.R8.R8", "W.P.W.W"], log=lambda m: None)
-    directory = tmp_path_factory.mktemp("artifacts")
-    art.save(directory / "tiny-hetero.safetensors")
+    consumer_path, directory = tmp_path_factory.mktemp("consumer"), tmp_path_factory.mktemp("artifacts")
+    producer, consumer, art = hetero_artifact(consumer_path, directory, "cpu", TRAIN, ["R8.P.R8.R8", "W.P.W.W"])
     return producer, consumer, art, directory, consumer_path
 
 
@@ -114,11 +119,11 @@ async def test_services_serve_a_predictor_artifact_like_the_in_process_codec(pai
 def test_kl_is_zero_for_the_true_input_and_batching_does_not_change_it(pair):
     _, consumer, _, _, _ = pair
     ex = train_examples()[0]
-    true_x = predictor._states(consumer, ex.context_ids, LAYER)
-    assert float(predictor._kl(consumer, LAYER, true_x, ex)) == pytest.approx(0.0, abs=1e-5)
+    true_x, own_kv = predictor.consumer_pass(consumer, ex.context_ids, LAYER)
+    assert float(predictor._kl(consumer, LAYER, true_x, ex, own_kv)) == pytest.approx(0.0, abs=1e-5)
     noisy = true_x + 0.3 * torch.randn(true_x.shape, generator=torch.Generator().manual_seed(0))
-    together = float(predictor._kl(consumer, LAYER, noisy, ex))
-    singles = [(float(predictor._kl(consumer, LAYER, noisy, predictor.TrainExample(ex.context_ids, (c,)))),
+    together = float(predictor._kl(consumer, LAYER, noisy, ex, own_kv))
+    singles = [(float(predictor._kl(consumer, LAYER, noisy, predictor.TrainExample(ex.context_ids, (c,)), own_kv)),
                 len(c[0]) - 1 - max(c[1] - 1, 0)) for c in ex.continuations]
     assert together > 1e-3
     assert together == pytest.approx(sum(k * n for k, n in singles) / sum(n for _, n in singles), rel=1e-4)

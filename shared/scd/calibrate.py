@@ -19,6 +19,7 @@ from typing import Iterable
 
 import torch
 from tqdm import tqdm
+from transformers import DynamicCache
 
 from shared import kv, layers
 from shared.models import LoadedModel
@@ -55,13 +56,19 @@ class LayerMoments:
         return self.sums[ab] / self.n - torch.outer(self.mean(a), self.mean(b))
 
 
-def normed_inputs(loaded: LoadedModel, ids: list[int]) -> list[torch.Tensor]:
-    """Every layer's normalized input over ids: list of [T, d] on CPU, float32."""
+def normed_inputs_and_cache(loaded: LoadedModel, ids: list[int]) -> tuple[list[torch.Tensor], DynamicCache]:
+    """One forward over ids: every layer's normalized input (list of [T, d] on CPU, float32)
+    and the cache that forward filled."""
     out: dict[int, torch.Tensor] = {}
     cache = kv.empty_cache(loaded)
     with kv.layer_capture(loaded, cache, kv.Capture.NORMED, lambda s: out.__setitem__(s.index, s.normed.float().cpu())):
         kv.prefill_context(loaded, torch.tensor([ids], device=loaded.device), cache)
-    return [out[i] for i in range(loaded.info.num_layers)]
+    return [out[i] for i in range(loaded.info.num_layers)], cache
+
+
+def normed_inputs(loaded: LoadedModel, ids: list[int]) -> list[torch.Tensor]:
+    """Every layer's normalized input over ids: list of [T, d] on CPU, float32."""
+    return normed_inputs_and_cache(loaded, ids)[0]
 
 
 @torch.no_grad()

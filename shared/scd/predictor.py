@@ -33,6 +33,7 @@ from transformers import LlamaConfig, LlamaModel
 
 from shared import kv, layers
 from shared.models import LoadedModel
+from shared.scd import calibrate
 
 PREFIX = "predictor."
 
@@ -130,13 +131,19 @@ def _cache(consumer: LoadedModel, layer_kv: list[tuple[torch.Tensor, torch.Tenso
     return cache
 
 
-def _kl(consumer: LoadedModel, layer: int, pred: torch.Tensor, ex: TrainExample) -> torch.Tensor:
-    """KL(C on its own cache || C with `layer` rebuilt from pred), mean over the scored tokens of
-    all of ex's continuations (those of one length run as one batch)."""
+@torch.no_grad()
+def consumer_pass(consumer: LoadedModel, ids: list[int], layer: int) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """C over the context once: its normalized input of `layer` ([T, d], float32) and every
+    layer's own (keys, values) ([n_kv, T, hd] each), on C's device."""
+    normed, cache = calibrate.normed_inputs_and_cache(consumer, ids)
+    return normed[layer].to(consumer.device), [(cache.layers[i].keys[0], cache.layers[i].values[0]) for i in range(consumer.info.num_layers)]
+
+
+def _kl(consumer: LoadedModel, layer: int, pred: torch.Tensor, ex: TrainExample,
+        own_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """KL(C on its own cache `own_kv` || C with `layer` rebuilt from pred), mean over the scored
+    tokens of all of ex's continuations (those of one length run as one batch)."""
     device = consumer.device
-    with torch.no_grad():
-        own = kv.prefill_context(consumer, torch.tensor([ex.context_ids], device=device))
-        own_kv = [(own.layers[i].keys[0], own.layers[i].values[0]) for i in range(consumer.info.num_layers)]
     keys_pre, values = layers.kv_pre_rope(consumer, layer, pred.to(consumer.dtype))
     keys = layers.rope(consumer, layer, keys_pre, layers.positions(consumer, len(ex.context_ids)))
     mixed_kv = [(keys, values) if i == layer else pair for i, pair in enumerate(own_kv)]
@@ -155,13 +162,6 @@ def _kl(consumer: LoadedModel, layer: int, pred: torch.Tensor, ex: TrainExample)
             total = total + (r.exp() * (r - p)).sum()
             count += r.shape[0]
     return total / max(count, 1)
-
-
-@torch.no_grad()
-def _states(loaded: LoadedModel, ids: list[int], layer: int) -> torch.Tensor:
-    from shared.scd.calibrate import normed_inputs
-
-    return normed_inputs(loaded, ids)[layer]
 
 
 def _float32(loaded: LoadedModel) -> LoadedModel:
@@ -195,12 +195,13 @@ def train(producer: LoadedModel, consumer: LoadedModel, layer: int, examples: It
             err_sum = kl_sum = 0.0
             for _ in range(cfg.batch):
                 ex = next(examples)
-                xp = _states(producer, ex.context_ids, layer).to(consumer.device)
-                xc = _states(consumer, ex.context_ids, layer)
+                with torch.no_grad():
+                    xp = calibrate.normed_inputs(producer, ex.context_ids)[layer].to(consumer.device)
+                xc, own_kv = consumer_pass(consumer, ex.context_ids, layer)
                 pred = predict(model, xp)
                 loss = err = _kv_error(consumer, layer, pred, xc)
                 if stage == "kl":
-                    kl = _kl(consumer, layer, pred, ex)
+                    kl = _kl(consumer, layer, pred, ex, own_kv)
                     loss = err + cfg.kl_weight * kl
                     kl_sum += kl.item() / cfg.batch
                 (loss / cfg.batch).backward()
