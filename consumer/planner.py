@@ -51,7 +51,7 @@ class Decision:
 
 
 def mode_key(mode: str, options: Mapping[str, str]) -> str:
-    return mode + "(" + ",".join(f"{k}={v}" for k, v in sorted(options.items()) if k != "fallback") + ")"
+    return mode + "(" + ",".join(f"{k}={v}" for k, v in sorted(options.items())) + ")"
 
 
 @dataclass

@@ -147,7 +147,8 @@ def qa_stream(ctx_tokens: int, task: str, tokenizer, questions: int = 8) -> Iter
             conts = []
             for fact in facts:
                 q, a = render_question(fact, task)
-                conts.append((ids(q) + ids(f"{a} {END}"), len(ids(q))))
+                q_ids = ids(q)
+                conts.append((q_ids + ids(f"{a} {END}"), len(q_ids)))
             yield TrainExample(tokenizer(e.context)["input_ids"], tuple(conts))
         seed += 1000
 
