@@ -65,8 +65,9 @@ def distill(producer: LoadedModel, consumer: LoadedModel, corpus: list[list[int]
         if predictor_examples is None:
             raise ValueError("predictor_layers needs predictor_examples to train on")
         models, reports = {}, {}
+        train_p, train_c = predictor.as_float32(producer), predictor.as_float32(consumer)  # one fp32 copy for all layers
         for layer in chosen:
-            models[layer], reports[str(layer)] = predictor.train(producer, consumer, layer, predictor_examples, predictor_train, log)
+            models[layer], reports[str(layer)] = predictor.train(train_p, train_c, layer, predictor_examples, predictor_train, log)
         moments = calibrate.collect(producer, consumer, corpus, total=len(corpus), window=window, predictors=models)
         tensors = calibrate.fit(moments, consumer, same, ridge_rel, predicted=frozenset(models))
         for layer, model in models.items():

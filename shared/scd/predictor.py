@@ -164,7 +164,7 @@ def _kl(consumer: LoadedModel, layer: int, pred: torch.Tensor, ex: TrainExample,
     return total / max(count, 1)
 
 
-def _float32(loaded: LoadedModel) -> LoadedModel:
+def as_float32(loaded: LoadedModel) -> LoadedModel:
     """The model itself if fp32, else an fp32 copy of its (already rounded) weights: training
     runs in fp32 (bf16 matmuls are slow on CPU and their gradients noisy)."""
     if loaded.dtype == torch.float32:
@@ -178,7 +178,7 @@ def train(producer: LoadedModel, consumer: LoadedModel, layer: int, examples: It
     batch * (mse_steps + kl_steps) of them). Returns (model in eval mode, report)."""
     torch.manual_seed(cfg.seed + layer)
     started = time.perf_counter()
-    producer, consumer = _float32(producer), _float32(consumer)
+    producer, consumer = as_float32(producer), as_float32(consumer)  # no copy when already fp32
     config = model_config(consumer, cfg.intermediate_mult, cfg.depth)
     model = build(config).to(consumer.device).train()
     for p in list(producer.model.parameters()) + list(consumer.model.parameters()):
