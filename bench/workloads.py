@@ -1,5 +1,5 @@
-"""Model scales the TTFT benchmark runs: the trained QA pair, a Qwen2.5-0.5B-shaped random
-model (built once into .cache/models), or a tiny/builtin model; each with the inputs it is fed."""
+"""Model scales the TTFT benchmark runs: the trained QA pair, Qwen2.5-0.5B- and 7B-shaped random
+models (built once into .cache/models), or a tiny/builtin model; each with the inputs it is fed."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from bench import services
 
 CHECKPOINTS = services.ROOT / "checkpoints"
-SCALE_DTYPE = {"tiny": "float32", "trained": "float32", "qwen05b": "bfloat16"}
+SCALE_DTYPE = {"tiny": "float32", "trained": "float32", "qwen05b": "bfloat16", "qwen7b": "bfloat16"}
 
 
 def note(msg: str) -> None:
@@ -24,37 +24,50 @@ QWEN05B = dict(vocab_size=32000, hidden_size=896, intermediate_size=4864, num_hi
                num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
                rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# Qwen2.5-7B's geometry (28 layers, hidden 3584, 4 KV heads x 128: 57,344 raw KV bytes/token in
+# bf16), vocab cut to 32000 like QWEN05B: ~6.6e9 parameters, ~13 GB in bf16.
+QWEN7B = dict(QWEN05B, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+              num_key_value_heads=4, tie_word_embeddings=False)
+RANDOM_MODELS = {"qwen05b-random": QWEN05B, "qwen7b-random": QWEN7B}
 
 
-def ensure_qwen05b(seed: int = 0) -> Path:
-    """Qwen2.5-0.5B's architecture with random weights (vocab cut from 151936 to 32000 so the
-    embedding stays small on CPU; tied embeddings, bf16), plus a 32000-word word-level
-    tokenizer; built once into .cache/models/qwen05b-random."""
+def ensure_random(name: str, config: dict, seed: int = 0) -> Path:
+    """A Qwen2 model of `config` with random weights (bf16) plus a word-level tokenizer of its
+    vocab (`w4`, `w5`, ...), built once into .cache/models/NAME (on CUDA when present: fast
+    init) and loaded by the services like any checkpoint. No downloads."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
     from shared import tiny
 
-    path = tiny.cache_dir() / "qwen05b-random"
+    path = tiny.cache_dir() / name
     if (path / "config.json").exists():
         return path
-    note(f"building {path} (random weights, ~0.8 GB; once)")
+    note(f"building {path} (random weights; once)")
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
-    vocab = {w: i for i, w in enumerate(specials + [f"w{i}" for i in range(len(specials), QWEN05B["vocab_size"])])}
+    vocab = {w: i for i, w in enumerate(specials + [f"w{i}" for i in range(len(specials), config["vocab_size"])])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                         pad_token="<pad>")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN05B), dtype=torch.bfloat16)
-    tmp = path.with_name(f".qwen05b-random.{os.getpid()}.tmp")
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**config), dtype=torch.bfloat16)
+    tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    del model
     if not path.exists():
         tmp.rename(path)
     return path
+
+
+def ensure_qwen05b(seed: int = 0) -> Path:
+    """Qwen2.5-0.5B's architecture with random weights (vocab cut from 151936 to 32000 so the
+    embedding stays small on CPU; tied embeddings, bf16) in .cache/models/qwen05b-random."""
+    return ensure_random("qwen05b-random", QWEN05B, seed)
 
 
 @dataclass
@@ -105,9 +118,10 @@ def workload_for(scale: str, args) -> Workload | None:
         max_ctx = FACT_TOKENS * (len(VALUES) // 2) + 1  # every value word once per context
         return Workload("qa-base->qa-tuned", str(base), str(tuned), dtype, len(tok), qa=True, tokenizer=tok,
                         max_new_tokens=4, stop_ids=[end_token_id(tok)], max_ctx=max_ctx)
-    if scale == "qwen05b":
-        path = str(ensure_qwen05b())
-        return Workload("qwen05b-random", path, path, dtype, QWEN05B["vocab_size"])
+    if scale in ("qwen05b", "qwen7b"):
+        name = f"{scale}-random"
+        path = str(ensure_random(name, RANDOM_MODELS[name]))
+        return Workload(name, path, path, dtype, RANDOM_MODELS[name]["vocab_size"])
     producer = args.producer_model or "tiny-llama"
     consumer = args.consumer_model or producer
     config = json.loads((Path(resolve_path(producer)) / "config.json").read_text())
