@@ -97,12 +97,16 @@ def parse_qdisc(text: str) -> dict:
     raise ValueError(f"no root qdisc in: {text!r}")
 
 
+def tbf_burst_bytes(rate_mbit: float) -> int:
+    """tbf bucket for `rate_mbit`: >= 5 ms of traffic and >= 64 KiB (so GSO-sized veth packets
+    pass); a transfer can run this many bytes ahead of the rate."""
+    return max(64 * 1024, int(rate_mbit * 1e6 / 8 * 0.005))
+
+
 def tbf_args(rate_mbit: float) -> list[str]:
-    """tbf parameters for `rate_mbit`: a bucket of >= 5 ms of traffic (>= 64 KiB, so GSO-sized
-    veth packets pass) and a queue of 100 ms (so TCP keeps the link busy)."""
-    rate_bytes_s = rate_mbit * 1e6 / 8
-    burst = max(64 * 1024, int(rate_bytes_s * 0.005))
-    return ["tbf", "rate", f"{rate_mbit:g}mbit", "burst", str(burst), "latency", "100ms"]
+    """tbf parameters for `rate_mbit`: the bucket of tbf_burst_bytes and a queue of 100 ms (so
+    TCP keeps the link busy)."""
+    return ["tbf", "rate", f"{rate_mbit:g}mbit", "burst", str(tbf_burst_bytes(rate_mbit)), "latency", "100ms"]
 
 
 def netem_args(rate_mbit: float | None, delay_ms: float) -> list[str]:
@@ -256,9 +260,10 @@ def shape(names: LinkNames, rate_mbit: float | None, delay_ms: float, netem: boo
     return parse_qdisc(sh(["tc", "-n", ns, "qdisc", "show", "dev", dev]).stdout)
 
 
-def measure_link(names: LinkNames, rate_mbit: float | None) -> float:
-    """Producer -> consumer throughput of the link as shaped now, in megabits per second."""
-    return measure_throughput(probe_bytes(rate_mbit), names.consumer_ip,
+def measure_link(names: LinkNames, rate_mbit: float | None, seconds: float = 2.0) -> float:
+    """Producer -> consumer throughput of the link as shaped now, in megabits per second, over
+    about `seconds` of traffic at the nominal rate."""
+    return measure_throughput(probe_bytes(rate_mbit, seconds), names.consumer_ip,
                               receiver_prefix=names.exec_prefix(names.consumer_ns),
                               sender_prefix=names.exec_prefix(names.producer_ns))
 

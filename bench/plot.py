@@ -2,9 +2,11 @@
 
 Owns presentation only: a PNG of TTFT vs link bandwidth (one panel per model x context, one
 line per mode, oracle dashed; unshaped points sit at the measured link throughput) and a
-markdown table of TTFT ms and the ratio to oracle per mode x bandwidth x context, followed by
-where each mode wins and the lowest measured bandwidth at which it beats oracle. Reads rows as
-bench.ttft writes them; measures nothing.
+markdown table of TTFT ms and the ratio to oracle per mode x store x bandwidth x context (every
+row labelled cold or warm; the oracle and the cached-consumer reference as rows without a link;
+`*` marks a cell measured with the load average above the core count), followed by where each
+mode wins and the lowest measured bandwidth at which it beats oracle. Reads rows as bench.ttft
+writes them; measures nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections import defaultdict
 from pathlib import Path
 
 ORACLE = "oracle"
+CACHED = "cached"
+REFERENCES = (ORACLE, CACHED)  # rows without a link
 
 
 def load(path: Path) -> list[dict]:
@@ -23,8 +27,13 @@ def load(path: Path) -> list[dict]:
 
 
 def label(row: dict) -> str:
+    """'raw cold', 'quant(bits=8) warm', 'oracle cold', 'cached warm'."""
     name = f"{row['mode']}({row['schedule']})" if row.get("schedule") else row["mode"]
-    return name + (" warm" if row.get("store") == "warm" else "")
+    return f"{name} {row.get('store') or 'cold'}"
+
+
+def _ms(row: dict) -> str:
+    return f"{row['ttft_ms_median']:.0f}" + ("*" if row.get("load_above_cores") else "")
 
 
 def bw_label(bw: float | None) -> str:
@@ -49,14 +58,19 @@ def markdown(rows: list[dict]) -> str:
     out = []
     for (model, ctx), group in _groups(rows).items():
         oracle = next((r for r in group if r["mode"] == ORACLE), None)
-        linked = [r for r in group if r["mode"] != ORACLE]
+        cached = next((r for r in group if r["mode"] == CACHED), None)
+        linked = [r for r in group if r["mode"] not in REFERENCES]
         bws = sorted({r["bandwidth_mbit"] for r in linked}, key=_bw_key) or [None]
         shaping = sorted({r["shaping"] for r in linked}) or ["n/a"]
         out.append(f"**{model}, {ctx}-token context** (median TTFT ms, ratio to oracle; link: {', '.join(shaping)})\n")
         out.append("| mode | " + " | ".join(bw_label(b) for b in bws) + " |")
         out.append("|---" * (len(bws) + 1) + "|")
         if oracle:
-            out.append(f"| {label(oracle)} (no link) | " + " | ".join(f"{oracle['ttft_ms_median']:.0f} (1.00)" for _ in bws) + " |")
+            out.append(f"| {label(oracle)} (no link) | " + " | ".join(f"{_ms(oracle)} (1.00)" for _ in bws) + " |")
+        if cached:
+            ratio = f" ({cached['ttft_ms_median'] / oracle['ttft_ms_median']:.2f})" if oracle else ""
+            out.append(f"| {label(cached)} (context cached in the consumer: question prefill only) | "
+                       + " | ".join(f"{_ms(cached)}{ratio}" for _ in bws) + " |")
         by_label: dict[str, dict] = defaultdict(dict)
         for r in linked:
             by_label[label(r)][r["bandwidth_mbit"]] = r
@@ -68,7 +82,7 @@ def markdown(rows: list[dict]) -> str:
                     texts.append("-")
                     continue
                 ratio = f" ({r['ttft_ms_median'] / oracle['ttft_ms_median']:.2f})" if oracle else ""
-                texts.append(f"{r['ttft_ms_median']:.0f}{ratio}")
+                texts.append(f"{_ms(r)}{ratio}")
             out.append(f"| {name} | " + " | ".join(texts) + " |")
         wins = []
         for b in bws:
@@ -76,6 +90,8 @@ def markdown(rows: list[dict]) -> str:
             best = min(cands, key=lambda r: r["ttft_ms_median"])
             wins.append(f"{bw_label(b)}: {label(best)}")
         out.append("\nFastest: " + "; ".join(wins) + ".")
+        if any(r.get("load_above_cores") for r in group):
+            out.append("`*`: measured with the 1-minute load average above the core count.")
         if oracle:
             cross = []
             for name, cells in by_label.items():
@@ -97,7 +113,7 @@ def plot(rows: list[dict], png: Path) -> None:
     for ax, ((model, ctx), group) in zip(axes[0], groups.items()):
         by_label: dict[str, list[dict]] = defaultdict(list)
         for r in group:
-            if r["mode"] != ORACLE:
+            if r["mode"] not in REFERENCES:
                 by_label[label(r)].append(r)
         for name, rs in sorted(by_label.items()):
             rs.sort(key=lambda r: _bw_key(r["bandwidth_mbit"]))
@@ -107,7 +123,9 @@ def plot(rows: list[dict], png: Path) -> None:
             ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=name)
         for r in group:
             if r["mode"] == ORACLE:
-                ax.axhline(r["ttft_ms_median"], color="black", linestyle="--", label="oracle (own prefill)")
+                ax.axhline(r["ttft_ms_median"], color="black", linestyle="--", label="oracle cold (own prefill)")
+            elif r["mode"] == CACHED:
+                ax.axhline(r["ttft_ms_median"], color="grey", linestyle=":", label="cached warm (question only)")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("link bandwidth, Mbit/s (unshaped: measured)")

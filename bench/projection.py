@@ -88,7 +88,7 @@ def measured_modes(rows: list[dict], model: str | None) -> dict[str, tuple[float
     model = model or next((m for m in models if "qwen05b" in m), models[0] if models else None)
     rows = [r for r in rows if r["model"] == model]
     oracle = {r["ctx_tokens"]: r["ttft_ms_median"] for r in rows if r["mode"] == "oracle"}
-    rows = [r for r in rows if r["mode"] != "oracle" and r.get("raw_kv_bytes")]
+    rows = [r for r in rows if r["mode"] not in ("oracle", "cached") and r.get("raw_kv_bytes")]  # link modes only
     ratios, fracs = defaultdict(list), defaultdict(list)
     for r in rows:
         name = f"{r['mode']}({r['schedule']})" if r.get("schedule") else r["mode"]

@@ -1,5 +1,6 @@
 """The TTFT benchmark harness (bench.ttft, bench.netns, bench.plot, bench.projection): parsing,
-statistics, link cleanup, and a loopback smoke run of the real harness with tiny models."""
+statistics, the efficiency lower bound, interleaving order, link cleanup, and a loopback smoke run
+of the real harness with tiny models."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import time
 
 import pytest
 
-from bench import netns, plot, projection, ttft
+from bench import netns, plot, projection
 from bench.services import ROOT
+from bench.ttft import cli, grid, report
 
 KEYS = ["model", "shaping", "bandwidth_mbit", "ctx_tokens", "mode", "schedule", "store", "ttft_ms_median",
-        "ttft_ms_min", "ttft_ms_max", "runs", "bytes", "pipeline_efficiency"]
+        "ttft_ms_min", "ttft_ms_max", "runs", "bytes", "efficiency", "ttft_lower_bound_ms", "load_avg_1m",
+        "load_avg_1m_max", "cores", "load_above_cores"]
 
 
 # --- tc and throughput parsing -------------------------------------------------------------
@@ -51,8 +54,9 @@ def test_throughput_and_probe_size():
 
 def test_tbf_bucket_fits_gso_packets():
     args = netns.tbf_args(10)
-    assert args[:3] == ["tbf", "rate", "10mbit"] and int(args[args.index("burst") + 1]) >= 64 * 1024
-    assert int(netns.tbf_args(10_000)[4]) == int(10_000e6 / 8 * 0.005)
+    assert args[:3] == ["tbf", "rate", "10mbit"] and int(args[args.index("burst") + 1]) == netns.tbf_burst_bytes(10)
+    assert netns.tbf_burst_bytes(10) == 64 * 1024
+    assert int(netns.tbf_args(10_000)[4]) == netns.tbf_burst_bytes(10_000) == int(10_000e6 / 8 * 0.005)
 
 
 def test_loopback_throughput_measurement():
@@ -62,67 +66,101 @@ def test_loopback_throughput_measurement():
 # --- command line and statistics -----------------------------------------------------------
 
 def test_parse_mode():
-    assert ttft.parse_mode("raw") == ttft.Mode("raw")
-    quant = ttft.parse_mode("quant:bits=4,group_size=32")
+    assert grid.parse_mode("raw") == grid.Mode("raw")
+    quant = grid.parse_mode("quant:bits=4,group_size=32")
     assert quant.options == (("bits", "4"), ("group_size", "32")) and quant.schedule == "bits=4,group_size=32"
-    scd = ttft.parse_mode("scd:schedule=r16-p2")
+    scd = grid.parse_mode("scd:schedule=r16-p2")
     assert scd.schedule == "r16-p2" and scd.label == "scd(r16-p2)"
     for bad in ("quant:bits", ":bits=4"):
         with pytest.raises(Exception):
-            ttft.parse_mode(bad)
+            grid.parse_mode(bad)
 
 
 def test_parse_bandwidth():
-    assert ttft.parse_bandwidth("10") == 10.0
-    assert ttft.parse_bandwidth("100mbit") == 100.0
-    assert ttft.parse_bandwidth("1gbit") == ttft.parse_bandwidth("1G") == 1000.0
-    assert ttft.parse_bandwidth("unshaped") is None
+    assert grid.parse_bandwidth("10") == 10.0
+    assert grid.parse_bandwidth("100mbit") == 100.0
+    assert grid.parse_bandwidth("1gbit") == grid.parse_bandwidth("1G") == 1000.0
+    assert grid.parse_bandwidth("unshaped") is None
     for bad in ("fast", "0", "-5"):
         with pytest.raises(Exception):
-            ttft.parse_bandwidth(bad)
+            grid.parse_bandwidth(bad)
 
 
 def test_cli_presets_and_explicit_flags():
-    parse = lambda *a: ttft.resolve(ttft.build_parser().parse_args(list(a)))  # noqa: E731
+    parse = lambda *a: grid.resolve(cli.build_parser().parse_args(list(a)))  # noqa: E731
     quick = parse("--quick", "--model-scale", "tiny")
     assert (quick.runs, quick.warmup, quick.stores) == (2, 1, ["cold"])
-    assert ttft.grid_for("tiny", quick) == ([100], [256])
+    assert grid.grid_for("tiny", quick) == ([100], [256])
     explicit = parse("--quick", "--runs", "7", "--contexts", "512", "--bandwidths", "10", "unshaped")
     assert explicit.runs == 7 and explicit.contexts == [512] and explicit.bandwidths == [10.0, None]
     full = parse("--modes", "raw", "oracle", "quant:bits=8")
     assert full.runs == 5 and full.warmup == 1 and full.stores == ["cold", "warm"]
-    assert ttft.grid_for("trained", full) == full.grids["trained"] and full.grids["trained"][1] == [512, 2048, 4096]
-    assert ttft.grid_for("qwen05b", full) == full.grids["qwen05b"]  # each scale its own grid
-    assert ttft.grid_for("qwen05b", explicit) == ([10.0, None], [512])
+    assert grid.grid_for("trained", full) == full.grids["trained"] and full.grids["trained"][1] == [512, 2048, 4096]
+    assert grid.grid_for("qwen05b", full) == full.grids["qwen05b"]  # each scale its own grid
+    assert grid.grid_for("qwen05b", explicit) == ([10.0, None], [512])
     assert [m.name for m in full.modes] == ["oracle", "raw", "quant"]  # oracle first
-    assert ttft.grid_for("trained", parse("--no-shaping", "--bandwidths", "10"))[0] == [None]
+    assert grid.grid_for("trained", parse("--no-shaping", "--bandwidths", "10"))[0] == [None]
     with pytest.raises(SystemExit):
         parse("--runs", "0")
 
 
-def test_summarize_and_efficiency():
-    assert ttft.summarize([3.0, 1.0, 2.0, 10.0]) == {"median": 2.5, "min": 1.0, "max": 10.0}
-    assert ttft.summarize([4.0]) == {"median": 4.0, "min": 4.0, "max": 4.0}
+def test_summarize():
+    assert report.summarize([3.0, 1.0, 2.0, 10.0]) == {"median": 2.5, "min": 1.0, "max": 10.0}
+    assert report.summarize([4.0]) == {"median": 4.0, "min": 4.0, "max": 4.0}
     with pytest.raises(ValueError):
-        ttft.summarize([])
-    # 1.25 MB over 10 Mbit = 1000 ms wire, + 20 ms question prefill, measured 1275 ms -> 0.8
-    assert ttft.pipeline_efficiency(1_250_000, 10.0, 20.0, 1275.0) == pytest.approx(0.8)
+        report.summarize([])
 
 
-def _row(mode, bw, ttft_ms, schedule=None):
+def test_ttft_lower_bound():
+    bound = report.ttft_lower_bound_ms
+    # wire-bound: 1.25 MB over 10 Mbit = 1000 ms > 300 ms compute; + 20 ms question prefill
+    assert bound(300.0, 1_250_000, 10.0, 0, 20.0) == pytest.approx(1020.0)
+    # the shaper's burst leaves the rate early: 1.25 MB - 62.5 kB at 10 Mbit = 950 ms
+    assert bound(300.0, 1_250_000, 10.0, 62_500, 20.0) == pytest.approx(970.0)
+    # compute-bound: the forward takes longer than the wire; a payload under the burst costs no wire time
+    assert bound(2000.0, 1_250_000, 10.0, 0, 20.0) == pytest.approx(2020.0)
+    assert bound(0.0, 1000, 10.0, 65_536, 5.0) == pytest.approx(5.0)
+    # warm store hit: no producer compute, the wire alone
+    assert bound(0.0, 125_000, 100.0, 0, 0.0) == pytest.approx(10.0)
+
+
+def test_efficiency_check_names_the_failing_row():
+    ok = {"model": "m", "mode": "raw", "schedule": None, "store": "cold", "ctx_tokens": 512, "bandwidth_mbit": 10,
+          "efficiency": 1.04, "ttft_lower_bound_ms": 104.0, "ttft_ms_median": 100.0}
+    assert report.check([ok, {**ok, "mode": "oracle", "efficiency": None}]) == []
+    failures = report.check([ok, {**ok, "store": "warm", "efficiency": 1.2}])
+    assert len(failures) == 1 and "raw(None) warm ctx 512 10 Mbit: efficiency 1.2 > 1.05" in failures[0]
+
+
+def test_rotation_runs_every_mode_once_per_repetition():
+    modes = ["oracle", "raw", "quant"]
+    orders = [grid.rotation(modes, rep) for rep in range(-1, 3)]
+    assert orders == [["quant", "oracle", "raw"], ["oracle", "raw", "quant"], ["raw", "quant", "oracle"],
+                      ["quant", "oracle", "raw"]]
+    assert all(sorted(o) == sorted(modes) for o in orders)
+    # each mode takes each position once over len(modes) repetitions: drift falls on all alike
+    assert [[o.index(m) for o in orders[1:]] for m in modes] == [[0, 2, 1], [1, 0, 2], [2, 1, 0]]
+    assert grid.rotation([], 3) == []
+
+
+def _row(mode, bw, ttft_ms, schedule=None, store="cold"):
     return {"model": "m", "shaping": "tbf", "bandwidth_mbit": bw, "ctx_tokens": 512, "mode": mode, "schedule": schedule,
-            "store": "cold", "ttft_ms_median": ttft_ms, "ttft_ms_min": ttft_ms, "ttft_ms_max": ttft_ms, "runs": 5,
+            "store": store, "ttft_ms_median": ttft_ms, "ttft_ms_min": ttft_ms, "ttft_ms_max": ttft_ms, "runs": 5,
             "bytes": 1000, "pipeline_efficiency": None, "rebuild_ms": 1.0, "raw_kv_bytes": 4000, "link_mbit": 9.5}
 
 
 def test_markdown_table_ratios_and_crossovers(tmp_path):
-    rows = [_row("oracle", None, 100.0), _row("raw", 10, 400.0), _row("raw", 100, 50.0),
-            _row("quant", 10, 80.0, "bits=8"), _row("quant", 100, 20.0, "bits=8")]
+    rows = [_row("oracle", None, 100.0), _row("cached", None, 5.0, store="warm"), _row("raw", 10, 400.0),
+            _row("raw", 100, 50.0), _row("raw", 10, 300.0, store="warm"), _row("quant", 10, 80.0, "bits=8"),
+            {**_row("quant", 100, 20.0, "bits=8"), "load_above_cores": True}]
     text = plot.markdown(rows)
-    assert "| oracle (no link) | 100 (1.00) | 100 (1.00) |" in text
-    assert "| raw | 400 (4.00) | 50 (0.50) |" in text
-    assert "| quant(bits=8) | 80 (0.80) | 20 (0.20) |" in text
-    assert "raw from 100 Mbit" in text and "quant(bits=8) from 10 Mbit" in text
+    assert "| oracle cold (no link) | 100 (1.00) | 100 (1.00) |" in text
+    assert "| cached warm (context cached in the consumer: question prefill only) | 5 (0.05) | 5 (0.05) |" in text
+    assert "| raw cold | 400 (4.00) | 50 (0.50) |" in text
+    assert "| raw warm | 300 (3.00) | - |" in text
+    assert "| quant(bits=8) cold | 80 (0.80) | 20* (0.20) |" in text and "`*`: measured with the 1-minute load" in text
+    assert "raw cold from 100 Mbit" in text and "quant(bits=8) cold from 10 Mbit" in text
+    assert "cached" not in text.split("Fastest:")[1]  # a reference, not a competitor
     plot.plot(rows, tmp_path / "t.png")
     assert (tmp_path / "t.png").stat().st_size > 1000
 
@@ -164,7 +202,7 @@ def test_link_create_shape_and_idempotent_cleanup():
 def test_shaped_mode_refuses_clearly_without_root(monkeypatch, capsys):
     monkeypatch.setattr(netns, "missing_requirements", lambda: ["not root (test)"])
     with pytest.raises(SystemExit) as exit_info:
-        ttft.main(["--quick", "--model-scale", "tiny"])
+        cli.main(["--quick", "--model-scale", "tiny"])
     assert exit_info.value.code == 2 and "not root (test)" in capsys.readouterr().err
 
 
@@ -182,11 +220,15 @@ def test_smoke_loopback_run(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [json.loads(line) for line in done.stdout.splitlines()] == rows
-    assert [(r["mode"], r["ctx_tokens"], r["runs"]) for r in rows] == [("oracle", 64, 2), ("raw", 64, 2)]
+    assert [(r["mode"], r["store"], r["ctx_tokens"], r["runs"]) for r in rows] == [
+        ("oracle", "cold", 64, 2), ("cached", "warm", 64, 2), ("raw", "cold", 64, 2)]
     for row in rows:
         assert list(row)[: len(KEYS)] == KEYS
         assert row["ttft_ms_min"] <= row["ttft_ms_median"] <= row["ttft_ms_max"]
-    raw = rows[1]
+        assert row["order"] == "interleaved" and row["cores"] == os.cpu_count() and row["load_avg_1m"] >= 0
+    oracle, cached, raw = rows
+    assert cached["ttft_ms_median"] < oracle["ttft_ms_median"] and cached["efficiency"] is None
     assert raw["shaping"] == "loopback" and raw["bytes"] == raw["raw_kv_bytes"] > 0
-    assert 0 < raw["pipeline_efficiency"] and raw["link_mbit"] > 10
+    assert 0 < raw["efficiency"] <= report.EFFICIENCY_LIMIT and raw["link_mbit"] > 10
+    assert raw["ttft_lower_bound_ms"] <= raw["ttft_ms_median"] * report.EFFICIENCY_LIMIT
     print(f"smoke run took {elapsed:.1f}s")
