@@ -31,8 +31,8 @@ QWEN7B = dict(QWEN05B, hidden_size=3584, intermediate_size=18944, num_hidden_lay
 RANDOM_MODELS = {"qwen05b-random": QWEN05B, "qwen7b-random": QWEN7B}
 
 
-def ensure_random(name: str, config: dict, seed: int = 0) -> Path:
-    """A Qwen2 model of `config` with random weights (bf16) plus a word-level tokenizer of its
+def ensure_random(name: str, config: dict, seed: int = 0, dtype: str = "bfloat16") -> Path:
+    """A Qwen2 model of `config` with random weights (`dtype`) plus a word-level tokenizer of its
     vocab (`w4`, `w5`, ...), built once into .cache/models/NAME (on CUDA when present: fast
     init) and loaded by the services like any checkpoint. No downloads."""
     import torch
@@ -54,7 +54,7 @@ def ensure_random(name: str, config: dict, seed: int = 0) -> Path:
                                         pad_token="<pad>")
     torch.manual_seed(seed)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**config), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**config), dtype=getattr(torch, dtype))
     tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
