@@ -60,12 +60,13 @@ models: $(STAMP)
 eval-pair: $(STAMP)
 	$(PYTHON) -m qa.evaluate pair
 
+QA_CORPUS := --corpus qa.corpus:calibration_corpus --corpus-arg task=tuned --corpus-arg ctx=256 --corpus-arg predictor_ctx=512
 # SCD codec artifacts for the trained pair (committed; rebuild after `make models`).
 artifacts: $(PB_GEN)
-	$(PYTHON) -m shared.scd.distill --producer checkpoints/qa-base --consumer checkpoints/qa-tuned \
+	$(PYTHON) -m calibration --producer checkpoints/qa-base --consumer checkpoints/qa-tuned $(QA_CORPUS) \
 		--dtype bfloat16 --predictor-layers auto --predictor-steps 1500,2000 --predictor-depth 2 --threads 1 \
 		--out artifacts/qa-base-to-tuned.safetensors
-	$(PYTHON) -m shared.scd.distill --producer checkpoints/qa-tuned --consumer checkpoints/qa-tuned \
+	$(PYTHON) -m calibration --producer checkpoints/qa-tuned --consumer checkpoints/qa-tuned $(QA_CORPUS) \
 		--dtype bfloat16 --out artifacts/qa-tuned-to-tuned.safetensors
 
 bench-quality: $(PB_GEN)

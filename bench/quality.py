@@ -23,7 +23,7 @@ from consumer.client import ConsumerClient, prompt
 from qa.metrics import exact_match, f1_score
 from qa.task import END, examples
 from shared.scd.artifact import Artifact
-from shared.scd.search import evenly_spaced
+from calibration.search import evenly_spaced
 
 ROOT = services.ROOT
 RESULTS = ROOT / "bench/results"

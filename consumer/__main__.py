@@ -4,6 +4,7 @@ import sys
 
 from shared.config import ConsumerConfig
 from shared.serving import main
+from consumer.server import ConsumerServer
 
 if __name__ == "__main__":
-    main("consumer", ConsumerConfig, sys.argv[1:])
+    main("consumer", ConsumerConfig, ConsumerServer, sys.argv[1:])

@@ -20,13 +20,14 @@ from typing import AsyncIterator, Mapping, Protocol
 
 import torch
 
-from shared import logs
+from shared import kv, logs
 from shared.codecs import Codec, StreamInfo
 from shared.errors import DataLoss, DeadlineExceeded, FailedPrecondition
 from shared.models import LoadedModel
 from consumer.decoding import Detokenizer, Sampler, Sampling, forward_logits
 
 log = logs.get("consumer.engine")
+LOCAL_MODE = "oracle"  # the consumer's own prefill: only token ids cross
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class GenerateJob:
     request_id: str
     context_ids: list[int]
     question_ids: list[int]
-    codec: Codec
+    codec: Codec | None  # None: the consumer prefills the context itself (mode "oracle")
     options: dict[str, str]
     max_new_tokens: int
     sampling: Sampling
@@ -68,6 +69,10 @@ class GenerateJob:
     deadline: float  # time.monotonic() value
     received_at: float = field(default_factory=time.perf_counter)
     fallback: str = ""  # why the transfer planner kept or replaced the requested mode ("" = not asked)
+
+    @property
+    def mode(self) -> str:
+        return self.codec.name if self.codec is not None else LOCAL_MODE
 
 
 @dataclass
@@ -119,16 +124,15 @@ class GenerateEngine:
         return await logs.run_in(self.executor, run)
 
     async def run(self, job: GenerateJob) -> AsyncIterator[TokenOut | GenerateResult]:
-        result = GenerateResult(job.request_id, job.codec.name, dict(job.options), len(job.context_ids), len(job.question_ids))
+        result = GenerateResult(job.request_id, job.mode, dict(job.options), len(job.context_ids), len(job.question_ids))
         device = self.loaded.device
-        context = torch.tensor([job.context_ids], device=device)  # [1, T]
-
         result.raw_kv_bytes = self.loaded.info.kv_bytes(len(job.context_ids))
-        if job.codec.uses_producer:
-            decoder = await self._transfer(job, result)
+        if job.codec is None:
+            context = torch.tensor([job.context_ids], device=device)  # [1, T]
+            cache, took = await self._timed(kv.prefill_context, self.loaded, context)
         else:
-            decoder = job.codec.decoder(StreamInfo(self.loaded.info.num_layers, len(job.context_ids), self.loaded.info.dtype, job.options))
-        cache, took = await self._timed(decoder.finish, context)
+            decoder = await self._transfer(job, result)
+            cache, took = await self._timed(decoder.finish)
         result.rebuild_ms += took
 
         self._left(job, "question prefill")

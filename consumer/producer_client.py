@@ -48,7 +48,7 @@ class ProducerClient:
                     assembler = wire.PayloadAssembler(h.num_layers)
                     yield StreamHeader(
                         StreamInfo(h.num_layers, h.num_tokens, h.kv_dtype, dict(h.codec.options), dict(h.codec_metadata),
-                                   h.codec_format_version),
+                                   h.codec_format_version, h.producer.weight_digest),
                         h.codec.name,
                     )
                 elif kind == "chunk":

@@ -18,13 +18,14 @@ from shared.models import LoadedModel, load_model, warm_up
 from shared.scd.artifact import discover
 from shared.pb import common_pb2, consumer_pb2, consumer_pb2_grpc
 from consumer.decoding import Sampling
-from consumer.engine import GenerateEngine, GenerateJob, GenerateResult, TokenOut
+from consumer.engine import LOCAL_MODE, GenerateEngine, GenerateJob, GenerateResult, TokenOut
 from consumer.planner import Observation, TransferPlanner
 from consumer.producer_client import ProducerClient
 
 log = logs.get("consumer")
 SERVICE_NAME = consumer_pb2.DESCRIPTOR.services_by_name["ConsumerService"].full_name
 DEFAULT_NEW_TOKENS = 32
+
 FINISH = {"length": consumer_pb2.FINISH_REASON_LENGTH, "stop": consumer_pb2.FINISH_REASON_STOP}
 
 
@@ -63,6 +64,15 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             raise InvalidArgument(f"{field}.token_ids: id {bad} >= vocab_size {vocab}")
         return ids
 
+    def _transfer(self, spec: common_pb2.CodecSpec) -> tuple[codec_lib.Codec | None, dict[str, str]]:
+        """The codec and resolved options a request names; (None, {}) for LOCAL_MODE (own prefill)."""
+        if spec.name == LOCAL_MODE:
+            if spec.options:
+                raise InvalidArgument(f"transfer.options: mode '{LOCAL_MODE}' takes no options, got {sorted(spec.options)}")
+            return None, {}
+        codec = codec_lib.lookup(self.codecs, spec.name or "raw")
+        return codec, codec.resolve(dict(spec.options))
+
     def _job(self, request: consumer_pb2.GenerateRequest, request_id: str, timeout_s: float) -> GenerateJob:
         cfg = self.config
         context_ids = self._ids(request.context, "context", cfg.max_context_tokens, special=True)
@@ -75,15 +85,13 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             raise InvalidArgument(f"sampling.temperature: {s.temperature} not in [0, 10]")
         if not 0 <= s.top_p <= 1:
             raise InvalidArgument(f"sampling.top_p: {s.top_p} not in [0, 1]")
-        codec = codec_lib.lookup(self.codecs, request.transfer.name or "raw")
-        options = codec.resolve(dict(request.transfer.options))
+        codec, options = self._transfer(request.transfer)
         fallback = ""
-        if request.fallback_to_oracle and codec.uses_producer:
+        if request.fallback_to_oracle and codec is not None:
             decision = self.planner.decide(codec.name, options, len(context_ids))
             fallback = decision.reason
             if decision.local:
-                codec = self.codecs["oracle"]
-                options = codec.resolve({})
+                codec, options = None, {}
         vocab = self.loaded.info.vocab_size
         bad = next((t for t in request.stop_token_ids if t >= vocab), None)
         if bad is not None:
@@ -111,7 +119,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             self._ready()
             job = self._job(request, request_id, serving.remaining_s(context, self.config.default_timeout_s))
             job.received_at = received
-            log.info("generate.start", mode=job.codec.name, context_tokens=len(job.context_ids),
+            log.info("generate.start", mode=job.mode, context_tokens=len(job.context_ids),
                      question_tokens=len(job.question_ids), deadline_s=context.time_remaining())
             async for item in self.engine.run(job):
                 if isinstance(item, TokenOut):
@@ -132,7 +140,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         cfg = self.config
         return consumer_pb2.ConsumerServiceDescribeResponse(
             model=describe.model_to_pb(loaded.info),
-            codecs=describe.codecs_to_pb(self.codecs),
+            codecs=[describe.local_mode_pb(LOCAL_MODE), *describe.codecs_to_pb(self.codecs)],
             limits=common_pb2.Limits(max_context_tokens=cfg.max_context_tokens, max_question_tokens=cfg.max_question_tokens,
                                      max_new_tokens=cfg.max_new_tokens),
             producer_target=cfg.producer,

@@ -4,6 +4,7 @@ import sys
 
 from shared.config import ProducerConfig
 from shared.serving import main
+from producer.server import ProducerServer
 
 if __name__ == "__main__":
-    main("producer", ProducerConfig, sys.argv[1:])
+    main("producer", ProducerConfig, ProducerServer, sys.argv[1:])

@@ -38,7 +38,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         self.store = ContextStore(config.store_bytes)
 
     def attach(self, loaded: LoadedModel) -> None:
-        self.codecs = {n: c for n, c in codec_lib.create_codecs(loaded, artifacts=discover(self.config.artifact_paths)).items() if c.uses_producer}
+        self.codecs = codec_lib.create_codecs(loaded, artifacts=discover(self.config.artifact_paths))
         self.engine = PrefillEngine(loaded, self.executor, self.config.queue_depth)
         self.loaded = loaded
 
@@ -66,7 +66,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             options = codec.resolve(dict(request.codec.options))
             if self.inflight >= self.config.max_inflight:
                 raise ResourceExhausted(f"prefills in flight: {self.inflight} >= max_inflight {self.config.max_inflight}")
-            encoder = codec.make_encoder(options, len(request.token_ids), request.consumer_weight_digest)
+            encoder = codec.encoder(options, codec_lib.EncodeRequest(len(request.token_ids), request.consumer_weight_digest))
             self.inflight += 1
             self.stats.prefills_started += 1
             log.info("prefill.start", tokens=len(request.token_ids), codec=codec.name, deadline_s=context.time_remaining())

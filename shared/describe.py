@@ -15,10 +15,13 @@ def model_to_pb(info: ModelInfo) -> common_pb2.ModelInfo:
 
 
 def codecs_to_pb(codecs: Mapping[str, Codec]) -> list[common_pb2.CodecInfo]:
-    return [
-        common_pb2.CodecInfo(name=name, description=c.description, uses_producer=c.uses_producer)
-        for name, c in sorted(codecs.items())
-    ]
+    return [common_pb2.CodecInfo(name=name, description=c.description, uses_producer=True) for name, c in sorted(codecs.items())]
+
+
+def local_mode_pb(name: str) -> common_pb2.CodecInfo:
+    """The consumer's own-prefill mode, listed beside the codecs (tokens only cross)."""
+    return common_pb2.CodecInfo(name=name, description="tokens only: the consumer prefills the context itself (reference quality)",
+                                uses_producer=False)
 
 
 def artifacts_to_pb(codecs: Mapping[str, Codec]) -> list[common_pb2.ArtifactInfo]:

@@ -91,3 +91,14 @@ def empty_cache(loaded: LoadedModel) -> DynamicCache:
 def put_layer(cache: DynamicCache, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Store one layer's K/V ([n_kv, T, hd] each, post-RoPE) into the cache."""
     cache.update(keys[None], values[None], layer)
+
+
+def capture_states(loaded: LoadedModel, ids: list[int], needs: Capture) -> tuple[dict[int, LayerState], DynamicCache]:
+    """One batch-1 forward over ids: every layer's LayerState (what `needs` asks for, on the
+    model's device) and the cache that forward filled. The one way offline tools, tests and
+    the producer's profile read per-layer states."""
+    states: dict[int, LayerState] = {}
+    cache = empty_cache(loaded)
+    with layer_capture(loaded, cache, needs, lambda s: states.__setitem__(s.index, s)):
+        prefill_context(loaded, torch.tensor([ids], device=loaded.device), cache)
+    return states, cache

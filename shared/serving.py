@@ -125,16 +125,13 @@ def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
     uvloop.run(runner())
 
 
-def main(service: str, config_cls: type, argv: list[str] | None) -> None:
+def main(service: str, config_cls: type, server_cls: type, argv: list[str] | None) -> None:
     """`python -m <service>`: config from flags/env, logs, then start -> load -> serve until
-    SIGTERM/SIGINT -> drain. The server class is `<service>.server.<Service>Server`."""
-    import importlib
-
+    SIGTERM/SIGINT -> drain. `server_cls(config)` has async start(), load() and stop()."""
     from shared import config as config_lib
 
     cfg = config_lib.load(config_cls, service, argv)
     logs.configure(service, cfg.log_level)
-    server_cls = getattr(importlib.import_module(f"{service}.server"), f"{service.capitalize()}Server")
 
     async def serve(stop: asyncio.Event) -> None:
         server = server_cls(cfg)

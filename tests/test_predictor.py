@@ -12,25 +12,26 @@ import torch
 from shared import kv, layers
 from shared.models import load_model
 from shared.pb import common_pb2, consumer_pb2
+from calibration import predictor_training
+from calibration.distill import distill
 from shared.scd import ops, predictor
 from shared.scd.artifact import Artifact
-from shared.scd.distill import distill
 from shared.scd.schedule import Schedule
 from tests.conftest import perturbed_model, prompt, running_pair
 from tests.test_end_to_end import CONTEXT, QUESTION
 from tests.test_scd import heldout, random_corpus, states_of
 
-TRAIN = predictor.TrainConfig(mse_steps=100, kl_steps=6, batch=2, lr=1e-2, kl_lr=1e-3)
+TRAIN = predictor_training.TrainConfig(mse_steps=100, kl_steps=6, batch=2, lr=1e-2, kl_lr=1e-3)
 LAYER = 1
 
 
-def train_examples() -> list[predictor.TrainExample]:
+def train_examples() -> list[predictor_training.TrainExample]:
     """Random contexts, each with three scored continuations (two of one length: one batch)."""
     seqs = random_corpus(12, 100, 7)
-    return [predictor.TrainExample(s[:80], ((s[80:90], 4), (s[90:100], 0), (s[85:92], 2))) for s in seqs]
+    return [predictor_training.TrainExample(s[:80], ((s[80:90], 4), (s[90:100], 0), (s[85:92], 2))) for s in seqs]
 
 
-def hetero_artifact(consumer_path, directory, device: str, train: predictor.TrainConfig, schedules: list[str]):
+def hetero_artifact(consumer_path, directory, device: str, train: predictor_training.TrainConfig, schedules: list[str]):
     """Producer tiny-llama, a perturbed consumer saved at consumer_path (both loaded on device),
     and their artifact with a layer-LAYER predictor, saved in directory: (producer, consumer, art)."""
     perturbed_model("tiny-llama", seed=1, scale=0.05, save_to=consumer_path)
@@ -119,11 +120,11 @@ async def test_services_serve_a_predictor_artifact_like_the_in_process_codec(pai
 def test_kl_is_zero_for_the_true_input_and_batching_does_not_change_it(pair):
     _, consumer, _, _, _ = pair
     ex = train_examples()[0]
-    true_x, own_kv = predictor.consumer_pass(consumer, ex.context_ids, LAYER)
-    assert float(predictor._kl(consumer, LAYER, true_x, ex, own_kv)) == pytest.approx(0.0, abs=1e-5)
+    true_x, own_kv = predictor_training.consumer_pass(consumer, ex.context_ids, LAYER)
+    assert float(predictor_training._kl(consumer, LAYER, true_x, ex, own_kv)) == pytest.approx(0.0, abs=1e-5)
     noisy = true_x + 0.3 * torch.randn(true_x.shape, generator=torch.Generator().manual_seed(0))
-    together = float(predictor._kl(consumer, LAYER, noisy, ex, own_kv))
-    singles = [(float(predictor._kl(consumer, LAYER, noisy, predictor.TrainExample(ex.context_ids, (c,)), own_kv)),
+    together = float(predictor_training._kl(consumer, LAYER, noisy, ex, own_kv))
+    singles = [(float(predictor_training._kl(consumer, LAYER, noisy, predictor_training.TrainExample(ex.context_ids, (c,)), own_kv)),
                 len(c[0]) - 1 - max(c[1] - 1, 0)) for c in ex.continuations]
     assert together > 1e-3
     assert together == pytest.approx(sum(k * n for k, n in singles) / sum(n for _, n in singles), rel=1e-4)
@@ -136,16 +137,16 @@ def test_homogeneous_pairs_get_no_predictor_and_auto_follows_the_linear_patch_lo
     assert same.predictor_layers == [] and "predictor" not in same.meta
     auto = distill(producer, consumer, random_corpus(6, 64, 0), heldout(2, 1), corpus_name="r", predictor_layers="auto",
                    predictor_examples=itertools.cycle(train_examples()), schedules=["R8.R8.R8.R8"], loss_target=0.0,
-                   predictor_train=predictor.TrainConfig(mse_steps=2, kl_steps=1, batch=1), log=lambda m: None)
+                   predictor_train=predictor_training.TrainConfig(mse_steps=2, kl_steps=1, batch=1), log=lambda m: None)
     linear = auto.meta["predictor"]["patch_loss_linear"]
     assert auto.predictor_layers == [int(l) for l, loss in linear.items() if loss > 0.0] != []
 
 
 def test_predictor_training_is_deterministic_for_a_seed(pair):
     producer, consumer, _, _, _ = pair
-    cfg = predictor.TrainConfig(mse_steps=5, kl_steps=3, batch=2)
-    a, report_a = predictor.train(producer, consumer, LAYER, itertools.cycle(train_examples()), cfg, log=lambda m: None)
-    b, report_b = predictor.train(producer, consumer, LAYER, itertools.cycle(train_examples()), cfg, log=lambda m: None)
+    cfg = predictor_training.TrainConfig(mse_steps=5, kl_steps=3, batch=2)
+    a, report_a = predictor_training.train(producer, consumer, LAYER, itertools.cycle(train_examples()), cfg, log=lambda m: None)
+    b, report_b = predictor_training.train(producer, consumer, LAYER, itertools.cycle(train_examples()), cfg, log=lambda m: None)
     assert report_a["curve"] == report_b["curve"]
     sa, sb = predictor.to_tensors(LAYER, a), predictor.to_tensors(LAYER, b)
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

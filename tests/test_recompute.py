@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from shared import layers
-from shared.codecs import StreamInfo
+from shared.codecs import EncodeRequest, StreamInfo
 from shared.codecs.recompute import RecomputeCodec, default_span, span
 from shared.errors import InvalidArgument
 from shared.models import load_model
 from shared.pb import common_pb2
-from shared.recompute_profile import profile_span
+from calibration.recompute_profile import profile_span
 from tests.conftest import assert_refused_by_both, perturbed_model, prompt, running_pair
 from tests.test_end_to_end import CONTEXT, QUESTION, local_greedy
 
@@ -36,7 +36,7 @@ def test_decoder_checks_the_span_against_the_consumers_layers():
     with pytest.raises(InvalidArgument, match=r"transfer.options\['end'\]='6' .*num_layers=4: must be in 2..4"):
         codec.decoder(StreamInfo(4, 10, "float32", {"start": "1", "end": "6"}))
     with pytest.raises(InvalidArgument, match=r"transfer.options\['start'\]='4' .*must be in 0..3"):
-        codec.encoder({"start": "4", "end": "auto"}, 10)
+        codec.encoder({"start": "4", "end": "auto"}, EncodeRequest(10))
 
 
 @pytest.mark.parametrize(

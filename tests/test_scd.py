@@ -10,9 +10,10 @@ import torch
 from shared import kv, layers
 from shared.errors import FailedPrecondition, InvalidArgument
 from shared.models import load_model
-from shared.scd import ops, search
+from calibration import search
+from calibration.distill import distill, geometry
+from shared.scd import ops
 from shared.scd.artifact import Artifact
-from shared.scd.distill import distill, geometry
 from shared.scd.schedule import Action, Schedule, bytes_per_token
 from tests.conftest import perturbed_model
 

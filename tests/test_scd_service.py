@@ -8,7 +8,7 @@ import pytest
 from shared.models import load_model
 from shared.pb import common_pb2
 from shared.scd.artifact import FORMAT_VERSION
-from shared.scd.distill import distill
+from calibration.distill import distill
 from tests.conftest import prompt, running_pair
 from tests.test_scd import heldout, random_corpus
 

@@ -1,16 +1,22 @@
 """The transfer-codec interface: one pipeline, many ways to move a context's KV state.
 
-A `Codec` is created once per service around that service's model. Per request it makes:
-- on the producer, a `LayerEncoder`, fed one `LayerState` per decoder layer as the prefill
-  reaches it, returning the named tensors (`payloads`) to send for that layer;
-- on the consumer, a `CacheDecoder`, fed each layer's payloads as they arrive (on the compute
-  thread, while later layers are in flight) and finally asked for the rebuilt cache.
-The services never look inside payloads: adding a codec means adding a module and registering
-it here, nothing else. Codecs never import grpc or the servers.
+A `Codec` is created once per service around that service's model (`create_codecs`). Per
+request it makes, through one entry point on each side:
+- on the producer, `Codec.encoder(options, request)`: a `LayerEncoder`, fed one `LayerState`
+  per decoder layer as the prefill reaches it, returning the named tensors (`payloads`) to send;
+- on the consumer, `Codec.decoder(stream)`: a `CacheDecoder` that declares, per layer, the exact
+  payloads it accepts (`expected`: name -> element type and shape, from the stream header and
+  the request), is fed each layer's payloads as they arrive (on the compute thread, while later
+  layers are in flight) and finally hands over the rebuilt cache.
+The services never look inside payloads; the consumer's stream reader validates every chunk
+against `expected` before buffering it. Adding a codec means adding a module and registering
+it here, nothing else. Codecs never import grpc or the servers. Taking the context locally
+(mode "oracle") is the consumer's own path, not a codec.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Sequence
@@ -20,7 +26,7 @@ from transformers import DynamicCache
 
 from shared.errors import InvalidArgument
 from shared.kv import Capture, LayerState  # noqa: F401  (part of the codec interface)
-from shared.models import LoadedModel
+from shared.models import DTYPES, LoadedModel
 
 if TYPE_CHECKING:
     from shared.scd.artifact import Artifact
@@ -28,14 +34,43 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class StreamInfo:
-    """What the consumer's decoder learns from the stream header."""
+    """What the consumer's decoder learns from the stream header (already checked against the
+    request: token count, codec name and options, dtype whitelist)."""
 
     num_layers: int
     num_tokens: int
-    kv_dtype: str
+    kv_dtype: str  # one of shared.models.DTYPES
     options: Mapping[str, str]
     metadata: Mapping[str, str] = field(default_factory=dict)
     format_version: int = 1
+    producer_digest: str = ""  # the producer's weight digest, as its header states it
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.kv_dtype]
+
+
+@dataclass(frozen=True)
+class EncodeRequest:
+    """What the producer knows about the request an encoder serves."""
+
+    num_tokens: int
+    consumer_digest: str = ""  # the consumer's weight digest, "" when the caller did not say
+
+
+@dataclass(frozen=True)
+class PayloadSpec:
+    """One payload a decoder accepts: element type and exact shape."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+Schema = dict[str, PayloadSpec]
 
 
 class LayerEncoder(ABC):
@@ -53,28 +88,30 @@ class LayerEncoder(ABC):
 
 
 class CacheDecoder(ABC):
-    """Consumer side, one per request. Methods run on the consumer's compute thread."""
+    """Consumer side, one per request. add_layer and finish run on the consumer's compute thread."""
+
+    @abstractmethod
+    def expected(self, layer: int) -> Schema:
+        """Exactly the payloads layer `layer` carries (may be empty)."""
 
     @abstractmethod
     def add_layer(self, layer: int, payloads: dict[str, torch.Tensor]) -> None:
-        """Rebuild what this layer's payloads carry (called in layer order)."""
+        """Rebuild what this layer's payloads carry (called in layer order, payloads as `expected`)."""
 
     @abstractmethod
-    def finish(self, context_ids: torch.Tensor) -> DynamicCache:
-        """The consumer model's cache over the context; context_ids is [1, T] on its device."""
+    def finish(self) -> DynamicCache:
+        """The consumer model's cache over the context, once every layer was added."""
 
 
 class Codec(ABC):
     name: ClassVar[str]
     description: ClassVar[str]
-    uses_producer: ClassVar[bool] = True
-    format_version: ClassVar[int] = 1
+    format_version: ClassVar[int] = 1  # bumped whenever the meaning of a payload changes
     # option name -> (default, parser); parsers raise ValueError on bad values
     option_parsers: ClassVar[Mapping[str, tuple[str, Callable[[str], object]]]] = {}
 
     def __init__(self, model: LoadedModel, artifacts: Sequence["Artifact"] = ()):
         self.model = model
-        self.artifacts = list(artifacts)  # calibrated codec artifacts (shared.scd.artifact), if any
 
     def resolve(self, options: Mapping[str, str]) -> dict[str, str]:
         """Validate options and fill defaults; errors name the option and what is allowed."""
@@ -93,14 +130,12 @@ class Codec(ABC):
         return resolved
 
     @abstractmethod
-    def encoder(self, options: Mapping[str, str], num_tokens: int) -> LayerEncoder: ...
-
-    def make_encoder(self, options: Mapping[str, str], num_tokens: int, consumer_digest: str) -> LayerEncoder:
-        """What the producer calls; codecs that depend on the consumer's weights override this."""
-        return self.encoder(options, num_tokens)
+    def encoder(self, options: Mapping[str, str], request: EncodeRequest) -> LayerEncoder:
+        """The producer's entry point; options are resolved."""
 
     @abstractmethod
-    def decoder(self, stream: StreamInfo) -> CacheDecoder: ...
+    def decoder(self, stream: StreamInfo) -> CacheDecoder:
+        """The consumer's entry point; raises FailedPrecondition/DataLoss when the stream cannot be decoded here."""
 
 
 _REGISTRY: dict[str, type[Codec]] = {}

@@ -1,6 +1,6 @@
 """`quant`: the producer's K/V quantized KIVI-style to int8 or int4 (shared.quantize), rebuilt on
 the consumer in its own dtype. A baseline for SCD at a fixed ~4x / ~8x (plus scales) saving
-over 16-bit KV.
+over 16-bit KV. `quant_schema` is reused by SCD's quantized action.
 
 Options: `bits` "8" | "4" (default "8"); `group_size` a power of two in 8..128 (default "32"):
 tokens per key group (per channel) and channels per value group (per token).
@@ -13,9 +13,10 @@ from typing import Mapping
 import torch
 
 from shared import quantize
-from shared.codecs.base import Capture, CacheDecoder, Codec, LayerEncoder, LayerState, StreamInfo, register
+from shared.codecs.base import (CacheDecoder, Capture, Codec, EncodeRequest, LayerEncoder, LayerState, PayloadSpec, Schema,
+                                StreamInfo, register)
 from shared.codecs.raw import KVDecoder
-from shared.errors import DataLoss, FailedPrecondition
+from shared.errors import DataLoss
 
 
 def parse_bits(value: str) -> int:
@@ -34,6 +35,22 @@ def parse_group_size(value: str) -> int:
     return size
 
 
+def quant_schema(kv_shape: tuple[int, int, int], bits: int, group_size: int) -> Schema:
+    """The six payloads of one quantized layer for K/V of kv_shape [n_kv, T, hd]."""
+    return {name: PayloadSpec(torch.uint8 if name.endswith("codes") else torch.float16, shape)
+            for name, shape in quantize.payload_shapes(kv_shape, bits, group_size).items()}
+
+
+def decode_quant(layer: int, payloads: dict[str, torch.Tensor], kv_shape: tuple[int, int, int], bits: int, group_size: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (keys, values) [n_kv, T, hd] on device; DataLoss when a scale or min is not finite."""
+    for name in ("k_scale", "k_min", "v_scale", "v_min"):
+        if not bool(torch.isfinite(payloads[name]).all()):
+            raise DataLoss(f"layer {layer}: payload '{name}' holds non-finite values")
+    on_device = {name: payloads[name].to(device) for name in quantize.PAYLOADS}
+    return quantize.decode_kv(on_device, bits, group_size, kv_shape)
+
+
 class QuantEncoder(LayerEncoder):
     captures = Capture.KV
 
@@ -48,19 +65,14 @@ class QuantEncoder(LayerEncoder):
 class QuantDecoder(KVDecoder):
     def __init__(self, codec: Codec, stream: StreamInfo):
         super().__init__(codec, stream)
-        self.bits = parse_bits(stream.options.get("bits", "8"))
-        self.group_size = parse_group_size(stream.options.get("group_size", "32"))
+        self.bits = parse_bits(stream.options["bits"])
+        self.group_size = parse_group_size(stream.options["group_size"])
+
+    def expected(self, layer: int) -> Schema:
+        return quant_schema(self.kv_shape, self.bits, self.group_size)
 
     def add_layer(self, layer: int, payloads: dict[str, torch.Tensor]) -> None:
-        missing = set(quantize.PAYLOADS) - set(payloads)
-        if missing:
-            raise DataLoss(f"layer {layer}: payload(s) {sorted(missing)} missing")
-        device = self.loaded.device
-        on_device = {name: payloads[name].to(device) for name in quantize.PAYLOADS}
-        try:
-            keys, values = quantize.decode_kv(on_device, self.bits, self.group_size, self.expected)
-        except ValueError as exc:
-            raise FailedPrecondition(f"layer {layer}: {exc} [kv_heads, tokens, head_dim]") from None
+        keys, values = decode_quant(layer, payloads, self.kv_shape, self.bits, self.group_size, self.loaded.device)
         self.store(layer, keys, values)  # float32 [n_kv, T, hd] -> consumer dtype
 
 
@@ -70,7 +82,7 @@ class QuantCodec(Codec):
     description = "KIVI-style int8/int4 K/V: keys per channel, values per token, fp16 scales (options bits, group_size)"
     option_parsers = {"bits": ("8", parse_bits), "group_size": ("32", parse_group_size)}
 
-    def encoder(self, options: Mapping[str, str], num_tokens: int) -> LayerEncoder:
+    def encoder(self, options: Mapping[str, str], request: EncodeRequest) -> LayerEncoder:
         return QuantEncoder(parse_bits(options["bits"]), parse_group_size(options["group_size"]))
 
     def decoder(self, stream: StreamInfo) -> CacheDecoder:

@@ -1,7 +1,10 @@
 """`raw`: the producer's post-RoPE K/V, byte for byte in the producer's dtype.
 
 With a different consumer model of the same architecture this is "naive reuse": the consumer
-attends over the producer's cache as if it were its own.
+attends over the producer's cache as if it were its own. Also owns what every K/V-carrying
+codec shares: the raw K/V payloads and their schema (`kv_payloads`, `kv_schema`, reused by
+SCD's raw action) and `KVDecoder`, which assembles the consumer's cache layer by layer and
+refuses non-finite K/V.
 """
 
 from __future__ import annotations
@@ -12,15 +15,27 @@ import torch
 from transformers import DynamicCache
 
 from shared import kv
-from shared.codecs.base import Capture, CacheDecoder, Codec, LayerEncoder, LayerState, StreamInfo, register
+from shared.codecs.base import (CacheDecoder, Capture, Codec, EncodeRequest, LayerEncoder, LayerState, PayloadSpec, Schema,
+                                StreamInfo, register)
 from shared.errors import DataLoss, FailedPrecondition
+from shared.models import LoadedModel
+
+
+def kv_payloads(state: LayerState) -> dict[str, torch.Tensor]:
+    return {"k": state.keys, "v": state.values}  # [n_kv, T, hd] each, post-RoPE, producer dtype
+
+
+def kv_schema(model: LoadedModel, stream: StreamInfo) -> Schema:
+    info = model.info
+    spec = PayloadSpec(stream.kv_torch_dtype, (info.num_kv_heads, stream.num_tokens, info.head_dim))
+    return {"k": spec, "v": spec}
 
 
 class RawEncoder(LayerEncoder):
     captures = Capture.KV
 
     def encode(self, state: LayerState) -> dict[str, torch.Tensor]:
-        return {"k": state.keys, "v": state.values}  # [n_kv, T, hd] each
+        return kv_payloads(state)
 
 
 class KVDecoder(CacheDecoder):
@@ -36,33 +51,34 @@ class KVDecoder(CacheDecoder):
             raise FailedPrecondition(
                 f"producer stream has {stream.num_layers} layers, consumer model {info.model_id} has {info.num_layers}"
             )
-        self.expected = (info.num_kv_heads, stream.num_tokens, info.head_dim)
-
-    def check(self, layer: int, name: str, tensor: torch.Tensor) -> None:
-        if tuple(tensor.shape) != self.expected:
-            raise FailedPrecondition(
-                f"layer {layer} payload '{name}' has shape {list(tensor.shape)}, consumer expects {list(self.expected)}"
-                " [kv_heads, tokens, head_dim]"
-            )
+        self.kv_shape = (info.num_kv_heads, stream.num_tokens, info.head_dim)
 
     def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keep one layer's rebuilt K/V ([n_kv, T, hd] each) in the consumer's dtype; DataLoss
+        when a value is not finite (a corrupt payload must never reach attention)."""
         device, dtype = self.loaded.device, self.loaded.dtype
-        kv.put_layer(self.cache, layer, keys.to(device, dtype), values.to(device, dtype))
+        keys, values = keys.to(device, dtype), values.to(device, dtype)
+        for name, t in (("keys", keys), ("values", values)):
+            if tuple(t.shape) != self.kv_shape:
+                raise DataLoss(f"layer {layer}: rebuilt {name} {list(t.shape)}, expected {list(self.kv_shape)}")
+            if not bool(torch.isfinite(t).all()):
+                raise DataLoss(f"layer {layer}: rebuilt {name} hold non-finite values (corrupt payload)")
+        kv.put_layer(self.cache, layer, keys, values)
         self.received.add(layer)
 
-    def add_layer(self, layer: int, payloads: dict[str, torch.Tensor]) -> None:
-        missing = {"k", "v"} - set(payloads)
-        if missing:
-            raise DataLoss(f"layer {layer}: payload(s) {sorted(missing)} missing")
-        for name in ("k", "v"):
-            self.check(layer, name, payloads[name])
-        self.store(layer, payloads["k"], payloads["v"])
-
-    def finish(self, context_ids: torch.Tensor) -> DynamicCache:
+    def finish(self) -> DynamicCache:
         missing = sorted(set(range(self.stream.num_layers)) - self.received)
         if missing:
             raise DataLoss(f"stream ended without layers {missing}")
         return self.cache
+
+
+class RawDecoder(KVDecoder):
+    def expected(self, layer: int) -> Schema:
+        return kv_schema(self.loaded, self.stream)
+
+    def add_layer(self, layer: int, payloads: dict[str, torch.Tensor]) -> None:
+        self.store(layer, payloads["k"], payloads["v"])
 
 
 @register
@@ -70,8 +86,8 @@ class RawCodec(Codec):
     name = "raw"
     description = "producer's K/V bytes in its dtype (naive reuse when the models differ)"
 
-    def encoder(self, options: Mapping[str, str], num_tokens: int) -> LayerEncoder:
+    def encoder(self, options: Mapping[str, str], request: EncodeRequest) -> LayerEncoder:
         return RawEncoder()
 
     def decoder(self, stream: StreamInfo) -> CacheDecoder:
-        return KVDecoder(self, stream)
+        return RawDecoder(self, stream)

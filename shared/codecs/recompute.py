@@ -6,7 +6,7 @@ to make its own K/V for the span, while later layers are still in flight.
 
 With C == P this is exact (the span is recomputed from the true hidden state). With a fine-tuned
 C it replaces the producer's K/V on the span with C's, which is where C's and P's states
-diverge most when the span is chosen by profiling (shared.recompute_profile.profile_span).
+diverge most when the span is chosen by profiling (calibration.recompute_profile.profile_span).
 
 Options `start`, `end` (integers, 0 <= start < end <= num_layers), or "auto" (default) for
 `default_span`: the middle quarter of the layers, width = max(1, round(L / 4)) with halves
@@ -23,9 +23,10 @@ from typing import Mapping
 import torch
 
 from shared import layers
-from shared.codecs.base import Capture, CacheDecoder, Codec, LayerEncoder, LayerState, StreamInfo, register
-from shared.codecs.raw import KVDecoder
-from shared.errors import DataLoss, FailedPrecondition, InvalidArgument
+from shared.codecs.base import (CacheDecoder, Capture, Codec, EncodeRequest, LayerEncoder, LayerState, PayloadSpec, Schema,
+                                StreamInfo, register)
+from shared.codecs.raw import KVDecoder, kv_payloads, kv_schema
+from shared.errors import InvalidArgument
 
 
 def parse_layer(value: str) -> str:
@@ -88,7 +89,7 @@ class RecomputeEncoder(LayerEncoder):
             return {"hidden": state.hidden}  # [T, d], residual stream entering layer `start`
         if self.start < state.index < self.end:
             return {}  # the consumer recomputes it
-        return {"k": state.keys, "v": state.values}  # [n_kv, T, hd] each
+        return kv_payloads(state)
 
 
 class RecomputeDecoder(KVDecoder):
@@ -97,23 +98,20 @@ class RecomputeDecoder(KVDecoder):
         info = codec.model.info
         self.start, self.end = span(stream.options, info.num_layers, info.model_id)
 
+    def expected(self, layer: int) -> Schema:
+        if layer == self.start:  # the residual stream entering the span, in the producer's dtype
+            return {"hidden": PayloadSpec(self.stream.kv_torch_dtype, (self.stream.num_tokens, self.loaded.info.hidden_size))}
+        if self.start < layer < self.end:
+            return {}  # recomputed here
+        return kv_schema(self.loaded, self.stream)
+
     def add_layer(self, layer: int, payloads: dict[str, torch.Tensor]) -> None:
         if layer == self.start:
-            hidden = payloads.get("hidden")
-            if hidden is None:
-                raise DataLoss(f"layer {layer}: payload 'hidden' missing (start of the recompute span)")
-            want = (self.stream.num_tokens, self.loaded.info.hidden_size)
-            if tuple(hidden.shape) != want:
-                raise FailedPrecondition(f"layer {layer} payload 'hidden' has shape {list(hidden.shape)},"
-                                         f" consumer expects {list(want)} [tokens, hidden_size]")
-            span_kv = layers.run_layers(self.loaded, hidden.to(self.loaded.device), self.start, self.end)
+            span_kv = layers.run_layers(self.loaded, payloads["hidden"].to(self.loaded.device), self.start, self.end)
             for offset, (keys, values) in enumerate(span_kv):
                 self.store(self.start + offset, keys, values)  # the consumer's own K/V for the span
-        elif self.start < layer < self.end:
-            if payloads:
-                raise DataLoss(f"layer {layer}: unexpected payload(s) {sorted(payloads)} inside the recompute span")
-        else:
-            super().add_layer(layer, payloads)
+        elif not self.start < layer < self.end:
+            self.store(layer, payloads["k"], payloads["v"])
 
 
 @register
@@ -129,7 +127,7 @@ class RecomputeCodec(Codec):
         start, end = span(resolved, info.num_layers, info.model_id)
         return {"start": str(start), "end": str(end)}
 
-    def encoder(self, options: Mapping[str, str], num_tokens: int) -> LayerEncoder:
+    def encoder(self, options: Mapping[str, str], request: EncodeRequest) -> LayerEncoder:
         info = self.model.info
         return RecomputeEncoder(*span(options, info.num_layers, info.model_id))
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
+
 from shared import layers
-from shared.codecs.base import CacheDecoder, Capture, Codec, LayerEncoder, LayerState, StreamInfo, register
+from shared.codecs.base import (CacheDecoder, Capture, Codec, EncodeRequest, LayerEncoder, LayerState, Schema, StreamInfo,
+                                register)
 from shared.codecs.raw import KVDecoder
 from shared.errors import DataLoss, FailedPrecondition, InvalidArgument
 from shared.scd import ops
-from shared.scd.artifact import Artifact, for_pair
+from shared.scd.artifact import Artifact, ScheduleEntry, for_pair
 from shared.scd.schedule import Schedule
 
 
@@ -26,9 +28,16 @@ def _optional_float(text: str) -> float | None:
     if text == "":
         return None
     value = float(text)
-    if value < 0:
-        raise ValueError("must be >= 0")
+    if not value >= 0 or value == float("inf"):
+        raise ValueError("must be a finite number >= 0")
     return value
+
+
+def pick(art: Artifact, options: Mapping[str, str]) -> ScheduleEntry:
+    """The schedule `options` (resolved) choose from `art`: both sides compute it, so the consumer
+    can require the producer's choice to be exactly this one."""
+    return art.pick(options.get("schedule", ""), _optional_float(options.get("max_loss", "")),
+                    _optional_float(options.get("max_bytes_per_token", "")))
 
 
 class ScdEncoder(LayerEncoder):
@@ -50,13 +59,13 @@ class ScdDecoder(KVDecoder):
         self.art, self.schedule = art, schedule
         self.pos = layers.positions(codec.model, stream.num_tokens)
 
+    def expected(self, layer: int) -> Schema:
+        return ops.layer_schema(self.schedule.actions[layer], self.loaded, self.stream.num_tokens, self.stream.kv_torch_dtype,
+                                self.art.geometry.quant_group)
+
     def add_layer(self, layer: int, payloads: dict[str, torch.Tensor]) -> None:
-        action = self.schedule.actions[layer]
-        try:
-            keys, values = ops.decode_layer(self.art, layer, action, payloads, self.loaded, self.pos,
-                                            self.art.geometry.quant_group)
-        except KeyError as exc:
-            raise DataLoss(f"layer {layer} ({action}): payload {exc} missing") from None
+        keys, values = ops.decode_layer(self.art, layer, self.schedule.actions[layer], payloads, self.loaded, self.pos,
+                                        self.art.geometry.quant_group)
         self.store(layer, keys, values)
 
 
@@ -64,6 +73,7 @@ class ScdDecoder(KVDecoder):
 class ScdCodec(Codec):
     name = "scd"
     description = "semantic cache distillation: learned low-rank Reuse codes + Patch layers under a loss budget"
+    format_version = 2  # 2: Reuse/Patch payloads of predictor layers come from the learned predictor (artifact format 2)
     option_parsers = {
         "schedule": ("", str),
         "max_loss": ("", _optional_float),
@@ -79,36 +89,43 @@ class ScdCodec(Codec):
         for art in self.artifacts:
             if art.artifact_id == artifact_id:
                 return art
-        raise FailedPrecondition(f"SCD artifact {artifact_id!r} is not loaded here (loaded: {[a.artifact_id for a in self.artifacts]})")
+        raise FailedPrecondition(f"SCD artifact {artifact_id!r} named by the producer is not loaded here "
+                                 f"(loaded: {[a.artifact_id for a in self.artifacts]})")
 
-    def encoder(self, options: Mapping[str, str], num_tokens: int) -> LayerEncoder:
-        return self.make_encoder(options, num_tokens, "")
-
-    def make_encoder(self, options: Mapping[str, str], num_tokens: int, consumer_digest: str) -> LayerEncoder:
+    def encoder(self, options: Mapping[str, str], request: EncodeRequest) -> LayerEncoder:
         if not self.artifacts:
             raise FailedPrecondition("codec 'scd': the producer has no SCD artifact loaded (--artifacts)")
-        art = for_pair(self.artifacts, self.model.info.weight_digest, consumer_digest, options.get("artifact", ""))
+        art = for_pair(self.artifacts, self.model.info.weight_digest, request.consumer_digest, options.get("artifact", ""))
         art.check_model("producer", self.model.info)
-        if consumer_digest:
-            art.check_digest("consumer", consumer_digest, "the consumer's, as the request states it")
-        entry = art.pick(options.get("schedule", ""), _optional_float(options.get("max_loss", "")),
-                         _optional_float(options.get("max_bytes_per_token", "")))
+        if request.consumer_digest:
+            art.check_digest("consumer", request.consumer_digest, "the consumer's, as the request states it")
+        entry = pick(art, options)
         schedule = Schedule.parse(entry.schedule, art.num_layers)
         meta = {"artifact": art.artifact_id, "schedule": entry.schedule, "schedule_name": entry.name,
                 "calibrated_loss": f"{entry.loss:.6g}", "bytes_per_token": f"{entry.bytes_per_token:g}"}
         return ScdEncoder(art, schedule, meta)
 
     def decoder(self, stream: StreamInfo) -> CacheDecoder:
+        """Accepts only the artifact calibrated for this producer (its header digest) and this
+        consumer, and exactly the schedule the request's options choose from it."""
         for key in ("artifact", "schedule"):
             if key not in stream.metadata:
                 raise DataLoss(f"scd stream header lacks codec_metadata[{key!r}]")
+        asked = stream.options.get("artifact", "")
+        if asked and stream.metadata["artifact"] != asked:
+            raise DataLoss(f"scd stream header: artifact {stream.metadata['artifact']!r}, the request asked for {asked!r}")
         art = self._by_id(stream.metadata["artifact"])
         art.check_model("consumer", self.model.info)
+        art.check_digest("producer", stream.producer_digest, "the producer's, as its stream header states it")
         if art.num_layers != stream.num_layers:
             raise FailedPrecondition(f"artifact has {art.num_layers} layers, stream {stream.num_layers}")
+        want = pick(art, stream.options)
+        if stream.metadata["schedule"] != want.schedule:
+            raise DataLoss(f"scd stream header: schedule {stream.metadata['schedule'][:200]!r}, the request's options "
+                           f"choose {want.schedule!r} from artifact {art.artifact_id}")
         try:
-            schedule = Schedule.parse(stream.metadata["schedule"], art.num_layers)
+            schedule = Schedule.parse(want.schedule, art.num_layers)
+            schedule.check_ranks(art.geometry)
         except InvalidArgument as exc:
             raise DataLoss(f"scd stream header: {exc}") from None
         return ScdDecoder(self, art, schedule, stream)
-

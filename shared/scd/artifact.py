@@ -18,6 +18,7 @@ from safetensors.torch import load_file, safe_open, save_file
 
 from shared.errors import FailedPrecondition, InvalidArgument
 from shared.models import ModelInfo
+from shared.scd.predictor import from_tensors
 from shared.scd.schedule import Geometry, Schedule
 
 FORMAT_VERSION = 2  # written; 2 added optional learned predictors (layer.<l>.predictor.*)
@@ -53,8 +54,6 @@ class Artifact:
         if config is None:
             return None
         if layer not in self._predictors:
-            from shared.scd.predictor import from_tensors
-
             self._predictors[layer] = from_tensors(self.tensors, layer, config)
         return self._predictors[layer]
 
@@ -124,6 +123,7 @@ class Artifact:
                 raise InvalidArgument(f"transfer.options['schedule']: {schedule!r} is not a schedule of artifact "
                                       f"{self.artifact_id}: {[e.name for e in entries]}, nor a per-layer schedule text")
             parsed = Schedule.parse(schedule, self.num_layers)  # a caller's own schedule: loss not calibrated
+            parsed.check_ranks(self.geometry)
             return ScheduleEntry("custom", str(parsed), float("nan"), parsed.bytes_per_token(self.geometry))
         fits = [e for e in entries if (max_loss is None or e.loss <= max_loss) and (max_bytes is None or e.bytes_per_token <= max_bytes)]
         if not fits:

@@ -4,7 +4,7 @@ The one implementation of the reconstruction math: the scd codec calls it in the
 the schedule search calls it to measure loss, so calibrated losses describe what is served.
 
 Tensors of layer l in the artifact (d = hidden, D = 2·n_kv·head_dim):
-  mu_x [w·d] mean of the producer features: P's windowed normalized input (calibrate.windowed;
+  mu_x [w·d] mean of the producer features: P's windowed normalized input (features.windowed;
             w = 1: the input itself), or the layer's learned predictor output (d wide) where
             the artifact has `layer.<l>.predictor.*` tensors (shared.scd.predictor)
   encoder [w·d, D]  producer features -> coefficients in `basis`
@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from shared import layers
+from shared import layers, quantize
+from shared.codecs.base import PayloadSpec, Schema
+from shared.codecs.quant import decode_quant, quant_schema
+from shared.codecs.raw import kv_payloads
 from shared.kv import LayerState
 from shared.models import LoadedModel
 from shared.scd.artifact import Artifact
-from shared.scd.calibrate import producer_features
+from shared.scd.features import producer_features
 from shared.scd.schedule import Action
-
-try:  # KIVI-style quantization for the QUANT action
-    from shared import quantize
-except ImportError:  # pragma: no cover - before the quant module lands
-    quantize = None
 
 
 def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +43,7 @@ def from_int8_rows(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def encode_layer(art: Artifact, layer: int, action: Action, state: LayerState, group_size: int = 32) -> dict[str, torch.Tensor]:
     """Producer side: payloads for one layer from its LayerState (needs normed, or keys/values)."""
     if action.kind == "raw":
-        return {"k": state.keys, "v": state.values}
+        return kv_payloads(state)
     if action.kind == "quant":
         return quantize.encode_kv(state.keys, state.values, action.param, group_size)
     features = producer_features(state.normed.float(), art.window, art.predictor(layer))  # [T, w·d]
@@ -73,7 +71,7 @@ def decode_layer(art: Artifact, layer: int, action: Action, payloads: dict[str, 
         return payloads["k"].to(device, dtype), payloads["v"].to(device, dtype)
     if action.kind == "quant":
         shape = (info.num_kv_heads, pos.shape[1], info.head_dim)
-        keys, values = quantize.decode_kv(payloads, action.param, group_size, shape)
+        keys, values = decode_quant(layer, payloads, shape, action.param, group_size, device)
         return keys.to(device, dtype), values.to(device, dtype)
     if action.kind == "patch":
         return layers.kv_from_normed(consumer, layer, payloads["x"].to(device, dtype), pos)
@@ -86,6 +84,23 @@ def decode_layer(art: Artifact, layer: int, action: Action, payloads: dict[str, 
         keys = y[:, :half].reshape(T, info.num_kv_heads, info.head_dim).transpose(0, 1).to(dtype)
         values = y[:, half:].reshape(T, info.num_kv_heads, info.head_dim).transpose(0, 1).to(dtype)
         return layers.rope(consumer, layer, keys, pos), values
+    raise ValueError(action)
+
+
+def layer_schema(action: Action, consumer: LoadedModel, num_tokens: int, kv_dtype: torch.dtype, group_size: int = 32) -> Schema:
+    """Exactly the payloads `encode_layer` sends for one layer under `action`."""
+    info = consumer.info
+    kv_shape = (info.num_kv_heads, num_tokens, info.head_dim)
+    if action.kind == "raw":
+        return {"k": PayloadSpec(kv_dtype, kv_shape), "v": PayloadSpec(kv_dtype, kv_shape)}
+    if action.kind == "quant":
+        return quant_schema(kv_shape, action.param, group_size)
+    if action.kind == "reuse":
+        return {"z": PayloadSpec(torch.int8, (num_tokens, action.param)), "z_scale": PayloadSpec(torch.float16, (num_tokens,))}
+    if action.kind == "reuse_fp16":
+        return {"z": PayloadSpec(torch.float16, (num_tokens, action.param))}
+    if action.kind == "patch":
+        return {"x": PayloadSpec(torch.float16, (num_tokens, info.hidden_size))}
     raise ValueError(action)
 
 

@@ -1,79 +1,25 @@
-"""Learned non-linear predictor of the consumer's normalized layer input, for heterogeneous pairs.
+"""Learned non-linear predictor of the consumer's normalized layer input, for heterogeneous pairs:
+the inference side (what the producer runs while serving).
 
 A per-token linear map from P's state cannot rebuild a layer of C whose input depends on how the
 fine-tune rewired earlier attention (what C's earlier layers read at *other* positions). The
 predictor is a small causal transformer, a Hugging Face `LlamaModel` with two decoder layers
 (`depth`) and RoPE, run with `inputs_embeds` = P's normalized input of layer l over the context
 ([T, d] -> [T, d]) as a residual correction of it (untrained, it is the identity).
-The producer runs it in the layer hook; the ridge encoder and patch map of that layer are then
-fitted on its output instead of on P's raw state (shared.scd.calibrate), so Reuse codes and
-Patch payloads both come from it. The consumer never runs it.
-
-Training (in fp32, streaming, never holding the corpus): stage 1 minimises the normalized error of C's
-pre-RoPE [k | v] computed from the prediction (only W_k, W_v and k_norm of C see it, so that is
-the error that reaches the cache); stage 2 adds the end-to-end loss the schedule search
-measures: KL(C with its own cache || C with this layer rebuilt from the prediction) over the
-scored continuation tokens (answers to questions about the context), every other layer C's own.
+The producer runs it in the layer hook (shared.scd.features); the layer's ridge encoder and patch
+map are fitted on its output, so Reuse codes and Patch payloads both come from it. The consumer
+never runs it. Training lives offline in `calibration.predictor_training`.
 
 Stored in the artifact as `layer.<l>.predictor.<parameter>` tensors plus the model config in
-the metadata. Knows nothing about schedules or the wire.
+the metadata. Knows nothing about schedules, training or the wire.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import sys
-import time
-from dataclasses import asdict, dataclass
-from typing import Callable, Iterator
-
 import torch
 from transformers import LlamaConfig, LlamaModel
 
-from shared import kv, layers
-from shared.models import LoadedModel
-from shared.scd import calibrate
-
 PREFIX = "predictor."
-
-
-@dataclass(frozen=True)
-class TrainExample:
-    """One context and the continuations the KL stage scores on top of it (several questions
-    about one context give a denser signal than one)."""
-
-    context_ids: list[int]
-    continuations: tuple[tuple[list[int], int], ...]  # (ids, index of the first scored token)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    mse_steps: int = 1500
-    kl_steps: int = 2000
-    batch: int = 4  # sequences per optimizer step
-    lr: float = 2e-3  # peak learning rate, stage 1 (one-cycle schedule)
-    kl_lr: float = 5e-4  # peak learning rate, stage 2
-    kl_weight: float = 1.0  # stage 2 loss = normalized kv error + kl_weight * KL
-    intermediate_mult: int = 2  # MLP width = mult * hidden
-    depth: int = 2  # decoder layers in the predictor
-    seed: int = 0
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-def model_config(consumer: LoadedModel, intermediate_mult: int = 2, depth: int = 2) -> dict:
-    """JSON-able LlamaConfig kwargs for a predictor of this consumer's width."""
-    cfg = consumer.model.config.get_text_config(decoder=True)
-    info = consumer.info
-    heads = max(1, info.hidden_size // info.head_dim)
-    return {"vocab_size": 1, "hidden_size": info.hidden_size, "intermediate_size": intermediate_mult * info.hidden_size,
-            "num_hidden_layers": depth, "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": info.head_dim,
-            "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-            "rope_parameters": {"rope_theta": float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
-                                "rope_type": "default"},
-            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 
 
 def build(config: dict) -> LlamaModel:
@@ -113,105 +59,3 @@ def from_tensors(tensors: dict[str, torch.Tensor], layer: int, config: dict) -> 
     return model.to(device).eval().requires_grad_(False)
 
 
-def _kv_error(consumer: LoadedModel, layer: int, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean squared error of C's pre-RoPE [k | v] from pred vs from target ([T, d] each),
-    normalized by the target's per-dimension variance (1.0 = predicting the mean)."""
-    kp, vp = layers.kv_pre_rope(consumer, layer, pred.to(consumer.dtype))
-    with torch.no_grad():
-        kt, vt = layers.kv_pre_rope(consumer, layer, target.to(consumer.dtype))
-    yp, yt = torch.cat([kp, vp], -1).float(), torch.cat([kt, vt], -1).float()  # [n_kv, T, 2 hd]
-    return ((yp - yt) ** 2).mean() / yt.var(1).mean().clamp_min(1e-12)
-
-
-def _cache(consumer: LoadedModel, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], batch: int):
-    """A cache holding layer_kv ([n_kv, T, hd] each) for `batch` continuations of one context."""
-    cache = kv.empty_cache(consumer)
-    for i, (k, v) in enumerate(layer_kv):
-        cache.update(k[None].expand(batch, -1, -1, -1), v[None].expand(batch, -1, -1, -1), i)
-    return cache
-
-
-@torch.no_grad()
-def consumer_pass(consumer: LoadedModel, ids: list[int], layer: int) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """C over the context once: its normalized input of `layer` ([T, d], float32) and every
-    layer's own (keys, values) ([n_kv, T, hd] each), on C's device."""
-    normed, cache = calibrate.normed_inputs_and_cache(consumer, ids)
-    return normed[layer].to(consumer.device), [(cache.layers[i].keys[0], cache.layers[i].values[0]) for i in range(consumer.info.num_layers)]
-
-
-def _kl(consumer: LoadedModel, layer: int, pred: torch.Tensor, ex: TrainExample,
-        own_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """KL(C on its own cache `own_kv` || C with `layer` rebuilt from pred), mean over the scored
-    tokens of all of ex's continuations (those of one length run as one batch)."""
-    device = consumer.device
-    keys_pre, values = layers.kv_pre_rope(consumer, layer, pred.to(consumer.dtype))
-    keys = layers.rope(consumer, layer, keys_pre, layers.positions(consumer, len(ex.context_ids)))
-    mixed_kv = [(keys, values) if i == layer else pair for i, pair in enumerate(own_kv)]
-    total, count = pred.new_zeros(()), 0
-    for length in sorted({len(ids) for ids, _ in ex.continuations}):
-        group = [(ids, start) for ids, start in ex.continuations if len(ids) == length]
-        ids = torch.tensor([g[0] for g in group], device=device)  # [b, n]
-        with torch.no_grad():
-            ref = torch.log_softmax(consumer.model(input_ids=ids, cache=_cache(consumer, own_kv, len(group)),
-                                                   use_cache=True).logits.float(), -1)  # [b, n, vocab]
-        logp = torch.log_softmax(consumer.model(input_ids=ids, cache=_cache(consumer, mixed_kv, len(group)),
-                                                use_cache=True).logits.float(), -1)
-        for j, (_, start) in enumerate(group):
-            scored = slice(max(start - 1, 0), length - 1)  # logits that predict the scored tokens
-            r, p = ref[j, scored], logp[j, scored]
-            total = total + (r.exp() * (r - p)).sum()
-            count += r.shape[0]
-    return total / max(count, 1)
-
-
-def as_float32(loaded: LoadedModel) -> LoadedModel:
-    """The model itself if fp32, else an fp32 copy of its (already rounded) weights: training
-    runs in fp32 (bf16 matmuls are slow on CPU and their gradients noisy)."""
-    if loaded.dtype == torch.float32:
-        return loaded
-    return dataclasses.replace(loaded, model=copy.deepcopy(loaded.model).float())
-
-
-def train(producer: LoadedModel, consumer: LoadedModel, layer: int, examples: Iterator[TrainExample], cfg: TrainConfig,
-          log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> tuple[LlamaModel, dict]:
-    """Fit layer `layer`'s predictor on examples drawn from `examples` (at least
-    batch * (mse_steps + kl_steps) of them). Returns (model in eval mode, report)."""
-    torch.manual_seed(cfg.seed + layer)
-    started = time.perf_counter()
-    producer, consumer = as_float32(producer), as_float32(consumer)  # no copy when already fp32
-    config = model_config(consumer, cfg.intermediate_mult, cfg.depth)
-    model = build(config).to(consumer.device).train()
-    for p in list(producer.model.parameters()) + list(consumer.model.parameters()):
-        p.requires_grad_(False)
-    params = [p for p in model.parameters() if p.requires_grad]
-    curve = []
-    for stage, steps, lr in (("kv", cfg.mse_steps, cfg.lr), ("kl", cfg.kl_steps, cfg.kl_lr)):
-        if steps == 0:
-            continue
-        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
-        for step in range(steps):
-            opt.zero_grad()
-            err_sum = kl_sum = 0.0
-            for _ in range(cfg.batch):
-                ex = next(examples)
-                with torch.no_grad():
-                    xp = calibrate.normed_inputs(producer, ex.context_ids)[layer].to(consumer.device)
-                xc, own_kv = consumer_pass(consumer, ex.context_ids, layer)
-                pred = predict(model, xp)
-                loss = err = _kv_error(consumer, layer, pred, xc)
-                if stage == "kl":
-                    kl = _kl(consumer, layer, pred, ex, own_kv)
-                    loss = err + cfg.kl_weight * kl
-                    kl_sum += kl.item() / cfg.batch
-                (loss / cfg.batch).backward()
-                err_sum += err.item() / cfg.batch
-            opt.step()
-            sched.step()
-            if step % 50 == 0 or step == steps - 1:
-                curve.append({"stage": stage, "step": step, "kv_error": round(err_sum, 5), "kl": round(kl_sum, 5)})
-                log(f"predictor layer {layer} {stage} step {step}/{steps}: kv_error {err_sum:.4f}"
-                    + (f" kl {kl_sum:.4f}" if stage == "kl" else ""))
-    model.eval().requires_grad_(False)
-    report = {"config": config, "train": cfg.to_json(), "curve": curve, "wall_s": round(time.perf_counter() - started, 1)}
-    return model, report

@@ -76,6 +76,8 @@ class Schedule:
 
     @staticmethod
     def parse(text: str, num_layers: int) -> "Schedule":
+        if len(text) > 16 * max(num_layers, 1):
+            raise InvalidArgument(f"schedule: {len(text)} characters, more than {16 * max(num_layers, 1)} for {num_layers} layers")
         parts = text.split(".")
         if len(parts) != num_layers:
             raise InvalidArgument(f"schedule: {len(parts)} actions for {num_layers} layers in {text!r}")
@@ -83,3 +85,9 @@ class Schedule:
 
     def bytes_per_token(self, g: Geometry) -> float:
         return sum(bytes_per_token(a, g) for a in self.actions)
+
+    def check_ranks(self, g: Geometry) -> None:
+        """InvalidArgument unless every Reuse rank is in 1..kv_width (the basis width D)."""
+        for layer, a in enumerate(self.actions):
+            if a.kind in ("reuse", "reuse_fp16") and not 1 <= a.param <= g.kv_width:
+                raise InvalidArgument(f"schedule: layer {layer} action {a} has rank {a.param}, must be in 1..{g.kv_width}")

@@ -1,4 +1,4 @@
-"""Calibration ("distill"): stream a corpus through producer P and consumer C, accumulate
+"""Calibration moments and fits: stream a corpus through producer P and consumer C, accumulate
 per-layer first and second moments (never the activations themselves), and fit the Reuse
 bases/encoders and Patch predictors of an SCD artifact.
 
@@ -7,7 +7,7 @@ Fits per layer l (x^P, x^C: normalized layer inputs; y^C = C's pre-RoPE [k | v])
 - encoder: ridge regression of (y^C - mu_y) on (x^P - mu_x), expressed in the basis. When P and
   C are the same weights and K has no k_norm, the exact map W_kv^T is used instead;
 - patch: ridge regression of x^C on x^P (identity when P == C, then not stored).
-Where a layer has a learned predictor (shared.scd.predictor), its output (an estimate of x^C)
+Where a layer has a learned predictor (calibration.predictor_training), its output (an estimate of x^C)
 replaces x^P, and the layer is then fitted like P == C: exact W_kv encoder, identity patch.
 """
 
@@ -23,6 +23,7 @@ from transformers import DynamicCache
 
 from shared import kv, layers
 from shared.models import LoadedModel
+from shared.scd.features import producer_features
 
 
 @dataclass
@@ -59,11 +60,8 @@ class LayerMoments:
 def normed_inputs_and_cache(loaded: LoadedModel, ids: list[int]) -> tuple[list[torch.Tensor], DynamicCache]:
     """One forward over ids: every layer's normalized input (list of [T, d] on CPU, float32)
     and the cache that forward filled."""
-    out: dict[int, torch.Tensor] = {}
-    cache = kv.empty_cache(loaded)
-    with kv.layer_capture(loaded, cache, kv.Capture.NORMED, lambda s: out.__setitem__(s.index, s.normed.float().cpu())):
-        kv.prefill_context(loaded, torch.tensor([ids], device=loaded.device), cache)
-    return [out[i] for i in range(loaded.info.num_layers)], cache
+    states, cache = kv.capture_states(loaded, ids, kv.Capture.NORMED)
+    return [states[i].normed.float().cpu() for i in range(loaded.info.num_layers)], cache
 
 
 def normed_inputs(loaded: LoadedModel, ids: list[int]) -> list[torch.Tensor]:
@@ -77,28 +75,6 @@ def kv_targets(consumer: LoadedModel, layer: int, normed: torch.Tensor) -> torch
     keys, values = layers.kv_pre_rope(consumer, layer, normed.to(consumer.device, consumer.dtype))
     T = normed.shape[0]
     return torch.cat([keys.transpose(0, 1).reshape(T, -1), values.transpose(0, 1).reshape(T, -1)], dim=1).float().cpu()
-
-
-def windowed(x: torch.Tensor, window: int) -> torch.Tensor:
-    """Causal window of a token's state: [T, d] -> [T, window * d], row t = [x_t, x_{t-1}, ...],
-    zeros before the first token. The encoder and the patch predictor read P's state through it,
-    so a consumer feature that P carries at a neighbouring token (e.g. a fine-tune that shifted
-    a previous-token head) is still linearly reachable."""
-    if window == 1:
-        return x
-    shifted = [torch.cat([x.new_zeros(k, x.shape[1]), x[: x.shape[0] - k]]) for k in range(window)]
-    return torch.cat(shifted, dim=1)
-
-
-@torch.no_grad()
-def producer_features(xp: torch.Tensor, window: int, predictor=None) -> torch.Tensor:
-    """What a layer's linear encoder and patch map read: the learned predictor's output
-    (shared.scd.predictor) where the layer has one, else P's windowed state. xp: [T, d]."""
-    if predictor is not None:
-        from shared.scd.predictor import predict
-
-        return predict(predictor, xp)
-    return windowed(xp, window)
 
 
 def collect(producer: LoadedModel, consumer: LoadedModel, corpus: Iterable[list[int]], total: int | None = None,

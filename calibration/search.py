@@ -3,7 +3,7 @@
 Loss of a schedule = mean KL(oracle || reconstructed) of the consumer's next-token distributions
 over held-out answer tokens (teacher forcing), where "oracle" is C prefilling the context itself
 and "reconstructed" is C attending over the cache the schedule rebuilds, through the same
-`shared.scd.ops` code the services run. Search: per-layer sensitivities, greedy upgrades by
+`shared.scd.ops` code the services run, and the one KL of `calibration.kl`. Search: per-layer sensitivities, greedy upgrades by
 marginal loss per byte, then an evolutionary refinement over the layer x action lattice seeded
 from the greedy path; the result is the Pareto set (bytes per token vs measured loss).
 """
@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from calibration.kl import kl_sum, scored_logprobs
 from shared import kv, layers
 from shared.models import LoadedModel
 from shared.scd import ops
@@ -41,25 +42,17 @@ class LossEvaluator:
         self.oracle_logp: list[torch.Tensor] = []
         self.memo: dict[tuple[int, int, Action], tuple[torch.Tensor, torch.Tensor]] = {}
         for ex in self.heldout:
-            ids = torch.tensor([ex.context_ids], device=producer.device)
-            cache = kv.empty_cache(producer)
-            states: dict[int, kv.LayerState] = {}
-            with kv.layer_capture(producer, cache, kv.Capture.KV | kv.Capture.NORMED, lambda s: states.__setitem__(s.index, s)):
-                kv.prefill_context(producer, ids, cache)
+            states, _ = kv.capture_states(producer, ex.context_ids, kv.Capture.KV | kv.Capture.NORMED)
             self.states.append(states)
-            own = kv.prefill_context(consumer, torch.tensor([ex.context_ids], device=consumer.device))
-            self.oracle_kv.append([(own.layers[i].keys[0], own.layers[i].values[0]) for i in range(consumer.info.num_layers)])
+            own, _ = kv.capture_states(consumer, ex.context_ids, kv.Capture.KV)
+            self.oracle_kv.append([(own[i].keys, own[i].values) for i in range(consumer.info.num_layers)])
             self.oracle_logp.append(self._answer_logp(ex, self.oracle_kv[-1]))
         self.evaluations = 0
 
     @torch.inference_mode()
     def _answer_logp(self, ex: HeldOut, layer_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        cache = kv.empty_cache(self.consumer)
-        for i, (k, v) in enumerate(layer_kv):
-            kv.put_layer(cache, i, k, v)
-        qa = torch.tensor([ex.qa_ids], device=self.consumer.device)
-        logits = self.consumer.model(input_ids=qa, cache=cache, use_cache=True).logits[0]  # [n, vocab]
-        return torch.log_softmax(logits[ex.answer_start - 1 : -1].float(), dim=-1)  # predicts answer tokens
+        """C's log-probs of the answer tokens, [A, vocab], on top of the context in layer_kv."""
+        return scored_logprobs(self.consumer, layer_kv, [(ex.qa_ids, ex.answer_start)])[0]
 
     def layer_kv(self, index: int, layer: int, action: Action | None) -> tuple[torch.Tensor, torch.Tensor]:
         if action is None:
@@ -78,9 +71,8 @@ class LossEvaluator:
         total, count = 0.0, 0
         for index, ex in enumerate(self.heldout):
             logp = self._answer_logp(ex, [self.layer_kv(index, l, a) for l, a in enumerate(actions)])
-            ref = self.oracle_logp[index]
-            total += float((ref.exp() * (ref - logp)).sum())
-            count += ref.shape[0]
+            total += float(kl_sum(self.oracle_logp[index], logp))
+            count += logp.shape[0]
         return max(0.0, total / max(count, 1))  # KL >= 0; float error can dip below
 
 

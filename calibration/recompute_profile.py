@@ -11,25 +11,10 @@ Owns nothing but this measurement; knows nothing about the wire or the services.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from calibration.kl import kl_sum, scored_logprobs
 from shared import kv, layers
 from shared.models import LoadedModel
-
-
-def _answer_logprobs(consumer: LoadedModel, cache, question: list[int], answer: list[int]) -> torch.Tensor:
-    """Teacher-forced log-probs of the next token at each answer position, float32 [len(answer), V].
-
-    question + answer[:-1] is fed on top of the context cache; the last question token predicts
-    answer[0], answer[i] predicts answer[i+1]."""
-    ids = torch.tensor([question + answer[:-1]], device=consumer.device)
-    logits = consumer.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -len(answer):]
-    return F.log_softmax(logits.float(), dim=-1)
-
-
-def _kl_sum(log_p: torch.Tensor, log_q: torch.Tensor) -> float:
-    """Sum over positions of KL(p || q), both [N, V] log-probs."""
-    return float((log_p.exp() * (log_p - log_q)).sum())
 
 
 @torch.inference_mode()
@@ -55,26 +40,20 @@ def profile_span(producer: LoadedModel, consumer: LoadedModel, contexts: list[li
             continue
         if not question:
             raise ValueError("every question needs at least one token (it predicts the first answer token)")
-        states: dict[int, kv.LayerState] = {}
-        producer_cache = kv.empty_cache(producer)
-        with kv.layer_capture(producer, producer_cache, kv.Capture.KV | kv.Capture.HIDDEN,
-                              lambda s: states.__setitem__(s.index, s)):
-            kv.prefill_context(producer, torch.tensor([context], device=producer.device), producer_cache)
+        states, _ = kv.capture_states(producer, context, kv.Capture.KV | kv.Capture.HIDDEN)
         reuse = [(states[i].keys.to(device, dtype), states[i].values.to(device, dtype)) for i in range(num_layers)]
+        scored = [(question + answer, len(question))]
 
         def answer_logprobs(replaced: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-            cache = kv.empty_cache(consumer)
-            for i in range(num_layers):
-                keys, values = replaced.get(i, reuse[i])  # [n_kv, T, hd] each
-                kv.put_layer(cache, i, keys.to(device, dtype), values.to(device, dtype))
-            return _answer_logprobs(consumer, cache, question, answer)
+            layer_kv = [replaced.get(i, reuse[i]) for i in range(num_layers)]  # [n_kv, T, hd] each
+            return scored_logprobs(consumer, layer_kv, scored)[0]
 
-        oracle_cache = kv.prefill_context(consumer, torch.tensor([context], device=device))
-        log_p = _answer_logprobs(consumer, oracle_cache, question, answer)  # [A, V]
-        kl_reuse += _kl_sum(log_p, answer_logprobs({}))
+        own, _ = kv.capture_states(consumer, context, kv.Capture.KV)
+        log_p = answer_logprobs({i: (own[i].keys, own[i].values) for i in range(num_layers)})  # [A, V]
+        kl_reuse += float(kl_sum(log_p, answer_logprobs({})))
         for s in starts:
             span_kv = layers.run_layers(consumer, states[s].hidden.to(device), s, s + width)
-            kl[s] += _kl_sum(log_p, answer_logprobs({s + j: pair for j, pair in enumerate(span_kv)}))
+            kl[s] += float(kl_sum(log_p, answer_logprobs({s + j: pair for j, pair in enumerate(span_kv)})))
         tokens += len(answer)
     if tokens == 0:
         raise ValueError("no answer tokens to profile on")

@@ -1,0 +1,79 @@
+"""`python -m calibration`: calibrate an SCD artifact for a (producer, consumer) pair and write
+`<out>.safetensors` (+ a readable `<out>.json`); one JSON line per schedule on stdout.
+
+The corpus is given (calibration.corpus): a .txt / .jsonl file, or a provider such as
+`--corpus qa.corpus:calibration_corpus --corpus-arg task=tuned --corpus-arg ctx=256`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from calibration import corpus as corpus_lib
+from calibration.distill import distill
+from calibration.predictor_training import TrainConfig
+from shared.models import load_model
+
+
+def corpus_arg(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE")
+    return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m calibration", description=__doc__)
+    p.add_argument("--producer", required=True, help="path, hub id or builtin tiny name")
+    p.add_argument("--consumer", required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--corpus", required=True, help="a .txt file, a .jsonl file (text or ids), or a provider module:function")
+    p.add_argument("--corpus-arg", type=corpus_arg, action="append", default=[], metavar="KEY=VALUE",
+                   help="argument for a corpus provider (repeatable)")
+    p.add_argument("--n", type=int, default=64, help="calibration sequences")
+    p.add_argument("--heldout", type=int, default=12, help="held-out question/answer examples for the loss")
+    p.add_argument("--loss-target", type=float, default=0.02)
+    p.add_argument("--generations", type=int, default=30)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--window", type=int, default=1, help="tokens of producer state per code (heterogeneous pairs)")
+    p.add_argument("--schedules", default="", help="measure these schedules instead of searching: comma-separated, "
+                   "each per-layer text ('R16.R16.P.W') or one action for every layer ('R32*')")
+    p.add_argument("--predictor-layers", default="none",
+                   help="heterogeneous pairs: layers with a learned non-linear predictor: none | all | auto | '1,3'")
+    p.add_argument("--predictor-steps", default="1500,2000", help="predictor training steps: kv-error stage, KL stage")
+    p.add_argument("--predictor-mult", type=int, default=2, help="predictor MLP width / hidden size")
+    p.add_argument("--predictor-depth", type=int, default=2, help="predictor decoder layers")
+    p.add_argument("--predictor-kl-lr", type=float, default=5e-4, help="peak learning rate of the KL stage")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--out", required=True, type=Path, help="output .safetensors path")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    producer = load_model(args.producer, args.dtype, "auto")
+    consumer = producer if args.consumer == args.producer else load_model(args.consumer, args.dtype, "auto")
+    corpus = corpus_lib.load(args.corpus, consumer.tokenizer, args.n, args.heldout, dict(args.corpus_arg))
+    mse_steps, kl_steps = (int(x) for x in args.predictor_steps.split(","))
+    train_cfg = TrainConfig(mse_steps=mse_steps, kl_steps=kl_steps, seed=args.seed, intermediate_mult=args.predictor_mult,
+                            depth=args.predictor_depth, kl_lr=args.predictor_kl_lr)
+    layers_n = consumer.info.num_layers
+    given = [".".join([t[:-1]] * layers_n) if t.endswith("*") else t for t in args.schedules.split(",") if t]
+    art = distill(producer, consumer, corpus.sequences, corpus.heldout, corpus_name=corpus.name, loss_target=args.loss_target,
+                  generations=args.generations, seed=args.seed, schedules=given, window=args.window,
+                  predictor_layers=args.predictor_layers, predictor_examples=corpus.train_stream, predictor_train=train_cfg,
+                  log=lambda m: print(m, file=sys.stderr))
+    art.save(args.out)
+    for s in art.meta["schedules"]:
+        print(json.dumps({"artifact": art.artifact_id, **s}))
+    print(f"wrote {args.out} ({art.artifact_id})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
