@@ -33,18 +33,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--consumer", required=True)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--corpus", required=True, help="a .txt file, a .jsonl file (text or ids), or a provider module:function")
-    p.add_argument("--corpus-arg", type=corpus_arg, action="append", default=[], metavar="KEY=VALUE",
-                   help="argument for a corpus provider (repeatable)")
+    p.add_argument(
+        "--corpus-arg",
+        type=corpus_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="argument for a corpus provider (repeatable)",
+    )
     p.add_argument("--n", type=int, default=64, help="calibration sequences")
     p.add_argument("--heldout", type=int, default=12, help="held-out question/answer examples for the loss")
     p.add_argument("--loss-target", type=float, default=0.02)
     p.add_argument("--generations", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--window", type=int, default=1, help="tokens of producer state per code (heterogeneous pairs)")
-    p.add_argument("--schedules", default="", help="measure these schedules instead of searching: comma-separated, "
-                   "each per-layer text ('R16.R16.P.W') or one action for every layer ('R32*')")
-    p.add_argument("--predictor-layers", default="none",
-                   help="heterogeneous pairs: layers with a learned non-linear predictor: none | all | auto | '1,3'")
+    p.add_argument(
+        "--schedules",
+        default="",
+        help="measure these schedules instead of searching: comma-separated, "
+        "each per-layer text ('R16.R16.P.W') or one action for every layer ('R32*')",
+    )
+    p.add_argument(
+        "--predictor-layers",
+        default="none",
+        help="heterogeneous pairs: layers with a learned non-linear predictor: none | all | auto | '1,3'",
+    )
     p.add_argument("--predictor-steps", default="1500,2000", help="predictor training steps: kv-error stage, KL stage")
     p.add_argument("--predictor-mult", type=int, default=2, help="predictor MLP width / hidden size")
     p.add_argument("--predictor-depth", type=int, default=2, help="predictor decoder layers")
@@ -61,14 +74,32 @@ def main(argv: list[str] | None = None) -> None:
     consumer = producer if args.consumer == args.producer else load_model(args.consumer, args.dtype, "auto")
     corpus = corpus_lib.load(args.corpus, consumer.tokenizer, args.n, args.heldout, dict(args.corpus_arg))
     mse_steps, kl_steps = (int(x) for x in args.predictor_steps.split(","))
-    train_cfg = TrainConfig(mse_steps=mse_steps, kl_steps=kl_steps, seed=args.seed, intermediate_mult=args.predictor_mult,
-                            depth=args.predictor_depth, kl_lr=args.predictor_kl_lr)
+    train_cfg = TrainConfig(
+        mse_steps=mse_steps,
+        kl_steps=kl_steps,
+        seed=args.seed,
+        intermediate_mult=args.predictor_mult,
+        depth=args.predictor_depth,
+        kl_lr=args.predictor_kl_lr,
+    )
     layers_n = consumer.info.num_layers
     given = [".".join([t[:-1]] * layers_n) if t.endswith("*") else t for t in args.schedules.split(",") if t]
-    art = distill(producer, consumer, corpus.sequences, corpus.heldout, corpus_name=corpus.name, loss_target=args.loss_target,
-                  generations=args.generations, seed=args.seed, schedules=given, window=args.window,
-                  predictor_layers=args.predictor_layers, predictor_examples=corpus.train_stream, predictor_train=train_cfg,
-                  log=lambda m: print(m, file=sys.stderr))
+    art = distill(
+        producer,
+        consumer,
+        corpus.sequences,
+        corpus.heldout,
+        corpus_name=corpus.name,
+        loss_target=args.loss_target,
+        generations=args.generations,
+        seed=args.seed,
+        schedules=given,
+        window=args.window,
+        predictor_layers=args.predictor_layers,
+        predictor_examples=corpus.train_stream,
+        predictor_train=train_cfg,
+        log=lambda m: print(m, file=sys.stderr),
+    )
     art.save(args.out)
     for s in art.meta["schedules"]:
         print(json.dumps({"artifact": art.artifact_id, **s}))

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping
 
 from calibration.predictor_training import TrainExample
 from calibration.search import HeldOut

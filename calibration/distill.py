@@ -9,7 +9,7 @@ profiles the recompute baseline's span (calibration.recompute_profile). The corp
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -28,11 +28,25 @@ def geometry(info) -> Geometry:
     return Geometry(hidden=info.hidden_size, kv_width=2 * info.num_kv_heads * info.head_dim, kv_element_bytes=element)
 
 
-def distill(producer: LoadedModel, consumer: LoadedModel, corpus: list[list[int]], heldout: list[search.HeldOut], *,
-            corpus_name: str, loss_target: float = 0.02, generations: int = 30, seed: int = 0, ridge_rel: float = 1e-3,
-            max_schedules: int = 12, schedules: list[str] | None = None, window: int = 1,
-            predictor_layers: str = "none", predictor_examples: Iterator[TrainExample] | None = None,
-            predictor_train: TrainConfig = TrainConfig(), log=print) -> Artifact:
+def distill(
+    producer: LoadedModel,
+    consumer: LoadedModel,
+    corpus: list[list[int]],
+    heldout: list[search.HeldOut],
+    *,
+    corpus_name: str,
+    loss_target: float = 0.02,
+    generations: int = 30,
+    seed: int = 0,
+    ridge_rel: float = 1e-3,
+    max_schedules: int = 12,
+    schedules: list[str] | None = None,
+    window: int = 1,
+    predictor_layers: str = "none",
+    predictor_examples: Iterator[TrainExample] | None = None,
+    predictor_train: TrainConfig | None = None,
+    log=print,
+) -> Artifact:
     """Fit an artifact and measure its schedules: searched (default), or exactly the given
     schedule texts (`schedules`, e.g. for a timing-only model where a search costs too much).
 
@@ -41,6 +55,7 @@ def distill(producer: LoadedModel, consumer: LoadedModel, corpus: list[list[int]
     layers get a learned predictor (calibration.predictor_training) trained on `predictor_examples`, and the
     linear maps are refitted on its output."""
     torch.manual_seed(seed)
+    predictor_train = predictor_train or TrainConfig()
     started = time.perf_counter()
     same = producer.info.weight_digest == consumer.info.weight_digest
     window = 1 if same else window  # P == C: the token's own state determines its K/V exactly
@@ -49,23 +64,46 @@ def distill(producer: LoadedModel, consumer: LoadedModel, corpus: list[list[int]
     meta = {
         "producer": {"model_id": producer.info.model_id, "weight_digest": producer.info.weight_digest},
         "consumer": {"model_id": consumer.info.model_id, "weight_digest": consumer.info.weight_digest},
-        "corpus": {"name": corpus_name, "digest": moments.corpus_digest(corpus), "sequences": len(corpus),
-                   "tokens": sum(map(len, corpus))},
-        "geometry": {"num_layers": consumer.info.num_layers, "hidden": g.hidden, "kv_width": g.kv_width,
-                     "kv_element_bytes": g.kv_element_bytes, "quant_group": g.quant_group},
-        "calibration": {"seed": seed, "ridge_rel": ridge_rel, "homogeneous": same, "window": window, "loss_target": loss_target,
-                        "heldout_examples": len(heldout), "loss": "mean KL(oracle || reconstructed), nats per answer token"},
+        "corpus": {
+            "name": corpus_name,
+            "digest": moments.corpus_digest(corpus),
+            "sequences": len(corpus),
+            "tokens": sum(map(len, corpus)),
+        },
+        "geometry": {
+            "num_layers": consumer.info.num_layers,
+            "hidden": g.hidden,
+            "kv_width": g.kv_width,
+            "kv_element_bytes": g.kv_element_bytes,
+            "quant_group": g.quant_group,
+        },
+        "calibration": {
+            "seed": seed,
+            "ridge_rel": ridge_rel,
+            "homogeneous": same,
+            "window": window,
+            "loss_target": loss_target,
+            "heldout_examples": len(heldout),
+            "loss": "mean KL(oracle || reconstructed), nats per answer token",
+        },
     }
     art = Artifact(moments.fit(layer_moments, consumer, same, ridge_rel), meta)
     log(f"fitted {consumer.info.num_layers} layers in {time.perf_counter() - started:.1f}s")
-    chosen, linear_loss = ([], {}) if same else _predictor_layers(predictor_layers, art, producer, consumer, heldout, loss_target, log)
+    chosen, linear_loss = (
+        ([], {}) if same else _predictor_layers(predictor_layers, art, producer, consumer, heldout, loss_target, log)
+    )
     if chosen:
         if predictor_examples is None:
             raise ValueError("predictor_layers needs predictor_examples to train on")
         models, reports = {}, {}
-        train_p, train_c = predictor_training.as_float32(producer), predictor_training.as_float32(consumer)  # one fp32 copy for all layers
+        train_p, train_c = (
+            predictor_training.as_float32(producer),
+            predictor_training.as_float32(consumer),
+        )  # one fp32 copy for all layers
         for layer in chosen:
-            models[layer], reports[str(layer)] = predictor_training.train(train_p, train_c, layer, predictor_examples, predictor_train, log)
+            models[layer], reports[str(layer)] = predictor_training.train(
+                train_p, train_c, layer, predictor_examples, predictor_train, log
+            )
         layer_moments = moments.collect(producer, consumer, corpus, total=len(corpus), window=window, predictors=models)
         tensors = moments.fit(layer_moments, consumer, same, ridge_rel, predicted=frozenset(models))
         for layer, model in models.items():
@@ -76,30 +114,41 @@ def distill(producer: LoadedModel, consumer: LoadedModel, corpus: list[list[int]
     ev = search.LossEvaluator(art, producer, consumer, heldout)
     if schedules:
         given = [Schedule.parse(text, consumer.info.num_layers) for text in schedules]
-        front = sorted((search.Point(s, s.bytes_per_token(g), ev.loss(s.actions)) for s in given), key=lambda p: p.bytes_per_token)
+        front = sorted(
+            (search.Point(s, s.bytes_per_token(g), ev.loss(s.actions)) for s in given), key=lambda p: p.bytes_per_token
+        )
         report = {"given": [str(s) for s in given]}
     else:
         lattice = search.action_lattice(g, with_quant=True)
         front, report = search.search(ev, lattice, g, loss_target, generations=generations, seed=seed, log=log)
     front = search.evenly_spaced(front, max_schedules)
-    meta["schedules"] = [{"name": f"s{i}", "schedule": str(p.schedule), "loss": p.loss, "bytes_per_token": p.bytes_per_token}
-                         for i, p in enumerate(front)]
+    meta["schedules"] = [
+        {"name": f"s{i}", "schedule": str(p.schedule), "loss": p.loss, "bytes_per_token": p.bytes_per_token}
+        for i, p in enumerate(front)
+    ]
     meta["search"] = report
     # the recompute baseline's span, chosen by profiling on the same held-out set (DroidSpeak-style)
     start, end = default_span(consumer.info.num_layers)
     if same:  # recomputing from the true hidden state is exact for any span: keep the default
         meta["recompute_span"] = [start, end]
     else:
-        spans = profile_span(producer, consumer, [h.context_ids for h in heldout], [h.qa_ids[: h.answer_start] for h in heldout],
-                             [h.qa_ids[h.answer_start :] for h in heldout], end - start)
+        spans = profile_span(
+            producer,
+            consumer,
+            [h.context_ids for h in heldout],
+            [h.qa_ids[: h.answer_start] for h in heldout],
+            [h.qa_ids[h.answer_start :] for h in heldout],
+            end - start,
+        )
         meta["recompute_span"] = [spans[0]["start"], spans[0]["end"]]
         meta["recompute_profile"] = spans
     meta["calibration"]["wall_s"] = round(time.perf_counter() - started, 1)
     return art
 
 
-def _predictor_layers(spec: str, art: Artifact, producer: LoadedModel, consumer: LoadedModel, heldout, loss_target: float,
-                      log) -> tuple[list[int], dict[str, float]]:
+def _predictor_layers(
+    spec: str, art: Artifact, producer: LoadedModel, consumer: LoadedModel, heldout, loss_target: float, log
+) -> tuple[list[int], dict[str, float]]:
     """(layers to give a predictor, Patch loss per layer with the linear map alone if measured)."""
     n = consumer.info.num_layers
     if spec == "none":

@@ -7,7 +7,7 @@ call these, so "loss" means the same number everywhere. No grad mode is forced: 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
@@ -24,8 +24,11 @@ def layer_cache(consumer: LoadedModel, layer_kv: Sequence[tuple[torch.Tensor, to
     return cache
 
 
-def scored_logprobs(consumer: LoadedModel, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                    continuations: Sequence[tuple[Sequence[int], int]]) -> list[torch.Tensor]:
+def scored_logprobs(
+    consumer: LoadedModel,
+    layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    continuations: Sequence[tuple[Sequence[int], int]],
+) -> list[torch.Tensor]:
     """Log-probs C assigns to each continuation's scored tokens on top of the context in layer_kv.
 
     continuations: (ids, start) with ids[start:] scored (start >= 1: the token before the first

@@ -14,8 +14,8 @@ replaces x^P, and the layer is then fitted like P == C: exact W_kv encoder, iden
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 from tqdm import tqdm
@@ -77,8 +77,14 @@ def kv_targets(consumer: LoadedModel, layer: int, normed: torch.Tensor) -> torch
     return torch.cat([keys.transpose(0, 1).reshape(T, -1), values.transpose(0, 1).reshape(T, -1)], dim=1).float().cpu()
 
 
-def collect(producer: LoadedModel, consumer: LoadedModel, corpus: Iterable[list[int]], total: int | None = None,
-            window: int = 1, predictors: dict | None = None) -> list[LayerMoments]:
+def collect(
+    producer: LoadedModel,
+    consumer: LoadedModel,
+    corpus: Iterable[list[int]],
+    total: int | None = None,
+    window: int = 1,
+    predictors: dict | None = None,
+) -> list[LayerMoments]:
     """Per-layer moments over the corpus; `predictors` maps layer -> learned predictor."""
     same = producer.info.weight_digest == consumer.info.weight_digest
     predictors = predictors or {}
@@ -109,8 +115,13 @@ def exact_kv_map(consumer: LoadedModel, layer: int) -> tuple[torch.Tensor, torch
     return weight, bias
 
 
-def fit(moments: list[LayerMoments], consumer: LoadedModel, same: bool, ridge_rel: float = 1e-3,
-        predicted: frozenset[int] = frozenset()) -> dict[str, torch.Tensor]:
+def fit(
+    moments: list[LayerMoments],
+    consumer: LoadedModel,
+    same: bool,
+    ridge_rel: float = 1e-3,
+    predicted: frozenset[int] = frozenset(),
+) -> dict[str, torch.Tensor]:
     """Per-layer tensors. `same` (P == C) and the `predicted` layers (features = a learned
     predictor's estimate of C's normalized input) use C's own K/V map: the exact W_kv where K/V
     are linear in the input (ridge otherwise) and an identity patch (not stored)."""

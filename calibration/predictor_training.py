@@ -15,8 +15,8 @@ import copy
 import dataclasses
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterator
 
 import torch
 from transformers import LlamaModel
@@ -57,12 +57,24 @@ def model_config(consumer: LoadedModel, intermediate_mult: int = 2, depth: int =
     cfg = consumer.model.config.get_text_config(decoder=True)
     info = consumer.info
     heads = max(1, info.hidden_size // info.head_dim)
-    return {"vocab_size": 1, "hidden_size": info.hidden_size, "intermediate_size": intermediate_mult * info.hidden_size,
-            "num_hidden_layers": depth, "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": info.head_dim,
-            "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-            "rope_parameters": {"rope_theta": float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
-                                "rope_type": "default"},
-            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    return {
+        "vocab_size": 1,
+        "hidden_size": info.hidden_size,
+        "intermediate_size": intermediate_mult * info.hidden_size,
+        "num_hidden_layers": depth,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": info.head_dim,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": {
+            "rope_theta": float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+            "rope_type": "default",
+        },
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    }
 
 
 def _kv_error(consumer: LoadedModel, layer: int, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -76,15 +88,20 @@ def _kv_error(consumer: LoadedModel, layer: int, pred: torch.Tensor, target: tor
 
 
 @torch.no_grad()
-def consumer_pass(consumer: LoadedModel, ids: list[int], layer: int) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+def consumer_pass(
+    consumer: LoadedModel, ids: list[int], layer: int
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """C over the context once: its normalized input of `layer` ([T, d], float32) and every
     layer's own (keys, values) ([n_kv, T, hd] each), on C's device."""
     normed, cache = moments.normed_inputs_and_cache(consumer, ids)
-    return normed[layer].to(consumer.device), [(cache.layers[i].keys[0], cache.layers[i].values[0]) for i in range(consumer.info.num_layers)]
+    return normed[layer].to(consumer.device), [
+        (cache.layers[i].keys[0], cache.layers[i].values[0]) for i in range(consumer.info.num_layers)
+    ]
 
 
-def _kl(consumer: LoadedModel, layer: int, pred: torch.Tensor, ex: TrainExample,
-        own_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def _kl(
+    consumer: LoadedModel, layer: int, pred: torch.Tensor, ex: TrainExample, own_kv: list[tuple[torch.Tensor, torch.Tensor]]
+) -> torch.Tensor:
     """KL(C on its own cache `own_kv` || C with `layer` rebuilt from pred), mean over the scored
     tokens of all of ex's continuations; differentiable in pred."""
     keys_pre, values = layers.kv_pre_rope(consumer, layer, pred.to(consumer.dtype))
@@ -105,8 +122,14 @@ def as_float32(loaded: LoadedModel) -> LoadedModel:
     return dataclasses.replace(loaded, model=copy.deepcopy(loaded.model).float())
 
 
-def train(producer: LoadedModel, consumer: LoadedModel, layer: int, examples: Iterator[TrainExample], cfg: TrainConfig,
-          log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> tuple[LlamaModel, dict]:
+def train(
+    producer: LoadedModel,
+    consumer: LoadedModel,
+    layer: int,
+    examples: Iterator[TrainExample],
+    cfg: TrainConfig,
+    log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
+) -> tuple[LlamaModel, dict]:
     """Fit layer `layer`'s predictor on examples drawn from `examples` (at least
     batch * (mse_steps + kl_steps) of them). Returns (model in eval mode, report)."""
     torch.manual_seed(cfg.seed + layer)
@@ -143,8 +166,10 @@ def train(producer: LoadedModel, consumer: LoadedModel, layer: int, examples: It
             sched.step()
             if step % 50 == 0 or step == steps - 1:
                 curve.append({"stage": stage, "step": step, "kv_error": round(err_sum, 5), "kl": round(kl_sum, 5)})
-                log(f"predictor layer {layer} {stage} step {step}/{steps}: kv_error {err_sum:.4f}"
-                    + (f" kl {kl_sum:.4f}" if stage == "kl" else ""))
+                log(
+                    f"predictor layer {layer} {stage} step {step}/{steps}: kv_error {err_sum:.4f}"
+                    + (f" kl {kl_sum:.4f}" if stage == "kl" else "")
+                )
     model.eval().requires_grad_(False)
     report = {"config": config, "train": cfg.to_json(), "curve": curve, "wall_s": round(time.perf_counter() - started, 1)}
     return model, report

@@ -18,8 +18,14 @@ from shared.models import LoadedModel
 
 
 @torch.inference_mode()
-def profile_span(producer: LoadedModel, consumer: LoadedModel, contexts: list[list[int]], questions: list[list[int]],
-                 answers: list[list[int]], width: int) -> list[dict]:
+def profile_span(
+    producer: LoadedModel,
+    consumer: LoadedModel,
+    contexts: list[list[int]],
+    questions: list[list[int]],
+    answers: list[list[int]],
+    width: int,
+) -> list[dict]:
     """Rows {"start", "end", "width", "kl", "kl_reuse", "answer_tokens"}, one per span
     [start, start + width), best (lowest kl) first. `kl_reuse` is the same loss with no span
     recomputed (naive reuse of the producer's K/V on every layer), for reference."""
@@ -44,7 +50,7 @@ def profile_span(producer: LoadedModel, consumer: LoadedModel, contexts: list[li
         reuse = [(states[i].keys.to(device, dtype), states[i].values.to(device, dtype)) for i in range(num_layers)]
         scored = [(question + answer, len(question))]
 
-        def answer_logprobs(replaced: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        def answer_logprobs(replaced: dict[int, tuple[torch.Tensor, torch.Tensor]], reuse=reuse, scored=scored) -> torch.Tensor:
             layer_kv = [replaced.get(i, reuse[i]) for i in range(num_layers)]  # [n_kv, T, hd] each
             return scored_logprobs(consumer, layer_kv, scored)[0]
 
@@ -58,8 +64,14 @@ def profile_span(producer: LoadedModel, consumer: LoadedModel, contexts: list[li
     if tokens == 0:
         raise ValueError("no answer tokens to profile on")
     rows = [
-        {"start": s, "end": s + width, "width": width, "kl": kl[s] / tokens, "kl_reuse": kl_reuse / tokens,
-         "answer_tokens": tokens}
+        {
+            "start": s,
+            "end": s + width,
+            "width": width,
+            "kl": kl[s] / tokens,
+            "kl_reuse": kl_reuse / tokens,
+            "answer_tokens": tokens,
+        }
         for s in starts
     ]
     return sorted(rows, key=lambda r: (r["kl"], r["start"]))

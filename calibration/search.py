@@ -11,8 +11,8 @@ from the greedy path; the result is the Pareto set (bytes per token vs measured 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -113,8 +113,17 @@ def evenly_spaced(items: list, n: int) -> list:
     return [items[round(i * step)] for i in range(n)]
 
 
-def search(ev: LossEvaluator, lattice: list[Action], g: Geometry, loss_target: float, generations: int = 30,
-           population: int = 16, patience: int = 6, seed: int = 0, log=print) -> tuple[list[Point], dict]:
+def search(
+    ev: LossEvaluator,
+    lattice: list[Action],
+    g: Geometry,
+    loss_target: float,
+    generations: int = 30,
+    population: int = 16,
+    patience: int = 6,
+    seed: int = 0,
+    log=print,
+) -> tuple[list[Point], dict]:
     num_layers = ev.consumer.info.num_layers
     seen: dict[str, Point] = {}
 
@@ -162,10 +171,16 @@ def search(ev: LossEvaluator, lattice: list[Action], g: Geometry, loss_target: f
         now = cheapest_meeting()
         stale = stale + 1 if now >= best_bytes else 0
         best_bytes = min(best_bytes, now)
-        log(f"evo gen {gen}: evaluated {len(seen)}, front {len(pareto(list(seen.values())))}, "
-            f"cheapest with loss <= {loss_target}: {best_bytes} B/token")
+        log(
+            f"evo gen {gen}: evaluated {len(seen)}, front {len(pareto(list(seen.values())))}, "
+            f"cheapest with loss <= {loss_target}: {best_bytes} B/token"
+        )
         if best_bytes < float("inf") and stale >= patience:
             break
-    report = {"sensitivity": {f"{l}:{a}": v for (l, a), v in sens.items()}, "evaluated": len(seen),
-              "generations": gen + 1, "greedy_path": [str(p.schedule) for p in path]}
+    report = {
+        "sensitivity": {f"{l}:{a}": v for (l, a), v in sens.items()},
+        "evaluated": len(seen),
+        "generations": gen + 1,
+        "greedy_path": [str(p.schedule) for p in path],
+    }
     return pareto(list(seen.values())), report

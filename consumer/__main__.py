@@ -2,9 +2,9 @@
 
 import sys
 
+from consumer.server import ConsumerServer
 from shared.config import ConsumerConfig
 from shared.serving import main
-from consumer.server import ConsumerServer
 
 if __name__ == "__main__":
     main("consumer", ConsumerConfig, ConsumerServer, sys.argv[1:])

@@ -28,7 +28,7 @@ class ConsumerClient:
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = consumer_pb2_grpc.ConsumerServiceStub(self.channel)
 
-    async def __aenter__(self) -> "ConsumerClient":
+    async def __aenter__(self) -> ConsumerClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -37,8 +37,7 @@ class ConsumerClient:
     async def describe(self) -> consumer_pb2.ConsumerServiceDescribeResponse:
         return await self.stub.Describe(consumer_pb2.ConsumerServiceDescribeRequest(), timeout=10)
 
-    async def generate(self, timeout: float = 300.0, mode: str | None = None, options: dict | None = None,
-                       **fields) -> Answer:
+    async def generate(self, timeout: float = 300.0, mode: str | None = None, options: dict | None = None, **fields) -> Answer:
         """Collect one Generate stream; `mode`/`options` fill `transfer` when given."""
         if mode is not None:
             fields["transfer"] = common_pb2.CodecSpec(name=mode, options=options or {})

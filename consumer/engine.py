@@ -14,17 +14,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Mapping, Protocol
+from typing import Protocol
 
 import torch
 
+from consumer.decoding import Detokenizer, Sampler, Sampling, forward_logits
 from shared import kv, logs
 from shared.codecs import Codec, StreamInfo
 from shared.errors import DataLoss, DeadlineExceeded, FailedPrecondition
 from shared.models import LoadedModel
-from consumer.decoding import Detokenizer, Sampler, Sampling, forward_logits
 
 log = logs.get("consumer.engine")
 LOCAL_MODE = "oracle"  # the consumer's own prefill: only token ids cross
@@ -52,8 +53,9 @@ class StreamTrailer:
 
 
 class TransferSource(Protocol):
-    def open(self, request_id: str, context_ids: list[int], codec: str, options: Mapping[str, str],
-             timeout_s: float) -> AsyncIterator[StreamHeader | LayerPayloads | StreamTrailer]: ...
+    def open(
+        self, request_id: str, context_ids: list[int], codec: str, options: Mapping[str, str], timeout_s: float
+    ) -> AsyncIterator[StreamHeader | LayerPayloads | StreamTrailer]: ...
 
 
 @dataclass
@@ -174,8 +176,10 @@ class GenerateEngine:
             async for event in stream:
                 if isinstance(event, StreamHeader):
                     if event.stream.format_version != job.codec.format_version:
-                        raise FailedPrecondition(f"codec '{job.codec.name}' payload format {event.stream.format_version} from the "
-                                                 f"producer; this consumer decodes format {job.codec.format_version}")
+                        raise FailedPrecondition(
+                            f"codec '{job.codec.name}' payload format {event.stream.format_version} from the "
+                            f"producer; this consumer decodes format {job.codec.format_version}"
+                        )
                     decoder = job.codec.decoder(event.stream)
                     result.options = {**event.stream.options, **event.stream.metadata}
                     producer_kv = dataclasses.replace(self.loaded.info, dtype=event.stream.kv_dtype)

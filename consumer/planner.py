@@ -14,8 +14,8 @@ Knows nothing about grpc or torch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 MIN_WIRE_BYTES = 16 * 1024  # smaller transfers say more about latency than about bandwidth
 
@@ -76,10 +76,12 @@ class TransferPlanner:
 
     def decide(self, mode: str, options: Mapping[str, str], context_tokens: int) -> Decision:
         per_token = self.bytes_per_token.get(mode_key(mode, options), Ewma()).value
-        needs = {"local prefill ms/token (an oracle request)": self.local_ms_per_token.value,
-                 "producer ms/token": self.producer_ms_per_token.value,
-                 "link bytes/ms": self.link_bytes_per_ms.value,
-                 f"bytes/token of {mode_key(mode, options)}": per_token}
+        needs = {
+            "local prefill ms/token (an oracle request)": self.local_ms_per_token.value,
+            "producer ms/token": self.producer_ms_per_token.value,
+            "link bytes/ms": self.link_bytes_per_ms.value,
+            f"bytes/token of {mode_key(mode, options)}": per_token,
+        }
         missing = [name for name, value in needs.items() if value is None]
         if missing:
             return Decision(False, f"remote: no estimate yet for {', '.join(missing)}")

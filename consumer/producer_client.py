@@ -7,16 +7,16 @@ shared.errors with the producer's status code kept.
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 
 import grpc
 
+from consumer.engine import LayerPayloads, StreamHeader, StreamTrailer
 from shared import wire
 from shared.codecs import StreamInfo
 from shared.errors import DataLoss, UpstreamError
 from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
 from shared.serving import GRPC_OPTIONS
-from consumer.engine import LayerPayloads, StreamHeader, StreamTrailer
 
 
 class ProducerClient:
@@ -29,8 +29,9 @@ class ProducerClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def open(self, request_id: str, context_ids: list[int], codec: str, options: Mapping[str, str],
-                   timeout_s: float) -> AsyncIterator[StreamHeader | LayerPayloads | StreamTrailer]:
+    async def open(
+        self, request_id: str, context_ids: list[int], codec: str, options: Mapping[str, str], timeout_s: float
+    ) -> AsyncIterator[StreamHeader | LayerPayloads | StreamTrailer]:
         request = producer_pb2.PrefillRequest(
             request_id=request_id,
             token_ids=context_ids,
@@ -47,8 +48,15 @@ class ProducerClient:
                     h = message.header
                     assembler = wire.PayloadAssembler(h.num_layers)
                     yield StreamHeader(
-                        StreamInfo(h.num_layers, h.num_tokens, h.kv_dtype, dict(h.codec.options), dict(h.codec_metadata),
-                                   h.codec_format_version, h.producer.weight_digest),
+                        StreamInfo(
+                            h.num_layers,
+                            h.num_tokens,
+                            h.kv_dtype,
+                            dict(h.codec.options),
+                            dict(h.codec_metadata),
+                            h.codec_format_version,
+                            h.producer.weight_digest,
+                        ),
                         h.codec.name,
                     )
                 elif kind == "chunk":

@@ -10,17 +10,17 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 
 import shared
+from consumer.decoding import Sampling
+from consumer.engine import LOCAL_MODE, GenerateEngine, GenerateJob, GenerateResult, TokenOut
+from consumer.planner import Observation, TransferPlanner
+from consumer.producer_client import ProducerClient
 from shared import codecs as codec_lib
 from shared import describe, logs, serving
 from shared.config import ConsumerConfig
 from shared.errors import InvalidArgument, Unavailable
 from shared.models import LoadedModel, load_model, warm_up
-from shared.scd.artifact import discover
 from shared.pb import common_pb2, consumer_pb2, consumer_pb2_grpc
-from consumer.decoding import Sampling
-from consumer.engine import LOCAL_MODE, GenerateEngine, GenerateJob, GenerateResult, TokenOut
-from consumer.planner import Observation, TransferPlanner
-from consumer.producer_client import ProducerClient
+from shared.scd.artifact import discover
 
 log = logs.get("consumer")
 SERVICE_NAME = consumer_pb2.DESCRIPTOR.services_by_name["ConsumerService"].full_name
@@ -119,19 +119,40 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             self._ready()
             job = self._job(request, request_id, serving.remaining_s(context, self.config.default_timeout_s))
             job.received_at = received
-            log.info("generate.start", mode=job.mode, context_tokens=len(job.context_ids),
-                     question_tokens=len(job.question_ids), deadline_s=context.time_remaining())
+            log.info(
+                "generate.start",
+                mode=job.mode,
+                context_tokens=len(job.context_ids),
+                question_tokens=len(job.question_ids),
+                deadline_s=context.time_remaining(),
+            )
             async for item in self.engine.run(job):
                 if isinstance(item, TokenOut):
                     yield consumer_pb2.GenerateResponse(token=consumer_pb2.TokenDelta(ids=item.ids, text=item.text))
                 elif isinstance(item, GenerateResult):
-                    self.planner.observe(Observation(item.codec, job.options, item.context_tokens, item.bytes_received,
-                                                     item.transfer_ms, item.rebuild_ms, item.producer_prefill_ms,
-                                                     item.producer_encode_ms, item.producer_store_hit))
+                    self.planner.observe(
+                        Observation(
+                            item.codec,
+                            job.options,
+                            item.context_tokens,
+                            item.bytes_received,
+                            item.transfer_ms,
+                            item.rebuild_ms,
+                            item.producer_prefill_ms,
+                            item.producer_encode_ms,
+                            item.producer_store_hit,
+                        )
+                    )
                     if job.fallback:
                         item.options["fallback"] = job.fallback
-                    log.info("generate.done", mode=item.codec, ttft_ms=round(item.ttft_ms, 2), tokens=item.generated_tokens,
-                             bytes=item.bytes_received, total_ms=round(item.total_ms, 2))
+                    log.info(
+                        "generate.done",
+                        mode=item.codec,
+                        ttft_ms=round(item.ttft_ms, 2),
+                        tokens=item.generated_tokens,
+                        bytes=item.bytes_received,
+                        total_ms=round(item.total_ms, 2),
+                    )
                     yield consumer_pb2.GenerateResponse(stats=result_to_pb(item))
 
     @serving.unary_errors
@@ -141,8 +162,11 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         return consumer_pb2.ConsumerServiceDescribeResponse(
             model=describe.model_to_pb(loaded.info),
             codecs=[describe.local_mode_pb(LOCAL_MODE), *describe.codecs_to_pb(self.codecs)],
-            limits=common_pb2.Limits(max_context_tokens=cfg.max_context_tokens, max_question_tokens=cfg.max_question_tokens,
-                                     max_new_tokens=cfg.max_new_tokens),
+            limits=common_pb2.Limits(
+                max_context_tokens=cfg.max_context_tokens,
+                max_question_tokens=cfg.max_question_tokens,
+                max_new_tokens=cfg.max_new_tokens,
+            ),
             producer_target=cfg.producer,
             server_version=shared.__version__,
             api_version=shared.API_VERSION,
@@ -199,8 +223,13 @@ class ConsumerServer:
         self.client = ProducerClient(cfg.producer, loaded.info.weight_digest)
         self.servicer.attach(loaded, self.client)
         await self.server.serving()
-        log.info("server.serving", model=loaded.info.model_id, dtype=loaded.info.dtype, device=loaded.info.device,
-                 digest=loaded.info.weight_digest[:16])
+        log.info(
+            "server.serving",
+            model=loaded.info.model_id,
+            dtype=loaded.info.dtype,
+            device=loaded.info.device,
+            digest=loaded.info.weight_digest[:16],
+        )
 
     async def stop(self, grace_s: float | None = None) -> None:
         await self.server.drain(self.config.drain_grace_s if grace_s is None else grace_s)

@@ -2,9 +2,9 @@
 
 import sys
 
+from producer.server import ProducerServer
 from shared.config import ProducerConfig
 from shared.serving import main
-from producer.server import ProducerServer
 
 if __name__ == "__main__":
     main("producer", ProducerConfig, ProducerServer, sys.argv[1:])

@@ -14,8 +14,9 @@ import asyncio
 import concurrent.futures
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import torch
 
@@ -111,7 +112,7 @@ class PrefillEngine:
                 emit(PrefillDone(prefill_ms=total_ms - encode_ms, encode_ms=encode_ms, layers=layers_done))
             except PrefillCancelled:
                 log.info("prefill.stopped", layers_done=layers_done, num_layers=self.loaded.info.num_layers)
-            except BaseException as exc:  # noqa: BLE001 - handed to the stream's reader
+            except BaseException as exc:
                 if not closed.is_set():
                     try:
                         emit(_Failed(exc))

@@ -12,15 +12,15 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 
 import shared
+from producer.prefill import EncodedLayer, PrefillDone, PrefillEngine
+from producer.store import ContextStore, StoredPrefill, store_key
 from shared import codecs as codec_lib
 from shared import describe, logs, serving, wire
 from shared.config import ProducerConfig
 from shared.errors import InvalidArgument, ResourceExhausted, Unavailable
 from shared.models import LoadedModel, load_model, warm_up
-from shared.scd.artifact import discover
 from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
-from producer.prefill import EncodedLayer, PrefillDone, PrefillEngine
-from producer.store import ContextStore, StoredPrefill, store_key
+from shared.scd.artifact import discover
 
 log = logs.get("producer")
 SERVICE_NAME = producer_pb2.DESCRIPTOR.services_by_name["ProducerService"].full_name
@@ -90,7 +90,9 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
 
             key = store_key(request.token_ids, codec.name, options, encoder.metadata())
             stored = self.store.get(key)
-            source = self._replay(stored) if stored else self._record(key, self.engine.stream(list(request.token_ids), encoder, pack))
+            source = (
+                self._replay(stored) if stored else self._record(key, self.engine.stream(list(request.token_ids), encoder, pack))
+            )
             sent_chunks = sent_payloads = sent_bytes = 0
             outcome = "failed"
             try:
@@ -116,8 +118,14 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                                 )
                             )
                             outcome = "completed"
-                            log.info("prefill.done", bytes=sent_bytes, chunks=sent_chunks, prefill_ms=round(item.prefill_ms, 2),
-                                     encode_ms=round(item.encode_ms, 2), total_ms=round(total_ms, 2))
+                            log.info(
+                                "prefill.done",
+                                bytes=sent_bytes,
+                                chunks=sent_chunks,
+                                prefill_ms=round(item.prefill_ms, 2),
+                                encode_ms=round(item.encode_ms, 2),
+                                total_ms=round(total_ms, 2),
+                            )
             except asyncio.CancelledError:
                 outcome = "cancelled"
                 raise
@@ -155,7 +163,9 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         return producer_pb2.ProducerServiceDescribeResponse(
             model=describe.model_to_pb(self.loaded.info),
             codecs=describe.codecs_to_pb(self.codecs),
-            limits=common_pb2.Limits(max_context_tokens=self.config.max_context_tokens, max_chunk_bytes=self.config.max_chunk_bytes),
+            limits=common_pb2.Limits(
+                max_context_tokens=self.config.max_context_tokens, max_chunk_bytes=self.config.max_chunk_bytes
+            ),
             server_version=shared.__version__,
             api_version=shared.API_VERSION,
             artifacts=describe.artifacts_to_pb(self.codecs),
@@ -188,8 +198,13 @@ class ProducerServer:
         await logs.run_in(self.executor, warm_up, loaded)
         self.servicer.attach(loaded)
         await self.server.serving()
-        log.info("server.serving", model=loaded.info.model_id, dtype=loaded.info.dtype, device=loaded.info.device,
-                 digest=loaded.info.weight_digest[:16])
+        log.info(
+            "server.serving",
+            model=loaded.info.model_id,
+            dtype=loaded.info.dtype,
+            device=loaded.info.device,
+            digest=loaded.info.weight_digest[:16],
+        )
 
     async def stop(self, grace_s: float | None = None) -> None:
         await self.server.drain(self.config.drain_grace_s if grace_s is None else grace_s)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Sequence, TypeVar
+from typing import TypeVar
 
 from shared.models import DTYPES
 from shared.wire import DEFAULT_MAX_CHUNK_BYTES
@@ -86,8 +87,12 @@ def load(cls: type[C], service: str, argv: Sequence[str] | None = None, env: dic
     for f in fields(cls):
         var = f"SCD_{service.upper()}_{f.name.upper()}"
         default = env.get(var, f.default)
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=type(f.default)(default),
-                            help=f"(env {var}, default {f.default!r})")
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            type=type(f.default),
+            default=type(f.default)(default),
+            help=f"(env {var}, default {f.default!r})",
+        )
     config = cls(**vars(parser.parse_args(argv)))
     config.validate()
     return config

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from collections.abc import Mapping
 
 from shared.codecs import Codec
 from shared.models import ModelInfo
@@ -20,8 +20,9 @@ def codecs_to_pb(codecs: Mapping[str, Codec]) -> list[common_pb2.CodecInfo]:
 
 def local_mode_pb(name: str) -> common_pb2.CodecInfo:
     """The consumer's own-prefill mode, listed beside the codecs (tokens only cross)."""
-    return common_pb2.CodecInfo(name=name, description="tokens only: the consumer prefills the context itself (reference quality)",
-                                uses_producer=False)
+    return common_pb2.CodecInfo(
+        name=name, description="tokens only: the consumer prefills the context itself (reference quality)", uses_producer=False
+    )
 
 
 def artifacts_to_pb(codecs: Mapping[str, Codec]) -> list[common_pb2.ArtifactInfo]:
@@ -29,15 +30,21 @@ def artifacts_to_pb(codecs: Mapping[str, Codec]) -> list[common_pb2.ArtifactInfo
     codec = codecs.get("scd")
     out = []
     for art in codec.artifacts if codec is not None else []:
-        out.append(common_pb2.ArtifactInfo(
-            artifact_id=art.artifact_id,
-            format_version=art.meta["format_version"],
-            producer_model_id=art.meta["producer"]["model_id"],
-            producer_weight_digest=art.meta["producer"]["weight_digest"],
-            consumer_model_id=art.meta["consumer"]["model_id"],
-            consumer_weight_digest=art.meta["consumer"]["weight_digest"],
-            schedules=[common_pb2.ScheduleInfo(name=e.name, schedule=e.schedule, calibrated_loss=e.loss,
-                                               bytes_per_token=e.bytes_per_token) for e in art.schedules],
-            predictor_layers=art.predictor_layers,
-        ))
+        out.append(
+            common_pb2.ArtifactInfo(
+                artifact_id=art.artifact_id,
+                format_version=art.meta["format_version"],
+                producer_model_id=art.meta["producer"]["model_id"],
+                producer_weight_digest=art.meta["producer"]["weight_digest"],
+                consumer_model_id=art.meta["consumer"]["model_id"],
+                consumer_weight_digest=art.meta["consumer"]["weight_digest"],
+                schedules=[
+                    common_pb2.ScheduleInfo(
+                        name=e.name, schedule=e.schedule, calibrated_loss=e.loss, bytes_per_token=e.bytes_per_token
+                    )
+                    for e in art.schedules
+                ],
+                predictor_layers=art.predictor_layers,
+            )
+        )
     return out

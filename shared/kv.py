@@ -8,9 +8,9 @@ wire types or gRPC.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 from transformers import DynamicCache
@@ -39,7 +39,9 @@ class LayerState:
 
 
 @contextmanager
-def layer_capture(loaded: LoadedModel, cache: DynamicCache, needs: Capture, on_layer: Callable[[LayerState], None]) -> Iterator[None]:
+def layer_capture(
+    loaded: LoadedModel, cache: DynamicCache, needs: Capture, on_layer: Callable[[LayerState], None]
+) -> Iterator[None]:
     """While active, calls on_layer(state) right after each decoder layer of a batch-1 forward.
 
     on_layer runs inside the forward, on its thread; raising from it aborts the forward (how a

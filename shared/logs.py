@@ -7,8 +7,9 @@ import contextvars
 import functools
 import logging
 import sys
+from collections.abc import Callable
 from concurrent.futures import Executor
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import structlog
 

@@ -145,8 +145,9 @@ def encode_values(values: torch.Tensor, bits: int, group_size: int) -> tuple[tor
 
 
 @torch.inference_mode()
-def decode_keys(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int, group_size: int,
-                shape: tuple[int, int, int]) -> torch.Tensor:
+def decode_keys(
+    codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int, group_size: int, shape: tuple[int, int, int]
+) -> torch.Tensor:
     n_kv, t, hd = shape
     full = unpack(codes, bits, hd).transpose(1, 2)  # [n_kv, hd, T]
     grouped = _groups(full, group_size)  # [n_kv, hd, Tg, g]
@@ -155,8 +156,9 @@ def decode_keys(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits
 
 
 @torch.inference_mode()
-def decode_values(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int, group_size: int,
-                  shape: tuple[int, int, int]) -> torch.Tensor:
+def decode_values(
+    codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int, group_size: int, shape: tuple[int, int, int]
+) -> torch.Tensor:
     hd = shape[-1]
     grouped = _groups(unpack(codes, bits, hd), group_size)  # [n_kv, T, Cg, g]
     return _ungroup(_dequantize(grouped, scale, lo), hd)
@@ -173,8 +175,9 @@ def encode_kv(keys: torch.Tensor, values: torch.Tensor, bits: int, group_size: i
     return {name: t.to("cpu") for name, t in out.items()}
 
 
-def decode_kv(payloads: dict[str, torch.Tensor], bits: int, group_size: int,
-              shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_kv(
+    payloads: dict[str, torch.Tensor], bits: int, group_size: int, shape: tuple[int, int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Payloads from encode_kv -> (keys, values), float32 [n_kv, T, hd] each, on the payloads' device.
 
     Raises KeyError naming a missing payload and ValueError naming one whose shape or dtype is not
@@ -187,8 +190,10 @@ def decode_kv(payloads: dict[str, torch.Tensor], bits: int, group_size: int,
         got = payloads[name]
         dtype = torch.uint8 if name.endswith("codes") else torch.float16
         if tuple(got.shape) != want or got.dtype != dtype:
-            raise ValueError(f"payload '{name}' is {got.dtype} {list(got.shape)}, expected {dtype} {list(want)}"
-                             f" for K/V {list(shape)} at {bits} bits, group_size {group_size}")
+            raise ValueError(
+                f"payload '{name}' is {got.dtype} {list(got.shape)}, expected {dtype} {list(want)}"
+                f" for K/V {list(shape)} at {bits} bits, group_size {group_size}"
+            )
     p = payloads
     keys = decode_keys(p["k_codes"], p["k_scale"], p["k_min"], bits, group_size, shape)
     values = decode_values(p["v_codes"], p["v_scale"], p["v_min"], bits, group_size, shape)

@@ -12,7 +12,7 @@ import asyncio
 import functools
 import signal
 import time
-from typing import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -46,7 +46,7 @@ def unary_errors(fn: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
             await context.abort(status_code(exc), str(exc))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
-        except Exception as exc:  # noqa: BLE001 - last line of defence, the server keeps serving
+        except Exception as exc:
             log.exception("rpc.internal_error", rpc=fn.__name__)
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
@@ -65,7 +65,7 @@ def stream_errors(fn: Callable[..., AsyncIterator]) -> Callable[..., AsyncIterat
             await context.abort(status_code(exc), str(exc))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.exception("rpc.internal_error", rpc=fn.__name__)
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from transformers import DynamicCache
 
 from shared.errors import InvalidArgument
-from shared.kv import Capture, LayerState  # noqa: F401  (part of the codec interface)
+from shared.kv import Capture, LayerState
 from shared.models import DTYPES, LoadedModel
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ class Codec(ABC):
     # option name -> (default, parser); parsers raise ValueError on bad values
     option_parsers: ClassVar[Mapping[str, tuple[str, Callable[[str], object]]]] = {}
 
-    def __init__(self, model: LoadedModel, artifacts: Sequence["Artifact"] = ()):
+    def __init__(self, model: LoadedModel, artifacts: Sequence[Artifact] = ()):
         self.model = model
 
     def resolve(self, options: Mapping[str, str]) -> dict[str, str]:
@@ -150,7 +151,7 @@ def registered() -> dict[str, type[Codec]]:
     return dict(_REGISTRY)
 
 
-def create_codecs(model: LoadedModel, names: list[str] | None = None, artifacts: Sequence["Artifact"] = ()) -> dict[str, Codec]:
+def create_codecs(model: LoadedModel, names: list[str] | None = None, artifacts: Sequence[Artifact] = ()) -> dict[str, Codec]:
     """Instantiate the named codecs (default: all registered) around one service's model."""
     chosen = names or sorted(_REGISTRY)
     missing = [n for n in chosen if n not in _REGISTRY]

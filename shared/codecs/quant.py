@@ -8,13 +8,23 @@ tokens per key group (per channel) and channels per value group (per token).
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
 from shared import quantize
-from shared.codecs.base import (CacheDecoder, Capture, Codec, EncodeRequest, LayerEncoder, LayerState, PayloadSpec, Schema,
-                                StreamInfo, register)
+from shared.codecs.base import (
+    CacheDecoder,
+    Capture,
+    Codec,
+    EncodeRequest,
+    LayerEncoder,
+    LayerState,
+    PayloadSpec,
+    Schema,
+    StreamInfo,
+    register,
+)
 from shared.codecs.raw import KVDecoder
 from shared.errors import DataLoss
 
@@ -37,12 +47,20 @@ def parse_group_size(value: str) -> int:
 
 def quant_schema(kv_shape: tuple[int, int, int], bits: int, group_size: int) -> Schema:
     """The six payloads of one quantized layer for K/V of kv_shape [n_kv, T, hd]."""
-    return {name: PayloadSpec(torch.uint8 if name.endswith("codes") else torch.float16, shape)
-            for name, shape in quantize.payload_shapes(kv_shape, bits, group_size).items()}
+    return {
+        name: PayloadSpec(torch.uint8 if name.endswith("codes") else torch.float16, shape)
+        for name, shape in quantize.payload_shapes(kv_shape, bits, group_size).items()
+    }
 
 
-def decode_quant(layer: int, payloads: dict[str, torch.Tensor], kv_shape: tuple[int, int, int], bits: int, group_size: int,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_quant(
+    layer: int,
+    payloads: dict[str, torch.Tensor],
+    kv_shape: tuple[int, int, int],
+    bits: int,
+    group_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 (keys, values) [n_kv, T, hd] on device; DataLoss when a scale or min is not finite."""
     for name in ("k_scale", "k_min", "v_scale", "v_min"):
         if not bool(torch.isfinite(payloads[name]).all()):

@@ -9,14 +9,24 @@ refuses non-finite K/V.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from transformers import DynamicCache
 
 from shared import kv
-from shared.codecs.base import (CacheDecoder, Capture, Codec, EncodeRequest, LayerEncoder, LayerState, PayloadSpec, Schema,
-                                StreamInfo, register)
+from shared.codecs.base import (
+    CacheDecoder,
+    Capture,
+    Codec,
+    EncodeRequest,
+    LayerEncoder,
+    LayerState,
+    PayloadSpec,
+    Schema,
+    StreamInfo,
+    register,
+)
 from shared.errors import DataLoss, FailedPrecondition
 from shared.models import LoadedModel
 

@@ -18,13 +18,23 @@ stats all carry the concrete span.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
 from shared import layers
-from shared.codecs.base import (CacheDecoder, Capture, Codec, EncodeRequest, LayerEncoder, LayerState, PayloadSpec, Schema,
-                                StreamInfo, register)
+from shared.codecs.base import (
+    CacheDecoder,
+    Capture,
+    Codec,
+    EncodeRequest,
+    LayerEncoder,
+    LayerState,
+    PayloadSpec,
+    Schema,
+    StreamInfo,
+    register,
+)
 from shared.codecs.raw import KVDecoder, kv_payloads, kv_schema
 from shared.errors import InvalidArgument
 
@@ -73,8 +83,10 @@ def span(options: Mapping[str, str], num_layers: int, model_id: str) -> tuple[in
     if raw_start != "auto" and not 0 <= start < num_layers:
         raise InvalidArgument(f"transfer.options['start']={raw_start!r} {where}: must be in 0..{num_layers - 1}")
     if not start < end <= num_layers:
-        raise InvalidArgument(f"transfer.options['end']={raw_end!r} {where}: must be in {start + 1}..{num_layers}"
-                              f" (start={start} < end <= num_layers)")
+        raise InvalidArgument(
+            f"transfer.options['end']={raw_end!r} {where}: must be in {start + 1}..{num_layers}"
+            f" (start={start} < end <= num_layers)"
+        )
     return start, end
 
 
@@ -117,8 +129,10 @@ class RecomputeDecoder(KVDecoder):
 @register
 class RecomputeCodec(Codec):
     name = "recompute"
-    description = ("DroidSpeak-style: producer K/V outside a layer span, the consumer recomputes the span from a"
-                   " hidden state (options start, end)")
+    description = (
+        "DroidSpeak-style: producer K/V outside a layer span, the consumer recomputes the span from a"
+        " hidden state (options start, end)"
+    )
     option_parsers = {"start": ("auto", parse_layer), "end": ("auto", parse_layer)}
 
     def resolve(self, options: Mapping[str, str]) -> dict[str, str]:

@@ -10,13 +10,12 @@ schedule. `artifact` picks an artifact by id; default: the one calibrated for th
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
 from shared import layers
-from shared.codecs.base import (CacheDecoder, Capture, Codec, EncodeRequest, LayerEncoder, LayerState, Schema, StreamInfo,
-                                register)
+from shared.codecs.base import CacheDecoder, Capture, Codec, EncodeRequest, LayerEncoder, LayerState, Schema, StreamInfo, register
 from shared.codecs.raw import KVDecoder
 from shared.errors import DataLoss, FailedPrecondition, InvalidArgument
 from shared.scd import ops
@@ -36,15 +35,19 @@ def _optional_float(text: str) -> float | None:
 def pick(art: Artifact, options: Mapping[str, str]) -> ScheduleEntry:
     """The schedule `options` (resolved) choose from `art`: both sides compute it, so the consumer
     can require the producer's choice to be exactly this one."""
-    return art.pick(options.get("schedule", ""), _optional_float(options.get("max_loss", "")),
-                    _optional_float(options.get("max_bytes_per_token", "")))
+    return art.pick(
+        options.get("schedule", ""),
+        _optional_float(options.get("max_loss", "")),
+        _optional_float(options.get("max_bytes_per_token", "")),
+    )
 
 
 class ScdEncoder(LayerEncoder):
     def __init__(self, art: Artifact, schedule: Schedule, entry_meta: dict[str, str]):
         self.art, self.schedule, self.entry_meta = art, schedule, entry_meta
         self.captures = (Capture.NORMED if ops.needs_normed(schedule.actions) else Capture.NONE) | (
-            Capture.KV if ops.needs_kv(schedule.actions) else Capture.NONE)
+            Capture.KV if ops.needs_kv(schedule.actions) else Capture.NONE
+        )
 
     def encode(self, state: LayerState) -> dict[str, torch.Tensor]:
         return ops.encode_layer(self.art, state.index, self.schedule.actions[state.index], state, self.art.geometry.quant_group)
@@ -54,18 +57,24 @@ class ScdEncoder(LayerEncoder):
 
 
 class ScdDecoder(KVDecoder):
-    def __init__(self, codec: "ScdCodec", art: Artifact, schedule: Schedule, stream: StreamInfo):
+    def __init__(self, codec: ScdCodec, art: Artifact, schedule: Schedule, stream: StreamInfo):
         super().__init__(codec, stream)
         self.art, self.schedule = art, schedule
         self.pos = layers.positions(codec.model, stream.num_tokens)
 
     def expected(self, layer: int) -> Schema:
-        return ops.layer_schema(self.schedule.actions[layer], self.loaded, self.stream.num_tokens, self.stream.kv_torch_dtype,
-                                self.art.geometry.quant_group)
+        return ops.layer_schema(
+            self.schedule.actions[layer],
+            self.loaded,
+            self.stream.num_tokens,
+            self.stream.kv_torch_dtype,
+            self.art.geometry.quant_group,
+        )
 
     def add_layer(self, layer: int, payloads: dict[str, torch.Tensor]) -> None:
-        keys, values = ops.decode_layer(self.art, layer, self.schedule.actions[layer], payloads, self.loaded, self.pos,
-                                        self.art.geometry.quant_group)
+        keys, values = ops.decode_layer(
+            self.art, layer, self.schedule.actions[layer], payloads, self.loaded, self.pos, self.art.geometry.quant_group
+        )
         self.store(layer, keys, values)
 
 
@@ -89,8 +98,10 @@ class ScdCodec(Codec):
         for art in self.artifacts:
             if art.artifact_id == artifact_id:
                 return art
-        raise FailedPrecondition(f"SCD artifact {artifact_id!r} named by the producer is not loaded here "
-                                 f"(loaded: {[a.artifact_id for a in self.artifacts]})")
+        raise FailedPrecondition(
+            f"SCD artifact {artifact_id!r} named by the producer is not loaded here "
+            f"(loaded: {[a.artifact_id for a in self.artifacts]})"
+        )
 
     def encoder(self, options: Mapping[str, str], request: EncodeRequest) -> LayerEncoder:
         if not self.artifacts:
@@ -101,8 +112,13 @@ class ScdCodec(Codec):
             art.check_digest("consumer", request.consumer_digest, "the consumer's, as the request states it")
         entry = pick(art, options)
         schedule = Schedule.parse(entry.schedule, art.num_layers)
-        meta = {"artifact": art.artifact_id, "schedule": entry.schedule, "schedule_name": entry.name,
-                "calibrated_loss": f"{entry.loss:.6g}", "bytes_per_token": f"{entry.bytes_per_token:g}"}
+        meta = {
+            "artifact": art.artifact_id,
+            "schedule": entry.schedule,
+            "schedule_name": entry.name,
+            "calibrated_loss": f"{entry.loss:.6g}",
+            "bytes_per_token": f"{entry.bytes_per_token:g}",
+        }
         return ScdEncoder(art, schedule, meta)
 
     def decoder(self, stream: StreamInfo) -> CacheDecoder:
@@ -121,8 +137,10 @@ class ScdCodec(Codec):
             raise FailedPrecondition(f"artifact has {art.num_layers} layers, stream {stream.num_layers}")
         want = pick(art, stream.options)
         if stream.metadata["schedule"] != want.schedule:
-            raise DataLoss(f"scd stream header: schedule {stream.metadata['schedule'][:200]!r}, the request's options "
-                           f"choose {want.schedule!r} from artifact {art.artifact_id}")
+            raise DataLoss(
+                f"scd stream header: schedule {stream.metadata['schedule'][:200]!r}, the request's options "
+                f"choose {want.schedule!r} from artifact {art.artifact_id}"
+            )
         try:
             schedule = Schedule.parse(want.schedule, art.num_layers)
             schedule.check_ranks(art.geometry)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from safetensors.torch import load_file, safe_open, save_file
@@ -40,7 +40,7 @@ class Artifact:
     path: Path | None = None
     _predictors: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def to(self, device) -> "Artifact":
+    def to(self, device) -> Artifact:
         """The same artifact with its tensors on `device` (where the model runs)."""
         return Artifact({k: v.to(device) for k, v in self.tensors.items()}, self.meta, self.path)
 
@@ -91,7 +91,7 @@ class Artifact:
         self.path = path
 
     @staticmethod
-    def load(path: Path) -> "Artifact":
+    def load(path: Path) -> Artifact:
         with safe_open(str(path), "pt") as f:
             meta = json.loads((f.metadata() or {}).get("scd", "{}"))
         version = meta.get("format_version")
@@ -120,15 +120,23 @@ class Artifact:
                 if schedule in (e.name, e.schedule):
                     return e
             if "." not in schedule and self.num_layers > 1:
-                raise InvalidArgument(f"transfer.options['schedule']: {schedule!r} is not a schedule of artifact "
-                                      f"{self.artifact_id}: {[e.name for e in entries]}, nor a per-layer schedule text")
+                raise InvalidArgument(
+                    f"transfer.options['schedule']: {schedule!r} is not a schedule of artifact "
+                    f"{self.artifact_id}: {[e.name for e in entries]}, nor a per-layer schedule text"
+                )
             parsed = Schedule.parse(schedule, self.num_layers)  # a caller's own schedule: loss not calibrated
             parsed.check_ranks(self.geometry)
             return ScheduleEntry("custom", str(parsed), float("nan"), parsed.bytes_per_token(self.geometry))
-        fits = [e for e in entries if (max_loss is None or e.loss <= max_loss) and (max_bytes is None or e.bytes_per_token <= max_bytes)]
+        fits = [
+            e
+            for e in entries
+            if (max_loss is None or e.loss <= max_loss) and (max_bytes is None or e.bytes_per_token <= max_bytes)
+        ]
         if not fits:
-            raise InvalidArgument(f"transfer.options: no schedule with loss <= {max_loss} and bytes_per_token <= {max_bytes}; "
-                                  f"available (loss, bytes/token): {[(round(e.loss, 4), e.bytes_per_token) for e in entries]}")
+            raise InvalidArgument(
+                f"transfer.options: no schedule with loss <= {max_loss} and bytes_per_token <= {max_bytes}; "
+                f"available (loss, bytes/token): {[(round(e.loss, 4), e.bytes_per_token) for e in entries]}"
+            )
         if max_loss is not None:
             return min(fits, key=lambda e: (e.bytes_per_token, e.loss))
         return min(fits, key=lambda e: (e.loss, e.bytes_per_token))
@@ -158,10 +166,16 @@ def for_pair(artifacts: list[Artifact], producer_digest: str, consumer_digest: s
     if artifact_id:
         match = [a for a in artifacts if a.artifact_id == artifact_id]
         if not match:
-            raise InvalidArgument(f"transfer.options['artifact']: {artifact_id!r} not loaded; loaded: {[a.artifact_id for a in artifacts]}")
+            raise InvalidArgument(
+                f"transfer.options['artifact']: {artifact_id!r} not loaded; loaded: {[a.artifact_id for a in artifacts]}"
+            )
         return match[0]
-    match = [a for a in artifacts if a.meta["producer"]["weight_digest"] == producer_digest
-             and (not consumer_digest or a.meta["consumer"]["weight_digest"] == consumer_digest)]
+    match = [
+        a
+        for a in artifacts
+        if a.meta["producer"]["weight_digest"] == producer_digest
+        and (not consumer_digest or a.meta["consumer"]["weight_digest"] == consumer_digest)
+    ]
     if not match:
         raise FailedPrecondition(
             f"no SCD artifact for producer digest {producer_digest[:16]}... and consumer digest {consumer_digest[:16] or '(unknown)'}...; "

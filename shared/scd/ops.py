@@ -62,8 +62,15 @@ def encode_layer(art: Artifact, layer: int, action: Action, state: LayerState, g
 
 
 @torch.inference_mode()
-def decode_layer(art: Artifact, layer: int, action: Action, payloads: dict[str, torch.Tensor], consumer: LoadedModel,
-                 pos: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_layer(
+    art: Artifact,
+    layer: int,
+    action: Action,
+    payloads: dict[str, torch.Tensor],
+    consumer: LoadedModel,
+    pos: torch.Tensor,
+    group_size: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Consumer side: post-RoPE (keys, values), [n_kv, T, hd] each, in the consumer's dtype."""
     device, dtype = consumer.device, consumer.dtype
     info = consumer.info

@@ -41,14 +41,17 @@ def predict(model: LlamaModel, normed: torch.Tensor) -> torch.Tensor:
 
 
 def to_tensors(layer: int, model: LlamaModel) -> dict[str, torch.Tensor]:
-    return {f"layer.{layer}.{PREFIX}{name}": t.detach().float().cpu().contiguous() for name, t in model.state_dict().items()
-            if not name.startswith("embed_tokens")}
+    return {
+        f"layer.{layer}.{PREFIX}{name}": t.detach().float().cpu().contiguous()
+        for name, t in model.state_dict().items()
+        if not name.startswith("embed_tokens")
+    }
 
 
 def from_tensors(tensors: dict[str, torch.Tensor], layer: int, config: dict) -> LlamaModel | None:
     """The layer's predictor (eval mode, on its tensors' device), or None if it has none."""
     head = f"layer.{layer}.{PREFIX}"
-    state = {name[len(head):]: t for name, t in tensors.items() if name.startswith(head)}
+    state = {name[len(head) :]: t for name, t in tensors.items() if name.startswith(head)}
     if not state:
         return None
     model = build(config)
@@ -57,5 +60,3 @@ def from_tensors(tensors: dict[str, torch.Tensor], layer: int, config: dict) -> 
         raise ValueError(f"layer {layer} predictor: missing {missing}, unexpected {unexpected}")
     device = next(iter(state.values())).device
     return model.to(device).eval().requires_grad_(False)
-
-

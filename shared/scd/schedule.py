@@ -21,11 +21,12 @@ class Action:
     param: int = 0  # rank for reuse, bits for quant
 
     def __str__(self) -> str:
-        return {"reuse": f"R{self.param}", "reuse_fp16": f"F{self.param}", "patch": "P", "raw": "W",
-                "quant": f"Q{self.param}"}[self.kind]
+        return {"reuse": f"R{self.param}", "reuse_fp16": f"F{self.param}", "patch": "P", "raw": "W", "quant": f"Q{self.param}"}[
+            self.kind
+        ]
 
     @staticmethod
-    def parse(text: str) -> "Action":
+    def parse(text: str) -> Action:
         m = _ACTION.match(text)
         if not m:
             raise InvalidArgument(f"schedule: action {text!r} is not one of R<rank>, F<rank>, P, W, Q4, Q8")
@@ -75,9 +76,11 @@ class Schedule:
         return ".".join(str(a) for a in self.actions)
 
     @staticmethod
-    def parse(text: str, num_layers: int) -> "Schedule":
+    def parse(text: str, num_layers: int) -> Schedule:
         if len(text) > 16 * max(num_layers, 1):
-            raise InvalidArgument(f"schedule: {len(text)} characters, more than {16 * max(num_layers, 1)} for {num_layers} layers")
+            raise InvalidArgument(
+                f"schedule: {len(text)} characters, more than {16 * max(num_layers, 1)} for {num_layers} layers"
+            )
         parts = text.split(".")
         if len(parts) != num_layers:
             raise InvalidArgument(f"schedule: {len(parts)} actions for {num_layers} layers in {text!r}")
