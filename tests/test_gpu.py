@@ -1,4 +1,5 @@
-"""The same exactness checks with both services on CUDA (skipped where there is no GPU)."""
+"""The same exactness checks with both services on CUDA (skipped where there is no GPU; run by
+`make gpu-check`, bench.gpu_check)."""
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ async def test_modes_on_cuda_match_local_model(mode, tmp_path):
     expected = local_greedy(cpu_ref.model, ctx_ids, q_ids, NEW, tok.eos_token_id)
     options, kw = {}, {}
     if mode == "scd":
-        from shared.scd.distill import distill
+        from calibration.distill import distill
         from tests.test_scd import heldout, random_corpus
 
         art = distill(local, local, random_corpus(8, 96, 0), heldout(2, 1), corpus_name="random", generations=1,
@@ -39,13 +40,13 @@ async def test_modes_on_cuda_match_local_model(mode, tmp_path):
 async def test_predictor_artifact_trains_and_serves_on_cuda(tmp_path):
     """A heterogeneous artifact with a learned predictor, trained on CUDA, served by both services
     on CUDA: the tokens equal the in-process codec path on the same device."""
-    from shared.scd import predictor
+    from calibration.predictor_training import TrainConfig
     from tests.test_predictor import codec_reference, hetero_artifact
 
     consumer_path, directory = tmp_path / "consumer", tmp_path / "artifacts"
     directory.mkdir()
     producer, consumer, art = hetero_artifact(consumer_path, directory, "cuda",
-                                              predictor.TrainConfig(mse_steps=20, kl_steps=4, batch=2), ["R8.P.R8.R8"])
+                                              TrainConfig(mse_steps=20, kl_steps=4, batch=2), ["R8.P.R8.R8"])
     tok = consumer.tokenizer
     ctx_ids, q_ids = tok(CONTEXT)["input_ids"], tok(QUESTION, add_special_tokens=False)["input_ids"]
     expected = codec_reference(producer, consumer, art, "R8.P.R8.R8", ctx_ids, q_ids, 8)
