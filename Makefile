@@ -78,5 +78,23 @@ bench-ttft: $(PB_GEN)
 	$(PYTHON) -m bench.ttft $(TTFT_ARGS)
 	$(PYTHON) -m bench.projection
 
+# The issue-13 TTFT grid for the Qwen2.5-0.5B-shaped random model (root; about 1-1.5 h on this
+# 2-core CPU): sudo make bench-ttft TTFT_ARGS='$(TTFT_GRID_05B)'. The scd mode uses the
+# homogeneous artifact of that model in .cache/artifacts (its calibration command: README).
+TTFT_GRID_05B := --model-scale qwen05b --artifacts .cache/artifacts --contexts 512 2048 4096 \
+	--bandwidths 10 100 1000 --stores cold warm --warmup 1 --runs 5 \
+	--modes oracle raw quant:bits=8 quant:bits=4 scd
+
+.PHONY: bench-transport gpu-check
+# gRPC stream vs plain TCP socket payload throughput on loopback -> bench/results/transport.jsonl
+bench-transport: $(PB_GEN)
+	$(PYTHON) -m bench.transport $(TRANSPORT_ARGS)
+
+# One shot on a GPU machine (no downloads): tests/test_gpu.py, CUDA-event prefill timings, the
+# TTFT grid on loopback (0.5B shape at 2048/8192 tokens, 7B shape at 2048) -> bench/results/gpu.jsonl.
+# GPU_CHECK_ARGS="--device cpu --quick" runs it on tiny shapes here.
+gpu-check: $(PB_GEN)
+	$(PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)
+
 clean:
 	rm -rf $(PB_OUT)/scd .cache .pytest_cache
