@@ -11,7 +11,7 @@ PROTOS  := $(wildcard protos/scd/v1/*.proto)
 PB_GEN  := $(PB_OUT)/scd/v1/.generated
 COMPOSE := .venv-compose/bin/docker-compose
 
-.PHONY: all install proto lint test demo models eval-pair artifacts bench-quality bench-ttft compose-config clean
+.PHONY: all install proto lint test demo models eval-pair artifacts bench-quality bench-ttft compose-config compose-smoke clean
 
 all: test
 
@@ -38,15 +38,21 @@ lint: $(STAMP)
 	$(BIN)/buf lint
 
 # docker-compose 1.29.2 validates the compose file without an engine; it needs PyYAML 5.4.1,
-# whose sdist only builds with Cython < 3, so it lives in its own venv.
+# whose sdist only builds with Cython < 3, so it lives in its own venv. docker-py 7 and requests 2.32
+# break its engine calls (compose-smoke), hence docker 6.1.3 and requests 2.31.0.
 $(COMPOSE):
 	$(PY) -m venv .venv-compose
 	.venv-compose/bin/pip install -q "cython<3" wheel setuptools
 	.venv-compose/bin/pip install -q --no-build-isolation pyyaml==5.4.1
-	.venv-compose/bin/pip install -q docker-compose==1.29.2
+	.venv-compose/bin/pip install -q docker-compose==1.29.2 docker==6.1.3 requests==2.31.0
 
 compose-config: $(COMPOSE)
 	$(COMPOSE) -f docker-compose.yml config -q
+
+# Build the images, run the compose stack (2 producers), the demo against it, tear it down; one
+# JSON line. Needs root; installs docker.io/debootstrap when missing. Minutes: not in `make test`.
+compose-smoke: $(PB_GEN) $(COMPOSE)
+	$(PYTHON) docker/compose_smoke.py
 
 test: $(PB_GEN) $(COMPOSE)
 	$(PYTHON) -m pytest -q
