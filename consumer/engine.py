@@ -1,12 +1,17 @@
 """The consumer's request pipeline, the same for every transfer codec:
 
-  open the transfer (if the codec uses the producer) -> rebuild each layer on the compute thread
-  as soon as its payloads arrive, while later layers are still in flight -> finish the cache ->
-  prefill the question on top -> decode, yielding tokens as they come -> stats.
+  open the transfer (unless the mode is the consumer's own prefill) -> rebuild each layer on the
+  compute thread as soon as its payloads arrive, while later layers are still in flight ->
+  finish the cache -> prefill the question on top -> decode, yielding tokens as they come -> stats.
+
+A transfer failure (producer unreachable or overloaded, stream corrupt or incompatible, too slow
+for the transfer's share of the deadline) fails the request, or, with the LOCAL_PREFILL policy,
+becomes the consumer's own prefill, recorded in the stats. Either way it is noticed at once: the
+stream pump and the rebuild run as two tasks and the first failure of either cancels the other.
 
 Knows nothing about gRPC: the transfer arrives through a `TransferSource` (an async iterator of
-StreamHeader / LayerPayloads / StreamTrailer events), which the servicer builds from the
-producer client.
+StreamHeader / LayerPayloads / StreamTrailer events, contract enforced by
+consumer.stream_reader), which the servicer builds from the producer client.
 """
 
 from __future__ import annotations
@@ -14,48 +19,28 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+from transformers import DynamicCache
 
 from consumer.decoding import Detokenizer, Sampler, Sampling, forward_logits
+from consumer.stream_reader import Event, Expectation, LayerPayloads, StreamHeader, StreamTrailer
 from shared import kv, logs
-from shared.codecs import Codec, StreamInfo
-from shared.errors import DataLoss, DeadlineExceeded, FailedPrecondition
+from shared.codecs import CacheDecoder, Codec
+from shared.errors import Cancelled, DataLoss, DeadlineExceeded, ServiceError
 from shared.models import LoadedModel
 
 log = logs.get("consumer.engine")
 LOCAL_MODE = "oracle"  # the consumer's own prefill: only token ids cross
-
-
-@dataclass(frozen=True)
-class StreamHeader:
-    stream: StreamInfo
-    codec_name: str
-
-
-@dataclass(frozen=True)
-class LayerPayloads:
-    layer: int
-    payloads: dict[str, torch.Tensor]
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class StreamTrailer:
-    payload_bytes: int
-    prefill_ms: float
-    encode_ms: float
-    store_hit: bool
+FAIL, LOCAL_PREFILL = "fail", "local_prefill"  # on_transfer_failure policies
 
 
 class TransferSource(Protocol):
-    def open(
-        self, request_id: str, context_ids: list[int], codec: str, options: Mapping[str, str], timeout_s: float
-    ) -> AsyncIterator[StreamHeader | LayerPayloads | StreamTrailer]: ...
+    def open(self, request_id: str, context_ids: list[int], expect: Expectation, timeout_s: float) -> AsyncIterator[Event]: ...
 
 
 @dataclass
@@ -71,6 +56,8 @@ class GenerateJob:
     deadline: float  # time.monotonic() value
     received_at: float = field(default_factory=time.perf_counter)
     fallback: str = ""  # why the transfer planner kept or replaced the requested mode ("" = not asked)
+    on_failure: str = FAIL  # FAIL | LOCAL_PREFILL
+    transfer_budget_s: float | None = None  # LOCAL_PREFILL: the share of the deadline the transfer may use
 
     @property
     def mode(self) -> str:
@@ -103,6 +90,7 @@ class GenerateResult:
     producer_prefill_ms: float = 0.0
     producer_encode_ms: float = 0.0
     producer_store_hit: bool = False
+    transfer_failure: str = ""  # why LOCAL_PREFILL replaced the transfer
 
 
 class GenerateEngine:
@@ -117,7 +105,7 @@ class GenerateEngine:
             raise DeadlineExceeded(f"deadline passed before {what}")
         return left
 
-    async def _timed(self, fn, *args) -> tuple[object, float]:
+    async def _timed(self, fn, *args) -> tuple[Any, float]:
         def run():
             started = time.perf_counter()
             value = fn(*args)
@@ -125,30 +113,44 @@ class GenerateEngine:
 
         return await logs.run_in(self.executor, run)
 
+    async def _local_prefill(self, job: GenerateJob, result: GenerateResult) -> DynamicCache:
+        self._left(job, "context prefill")
+        context = torch.tensor([job.context_ids], device=self.loaded.device)  # [1, T]
+        cache, took = await self._timed(kv.prefill_context, self.loaded, context)
+        result.rebuild_ms += took
+        return cache
+
+    async def _cache(self, job: GenerateJob, result: GenerateResult) -> DynamicCache:
+        if job.codec is None:
+            return await self._local_prefill(job, result)
+        try:
+            return await self._remote(job, result)
+        except ServiceError as exc:
+            if job.on_failure != LOCAL_PREFILL or isinstance(exc, Cancelled) or job.deadline - time.monotonic() <= 0:
+                raise
+            result.transfer_failure = f"{exc.code}: {str(exc)[:300]}"
+            log.warning("generate.transfer_failed", mode=job.mode, code=exc.code, reason=str(exc)[:300], policy=LOCAL_PREFILL)
+            result.codec, result.options = LOCAL_MODE, {}
+            result.bytes_received = result.rebuild_ms = 0
+            result.raw_kv_bytes = self.loaded.info.kv_bytes(len(job.context_ids))
+            return await self._local_prefill(job, result)
+
     async def run(self, job: GenerateJob) -> AsyncIterator[TokenOut | GenerateResult]:
         result = GenerateResult(job.request_id, job.mode, dict(job.options), len(job.context_ids), len(job.question_ids))
-        device = self.loaded.device
         result.raw_kv_bytes = self.loaded.info.kv_bytes(len(job.context_ids))
-        if job.codec is None:
-            context = torch.tensor([job.context_ids], device=device)  # [1, T]
-            cache, took = await self._timed(kv.prefill_context, self.loaded, context)
-        else:
-            decoder = await self._transfer(job, result)
-            cache, took = await self._timed(decoder.finish)
-        result.rebuild_ms += took
+        cache = await self._cache(job, result)
 
         self._left(job, "question prefill")
         logits, result.question_prefill_ms = await self._timed(forward_logits, self.loaded, job.question_ids, cache)
-        sampler = Sampler(job.sampling, device)
+        sampler = Sampler(job.sampling, self.loaded.device)
         detok = Detokenizer(self.loaded.tokenizer)
-        first_at = None
+        first_at = time.perf_counter()
         for step in range(job.max_new_tokens):
             token = sampler(logits)
             text = detok.push(token)
-            now = time.perf_counter()
-            if first_at is None:
-                first_at = now
-                result.ttft_ms = (now - job.received_at) * 1e3
+            if step == 0:
+                first_at = time.perf_counter()
+                result.ttft_ms = (first_at - job.received_at) * 1e3
             result.generated_tokens += 1
             yield TokenOut([token], text)
             if token in job.stop_ids:
@@ -165,41 +167,64 @@ class GenerateEngine:
         result.total_ms = (done - job.received_at) * 1e3
         yield result
 
-    async def _transfer(self, job: GenerateJob, result: GenerateResult):
-        """Pull the producer stream; rebuild each layer on the compute thread while later ones arrive."""
+    async def _remote(self, job: GenerateJob, result: GenerateResult) -> DynamicCache:
+        """Pull the producer stream and rebuild each layer on the compute thread while later ones
+        arrive; the first failure of either side cancels the other."""
+        assert job.codec is not None and self.source is not None
         started = time.perf_counter()
-        decoder = None
-        rebuilds: list[asyncio.Future] = []
-        trailer = None
-        stream = self.source.open(job.request_id, job.context_ids, job.codec.name, job.options, self._left(job, "transfer"))
+        expect = Expectation(len(job.context_ids), job.codec, job.options, self.loaded.info)
+        budget = self._left(job, "transfer")
+        if job.transfer_budget_s is not None:
+            budget = min(budget, job.transfer_budget_s)
+        layers: asyncio.Queue[LayerPayloads | None] = asyncio.Queue()
+        state: dict[str, Any] = {}
+
+        async def pump() -> None:
+            stream = self.source.open(job.request_id, job.context_ids, expect, budget)
+            try:
+                async for event in stream:
+                    if isinstance(event, StreamHeader):
+                        state["decoder"] = event.decoder
+                        result.options = {**event.stream.options, **event.stream.metadata}
+                        producer_kv = dataclasses.replace(self.loaded.info, dtype=event.stream.kv_dtype)
+                        result.raw_kv_bytes = producer_kv.kv_bytes(event.stream.num_tokens)
+                    elif isinstance(event, LayerPayloads):
+                        result.bytes_received += event.nbytes
+                        layers.put_nowait(event)
+                    elif isinstance(event, StreamTrailer):
+                        state["trailer"] = event
+            finally:
+                await stream.aclose()
+            layers.put_nowait(None)
+
+        async def rebuild() -> None:
+            while (item := await layers.get()) is not None:
+                decoder: CacheDecoder = state["decoder"]
+                try:
+                    _, took = await self._timed(decoder.add_layer, item.layer, item.payloads)
+                except ServiceError:
+                    raise
+                except Exception as exc:  # peer data the decoder could not use: never a crash, never INTERNAL
+                    log.warning("generate.rebuild_failed", layer=item.layer, error=f"{type(exc).__name__}: {str(exc)[:200]}")
+                    raise DataLoss(f"layer {item.layer}: payloads could not be decoded ({type(exc).__name__})") from None
+                result.rebuild_ms += took
+
+        tasks = [asyncio.ensure_future(pump()), asyncio.ensure_future(rebuild())]
         try:
-            async for event in stream:
-                if isinstance(event, StreamHeader):
-                    if event.stream.format_version != job.codec.format_version:
-                        raise FailedPrecondition(
-                            f"codec '{job.codec.name}' payload format {event.stream.format_version} from the "
-                            f"producer; this consumer decodes format {job.codec.format_version}"
-                        )
-                    decoder = job.codec.decoder(event.stream)
-                    result.options = {**event.stream.options, **event.stream.metadata}
-                    producer_kv = dataclasses.replace(self.loaded.info, dtype=event.stream.kv_dtype)
-                    result.raw_kv_bytes = producer_kv.kv_bytes(event.stream.num_tokens)
-                elif isinstance(event, LayerPayloads):
-                    result.bytes_received += event.nbytes
-                    rebuilds.append(asyncio.ensure_future(self._timed(decoder.add_layer, event.layer, event.payloads)))
-                elif isinstance(event, StreamTrailer):
-                    trailer = event
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in tasks:
+                if task in done and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            await asyncio.gather(*tasks)
         finally:
-            await stream.aclose()
-            if trailer is None:
-                for pending in rebuilds:
-                    pending.cancel()
-        if decoder is None or trailer is None:
-            raise DataLoss("producer stream ended without header or trailer")
-        for _, took in await asyncio.gather(*rebuilds):
-            result.rebuild_ms += took
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        trailer: StreamTrailer = state["trailer"]
         result.transfer_ms = (time.perf_counter() - started) * 1e3
         result.producer_prefill_ms = trailer.prefill_ms
         result.producer_encode_ms = trailer.encode_ms
         result.producer_store_hit = trailer.store_hit
-        return decoder
+        cache, took = await self._timed(state["decoder"].finish)
+        result.rebuild_ms += took
+        return cache

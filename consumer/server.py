@@ -3,28 +3,27 @@ events to messages) and process wiring (config, model load, producer client, hea
 
 from __future__ import annotations
 
+import contextlib
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
 import shared
-from consumer.decoding import Sampling
-from consumer.engine import LOCAL_MODE, GenerateEngine, GenerateJob, GenerateResult, TokenOut
+from consumer.engine import LOCAL_MODE, GenerateEngine, GenerateResult, TokenOut
 from consumer.planner import Observation, TransferPlanner
 from consumer.producer_client import ProducerClient
+from consumer.requests import JobBuilder
 from shared import codecs as codec_lib
 from shared import describe, logs, serving
 from shared.config import ConsumerConfig
-from shared.errors import InvalidArgument, Unavailable
+from shared.errors import Unavailable
 from shared.models import LoadedModel, load_model, warm_up
 from shared.pb import common_pb2, consumer_pb2, consumer_pb2_grpc
 from shared.scd.artifact import discover
 
 log = logs.get("consumer")
 SERVICE_NAME = consumer_pb2.DESCRIPTOR.services_by_name["ConsumerService"].full_name
-DEFAULT_NEW_TOKENS = 32
 
 FINISH = {"length": consumer_pb2.FINISH_REASON_LENGTH, "stop": consumer_pb2.FINISH_REASON_STOP}
 
@@ -35,12 +34,15 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
     def __init__(self, config: ConsumerConfig, executor: ThreadPoolExecutor):
         self.config = config
         self.executor = executor
+        self.tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="consumer-tokenize")
         self.loaded: LoadedModel | None = None
+        self.admission = serving.Admission("max_inflight", config.max_inflight)
 
     def attach(self, loaded: LoadedModel, client: ProducerClient) -> None:
         self.codecs = codec_lib.create_codecs(loaded, artifacts=discover(self.config.artifact_paths))
         self.engine = GenerateEngine(loaded, self.executor, client)
         self.planner = TransferPlanner()
+        self.jobs = JobBuilder(self.config, loaded, self.codecs, self.planner, self._tokenize)
         self.loaded = loaded
 
     def _ready(self) -> LoadedModel:
@@ -48,76 +50,18 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             raise Unavailable("consumer model is still loading")
         return self.loaded
 
-    def _ids(self, prompt: consumer_pb2.Prompt, field: str, limit: int, special: bool) -> list[int]:
-        which = prompt.WhichOneof("input")
-        if which is None:
-            raise InvalidArgument(f"{field}: required (text or token_ids)")
-        if which == "text":
-            ids = self.loaded.tokenizer(prompt.text, add_special_tokens=special)["input_ids"]
-        else:
-            ids = list(prompt.token_ids.ids)
-        vocab = self.loaded.info.vocab_size
-        if not 1 <= len(ids) <= limit:
-            raise InvalidArgument(f"{field}: {len(ids)} tokens not in 1..{limit}")
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
-            raise InvalidArgument(f"{field}.token_ids: id {bad} >= vocab_size {vocab}")
-        return ids
-
-    def _transfer(self, spec: common_pb2.CodecSpec) -> tuple[codec_lib.Codec | None, dict[str, str]]:
-        """The codec and resolved options a request names; (None, {}) for LOCAL_MODE (own prefill)."""
-        if spec.name == LOCAL_MODE:
-            if spec.options:
-                raise InvalidArgument(f"transfer.options: mode '{LOCAL_MODE}' takes no options, got {sorted(spec.options)}")
-            return None, {}
-        codec = codec_lib.lookup(self.codecs, spec.name or "raw")
-        return codec, codec.resolve(dict(spec.options))
-
-    def _job(self, request: consumer_pb2.GenerateRequest, request_id: str, timeout_s: float) -> GenerateJob:
-        cfg = self.config
-        context_ids = self._ids(request.context, "context", cfg.max_context_tokens, special=True)
-        question_ids = self._ids(request.question, "question", cfg.max_question_tokens, special=False)
-        max_new = request.max_new_tokens or DEFAULT_NEW_TOKENS
-        if max_new > cfg.max_new_tokens:
-            raise InvalidArgument(f"max_new_tokens: {max_new} > limit {cfg.max_new_tokens}")
-        s = request.sampling
-        if not 0 <= s.temperature <= 10:
-            raise InvalidArgument(f"sampling.temperature: {s.temperature} not in [0, 10]")
-        if not 0 <= s.top_p <= 1:
-            raise InvalidArgument(f"sampling.top_p: {s.top_p} not in [0, 1]")
-        codec, options = self._transfer(request.transfer)
-        fallback = ""
-        if request.fallback_to_oracle and codec is not None:
-            decision = self.planner.decide(codec.name, options, len(context_ids))
-            fallback = decision.reason
-            if decision.local:
-                codec, options = None, {}
-        vocab = self.loaded.info.vocab_size
-        bad = next((t for t in request.stop_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise InvalidArgument(f"stop_token_ids: id {bad} >= vocab_size {vocab}")
-        eos = self.loaded.tokenizer.eos_token_id
-        stop = frozenset(request.stop_token_ids) or (frozenset([eos]) if eos is not None else frozenset())
-        return GenerateJob(
-            request_id=request_id,
-            context_ids=context_ids,
-            question_ids=question_ids,
-            codec=codec,
-            options=options,
-            max_new_tokens=max_new,
-            sampling=Sampling(s.temperature, s.top_p or 1.0, s.seed),
-            stop_ids=stop,
-            deadline=time.monotonic() + timeout_s,
-            fallback=fallback,
-        )
+    async def _tokenize(self, text: str, special: bool) -> list[int]:
+        """Tokenize on its own thread: never on the event loop, never queued behind a decode."""
+        tokenizer = self._ready().tokenizer
+        return await logs.run_in(self.tokenizer_pool, lambda: tokenizer(text, add_special_tokens=special)["input_ids"])
 
     @serving.stream_errors
     async def Generate(self, request, context):
         received = time.perf_counter()
-        request_id = request.request_id or uuid.uuid4().hex
-        with structlog.contextvars.bound_contextvars(request_id=request_id):
+        request_id = serving.request_id(request.request_id)
+        with structlog.contextvars.bound_contextvars(request_id=request_id), self.admission.slot():
             self._ready()
-            job = self._job(request, request_id, serving.remaining_s(context, self.config.default_timeout_s))
+            job = await self.jobs.build(request, request_id, serving.remaining_s(context, self.config.default_timeout_s))
             job.received_at = received
             log.info(
                 "generate.start",
@@ -125,35 +69,38 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
                 context_tokens=len(job.context_ids),
                 question_tokens=len(job.question_ids),
                 deadline_s=context.time_remaining(),
+                on_failure=job.on_failure,
             )
-            async for item in self.engine.run(job):
-                if isinstance(item, TokenOut):
-                    yield consumer_pb2.GenerateResponse(token=consumer_pb2.TokenDelta(ids=item.ids, text=item.text))
-                elif isinstance(item, GenerateResult):
-                    self.planner.observe(
-                        Observation(
-                            item.codec,
-                            job.options,
-                            item.context_tokens,
-                            item.bytes_received,
-                            item.transfer_ms,
-                            item.rebuild_ms,
-                            item.producer_prefill_ms,
-                            item.producer_encode_ms,
-                            item.producer_store_hit,
+            async with contextlib.aclosing(self.engine.run(job)) as items:
+                async for item in items:
+                    if isinstance(item, TokenOut):
+                        yield consumer_pb2.GenerateResponse(token=consumer_pb2.TokenDelta(ids=item.ids, text=item.text))
+                    elif isinstance(item, GenerateResult):
+                        self.planner.observe(
+                            Observation(
+                                item.codec,
+                                item.options if item.transfer_failure else job.options,
+                                item.context_tokens,
+                                item.bytes_received,
+                                item.transfer_ms,
+                                item.rebuild_ms,
+                                item.producer_prefill_ms,
+                                item.producer_encode_ms,
+                                item.producer_store_hit,
+                            )
                         )
-                    )
-                    if job.fallback:
-                        item.options["fallback"] = job.fallback
-                    log.info(
-                        "generate.done",
-                        mode=item.codec,
-                        ttft_ms=round(item.ttft_ms, 2),
-                        tokens=item.generated_tokens,
-                        bytes=item.bytes_received,
-                        total_ms=round(item.total_ms, 2),
-                    )
-                    yield consumer_pb2.GenerateResponse(stats=result_to_pb(item))
+                        if job.fallback:
+                            item.options["fallback"] = job.fallback
+                        log.info(
+                            "generate.done",
+                            mode=item.codec,
+                            ttft_ms=round(item.ttft_ms, 2),
+                            tokens=item.generated_tokens,
+                            bytes=item.bytes_received,
+                            total_ms=round(item.total_ms, 2),
+                            transfer_failure=item.transfer_failure or None,
+                        )
+                        yield consumer_pb2.GenerateResponse(stats=result_to_pb(item))
 
     @serving.unary_errors
     async def Describe(self, request, context):
@@ -167,7 +114,6 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
                 max_question_tokens=cfg.max_question_tokens,
                 max_new_tokens=cfg.max_new_tokens,
             ),
-            producer_target=cfg.producer,
             server_version=shared.__version__,
             api_version=shared.API_VERSION,
             artifacts=describe.artifacts_to_pb(self.codecs),
@@ -193,6 +139,7 @@ def result_to_pb(r: GenerateResult) -> consumer_pb2.GenerateStats:
         producer_prefill_ms=r.producer_prefill_ms,
         producer_encode_ms=r.producer_encode_ms,
         producer_store_hit=r.producer_store_hit,
+        transfer_failure=r.transfer_failure,
     )
 
 
@@ -232,7 +179,8 @@ class ConsumerServer:
         )
 
     async def stop(self, grace_s: float | None = None) -> None:
-        await self.server.drain(self.config.drain_grace_s if grace_s is None else grace_s)
+        await self.server.drain(self.config.drain_grace_s if grace_s is None else grace_s, self.servicer.admission)
         if self.client is not None:
             await self.client.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.servicer.tokenizer_pool.shutdown(wait=False, cancel_futures=True)

@@ -1,11 +1,15 @@
 """The producer's compute: run the prefill and hand out each layer's encoded payloads as soon as
-that layer is done, with backpressure.
+that layer is done.
 
 The forward runs on the producer's compute thread; a hook after every decoder layer encodes the
-layer and puts it on a bounded queue (`queue_depth` layers), blocking the forward while the
-network is behind. Closing the stream early (caller cancelled, deadline passed, error) stops the
-forward at the next layer boundary. Knows nothing about gRPC: the servicer passes a `pack`
-function that turns payloads into whatever it sends.
+layer and hands it to the request's own buffer (an unbounded asyncio queue), never waiting for
+the network: a slow or stalled consumer delays only its own stream, never the forward of any
+other request (no head-of-line blocking on the compute thread). A request's buffer holds at
+most its own encoded stream, so memory is bounded by what the request itself may cost
+(max_context_tokens and its codec) times the admitted requests (max_inflight). Closing the
+stream early (caller cancelled, deadline passed, error) stops the forward at the next layer
+boundary. Knows nothing about gRPC: the servicer passes a `pack` function that turns payloads
+into whatever it sends.
 """
 
 from __future__ import annotations
@@ -52,10 +56,9 @@ class _Failed:
 
 
 class PrefillEngine:
-    def __init__(self, loaded: LoadedModel, executor: concurrent.futures.Executor, queue_depth: int):
+    def __init__(self, loaded: LoadedModel, executor: concurrent.futures.Executor):
         self.loaded = loaded
         self.executor = executor
-        self.queue_depth = queue_depth
 
     async def stream(
         self,
@@ -65,22 +68,14 @@ class PrefillEngine:
     ) -> AsyncIterator[EncodedLayer | PrefillDone]:
         """Yields one EncodedLayer per layer in order, then PrefillDone. Use with aclosing()."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue(maxsize=self.queue_depth)
+        queue: asyncio.Queue = asyncio.Queue()  # this request's buffer; see the module doc for its bound
         closed = threading.Event()
         encode_ms = 0.0
 
         def emit(item: object) -> None:
-            # Blocks the forward while the queue is full; gives up once the stream is closed.
-            future = asyncio.run_coroutine_threadsafe(queue.put(item), loop)
-            while True:
-                if closed.is_set():
-                    future.cancel()
-                    raise PrefillCancelled()
-                try:
-                    future.result(timeout=0.05)
-                    return
-                except concurrent.futures.TimeoutError:
-                    continue
+            if closed.is_set():
+                raise PrefillCancelled()
+            loop.call_soon_threadsafe(queue.put_nowait, item)
 
         def on_layer(state: kv.LayerState) -> None:
             nonlocal encode_ms
@@ -96,8 +91,6 @@ class PrefillEngine:
 
         def work() -> None:
             started = time.perf_counter()
-            ids = torch.tensor([token_ids], device=self.loaded.device)  # [1, T]
-            cache = kv.empty_cache(self.loaded)
             layers_done = 0
 
             def counted(state: kv.LayerState) -> None:
@@ -106,6 +99,10 @@ class PrefillEngine:
                 layers_done += 1
 
             try:
+                if closed.is_set():  # cancelled while queued behind other prefills
+                    raise PrefillCancelled()
+                ids = torch.tensor([token_ids], device=self.loaded.device)  # [1, T]
+                cache = kv.empty_cache(self.loaded)
                 with kv.layer_capture(self.loaded, cache, encoder.captures, counted):
                     kv.prefill_context(self.loaded, ids, cache)
                 total_ms = (time.perf_counter() - started) * 1e3
@@ -114,10 +111,7 @@ class PrefillEngine:
                 log.info("prefill.stopped", layers_done=layers_done, num_layers=self.loaded.info.num_layers)
             except BaseException as exc:
                 if not closed.is_set():
-                    try:
-                        emit(_Failed(exc))
-                    except PrefillCancelled:
-                        pass
+                    loop.call_soon_threadsafe(queue.put_nowait, _Failed(exc))
 
         forward = asyncio.ensure_future(logs.run_in(self.executor, work))
         try:
@@ -129,5 +123,5 @@ class PrefillEngine:
                 if isinstance(item, PrefillDone):
                     return
         finally:
-            closed.set()  # a forward still running stops at its next layer
+            closed.set()  # a forward still running (or still queued) stops at its next layer
             forward.add_done_callback(lambda f: f.exception() if not f.cancelled() else None)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import structlog
@@ -17,7 +16,7 @@ from producer.store import ContextStore, StoredPrefill, store_key
 from shared import codecs as codec_lib
 from shared import describe, logs, serving, wire
 from shared.config import ProducerConfig
-from shared.errors import InvalidArgument, ResourceExhausted, Unavailable
+from shared.errors import InvalidArgument, ServiceError, Unavailable
 from shared.models import LoadedModel, load_model, warm_up
 from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
 from shared.scd.artifact import discover
@@ -34,12 +33,12 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         self.executor = executor
         self.loaded: LoadedModel | None = None
         self.stats = producer_pb2.ProducerStats()
-        self.inflight = 0
+        self.admission = serving.Admission("max_inflight", config.max_inflight)
         self.store = ContextStore(config.store_bytes)
 
     def attach(self, loaded: LoadedModel) -> None:
         self.codecs = codec_lib.create_codecs(loaded, artifacts=discover(self.config.artifact_paths))
-        self.engine = PrefillEngine(loaded, self.executor, self.config.queue_depth)
+        self.engine = PrefillEngine(loaded, self.executor)
         self.loaded = loaded
 
     def _ready(self) -> None:
@@ -58,87 +57,101 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
 
     @serving.stream_errors
     async def Prefill(self, request, context):
+        """Admission, then header, layers, trailer. The whole call is inside one try/finally that
+        returns the slot and counts exactly one outcome: completed, cancelled or failed."""
         started = time.perf_counter()
-        request_id = request.request_id or uuid.uuid4().hex
-        with structlog.contextvars.bound_contextvars(request_id=request_id):
-            self._validate(request)
-            codec = codec_lib.lookup(self.codecs, request.codec.name or "raw")
-            options = codec.resolve(dict(request.codec.options))
-            if self.inflight >= self.config.max_inflight:
-                raise ResourceExhausted(f"prefills in flight: {self.inflight} >= max_inflight {self.config.max_inflight}")
-            encoder = codec.encoder(options, codec_lib.EncodeRequest(len(request.token_ids), request.consumer_weight_digest))
-            self.inflight += 1
+        metadata_id = dict(context.invocation_metadata() or ()).get("x-request-id", "")
+        request_id = serving.request_id(request.request_id or metadata_id)
+        with structlog.contextvars.bound_contextvars(request_id=request_id), self.admission.slot():
             self.stats.prefills_started += 1
-            log.info("prefill.start", tokens=len(request.token_ids), codec=codec.name, deadline_s=context.time_remaining())
-            info = self.loaded.info
-            yield producer_pb2.PrefillResponse(
-                header=producer_pb2.PrefillHeader(
-                    request_id=request_id,
-                    producer=describe.model_to_pb(info),
-                    codec=common_pb2.CodecSpec(name=codec.name, options=options),
-                    codec_format_version=codec.format_version,
-                    num_layers=info.num_layers,
-                    num_tokens=len(request.token_ids),
-                    kv_dtype=info.dtype,
-                    codec_metadata=encoder.metadata(),
-                )
-            )
-            max_chunk = self.config.max_chunk_bytes
-
-            def pack(layer, payloads):
-                return [c for kind, t in payloads.items() for c in wire.payload_to_pb(layer, kind, t, max_chunk)]
-
-            key = store_key(request.token_ids, codec.name, options, encoder.metadata())
-            stored = self.store.get(key)
-            source = (
-                self._replay(stored) if stored else self._record(key, self.engine.stream(list(request.token_ids), encoder, pack))
-            )
-            sent_chunks = sent_payloads = sent_bytes = 0
-            outcome = "failed"
+            outcome, reason = "failed", ""
             try:
-                async with contextlib.aclosing(source) as layers:
-                    async for item in layers:
-                        if isinstance(item, EncodedLayer):
-                            for chunk in item.packed:
-                                yield producer_pb2.PrefillResponse(chunk=chunk)
-                            sent_chunks += len(item.packed)
-                            sent_payloads += len({c.kind for c in item.packed})
-                            sent_bytes += item.payload_bytes
-                        elif isinstance(item, PrefillDone):
-                            total_ms = (time.perf_counter() - started) * 1e3
-                            yield producer_pb2.PrefillResponse(
-                                trailer=producer_pb2.PrefillTrailer(
-                                    payload_bytes=sent_bytes,
-                                    chunk_count=sent_chunks,
-                                    payload_count=sent_payloads,
-                                    prefill_ms=item.prefill_ms,
-                                    encode_ms=item.encode_ms,
-                                    total_ms=total_ms,
-                                    store_hit=stored is not None,
-                                )
-                            )
-                            outcome = "completed"
-                            log.info(
-                                "prefill.done",
-                                bytes=sent_bytes,
-                                chunks=sent_chunks,
-                                prefill_ms=round(item.prefill_ms, 2),
-                                encode_ms=round(item.encode_ms, 2),
-                                total_ms=round(total_ms, 2),
-                            )
-            except asyncio.CancelledError:
+                async with contextlib.aclosing(self._prefill(request, request_id, context, started)) as messages:
+                    async for message in messages:
+                        yield message
+                outcome = "completed"
+            except (asyncio.CancelledError, GeneratorExit):
                 outcome = "cancelled"
                 raise
+            except ServiceError as exc:
+                outcome = "cancelled" if exc.code in ("CANCELLED", "DEADLINE_EXCEEDED") else "failed"
+                reason = f"{exc.code}: {str(exc)[:200]}"
+                raise
+            except Exception as exc:
+                reason = f"{type(exc).__name__}: {str(exc)[:200]}"
+                raise
             finally:
-                self.inflight -= 1
+                if outcome != "completed" and context.cancelled():
+                    outcome = "cancelled"
                 if outcome == "completed":
                     self.stats.prefills_completed += 1
-                    self.stats.store_hits += stored is not None
-                elif outcome == "cancelled" or context.cancelled():
+                elif outcome == "cancelled":
                     self.stats.prefills_cancelled += 1
-                    log.info("prefill.cancelled", bytes_sent=sent_bytes)
+                    log.info("prefill.cancelled", reason=reason or "the caller cancelled or its deadline passed")
                 else:
                     self.stats.prefills_failed += 1
+                    log.warning("prefill.failed", reason=reason)
+
+    async def _prefill(self, request, request_id: str, context, started: float):
+        self._validate(request)
+        codec = codec_lib.lookup(self.codecs, request.codec.name or "raw")
+        options = codec.resolve(dict(request.codec.options))
+        encoder = codec.encoder(options, codec_lib.EncodeRequest(len(request.token_ids), request.consumer_weight_digest))
+        log.info("prefill.start", tokens=len(request.token_ids), codec=codec.name, deadline_s=context.time_remaining())
+        info = self.loaded.info
+        max_chunk = self.config.max_chunk_bytes
+        yield producer_pb2.PrefillResponse(
+            header=producer_pb2.PrefillHeader(
+                request_id=request_id,
+                producer=describe.model_to_pb(info),
+                codec=common_pb2.CodecSpec(name=codec.name, options=options),
+                codec_format_version=codec.format_version,
+                num_layers=info.num_layers,
+                num_tokens=len(request.token_ids),
+                kv_dtype=info.dtype,
+                codec_metadata=encoder.metadata(),
+                max_chunk_bytes=max_chunk,
+            )
+        )
+
+        def pack(layer, payloads):
+            return [c for kind, t in payloads.items() for c in wire.payload_to_pb(layer, kind, t, max_chunk)]
+
+        key = store_key(request.token_ids, codec.name, options, encoder.metadata())
+        stored = self.store.get(key)
+        source = self._replay(stored) if stored else self._record(key, self.engine.stream(list(request.token_ids), encoder, pack))
+        sent_chunks = sent_payloads = sent_bytes = 0
+        async with contextlib.aclosing(source) as layers:
+            async for item in layers:
+                if isinstance(item, EncodedLayer):
+                    for chunk in item.packed:
+                        yield producer_pb2.PrefillResponse(chunk=chunk)
+                    sent_chunks += len(item.packed)
+                    sent_payloads += len({c.kind for c in item.packed})
+                    sent_bytes += item.payload_bytes
+                elif isinstance(item, PrefillDone):
+                    total_ms = (time.perf_counter() - started) * 1e3
+                    yield producer_pb2.PrefillResponse(
+                        trailer=producer_pb2.PrefillTrailer(
+                            payload_bytes=sent_bytes,
+                            chunk_count=sent_chunks,
+                            payload_count=sent_payloads,
+                            prefill_ms=item.prefill_ms,
+                            encode_ms=item.encode_ms,
+                            total_ms=total_ms,
+                            store_hit=stored is not None,
+                        )
+                    )
+                    self.stats.store_hits += stored is not None
+                    log.info(
+                        "prefill.done",
+                        bytes=sent_bytes,
+                        chunks=sent_chunks,
+                        prefill_ms=round(item.prefill_ms, 2),
+                        encode_ms=round(item.encode_ms, 2),
+                        total_ms=round(total_ms, 2),
+                        store_hit=stored is not None,
+                    )
 
     async def _replay(self, stored: StoredPrefill):
         """A store hit: the stored layers, no forward, no encode."""
@@ -207,5 +220,5 @@ class ProducerServer:
         )
 
     async def stop(self, grace_s: float | None = None) -> None:
-        await self.server.drain(self.config.drain_grace_s if grace_s is None else grace_s)
+        await self.server.drain(self.config.drain_grace_s if grace_s is None else grace_s, self.servicer.admission)
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -27,7 +27,7 @@ class ServerConfig:
     dtype: str = "float32"
     device: str = "auto"  # "auto": cuda:0 when present, else cpu
     max_context_tokens: int = 8192
-    drain_grace_s: float = 10.0  # SIGTERM: finish in-flight calls for this long
+    drain_grace_s: float = 30.0  # SIGTERM: admitted calls get this long to finish; new ones get UNAVAILABLE
     log_level: str = "INFO"
     artifacts: str = ""  # comma-separated SCD artifact files or directories
 
@@ -50,7 +50,6 @@ class ServerConfig:
 class ProducerConfig(ServerConfig):
     port: int = 50051
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
-    queue_depth: int = 2  # encoded layers buffered ahead of the network (backpressure)
     max_inflight: int = 8  # concurrent Prefill calls; more get RESOURCE_EXHAUSTED
     store_bytes: int = 1 << 30  # context store budget (encoded streams kept for reuse); 0 disables
 
@@ -60,8 +59,8 @@ class ProducerConfig(ServerConfig):
             raise ValueError(f"max_chunk_bytes: {self.max_chunk_bytes} not in 1024..{DEFAULT_MAX_CHUNK_BYTES}")
         if self.store_bytes < 0:
             raise ValueError(f"store_bytes: {self.store_bytes} must be >= 0")
-        if self.queue_depth < 1 or self.max_inflight < 1:
-            raise ValueError("queue_depth and max_inflight: must be >= 1")
+        if self.max_inflight < 1:
+            raise ValueError("max_inflight: must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -70,12 +69,16 @@ class ConsumerConfig(ServerConfig):
     producer: str = "127.0.0.1:50051"  # producer address, host:port
     max_question_tokens: int = 1024
     max_new_tokens: int = 512
+    max_text_bytes: int = 1 << 20  # context or question text longer than this is refused before tokenizing
+    max_inflight: int = 16  # concurrent Generate calls; more get RESOURCE_EXHAUSTED
     default_timeout_s: float = 120.0  # used when the caller sets no deadline
 
     def validate(self) -> None:
         super().validate()
         if self.max_question_tokens < 1 or self.max_new_tokens < 1:
             raise ValueError("max_question_tokens and max_new_tokens: must be >= 1")
+        if self.max_text_bytes < 1 or self.max_inflight < 1:
+            raise ValueError("max_text_bytes and max_inflight: must be >= 1")
         if self.default_timeout_s <= 0:
             raise ValueError("default_timeout_s: must be > 0")
 

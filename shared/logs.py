@@ -1,6 +1,7 @@
 """structlog JSON logging for both services; `request_id` is bound per request through
 contextvars, so every line logged while serving a request carries it (also from worker threads
-started with `run_in`)."""
+started with `run_in`). Lines are bounded: tracebacks carry no local variables and at most 12
+frames; callers cut peer-controlled strings before logging them."""
 
 import asyncio
 import contextvars
@@ -24,7 +25,10 @@ def configure(service: str, level: str = "INFO") -> None:
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.dict_tracebacks,
+            # tracebacks as bounded dicts: no local variables (peer data, tensors), at most 12 frames
+            structlog.processors.ExceptionRenderer(
+                structlog.tracebacks.ExceptionDictTransformer(show_locals=False, max_frames=12, use_rich=False)
+            ),
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),

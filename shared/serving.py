@@ -9,17 +9,20 @@ SIGTERM/SIGINT draining in-flight calls for a grace period. Owns no model or cod
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 
 import grpc
+import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from shared import logs
-from shared.errors import ServiceError
+from shared.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable
 
 log = logs.get("serving")
 
@@ -35,39 +38,87 @@ def status_code(exc: ServiceError) -> grpc.StatusCode:
     return grpc.StatusCode[exc.code]
 
 
+REQUEST_ID_MAX = 128
+
+
+def request_id(value: str) -> str:
+    """The caller's request id (printable ASCII, at most REQUEST_ID_MAX characters: it travels as
+    gRPC metadata and into logs) or a fresh one; InvalidArgument otherwise."""
+    if not value:
+        return uuid.uuid4().hex
+    if len(value) > REQUEST_ID_MAX or not all(" " <= ch <= "~" for ch in value):
+        raise InvalidArgument(
+            f"request_id: must be 1..{REQUEST_ID_MAX} printable ASCII characters (0x20-0x7E), got {len(value)} characters"
+        )
+    return value
+
+
+class Admission:
+    """A limit on calls in flight, released on every path (a context manager around the whole
+    handler), and closed while draining. `inflight` is what is running now."""
+
+    def __init__(self, limit_name: str, limit: int):
+        self.limit_name, self.limit = limit_name, limit
+        self.inflight = 0
+        self.draining = False
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        if self.draining:
+            raise Unavailable("server is draining; retry on another replica")
+        if self.inflight >= self.limit:
+            raise ResourceExhausted(f"calls in flight: {self.inflight} >= {self.limit_name} {self.limit}")
+        self.inflight += 1
+        self.idle.clear()
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self.idle.set()
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, rpc: str) -> None:
+    """The one place an exception becomes a status: ServiceError -> its code and message;
+    anything else -> INTERNAL "internal error" with the request id, logged once (bounded, no locals)."""
+    if isinstance(exc, ServiceError):
+        log.info("rpc.error", rpc=rpc, code=exc.code, reason=str(exc)[:500])
+        await context.abort(status_code(exc), str(exc)[:2000])
+    rid = structlog.contextvars.get_contextvars().get("request_id", "")
+    log.error("rpc.internal_error", rpc=rpc, error=f"{type(exc).__name__}: {str(exc)[:500]}", exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request_id={rid})")
+
+
 def unary_errors(fn: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
-    """Servicer decorator: ServiceError -> its status; anything else -> INTERNAL, logged."""
+    """Servicer decorator: errors -> status codes (see _abort)."""
 
     @functools.wraps(fn)
     async def wrapper(self, request, context):
         try:
             return await fn(self, request, context)
-        except ServiceError as exc:
-            await context.abort(status_code(exc), str(exc))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:
-            log.exception("rpc.internal_error", rpc=fn.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            await _abort(context, exc, fn.__name__)
 
     return wrapper
 
 
 def stream_errors(fn: Callable[..., AsyncIterator]) -> Callable[..., AsyncIterator]:
-    """The same for server-streaming handlers written as async generators."""
+    """The same for server-streaming handlers written as async generators (closed on every path)."""
 
     @functools.wraps(fn)
     async def wrapper(self, request, context):
         try:
-            async for item in fn(self, request, context):
-                yield item
-        except ServiceError as exc:
-            await context.abort(status_code(exc), str(exc))
+            async with contextlib.aclosing(fn(self, request, context)) as items:
+                async for item in items:
+                    yield item
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:
-            log.exception("rpc.internal_error", rpc=fn.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            await _abort(context, exc, fn.__name__)
 
     return wrapper
 
@@ -103,12 +154,26 @@ class Server:
         for name in ["", *self.service_names]:
             await self.health.set(name, status)
 
-    async def drain(self, grace_s: float) -> None:
-        """NOT_SERVING, refuse new calls, let in-flight ones finish for grace_s, then stop."""
+    async def drain(self, grace_s: float, admission: Admission | None = None) -> None:
+        """NOT_SERVING; refuse new work (UNAVAILABLE); let the admitted calls finish for up to
+        grace_s, then stop, cancelling what is left (health watches included, so an open Watch
+        never holds the process once the work is done)."""
         started = time.perf_counter()
         await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.server.stop(grace_s)
-        log.info("server.drained", grace_s=grace_s, took_s=round(time.perf_counter() - started, 3))
+        inflight = 0
+        if admission is not None:
+            admission.draining = True
+            inflight = admission.inflight
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(admission.idle.wait(), grace_s)
+        await self.server.stop(0 if admission is not None else grace_s)
+        log.info(
+            "server.drained",
+            grace_s=grace_s,
+            inflight_at_start=inflight,
+            unfinished=admission.inflight if admission else None,
+            took_s=round(time.perf_counter() - started, 3),
+        )
 
 
 def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:

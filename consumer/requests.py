@@ -1,0 +1,127 @@
+"""From a GenerateRequest to a validated GenerateJob: every client-controlled field checked against
+its limit before any work that field could make expensive (text length before tokenizing;
+tokenizing off the event loop, on its own thread), errors naming the field and the limit.
+
+Knows nothing about grpc beyond reading the request message.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Mapping
+
+from consumer.decoding import Sampling
+from consumer.engine import FAIL, LOCAL_MODE, LOCAL_PREFILL, GenerateJob
+from consumer.planner import TransferPlanner
+from shared import codecs as codec_lib
+from shared.config import ConsumerConfig
+from shared.errors import InvalidArgument
+from shared.models import LoadedModel
+from shared.pb import common_pb2, consumer_pb2
+
+DEFAULT_NEW_TOKENS = 32
+POLICIES = {
+    consumer_pb2.TRANSFER_FAILURE_POLICY_UNSPECIFIED: FAIL,
+    consumer_pb2.TRANSFER_FAILURE_POLICY_FAIL: FAIL,
+    consumer_pb2.TRANSFER_FAILURE_POLICY_LOCAL_PREFILL: LOCAL_PREFILL,
+}
+MIN_TRANSFER_SHARE = 0.2  # LOCAL_PREFILL never leaves the transfer less than this share of the deadline
+
+Tokenize = Callable[[str, bool], Awaitable[list[int]]]
+
+
+def transfer_codec(
+    codecs: Mapping[str, codec_lib.Codec], spec: common_pb2.CodecSpec
+) -> tuple[codec_lib.Codec | None, dict[str, str]]:
+    """The codec and resolved options a request names; (None, {}) for the consumer's own prefill."""
+    if spec.name == LOCAL_MODE:
+        if spec.options:
+            raise InvalidArgument(f"transfer.options: mode '{LOCAL_MODE}' takes no options, got {sorted(spec.options)[:8]}")
+        return None, {}
+    codec = codec_lib.lookup(codecs, spec.name or "raw")
+    return codec, codec.resolve(dict(spec.options))
+
+
+def transfer_budget_s(planner: TransferPlanner, context_tokens: int, left_s: float) -> float:
+    """LOCAL_PREFILL: how long the transfer may take and still leave time for the consumer's own
+    prefill (twice its running estimate, or half the deadline before it has one)."""
+    per_token = planner.local_ms_per_token.value
+    reserve = left_s / 2 if per_token is None else 2 * per_token * context_tokens / 1e3 + 0.25
+    return max(left_s - reserve, MIN_TRANSFER_SHARE * left_s)
+
+
+class JobBuilder:
+    def __init__(
+        self,
+        config: ConsumerConfig,
+        loaded: LoadedModel,
+        codecs: Mapping[str, codec_lib.Codec],
+        planner: TransferPlanner,
+        tokenize: Tokenize,
+    ):
+        self.config, self.loaded, self.codecs, self.planner, self.tokenize = config, loaded, codecs, planner, tokenize
+
+    async def _ids(self, prompt: consumer_pb2.Prompt, field: str, limit: int, special: bool) -> list[int]:
+        which = prompt.WhichOneof("input")
+        if which is None:
+            raise InvalidArgument(f"{field}: required (text or token_ids)")
+        if which == "text":
+            size = len(prompt.text.encode("utf-8", "surrogatepass"))
+            if size > self.config.max_text_bytes:
+                raise InvalidArgument(f"{field}.text: {size} bytes > limit max_text_bytes {self.config.max_text_bytes}")
+            ids = await self.tokenize(prompt.text, special)
+        else:
+            ids = list(prompt.token_ids.ids)
+        if not 1 <= len(ids) <= limit:
+            raise InvalidArgument(f"{field}: {len(ids)} tokens not in 1..{limit}")
+        vocab = self.loaded.info.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise InvalidArgument(f"{field}.token_ids: id {bad} >= vocab_size {vocab}")
+        return ids
+
+    async def build(self, request: consumer_pb2.GenerateRequest, request_id: str, timeout_s: float) -> GenerateJob:
+        cfg = self.config
+        # cheap checks first: a request that fails them costs no tokenization
+        max_new = request.max_new_tokens or DEFAULT_NEW_TOKENS
+        if max_new > cfg.max_new_tokens:
+            raise InvalidArgument(f"max_new_tokens: {max_new} > limit {cfg.max_new_tokens}")
+        s = request.sampling
+        if not 0 <= s.temperature <= 10:
+            raise InvalidArgument(f"sampling.temperature: {s.temperature} not in [0, 10]")
+        if not 0 <= s.top_p <= 1:
+            raise InvalidArgument(f"sampling.top_p: {s.top_p} not in [0, 1]")
+        if request.on_transfer_failure not in POLICIES:
+            raise InvalidArgument(f"on_transfer_failure: unknown value {request.on_transfer_failure}")
+        vocab = self.loaded.info.vocab_size
+        if len(request.stop_token_ids) > 64:
+            raise InvalidArgument(f"stop_token_ids: {len(request.stop_token_ids)} ids > limit 64")
+        bad = next((t for t in request.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise InvalidArgument(f"stop_token_ids: id {bad} >= vocab_size {vocab}")
+        codec, options = transfer_codec(self.codecs, request.transfer)
+        context_ids = await self._ids(request.context, "context", cfg.max_context_tokens, special=True)
+        question_ids = await self._ids(request.question, "question", cfg.max_question_tokens, special=False)
+        fallback = ""
+        if request.fallback_to_oracle and codec is not None:
+            decision = self.planner.decide(codec.name, options, len(context_ids))
+            fallback = decision.reason
+            if decision.local:
+                codec, options = None, {}
+        policy = POLICIES[request.on_transfer_failure]
+        eos = self.loaded.tokenizer.eos_token_id
+        stop = frozenset(request.stop_token_ids) or (frozenset([eos]) if eos is not None else frozenset())
+        return GenerateJob(
+            request_id=request_id,
+            context_ids=context_ids,
+            question_ids=question_ids,
+            codec=codec,
+            options=options,
+            max_new_tokens=max_new,
+            sampling=Sampling(s.temperature, s.top_p or 1.0, s.seed),
+            stop_ids=stop,
+            deadline=time.monotonic() + timeout_s,
+            fallback=fallback,
+            on_failure=policy,
+            transfer_budget_s=transfer_budget_s(self.planner, len(context_ids), timeout_s) if policy == LOCAL_PREFILL else None,
+        )
