@@ -1,12 +1,12 @@
 """A small async client of the consumer service, for orchestrators, the demo, benchmarks and
-tests: one `generate` call collected into an `Answer`."""
+tests: one `generate` call collected into an `Answer`. TLS when given a CA (a client
+certificate too under mTLS), a bearer token on every call when given one."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import grpc
-
+from shared import security
 from shared.pb import common_pb2, consumer_pb2, consumer_pb2_grpc
 
 
@@ -24,8 +24,11 @@ def prompt(text: str | None = None, ids: list[int] | None = None) -> consumer_pb
 
 
 class ConsumerClient:
-    def __init__(self, address: str):
-        self.channel = grpc.aio.insecure_channel(address)
+    def __init__(
+        self, address: str, token: str = "", tls_ca: str = "", tls_cert: str = "", tls_key: str = "", options: list | None = None
+    ):
+        credentials = security.channel_credentials(tls_ca, tls_cert, tls_key)
+        self.channel = security.aio_channel(address, options or (), credentials, token)
         self.stub = consumer_pb2_grpc.ConsumerServiceStub(self.channel)
 
     async def __aenter__(self) -> ConsumerClient:

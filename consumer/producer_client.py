@@ -1,5 +1,12 @@
 """gRPC client of the producer's Prefill stream: the consumer's `TransferSource`.
 
+The channel (`ProducerClient.from_config`) takes any gRPC target (`host:port`,
+`dns:///producer:50051`, `ipv4:10.0.0.1:50051,10.0.0.2:50051`) and leaves the choice of producer
+to gRPC's own load balancing: `ring_hash` keyed by the `x-context-hash` header (sha256 of the
+context token ids), so one context always lands on the same producer and its context store
+hits survive scale-out, or `round_robin` / `pick_first`. TLS / mTLS and a bearer token come
+from shared.security; keepalive pings find a dead producer between calls.
+
 Feeds every message to a `StreamReader` (the stream contract, consumer.stream_reader) and yields
 its events; maps the producer's statuses to the consumer's documented ones, without the
 producer's address. The channel's service config retries UNAVAILABLE and RESOURCE_EXHAUSTED
@@ -8,17 +15,25 @@ before the first response (gRPC's own retry policy: nothing was received, so it 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from collections.abc import AsyncIterator
 
 import grpc
 
 from consumer.stream_reader import Event, Expectation, StreamReader
+from shared import security
 from shared.errors import Cancelled, DataLoss, DeadlineExceeded, FailedPrecondition, ServiceError, Unavailable
 from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
 from shared.serving import GRPC_OPTIONS
 
+# gRPC reads this once, when it initializes: without it ring_hash ignores requestHashHeader and
+# picks a random producer per call. Set here, at import, before any channel exists.
+os.environ.setdefault("GRPC_EXPERIMENTAL_RING_HASH_SET_REQUEST_HASH_KEY", "true")
+
 SERVICE = "scd.v1.ProducerService"
+HASH_HEADER = "x-context-hash"
 RETRY_CONFIG = {
     "methodConfig": [
         {
@@ -53,13 +68,46 @@ def upstream_error(exc: grpc.aio.AioRpcError) -> ServiceError:
     return cls(f"{what} ({exc.code().name}): {details}")
 
 
+def context_hash(token_ids) -> str:
+    """The ring_hash key of a context: sha256 of its token ids (hex)."""
+    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()
+
+
+def service_config(lb: str = "ring_hash") -> dict:
+    """The channel's service config: load-balancing policy plus the retry policy."""
+    policy = {"ring_hash_experimental": {"requestHashHeader": HASH_HEADER}} if lb == "ring_hash" else {lb: {}}
+    return {"loadBalancingConfig": [policy], **RETRY_CONFIG}
+
+
+def channel_options(lb: str = "ring_hash", keepalive_s: float = 30.0, server_name: str = "") -> list[tuple[str, object]]:
+    options = [
+        *GRPC_OPTIONS,
+        ("grpc.service_config", json.dumps(service_config(lb))),
+        ("grpc.enable_retries", 1),
+        ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    return options
+
+
 class ProducerClient:
     def __init__(self, target: str, consumer_digest: str = "", channel: grpc.aio.Channel | None = None):
         self.target = target
         self.consumer_digest = consumer_digest
-        options = [*GRPC_OPTIONS, ("grpc.service_config", json.dumps(RETRY_CONFIG)), ("grpc.enable_retries", 1)]
-        self.channel = channel or grpc.aio.insecure_channel(target, options=options)
+        self.channel = channel or grpc.aio.insecure_channel(target, options=channel_options())
         self.stub = producer_pb2_grpc.ProducerServiceStub(self.channel)
+
+    @classmethod
+    def from_config(cls, cfg, consumer_digest: str = "") -> ProducerClient:
+        """The channel a ConsumerConfig describes: target, balancing, TLS/mTLS, token, keepalive."""
+        credentials = security.channel_credentials(cfg.producer_tls_ca, cfg.producer_tls_cert, cfg.producer_tls_key)
+        token = security.load_token(cfg.producer_token, cfg.producer_token_file)
+        options = channel_options(cfg.producer_lb, cfg.keepalive_s, cfg.producer_tls_server_name)
+        return cls(cfg.producer, consumer_digest, security.aio_channel(cfg.producer, options, credentials, token))
 
     async def close(self) -> None:
         await self.channel.close()
@@ -72,7 +120,7 @@ class ProducerClient:
             consumer_weight_digest=self.consumer_digest,
         )
         reader = StreamReader(expect)
-        call = self.stub.Prefill(request, timeout=timeout_s, metadata=(("x-request-id", request_id),))
+        call = self.stub.Prefill(request, timeout=timeout_s, metadata=(("x-request-id", request_id), (HASH_HEADER, context_hash(context_ids))))
         try:
             async for message in call:
                 for event in reader.feed(message):

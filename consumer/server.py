@@ -91,6 +91,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
                         )
                         if job.fallback:
                             item.options["fallback"] = job.fallback
+                        self.metrics.observe_generate(item)
                         log.info(
                             "generate.done",
                             mode=item.codec,
@@ -148,9 +149,11 @@ class ConsumerServer:
 
     def __init__(self, config: ConsumerConfig):
         self.config = config
-        self.server = serving.Server([SERVICE_NAME], config.host, config.port)
+        self.server = serving.Server([SERVICE_NAME], config)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="consumer-compute")
         self.servicer = ConsumerServicer(config, self.executor)
+        self.servicer.metrics = self.server.metrics
+        self.server.watch(admission=self.servicer.admission, compute=self.executor)
         consumer_pb2_grpc.add_ConsumerServiceServicer_to_server(self.servicer, self.server.server)
         self.client: ProducerClient | None = None
 
@@ -167,7 +170,7 @@ class ConsumerServer:
         if loaded is None:
             loaded = await logs.run_in(self.executor, load_model, cfg.model, cfg.dtype, cfg.device)
         await logs.run_in(self.executor, warm_up, loaded)
-        self.client = ProducerClient(cfg.producer, loaded.info.weight_digest)
+        self.client = ProducerClient.from_config(cfg, loaded.info.weight_digest)
         self.servicer.attach(loaded, self.client)
         await self.server.serving()
         log.info(

@@ -191,9 +191,10 @@ class ProducerServer:
 
     def __init__(self, config: ProducerConfig):
         self.config = config
-        self.server = serving.Server([SERVICE_NAME], config.host, config.port)
+        self.server = serving.Server([SERVICE_NAME], config)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="producer-compute")
         self.servicer = ProducerServicer(config, self.executor)
+        self.server.watch(admission=self.servicer.admission, store=self.servicer.store, compute=self.executor)
         producer_pb2_grpc.add_ProducerServiceServicer_to_server(self.servicer, self.server.server)
 
     @property

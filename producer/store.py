@@ -33,11 +33,15 @@ class ContextStore:
         self.budget_bytes = budget_bytes
         self.entries: OrderedDict[str, StoredPrefill] = OrderedDict()
         self.nbytes = 0
+        self.hits = self.misses = self.evictions = 0  # lookups and evictions so far (metrics)
 
     def get(self, key: str) -> StoredPrefill | None:
         entry = self.entries.get(key)
         if entry is not None:
             self.entries.move_to_end(key)
+            self.hits += 1
+        else:
+            self.misses += 1
         return entry
 
     def put(self, key: str, entry: StoredPrefill) -> bool:
@@ -49,6 +53,7 @@ class ContextStore:
         while self.nbytes + entry.nbytes > self.budget_bytes:
             _, evicted = self.entries.popitem(last=False)
             self.nbytes -= evicted.nbytes
+            self.evictions += 1
         self.entries[key] = entry
         self.nbytes += entry.nbytes
         return True

@@ -2,6 +2,8 @@
 
 Every field can be set by a command-line flag (`--max-chunk-bytes`) or an environment variable
 (`SCD_PRODUCER_MAX_CHUNK_BYTES`); a flag wins over the environment, which wins over the default.
+Booleans read 1/true/yes/on and 0/false/no/off (`--reflection` alone means true). Secrets (the
+bearer tokens) are best given by file (`--token-file`) or environment, never on a command line.
 """
 
 from __future__ import annotations
@@ -10,13 +12,25 @@ import argparse
 import dataclasses
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TypeVar
 
 from shared.models import DTYPES
 from shared.wire import DEFAULT_MAX_CHUNK_BYTES
 
 C = TypeVar("C")
+LB_POLICIES = ("ring_hash", "round_robin", "pick_first")
+
+
+def parse_bool(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = value.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
 
 
 @dataclass(frozen=True)
@@ -30,6 +44,19 @@ class ServerConfig:
     drain_grace_s: float = 30.0  # SIGTERM: admitted calls get this long to finish; new ones get UNAVAILABLE
     log_level: str = "INFO"
     artifacts: str = ""  # comma-separated SCD artifact files or directories
+    # transport security and caller authentication (shared.security)
+    tls_cert: str = ""  # PEM server certificate chain; with tls_key the API port speaks TLS
+    tls_key: str = ""  # PEM private key of tls_cert
+    tls_client_ca: str = ""  # PEM CA bundle that signs client certificates (mTLS)
+    require_client_cert: bool = True  # with tls_client_ca: refuse a client without a certificate from it
+    token_file: str = ""  # file holding the bearer token callers must send (health exempt)
+    token: str = field(default="", repr=False)  # the token itself (prefer the env var or token_file)
+    reflection: bool = False  # gRPC server reflection (v1 and v1alpha)
+    # side ports: -1 off, 0 any free port (tests)
+    health_port: int = -1  # plaintext port serving only grpc.health.v1 (kubelet gRPC probes)
+    metrics_port: int = -1  # Prometheus text exposition over HTTP (shared.metrics)
+    liveness_interval_s: float = 5.0  # heartbeat period: a no-op submitted to the compute thread
+    liveness_timeout_s: float = 30.0  # heartbeat bound: longer and health service "liveness" is NOT_SERVING
 
     @property
     def artifact_paths(self) -> list[str]:
@@ -44,6 +71,15 @@ class ServerConfig:
             raise ValueError("max_context_tokens: must be >= 1")
         if self.drain_grace_s < 0:
             raise ValueError("drain_grace_s: must be >= 0")
+        for name in ("health_port", "metrics_port"):
+            if not -1 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name}: {getattr(self, name)} not in -1..65535 (-1 off, 0 any free port)")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key: set both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca: needs tls_cert and tls_key (mTLS is TLS with client certificates)")
+        if self.liveness_interval_s <= 0 or self.liveness_timeout_s <= 0:
+            raise ValueError("liveness_interval_s and liveness_timeout_s: must be > 0")
 
 
 @dataclass(frozen=True)
@@ -66,7 +102,15 @@ class ProducerConfig(ServerConfig):
 @dataclass(frozen=True)
 class ConsumerConfig(ServerConfig):
     port: int = 50052
-    producer: str = "127.0.0.1:50051"  # producer address, host:port
+    producer: str = "127.0.0.1:50051"  # any gRPC target: host:port, dns:///producer:50051, ipv4:a:p,b:p
+    producer_lb: str = "ring_hash"  # ring_hash (context affinity by x-context-hash) | round_robin | pick_first
+    producer_tls_ca: str = ""  # PEM CA that signs the producers' certificates; set: the channel uses TLS
+    producer_tls_cert: str = ""  # PEM client certificate for mTLS to the producers
+    producer_tls_key: str = ""  # PEM private key of producer_tls_cert
+    producer_tls_server_name: str = ""  # expected name in the producer certificate when it differs from the target's
+    producer_token_file: str = ""  # bearer token sent to the producers
+    producer_token: str = field(default="", repr=False)
+    keepalive_s: float = 30.0  # channel keepalive ping period to the producers
     max_question_tokens: int = 1024
     max_new_tokens: int = 512
     max_text_bytes: int = 1 << 20  # context or question text longer than this is refused before tokenizing
@@ -81,6 +125,14 @@ class ConsumerConfig(ServerConfig):
             raise ValueError("max_text_bytes and max_inflight: must be >= 1")
         if self.default_timeout_s <= 0:
             raise ValueError("default_timeout_s: must be > 0")
+        if self.producer_lb not in LB_POLICIES:
+            raise ValueError(f"producer_lb: {self.producer_lb!r} not in {LB_POLICIES}")
+        if bool(self.producer_tls_cert) != bool(self.producer_tls_key):
+            raise ValueError("producer_tls_cert and producer_tls_key: set both or neither")
+        if self.producer_tls_cert and not self.producer_tls_ca:
+            raise ValueError("producer_tls_cert: needs producer_tls_ca (the client certificate rides on a TLS channel)")
+        if self.keepalive_s <= 0:
+            raise ValueError("keepalive_s: must be > 0")
 
 
 def load(cls: type[C], service: str, argv: Sequence[str] | None = None, env: dict | None = None) -> C:
@@ -90,11 +142,14 @@ def load(cls: type[C], service: str, argv: Sequence[str] | None = None, env: dic
     for f in fields(cls):
         var = f"SCD_{service.upper()}_{f.name.upper()}"
         default = env.get(var, f.default)
+        kind = parse_bool if isinstance(f.default, bool) else type(f.default)
         parser.add_argument(
             f"--{f.name.replace('_', '-')}",
-            type=type(f.default),
-            default=type(f.default)(default),
-            help=f"(env {var}, default {f.default!r})",
+            type=kind,
+            default=kind(default),
+            nargs="?" if kind is parse_bool else None,
+            const=True if kind is parse_bool else None,
+            help=f"(env {var}, default {'***' if not f.repr else repr(f.default)})",
         )
     config = cls(**vars(parser.parse_args(argv)))
     config.validate()

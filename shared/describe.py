@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 
 from shared.codecs import Codec
@@ -10,8 +11,19 @@ from shared.models import ModelInfo
 from shared.pb import common_pb2
 
 
+def public_model_id(model_id: str) -> str:
+    """A hub id or builtin name as it is; a local path as its last component (callers never
+    see the server's filesystem)."""
+    path = model_id.rstrip("/")
+    if os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path):
+        return os.path.basename(path) or model_id
+    return model_id
+
+
 def model_to_pb(info: ModelInfo) -> common_pb2.ModelInfo:
-    return common_pb2.ModelInfo(**dataclasses.asdict(info))
+    fields = dataclasses.asdict(info)
+    fields["model_id"] = public_model_id(info.model_id)
+    return common_pb2.ModelInfo(**fields)
 
 
 def codecs_to_pb(codecs: Mapping[str, Codec]) -> list[common_pb2.CodecInfo]:
@@ -34,9 +46,9 @@ def artifacts_to_pb(codecs: Mapping[str, Codec]) -> list[common_pb2.ArtifactInfo
             common_pb2.ArtifactInfo(
                 artifact_id=art.artifact_id,
                 format_version=art.meta["format_version"],
-                producer_model_id=art.meta["producer"]["model_id"],
+                producer_model_id=public_model_id(art.meta["producer"]["model_id"]),
                 producer_weight_digest=art.meta["producer"]["weight_digest"],
-                consumer_model_id=art.meta["consumer"]["model_id"],
+                consumer_model_id=public_model_id(art.meta["consumer"]["model_id"]),
                 consumer_weight_digest=art.meta["consumer"]["weight_digest"],
                 schedules=[
                     common_pb2.ScheduleInfo(

@@ -1,9 +1,15 @@
 """gRPC server lifecycle shared by both services.
 
-Owns: the grpc.aio server with the health service (NOT_SERVING until the model is loaded and
-warmed, SERVING after, NOT_SERVING while draining) and server reflection; mapping
-`shared.errors` to status codes for servicer methods; running a service under uvloop with
-SIGTERM/SIGINT draining in-flight calls for a grace period. Owns no model or codec logic.
+Owns: the grpc.aio server with TLS / mTLS and bearer-token auth (shared.security), the metrics
+interceptor and endpoint (shared.metrics), the health service, optional server reflection (v1
+and v1alpha), an optional plaintext health-only port for kubelet probes; mapping `shared.errors`
+to status codes for servicer methods; running a service under uvloop with SIGTERM/SIGINT
+draining in-flight calls for a grace period. Owns no model or codec logic.
+
+Health: readiness is the overall service "" and each API service name (NOT_SERVING until the
+model is loaded and warmed, SERVING after, NOT_SERVING while draining or when `not_ready` says
+why); liveness is the service "liveness", SERVING while the compute thread answers a heartbeat
+(a no-op submitted every `liveness_interval_s`) within `liveness_timeout_s`.
 """
 
 from __future__ import annotations
@@ -11,18 +17,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import re
 import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import Executor
 
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from shared import logs
+from shared import logs, security
+from shared.config import ServerConfig
 from shared.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable
+from shared.metrics import Metrics
 
 log = logs.get("serving")
 
@@ -31,6 +41,13 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 8 << 20),
     ("grpc.max_receive_message_length", 8 << 20),
     ("grpc.so_reuseport", 0),
+]
+# servers also accept the consumers' keepalive pings (every >= 10 s, idle connections included)
+SERVER_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 
@@ -60,6 +77,7 @@ class Admission:
     def __init__(self, limit_name: str, limit: int):
         self.limit_name, self.limit = limit_name, limit
         self.inflight = 0
+        self.rejected = {"limit": 0, "draining": 0}  # refusals by reason (shared.metrics reads them)
         self.draining = False
         self.idle = asyncio.Event()
         self.idle.set()
@@ -67,8 +85,10 @@ class Admission:
     @contextlib.contextmanager
     def slot(self) -> Iterator[None]:
         if self.draining:
+            self.rejected["draining"] += 1
             raise Unavailable("server is draining; retry on another replica")
         if self.inflight >= self.limit:
+            self.rejected["limit"] += 1
             raise ResourceExhausted(f"calls in flight: {self.inflight} >= {self.limit_name} {self.limit}")
         self.inflight += 1
         self.idle.clear()
@@ -80,12 +100,23 @@ class Admission:
                 self.idle.set()
 
 
+# an absolute path's directories ("/models/checkpoints/qa-base" -> "qa-base"); "5/26" and
+# "dns:///host:port" are left alone
+_PATH_DIRS = re.compile(r"(?<![\w.:/])(?:/[^\s/'\"(),]+)+/(?=[^\s/'\"(),]+)")
+
+
+def public_text(text: str) -> str:
+    """`text` without filesystem directories: what a caller may see in a status message."""
+    return _PATH_DIRS.sub("", text)
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, rpc: str) -> None:
-    """The one place an exception becomes a status: ServiceError -> its code and message;
-    anything else -> INTERNAL "internal error" with the request id, logged once (bounded, no locals)."""
+    """The one place an exception becomes a status: ServiceError -> its code and message (without
+    filesystem directories); anything else -> INTERNAL "internal error" with the request id,
+    logged once (bounded, no locals)."""
     if isinstance(exc, ServiceError):
         log.info("rpc.error", rpc=rpc, code=exc.code, reason=str(exc)[:500])
-        await context.abort(status_code(exc), str(exc)[:2000])
+        await context.abort(status_code(exc), public_text(str(exc)[:2000]))
     rid = structlog.contextvars.get_contextvars().get("request_id", "")
     log.error("rpc.internal_error", rpc=rpc, error=f"{type(exc).__name__}: {str(exc)[:500]}", exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request_id={rid})")
@@ -129,26 +160,129 @@ def remaining_s(context: grpc.aio.ServicerContext, default: float) -> float:
     return default if left is None else left
 
 
-class Server:
-    """A grpc.aio server whose port is bound before the model loads, so health can say so."""
+LIVENESS = "liveness"  # health service name of the compute-thread heartbeat
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
-    def __init__(self, service_names: Sequence[str], host: str, port: int):
+
+def _noop() -> None:
+    return None
+
+
+class Server:
+    """A grpc.aio server whose port is bound before the model loads, so health can say so.
+
+    From `config`: TLS (tls_cert/tls_key, client certificates with tls_client_ca), a bearer
+    token (token/token_file; health exempt), reflection, the health-only plaintext port and the
+    metrics port. `metrics` is this server's own registry."""
+
+    def __init__(self, service_names: Sequence[str], config: ServerConfig):
         self.service_names = list(service_names)
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.config = config
+        self.metrics = Metrics(self.service_names[0] if self.service_names else "scd")
+        interceptors: list[grpc.aio.ServerInterceptor] = [self.metrics.interceptor()]
+        token = security.load_token(config.token, config.token_file)
+        if token:
+            interceptors.append(security.BearerTokenAuth(token))
+        self.auth = "token" if token else "none"
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection([*self.service_names, reflection.SERVICE_NAME, health.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if config.reflection:
+            self._enable_reflection()
+        credentials = security.server_credentials(
+            config.tls_cert, config.tls_key, config.tls_client_ca, config.require_client_cert
+        )
+        self.tls = "none" if credentials is None else ("mtls" if config.tls_client_ca else "tls")
+        bind = f"{config.host}:{config.port}"
+        self.port = self.server.add_insecure_port(bind) if credentials is None else self.server.add_secure_port(bind, credentials)
         if self.port == 0:
-            raise OSError(f"could not bind {host}:{port}")
-        self.address = f"{host}:{self.port}"
+            raise OSError(f"could not bind {bind}")
+        self.address = f"{config.host}:{self.port}"
+        # plaintext health-only server for probes that cannot speak TLS (the kubelet's)
+        self.health_server: grpc.aio.Server | None = None
+        self.health_port = -1
+        if config.health_port >= 0:
+            self.health_server = grpc.aio.server(options=GRPC_OPTIONS)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(f"{config.host}:{config.health_port}")
+        self.metrics_port = -1
+        self.compute: Executor | None = None
+        self._liveness_task: asyncio.Task | None = None
+        self.alive = True
+        self.not_ready: str = ""  # why readiness is NOT_SERVING though the model is loaded
+
+    def _enable_reflection(self) -> None:
+        """Reflection under both v1alpha and v1 (their messages are the same on the wire)."""
+        names = [*self.service_names, reflection.SERVICE_NAME, REFLECTION_V1, health.SERVICE_NAME]
+        servicer = reflection.aio.ReflectionServicer(names)
+        handlers = {
+            "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                servicer.ServerReflectionInfo,
+                request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+            )
+        }
+        for name in (reflection.SERVICE_NAME, REFLECTION_V1):
+            self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+
+    def watch(self, admission: Admission | None = None, store=None, compute: Executor | None = None) -> None:
+        """Metrics of `admission` and the producer's context `store`; liveness of `compute`."""
+        if admission is not None:
+            self.metrics.watch_admission(admission)
+        if store is not None:
+            self.metrics.watch_store(store)
+        self.compute = compute
 
     async def start(self) -> None:
         await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
+        if self.config.metrics_port >= 0:
+            self.metrics_port = self.metrics.serve(self.config.metrics_port, self.config.host)
+        log.info(
+            "server.security",
+            tls=self.tls,
+            auth=self.auth,
+            reflection=self.config.reflection,
+            health_port=self.health_port,
+            metrics_port=self.metrics_port,
+        )
 
     async def serving(self) -> None:
-        await self._set(health_pb2.HealthCheckResponse.SERVING)
+        """Ready (unless `not_ready` says why not); the liveness heartbeat starts."""
+        if self.not_ready:
+            log.warning("server.not_ready", reason=self.not_ready)
+        await self._set(health_pb2.HealthCheckResponse.NOT_SERVING if self.not_ready else health_pb2.HealthCheckResponse.SERVING)
+        if self.compute is not None and self._liveness_task is None:
+            self._liveness_task = asyncio.create_task(self._liveness(self.compute))
+
+    async def _liveness(self, executor: Executor) -> None:
+        """Every liveness_interval_s a no-op goes to the compute thread; no answer within
+        liveness_timeout_s: "liveness" NOT_SERVING until it answers."""
+        cfg = self.config
+        while True:
+            try:
+                answered = asyncio.wrap_future(executor.submit(_noop))
+            except RuntimeError:  # executor shut down
+                return
+            sent = time.perf_counter()
+            try:
+                await asyncio.wait_for(asyncio.shield(answered), cfg.liveness_timeout_s)
+            except TimeoutError:
+                self.alive = False
+                await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.NOT_SERVING)
+                log.error("server.compute_stalled", waited_s=cfg.liveness_timeout_s)
+                with contextlib.suppress(Exception):
+                    await answered
+                log.warning("server.compute_recovered", took_s=round(time.perf_counter() - sent, 3))
+            except Exception:
+                return
+            if not self.alive:
+                self.alive = True
+                await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+            await asyncio.sleep(cfg.liveness_interval_s)
 
     async def _set(self, status) -> None:
         for name in ["", *self.service_names]:
@@ -166,7 +300,14 @@ class Server:
             inflight = admission.inflight
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(admission.idle.wait(), grace_s)
+        if self._liveness_task is not None:
+            self._liveness_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._liveness_task
         await self.server.stop(0 if admission is not None else grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
+        self.metrics.stop()
         log.info(
             "server.drained",
             grace_s=grace_s,

@@ -1,0 +1,212 @@
+"""Prometheus metrics of one service, on their own HTTP port (`--metrics-port`).
+
+Owns: a per-server `CollectorRegistry` (two servers in one process never collide), the gRPC
+server interceptor that counts RPCs by method and status and times them, collectors that read
+plain counters kept elsewhere at scrape time (Admission, the producer's context store), and the
+consumer's per-request histograms from a finished Generate. The modules it reads stay free of
+prometheus: they keep ints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from collections.abc import Callable, Iterable
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 2))  # 1 KiB .. 8 GiB
+# statuses that mean a transfer broke the stream contract (checksum, schema, order, format)
+CONTRACT_CODES = ("DATA_LOSS", "FAILED_PRECONDITION")
+GENERATE_STAGES = ("ttft", "transfer", "rebuild", "question_prefill", "decode")
+
+
+class _Callback(Collector):
+    """Metric families computed at scrape time by a function (plain ints read from elsewhere)."""
+
+    def __init__(self, fn: Callable[[], Iterable]):
+        self.fn = fn
+
+    def collect(self):
+        yield from self.fn()
+
+
+class Metrics:
+    def __init__(self, service: str):
+        self.service = service
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.rpcs = Counter("scd_rpc", "gRPC calls finished, by method and status code", ["method", "code"], registry=r)
+        self.rpc_seconds = Histogram(
+            "scd_rpc_duration_seconds",
+            "gRPC call duration (streams: until the last message)",
+            ["method"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.contract = Counter(
+            "scd_stream_contract_violations", "calls ended with a stream-contract status, by code", ["method", "code"], registry=r
+        )
+        self.generate_seconds = Histogram(
+            "scd_generate_stage_seconds",
+            "consumer Generate stage times by transfer mode (stage: " + ", ".join(GENERATE_STAGES) + ")",
+            ["stage", "mode"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.generate_bytes = Counter(
+            "scd_transfer_bytes", "payload bytes received from the producer, by transfer mode", ["mode"], registry=r
+        )
+        self.generate_bytes_per_request = Histogram(
+            "scd_transfer_request_bytes", "payload bytes of one transfer, by mode", ["mode"], buckets=BYTES_BUCKETS, registry=r
+        )
+        self.generates = Counter("scd_generate", "Generate calls answered, by transfer mode", ["mode"], registry=r)
+        self.fallbacks = Counter(
+            "scd_transfer_fallbacks",
+            "transfers replaced by the consumer's own prefill (LOCAL_PREFILL), by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.http = None
+
+    # -- exposition --------------------------------------------------------------------------
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Start the HTTP endpoint (a daemon thread); returns the bound port (port 0: any free)."""
+        self.http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self.http.server_port
+
+    def stop(self) -> None:
+        if self.http is not None:
+            self.http.shutdown()
+            self.http.server_close()
+            self.http = None
+
+    # -- sources read at scrape time ---------------------------------------------------------
+    def watch_admission(self, admission) -> None:
+        """In-flight calls, the limit and the rejections of a serving.Admission."""
+
+        def families():
+            g = GaugeMetricFamily("scd_inflight", "calls in flight (admitted, not finished)")
+            g.add_metric([], admission.inflight)
+            yield g
+            g = GaugeMetricFamily("scd_inflight_limit", f"admission limit ({admission.limit_name})")
+            g.add_metric([], admission.limit)
+            yield g
+            c = CounterMetricFamily("scd_admission_rejected", "calls refused at admission, by reason", labels=["reason"])
+            for reason, n in sorted(admission.rejected.items()):
+                c.add_metric([reason], n)
+            yield c
+
+        self.registry.register(_Callback(families))
+
+    def watch_store(self, store) -> None:
+        """The producer's context store: hits, misses, evictions, entries and bytes held."""
+
+        def families():
+            for name, help_, value in (
+                ("scd_store_hits", "context store lookups that replayed a stored stream", store.hits),
+                ("scd_store_misses", "context store lookups that ran the prefill", store.misses),
+                ("scd_store_evictions", "entries evicted to stay within the byte budget", store.evictions),
+            ):
+                c = CounterMetricFamily(name, help_)
+                c.add_metric([], value)
+                yield c
+            for name, help_, value in (
+                ("scd_store_bytes", "payload bytes held by the context store", store.nbytes),
+                ("scd_store_entries", "streams held by the context store", len(store.entries)),
+                ("scd_store_budget_bytes", "context store byte budget", store.budget_bytes),
+            ):
+                g = GaugeMetricFamily(name, help_)
+                g.add_metric([], value)
+                yield g
+
+        self.registry.register(_Callback(families))
+
+    # -- the consumer's per-request figures --------------------------------------------------
+    def observe_generate(self, result) -> None:
+        """One finished Generate (consumer.engine.GenerateResult)."""
+        mode = result.codec
+        self.generates.labels(mode).inc()
+        for stage in GENERATE_STAGES:
+            self.generate_seconds.labels(stage, mode).observe(getattr(result, f"{stage}_ms") / 1e3)
+        self.generate_bytes.labels(mode).inc(result.bytes_received)
+        self.generate_bytes_per_request.labels(mode).observe(result.bytes_received)
+        if result.transfer_failure:
+            self.fallbacks.labels(result.transfer_failure.split(":", 1)[0][:40]).inc()
+
+    # -- gRPC --------------------------------------------------------------------------------
+    def interceptor(self) -> grpc.aio.ServerInterceptor:
+        return RpcMetrics(self)
+
+    def record(self, method: str, code: str, seconds: float) -> None:
+        self.rpcs.labels(method, code).inc()
+        self.rpc_seconds.labels(method).observe(seconds)
+        if code in CONTRACT_CODES:
+            self.contract.labels(method, code).inc()
+
+
+def _code(context, exc: BaseException | None) -> str:
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    if isinstance(code, int) and code:  # the aio context reports the raw integer
+        return next((c.name for c in grpc.StatusCode if c.value[0] == code), "UNKNOWN")
+    if exc is None:
+        return "OK"
+    return "CANCELLED" if isinstance(exc, BaseException) and type(exc).__name__ == "CancelledError" else "UNKNOWN"
+
+
+def _timed_coroutine(inner, method: str, record):
+    async def call(request, context):
+        started, exc = time.perf_counter(), None
+        try:
+            return await inner(request, context)
+        except BaseException as e:
+            exc = e
+            raise
+        finally:
+            record(method, _code(context, exc), time.perf_counter() - started)
+
+    return call
+
+
+def _timed_generator(inner, method: str, record):
+    async def call(request, context):
+        started, exc = time.perf_counter(), None
+        try:
+            async with contextlib.aclosing(inner(request, context)) as items:
+                async for item in items:
+                    yield item
+        except BaseException as e:
+            exc = e
+            raise
+        finally:
+            record(method, _code(context, exc), time.perf_counter() - started)
+
+    return call
+
+
+class RpcMetrics(grpc.aio.ServerInterceptor):
+    """Counts and times every unary-request call by method and final status (health included;
+    streaming-request calls such as reflection are not counted)."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method, record = details.method, self.metrics.record
+        if handler.unary_unary:
+            return handler._replace(unary_unary=_timed_coroutine(handler.unary_unary, method, record))
+        if handler.unary_stream:
+            inner = handler.unary_stream
+            wrap = _timed_generator if inspect.isasyncgenfunction(inner) else _timed_coroutine
+            return handler._replace(unary_stream=wrap(inner, method, record))
+        return handler

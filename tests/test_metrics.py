@@ -1,0 +1,122 @@
+"""Prometheus endpoints of a real pair: scraped after real requests, the counts moved (RPCs by
+method and status, latency, per-mode stage histograms and bytes, store hits/misses, in-flight,
+admission, fallbacks, stream-contract statuses). Two servers in one process do not collide."""
+
+from __future__ import annotations
+
+import logging
+import os
+import urllib.request
+
+import grpc
+import pytest
+import structlog
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared import logs
+from shared.metrics import Metrics
+from shared.pb import common_pb2, consumer_pb2, producer_pb2
+from tests.conftest import prompt, running_pair
+
+CONTEXT = dict(context=prompt("the quick brown fox jumps over the lazy dog"), question=prompt("fox ?"), max_new_tokens=2)
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def value(samples, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.fixture(scope="module")
+async def pair():
+    async with running_pair("tiny-llama", producer_kw=dict(metrics_port=0), consumer_kw=dict(metrics_port=0)) as pair:
+        yield pair
+
+
+async def test_counts_move_after_real_requests(pair):
+    producer_port, consumer_port = pair.producer.server.metrics_port, pair.consumer.server.metrics_port
+    assert producer_port > 0 and consumer_port > 0 and producer_port != consumer_port
+    for mode in ("oracle", "raw", "raw"):  # the second raw is a producer store hit
+        await pair.generate(transfer=common_pb2.CodecSpec(name=mode), **CONTEXT)
+    with pytest.raises(grpc.aio.AioRpcError):
+        await pair.generate(max_new_tokens=100000, context=prompt("a"), question=prompt("b"))
+
+    c = scrape(consumer_port)
+    generate = "/scd.v1.ConsumerService/Generate"
+    assert value(c, "scd_rpc_total", method=generate, code="OK") == 3
+    assert value(c, "scd_rpc_total", method=generate, code="INVALID_ARGUMENT") == 1
+    assert value(c, "scd_rpc_duration_seconds_count", method=generate) == 4
+    assert value(c, "scd_generate_total", mode="raw") == 2 and value(c, "scd_generate_total", mode="oracle") == 1
+    for stage in ("ttft", "transfer", "rebuild", "question_prefill", "decode"):
+        assert value(c, "scd_generate_stage_seconds_count", stage=stage, mode="raw") == 2
+    assert value(c, "scd_transfer_bytes_total", mode="raw") > 0
+    assert value(c, "scd_transfer_bytes_total", mode="oracle") == 0
+    assert value(c, "scd_inflight") == 0 and value(c, "scd_inflight_limit") == pair.consumer.config.max_inflight
+    assert (("scd_admission_rejected_total", (("reason", "limit"),))) in c
+
+    p = scrape(producer_port)
+    assert value(p, "scd_rpc_total", method="/scd.v1.ProducerService/Prefill", code="OK") == 2
+    assert value(p, "scd_store_hits_total") == 1 and value(p, "scd_store_misses_total") == 1
+    assert value(p, "scd_store_bytes") > 0 and value(p, "scd_store_entries") == 1
+    assert ("scd_rpc_total", (("code", "OK"), ("method", generate))) not in p  # registries are per server
+
+
+async def test_producer_log_lines_carry_the_request_id(pair):
+    """Every producer log line of a request carries the consumer's request id (x-request-id)."""
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    try:
+        with structlog.testing.capture_logs(processors=[structlog.contextvars.merge_contextvars]) as lines:
+            spec = common_pb2.CodecSpec(name="raw")
+            await pair.generate(
+                transfer=spec,
+                request_id="rid-metrics-1",
+                context=prompt("one two three four five"),
+                question=prompt("six"),
+                max_new_tokens=1,
+            )
+    finally:
+        logs.configure("tests", os.environ.get("SCD_TEST_LOG_LEVEL", "WARNING"))
+    producer_lines = [x for x in lines if str(x.get("event", "")).startswith("prefill.")]
+    assert {x["event"] for x in producer_lines} >= {"prefill.start", "prefill.done"}
+    assert all(x.get("request_id") == "rid-metrics-1" for x in producer_lines), producer_lines
+
+
+async def test_stream_contract_statuses_and_fallbacks_are_counted(pair):
+    """A Prefill the producer refuses as a precondition is counted as a contract status; a
+    producer that went away under LOCAL_PREFILL is a fallback, not an error."""
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        request = producer_pb2.PrefillRequest(token_ids=[5, 6, 7], consumer_weight_digest="0" * 64)
+        request.codec.name = "scd"
+        async for _ in pair.producer_stub.Prefill(request, timeout=10):
+            pass
+    code = err.value.code().name
+    p = scrape(pair.producer.server.metrics_port)
+    assert value(p, "scd_rpc_total", method="/scd.v1.ProducerService/Prefill", code=code) == 1
+    if code in ("DATA_LOSS", "FAILED_PRECONDITION"):
+        assert value(p, "scd_stream_contract_violations_total", method="/scd.v1.ProducerService/Prefill", code=code) == 1
+
+    await pair.producer.stop(0)
+    spec = common_pb2.CodecSpec(name="raw")
+    _, _, stats = await pair.generate(
+        transfer=spec, on_transfer_failure=consumer_pb2.TRANSFER_FAILURE_POLICY_LOCAL_PREFILL, **CONTEXT
+    )
+    assert stats.transfer_failure.startswith("UNAVAILABLE")
+    c = scrape(pair.consumer.server.metrics_port)
+    assert value(c, "scd_transfer_fallbacks_total", reason="UNAVAILABLE") == 1
+
+
+def test_contract_codes_from_the_interceptor_record():
+    metrics = Metrics("test")
+    metrics.record("/scd.v1.ConsumerService/Generate", "DATA_LOSS", 0.01)
+    metrics.record("/scd.v1.ConsumerService/Generate", "OK", 0.01)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in metrics.registry.collect() for s in f.samples}
+    assert (
+        value(samples, "scd_stream_contract_violations_total", method="/scd.v1.ConsumerService/Generate", code="DATA_LOSS") == 1
+    )
