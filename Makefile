@@ -34,8 +34,11 @@ $(PB_GEN): $(PROTOS) $(STAMP)
 
 proto: $(PB_GEN)
 
+# scd.v1 stays wire-compatible with its last release (e4b451a): fields and rpcs are only added.
+BUF_AGAINST ?= .git\#ref=e4b451a,subdir=protos
 lint: $(STAMP)
 	$(BIN)/buf lint
+	$(BIN)/buf breaking --against '$(BUF_AGAINST)'
 
 # docker-compose 1.29.2 validates the compose file without an engine; it needs PyYAML 5.4.1,
 # whose sdist only builds with Cython < 3, so it lives in its own venv. docker-py 7 and requests 2.32
@@ -91,7 +94,12 @@ TTFT_GRID_05B := --model-scale qwen05b --artifacts .cache/artifacts --contexts 5
 	--bandwidths 10 100 1000 --stores cold warm --warmup 1 --runs 5 \
 	--modes oracle raw quant:bits=8 quant:bits=4 scd
 
-.PHONY: bench-transport gpu-check
+.PHONY: bench-transport gpu-check pool-test
+# 3 producers behind one consumer's ring_hash / round_robin target on loopback, a producer
+# stopped mid-run; one JSON line, also written to bench/results/pool.json (about 15 s).
+pool-test: $(PB_GEN)
+	$(PYTHON) -m bench.pool_test --out bench/results/pool.json
+
 # gRPC stream vs plain TCP socket payload throughput on loopback -> bench/results/transport.jsonl
 bench-transport: $(PB_GEN)
 	$(PYTHON) -m bench.transport $(TRANSPORT_ARGS)

@@ -1,0 +1,31 @@
+"""The producer pool on gRPC's own load balancing (bench.pool_test, small): ring_hash on the
+context hash keeps a context on one producer (repeats are store hits), round_robin does not,
+and stopping a producer mid-run fails no request when LOCAL_PREFILL is allowed."""
+
+from __future__ import annotations
+
+import json
+
+from bench import pool_test
+from consumer.producer_client import HASH_HEADER, context_hash, service_config
+
+
+async def test_pool_affinity_and_failover():
+    # run in a worker thread: pool_test drives its own event loop
+    import asyncio
+
+    result = await asyncio.to_thread(pool_test.main, ["--contexts", "6", "--repeats", "3", "--words", "24"])
+    assert result["producers"] == 3 and result["requests"] == 18
+    assert result["affinity_hit_rate"] >= 0.9
+    assert result["round_robin_hit_rate"] < result["affinity_hit_rate"]
+    assert result["failover_errors"] == 0 and result["failover_requests"] == 18
+    assert result["ring_hash_errors"] == result["round_robin_errors"] == 0
+
+
+def test_service_config_selects_the_policy():
+    ring = service_config("ring_hash")
+    assert ring["loadBalancingConfig"] == [{"ring_hash_experimental": {"requestHashHeader": HASH_HEADER}}]
+    assert ring["methodConfig"][0]["retryPolicy"]["retryableStatusCodes"][0] == "UNAVAILABLE"
+    assert service_config("round_robin")["loadBalancingConfig"] == [{"round_robin": {}}]
+    assert json.dumps(ring)  # the channel option is its JSON
+    assert context_hash([1, 2, 3]) == context_hash([1, 2, 3]) != context_hash([1, 2, 4])
