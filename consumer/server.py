@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 
 import shared
+from consumer import compat
 from consumer.engine import LOCAL_MODE, GenerateEngine, GenerateResult, TokenOut
 from consumer.planner import Observation, TransferPlanner
 from consumer.producer_client import ProducerClient
@@ -172,6 +173,7 @@ class ConsumerServer:
         await logs.run_in(self.executor, warm_up, loaded)
         self.client = ProducerClient.from_config(cfg, loaded.info.weight_digest)
         self.servicer.attach(loaded, self.client)
+        self.server.not_ready = await compat.check_producer(self.client.stub, self.servicer.codecs)
         await self.server.serving()
         log.info(
             "server.serving",

@@ -27,7 +27,10 @@ def model_to_pb(info: ModelInfo) -> common_pb2.ModelInfo:
 
 
 def codecs_to_pb(codecs: Mapping[str, Codec]) -> list[common_pb2.CodecInfo]:
-    return [common_pb2.CodecInfo(name=name, description=c.description, uses_producer=True) for name, c in sorted(codecs.items())]
+    return [
+        common_pb2.CodecInfo(name=name, description=c.description, uses_producer=True, format_version=c.format_version)
+        for name, c in sorted(codecs.items())
+    ]
 
 
 def local_mode_pb(name: str) -> common_pb2.CodecInfo:

@@ -43,3 +43,40 @@ async def test_liveness_follows_the_compute_thread():
                         assert await check(probe, "") == SERVING  # readiness is a different signal
             assert seen[-2:] == [NOT_SERVING, SERVING] and wedged.done()
             assert await asyncio.to_thread(healthcheck.check, probe, 3.0, serving.LIVENESS)
+
+
+async def test_consumer_not_ready_when_the_producer_is_incompatible(monkeypatch):
+    """Readiness stays NOT_SERVING (liveness SERVING) when the producer's Describe reports another
+    api_version; the check itself compares api_version and codec format versions."""
+    from consumer import compat
+    from consumer.server import ConsumerServer
+    from producer.server import ProducerServer
+    from shared.config import ConsumerConfig, ProducerConfig
+    from shared.pb import common_pb2, producer_pb2
+
+    producer = ProducerServer(ProducerConfig(port=0, model="tiny-llama", device="cpu", drain_grace_s=0.2))
+    await producer.start()
+    await producer.load()
+    monkeypatch.setattr(compat, "API_VERSION", "scd.v2")
+    monkeypatch.setattr(compat.mismatch, "__defaults__", ("scd.v2",))
+    consumer = ConsumerServer(
+        ConsumerConfig(port=0, model="tiny-llama", device="cpu", producer=producer.address, drain_grace_s=0.2)
+    )
+    try:
+        await consumer.start()
+        await consumer.load()
+        assert "api_version 'scd.v1' != consumer 'scd.v2'" in consumer.server.not_ready
+        assert await check(consumer.address, "") == NOT_SERVING
+        assert await check(consumer.address, "scd.v1.ConsumerService") == NOT_SERVING
+        assert await check(consumer.address, serving.LIVENESS) == SERVING
+    finally:
+        await consumer.stop()
+        await producer.stop()
+
+    codecs = {"raw": type("Raw", (), {"format_version": 1})()}
+    reply = producer_pb2.ProducerServiceDescribeResponse(
+        api_version="scd.v1", codecs=[common_pb2.CodecInfo(name="raw", format_version=2)]
+    )
+    assert compat.mismatch(reply, codecs, "scd.v1") == "codec 'raw': producer format_version 2 != consumer 1"
+    reply.codecs[0].format_version = 1
+    assert compat.mismatch(reply, codecs, "scd.v1") == ""
