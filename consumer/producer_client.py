@@ -18,16 +18,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import AsyncIterator
 
 import grpc
 
 from consumer.stream_reader import Event, Expectation, StreamReader
-from shared import security
+from shared import logs, security
 from shared.errors import Cancelled, DataLoss, DeadlineExceeded, FailedPrecondition, ServiceError, Unavailable
 from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
 from shared.serving import GRPC_OPTIONS
 
+log = logs.get("consumer.producer_client")
 # gRPC reads this once, when it initializes: without it ring_hash ignores requestHashHeader and
 # picks a random producer per call. Set here, at import, before any channel exists.
 os.environ.setdefault("GRPC_EXPERIMENTAL_RING_HASH_SET_REQUEST_HASH_KEY", "true")
@@ -61,11 +63,21 @@ _MAPPED: dict[grpc.StatusCode, tuple[type[ServiceError], str]] = {
 }
 
 
+# the producer's own refusals (its message names the field and limit) are passed on, with any
+# address-like text removed; for transport-level codes the details (connection errors, peers,
+# internal messages) only go to the consumer's log.
+_PASS_DETAILS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS}
+_ADDRESS = re.compile(r"(?:(?:ipv[46]|dns|unix):/*)?\[?[\w.\-:]*[\w\]]:\d{1,5}\b")
+
+
 def upstream_error(exc: grpc.aio.AioRpcError) -> ServiceError:
     """The consumer's error for a failed producer call (never the producer's address)."""
     cls, what = _MAPPED.get(exc.code(), (Unavailable, "producer failed"))
     details = (exc.details() or "")[:300]
-    return cls(f"{what} ({exc.code().name}): {details}")
+    log.warning("producer.call_failed", code=exc.code().name, details=details)
+    if exc.code() not in _PASS_DETAILS:
+        return cls(f"{what} ({exc.code().name})")
+    return cls(f"{what} ({exc.code().name}): {_ADDRESS.sub('<address>', details)}")
 
 
 def context_hash(token_ids) -> str:

@@ -16,7 +16,7 @@ from consumer.planner import Observation, TransferPlanner
 from consumer.producer_client import ProducerClient
 from consumer.requests import JobBuilder
 from shared import codecs as codec_lib
-from shared import describe, logs, serving
+from shared import describe, handlers, logs, outcomes, serving
 from shared.config import ConsumerConfig
 from shared.errors import Unavailable
 from shared.models import LoadedModel, load_model, warm_up
@@ -38,6 +38,8 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         self.tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="consumer-tokenize")
         self.loaded: LoadedModel | None = None
         self.admission = serving.Admission("max_inflight", config.max_inflight)
+        self.outcomes = outcomes.Outcomes()
+        self.transfer_fallbacks = 0
 
     def attach(self, loaded: LoadedModel, client: ProducerClient) -> None:
         self.codecs = codec_lib.create_codecs(loaded, artifacts=discover(self.config.artifact_paths))
@@ -61,48 +63,48 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         received = time.perf_counter()
         request_id = serving.request_id(request.request_id)
         with structlog.contextvars.bound_contextvars(request_id=request_id), self.admission.slot():
-            self._ready()
-            job = await self.jobs.build(request, request_id, serving.remaining_s(context, self.config.default_timeout_s))
-            job.received_at = received
-            log.info(
-                "generate.start",
-                mode=job.mode,
-                context_tokens=len(job.context_ids),
-                question_tokens=len(job.question_ids),
-                deadline_s=context.time_remaining(),
-                on_failure=job.on_failure,
-            )
-            async with contextlib.aclosing(self.engine.run(job)) as items:
-                async for item in items:
-                    if isinstance(item, TokenOut):
-                        yield consumer_pb2.GenerateResponse(token=consumer_pb2.TokenDelta(ids=item.ids, text=item.text))
-                    elif isinstance(item, GenerateResult):
-                        self.planner.observe(
-                            Observation(
-                                item.codec,
-                                item.options if item.transfer_failure else job.options,
-                                item.context_tokens,
-                                item.bytes_received,
-                                item.transfer_ms,
-                                item.rebuild_ms,
-                                item.producer_prefill_ms,
-                                item.producer_encode_ms,
-                                item.producer_store_hit,
-                            )
+            async for message in self.outcomes.track(self._generate(request, request_id, context, received), context, log,
+                                                     "generate"):
+                yield message
+
+    async def _generate(self, request, request_id: str, context, received: float):
+        self._ready()
+        job = await self.jobs.build(request, request_id, serving.remaining_s(context, self.config.default_timeout_s))
+        job.received_at = received
+        log.info("generate.start", mode=job.mode, context_tokens=len(job.context_ids), question_tokens=len(job.question_ids),
+                 deadline_s=context.time_remaining(), on_failure=job.on_failure)
+        async with contextlib.aclosing(self.engine.run(job)) as items:
+            async for item in items:
+                if isinstance(item, TokenOut):
+                    yield consumer_pb2.GenerateResponse(token=consumer_pb2.TokenDelta(ids=item.ids, text=item.text))
+                elif isinstance(item, GenerateResult):
+                    self.planner.observe(
+                        Observation(
+                            item.codec,
+                            item.options if item.transfer_failure else job.options,
+                            item.context_tokens,
+                            item.bytes_received,
+                            item.transfer_ms,
+                            item.rebuild_ms,
+                            item.producer_prefill_ms,
+                            item.producer_encode_ms,
+                            item.producer_store_hit,
                         )
-                        if job.fallback:
-                            item.options["fallback"] = job.fallback
-                        self.metrics.observe_generate(item)
-                        log.info(
-                            "generate.done",
-                            mode=item.codec,
-                            ttft_ms=round(item.ttft_ms, 2),
-                            tokens=item.generated_tokens,
-                            bytes=item.bytes_received,
-                            total_ms=round(item.total_ms, 2),
-                            transfer_failure=item.transfer_failure or None,
-                        )
-                        yield consumer_pb2.GenerateResponse(stats=result_to_pb(item))
+                    )
+                    if job.fallback:
+                        item.options["fallback"] = job.fallback
+                    self.transfer_fallbacks += bool(item.transfer_failure)
+                    self.metrics.observe_generate(item)
+                    log.info(
+                        "generate.done",
+                        mode=item.codec,
+                        ttft_ms=round(item.ttft_ms, 2),
+                        tokens=item.generated_tokens,
+                        bytes=item.bytes_received,
+                        total_ms=round(item.total_ms, 2),
+                        transfer_failure=item.transfer_failure or None,
+                    )
+                    yield consumer_pb2.GenerateResponse(stats=result_to_pb(item))
 
     @serving.unary_errors
     async def Describe(self, request, context):
@@ -119,6 +121,14 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             server_version=shared.__version__,
             api_version=shared.API_VERSION,
             artifacts=describe.artifacts_to_pb(self.codecs),
+            stats=consumer_pb2.ConsumerStats(
+                generates_started=self.outcomes.started,
+                generates_completed=self.outcomes.completed,
+                generates_cancelled=self.outcomes.cancelled,
+                generates_failed=self.outcomes.failed,
+                transfer_fallbacks=self.transfer_fallbacks,
+                inflight=self.admission.inflight,
+            ),
         )
 
 
@@ -155,7 +165,7 @@ class ConsumerServer:
         self.servicer = ConsumerServicer(config, self.executor)
         self.servicer.metrics = self.server.metrics
         self.server.watch(admission=self.servicer.admission, compute=self.executor)
-        consumer_pb2_grpc.add_ConsumerServiceServicer_to_server(self.servicer, self.server.server)
+        handlers.add_servicer(self.server.server, self.servicer, consumer_pb2.DESCRIPTOR.services_by_name["ConsumerService"])
         self.client: ProducerClient | None = None
 
     @property

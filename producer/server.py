@@ -3,7 +3,6 @@ process wiring (config, model load, health, drain)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,9 +13,9 @@ import shared
 from producer.prefill import EncodedLayer, PrefillDone, PrefillEngine
 from producer.store import ContextStore, StoredPrefill, store_key
 from shared import codecs as codec_lib
-from shared import describe, logs, serving, wire
+from shared import describe, handlers, logs, outcomes, serving, wire
 from shared.config import ProducerConfig
-from shared.errors import InvalidArgument, ServiceError, Unavailable
+from shared.errors import InvalidArgument, Unavailable
 from shared.models import LoadedModel, load_model, warm_up
 from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
 from shared.scd.artifact import discover
@@ -32,8 +31,9 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         self.config = config
         self.executor = executor
         self.loaded: LoadedModel | None = None
-        self.stats = producer_pb2.ProducerStats()
+        self.store_hits = 0
         self.admission = serving.Admission("max_inflight", config.max_inflight)
+        self.outcomes = outcomes.Outcomes()
         self.store = ContextStore(config.store_bytes)
 
     def attach(self, loaded: LoadedModel) -> None:
@@ -63,34 +63,8 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         metadata_id = dict(context.invocation_metadata() or ()).get("x-request-id", "")
         request_id = serving.request_id(request.request_id or metadata_id)
         with structlog.contextvars.bound_contextvars(request_id=request_id), self.admission.slot():
-            self.stats.prefills_started += 1
-            outcome, reason = "failed", ""
-            try:
-                async with contextlib.aclosing(self._prefill(request, request_id, context, started)) as messages:
-                    async for message in messages:
-                        yield message
-                outcome = "completed"
-            except (asyncio.CancelledError, GeneratorExit):
-                outcome = "cancelled"
-                raise
-            except ServiceError as exc:
-                outcome = "cancelled" if exc.code in ("CANCELLED", "DEADLINE_EXCEEDED") else "failed"
-                reason = f"{exc.code}: {str(exc)[:200]}"
-                raise
-            except Exception as exc:
-                reason = f"{type(exc).__name__}: {str(exc)[:200]}"
-                raise
-            finally:
-                if outcome != "completed" and context.cancelled():
-                    outcome = "cancelled"
-                if outcome == "completed":
-                    self.stats.prefills_completed += 1
-                elif outcome == "cancelled":
-                    self.stats.prefills_cancelled += 1
-                    log.info("prefill.cancelled", reason=reason or "the caller cancelled or its deadline passed")
-                else:
-                    self.stats.prefills_failed += 1
-                    log.warning("prefill.failed", reason=reason)
+            async for message in self.outcomes.track(self._prefill(request, request_id, context, started), context, log, "prefill"):
+                yield message
 
     async def _prefill(self, request, request_id: str, context, started: float):
         self._validate(request)
@@ -142,7 +116,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                             store_hit=stored is not None,
                         )
                     )
-                    self.stats.store_hits += stored is not None
+                    self.store_hits += stored is not None
                     log.info(
                         "prefill.done",
                         bytes=sent_bytes,
@@ -182,7 +156,14 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             server_version=shared.__version__,
             api_version=shared.API_VERSION,
             artifacts=describe.artifacts_to_pb(self.codecs),
-            stats=self.stats,
+            stats=producer_pb2.ProducerStats(
+                prefills_started=self.outcomes.started,
+                prefills_completed=self.outcomes.completed,
+                prefills_cancelled=self.outcomes.cancelled,
+                prefills_failed=self.outcomes.failed,
+                store_hits=self.store_hits,
+                inflight=self.admission.inflight,
+            ),
         )
 
 
@@ -195,7 +176,7 @@ class ProducerServer:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="producer-compute")
         self.servicer = ProducerServicer(config, self.executor)
         self.server.watch(admission=self.servicer.admission, store=self.servicer.store, compute=self.executor)
-        producer_pb2_grpc.add_ProducerServiceServicer_to_server(self.servicer, self.server.server)
+        handlers.add_servicer(self.server.server, self.servicer, producer_pb2.DESCRIPTOR.services_by_name["ProducerService"])
 
     @property
     def address(self) -> str:

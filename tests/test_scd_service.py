@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from shared.models import load_model
-from shared.pb import common_pb2
+from shared.pb import common_pb2, producer_pb2
 from shared.scd.artifact import FORMAT_VERSION
 from calibration.distill import distill
 from tests.conftest import prompt, running_pair
@@ -55,6 +55,22 @@ async def test_full_rank_scd_gives_raw_tokens_and_budgets_choose_schedules(artif
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await pair.generate(transfer=common_pb2.CodecSpec(name="scd", options={"max_loss": "-1"}), **fields)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_loss" in err.value.details()
+
+
+@pytest.mark.parametrize("schedule, named", [
+    ("R0.R8.R8.R8", "layer 0 action R0 has rank 0, must be in 1.."),
+    ("R1000000000.R8.R8.R8", "rank 1000000000, must be in 1.."),
+    ("R8.R8", "schedule: 2 actions for 4 layers"),
+])
+async def test_bad_ranks_are_invalid_argument_before_any_transfer(artifact_dir, schedule, named):
+    path, _ = artifact_dir
+    async with running_pair("tiny-llama", producer_kw={"artifacts": str(path)}, consumer_kw={"artifacts": str(path)}) as pair:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pair.generate(context=prompt(CONTEXT), question=prompt(" q"), max_new_tokens=2,
+                                transfer=common_pb2.CodecSpec(name="scd", options={"schedule": schedule}))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and named in err.value.details()
+        stats = (await pair.producer_stub.Describe(producer_pb2.ProducerServiceDescribeRequest())).stats
+        assert stats.prefills_started == 0  # refused by the consumer itself
 
 
 async def test_artifact_for_other_consumer_weights_is_refused(artifact_dir, tmp_path):

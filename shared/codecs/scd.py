@@ -94,6 +94,17 @@ class ScdCodec(Codec):
         super().__init__(model, artifacts)
         self.artifacts = [a.to(model.device) for a in artifacts]
 
+    def resolve(self, options: Mapping[str, str]) -> dict[str, str]:
+        """Also checks the schedule and budgets against an artifact of this model (either side),
+        so a bad rank or an unmeetable budget is INVALID_ARGUMENT before any transfer."""
+        resolved = super().resolve(options)
+        digest = self.model.info.weight_digest
+        mine = [a for a in self.artifacts if digest in (a.meta["producer"]["weight_digest"], a.meta["consumer"]["weight_digest"])
+                and (not resolved["artifact"] or a.artifact_id == resolved["artifact"])]
+        if mine:
+            pick(mine[0], resolved)
+        return resolved
+
     def _by_id(self, artifact_id: str) -> Artifact:
         for art in self.artifacts:
             if art.artifact_id == artifact_id:

@@ -1,0 +1,200 @@
+"""`python -m bench.load_test` (`make load-test`): the pair as real processes under abuse.
+
+1. Reference answers: every (mode, context) request run alone, greedy.
+2. Rounds of concurrent Generate streams over every transfer mode (oracle, raw, quant int8/int4,
+   recompute, scd with a homogeneous artifact calibrated here), about a third cancelled by the
+   client at a random moment, some with tiny deadlines. A wrong answer is an OK status whose
+   tokens differ from the same request run alone; an unexpected error is any status other than
+   the client's own cancel or a tiny deadline passing.
+3. Settle, then read both services' Describe counters: slots in flight must be 0 and
+   started == completed + cancelled + failed on both. RSS of both processes is read from /proc
+   after round 2 and after the last round.
+4. Head-of-line check: TTFT of a normal request alone, then while another caller reads its own
+   large Prefill stream at ~1 KB/s; prints the ratio (target < 1.2).
+
+Prints one JSON line per phase; the first is
+{"streams", "rounds", "requests", "unexpected_errors", "wrong_answers", "rss_growth_pct",
+ "slots_leaked", "accounting_balanced", "p50_ms", "p95_ms", ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from bench import services
+from shared.pb import common_pb2, consumer_pb2, consumer_pb2_grpc, producer_pb2, producer_pb2_grpc
+
+MODES = [("oracle", {}), ("raw", {}), ("quant", {"bits": "8"}), ("quant", {"bits": "4"}), ("recompute", {}), ("scd", {})]
+CONTEXTS = [
+    "The producer reads a long context and the consumer writes the answer. " * 6,
+    "Semantic cache distillation sends compact codes instead of the raw key value cache. " * 9,
+    "Most layers are rebuilt from low rank subspaces and a few layers are patched. " * 12,
+]
+QUESTION = " Which layers are patched?"
+EXPECTED_WHEN_CANCELLED = {grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def build_artifact(directory: Path) -> None:
+    """A homogeneous SCD artifact for tiny-llama (a few seconds)."""
+    from calibration.distill import distill
+    from shared.models import load_model
+
+    model = load_model("tiny-llama", "float32", "cpu")
+    corpus = [[(7 * i + 13 * j) % 370 + 5 for j in range(96)] for i in range(12)]
+    from calibration.search import HeldOut
+
+    held = [HeldOut(s[:80], s[80:92], 6) for s in corpus[:3]]
+    distill(model, model, corpus, held, corpus_name="load-test", generations=1, log=lambda m: None).save(directory / "tiny.safetensors")
+
+
+def request(mode: str, options: dict, context: str, max_new: int) -> consumer_pb2.GenerateRequest:
+    return consumer_pb2.GenerateRequest(context=consumer_pb2.Prompt(text=context), question=consumer_pb2.Prompt(text=QUESTION),
+                                        max_new_tokens=max_new, transfer=common_pb2.CodecSpec(name=mode, options=options))
+
+
+async def answer(stub, req, timeout: float) -> tuple[list[int], float]:
+    ids, first = [], None
+    started = time.perf_counter()
+    async for msg in stub.Generate(req, timeout=timeout):
+        if msg.WhichOneof("kind") == "token":
+            first = first or time.perf_counter()
+            ids += msg.token.ids
+    return ids, ((first or time.perf_counter()) - started) * 1e3
+
+
+async def one(stub, rng: random.Random, refs: dict, args, tally: dict) -> None:
+    key = rng.randrange(len(MODES)), rng.randrange(len(CONTEXTS))
+    mode, options = MODES[key[0]]
+    req = request(mode, options, CONTEXTS[key[1]], args.max_new_tokens)
+    roll = rng.random()
+    cancel_at = rng.uniform(0.0, 1.5) if roll < 1 / 3 else None
+    timeout = rng.uniform(0.01, 0.2) if 1 / 3 <= roll < 0.45 else 60.0
+    started = time.perf_counter()
+    call = stub.Generate(req, timeout=timeout)
+    ids = []
+    try:
+        async with asyncio.timeout(cancel_at):
+            async for msg in call:
+                if msg.WhichOneof("kind") == "token":
+                    ids += msg.token.ids
+        tally["ok"] += 1
+        tally["latency_ms"].append((time.perf_counter() - started) * 1e3)
+        if ids != refs[key]:
+            tally["wrong_answers"] += 1
+            print(f"# WRONG ANSWER {mode} {options} ctx {key[1]}: {ids} != {refs[key]}", file=sys.stderr)
+    except TimeoutError:
+        call.cancel()
+        tally["cancelled"] += 1
+    except grpc.aio.AioRpcError as err:
+        if err.code() in EXPECTED_WHEN_CANCELLED and (cancel_at is not None or timeout < 1):
+            tally["cancelled"] += 1
+        else:
+            tally["unexpected_errors"] += 1
+            print(f"# unexpected {err.code().name}: {err.details()[:200]}", file=sys.stderr)
+
+
+async def settle(consumer_stub, producer_stub, timeout_s: float = 30.0):
+    until = time.monotonic() + timeout_s
+    while True:
+        c = (await consumer_stub.Describe(consumer_pb2.ConsumerServiceDescribeRequest(), timeout=10)).stats
+        p = (await producer_stub.Describe(producer_pb2.ProducerServiceDescribeRequest(), timeout=10)).stats
+        balanced = (c.generates_started == c.generates_completed + c.generates_cancelled + c.generates_failed
+                    and p.prefills_started == p.prefills_completed + p.prefills_cancelled + p.prefills_failed)
+        if (balanced and c.inflight == 0 and p.inflight == 0) or time.monotonic() > until:
+            return c, p, balanced
+
+
+async def slow_reader(address: str, ids: list[int], stop: asyncio.Event) -> None:
+    """Reads a large raw Prefill stream at ~1 KB/s (1 KiB chunks, one per second)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = producer_pb2_grpc.ProducerServiceStub(channel).Prefill(
+            producer_pb2.PrefillRequest(token_ids=ids, codec=common_pb2.CodecSpec(name="raw")), timeout=600)
+        while not stop.is_set() and await call.read() != grpc.aio.EOF:
+            await asyncio.sleep(1.0)
+        call.cancel()
+
+
+async def main_async(args) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        build_artifact(Path(tmp))
+        common = ["--model", "tiny-llama", "--device", "cpu", "--artifacts", tmp]
+        with services.running([*common, "--max-inflight", "64", "--max-chunk-bytes", "1024"],
+                              [*common, "--max-inflight", "64"], Path(tmp) / "logs") as (producer, consumer):
+            async with grpc.aio.insecure_channel(consumer.address) as cch, grpc.aio.insecure_channel(producer.address) as pch:
+                stub = consumer_pb2_grpc.ConsumerServiceStub(cch)
+                pstub = producer_pb2_grpc.ProducerServiceStub(pch)
+                refs = {}
+                for m, (mode, options) in enumerate(MODES):
+                    for c, context in enumerate(CONTEXTS):
+                        refs[(m, c)], _ = await answer(stub, request(mode, options, context, args.max_new_tokens), 120)
+                rng = random.Random(args.seed)
+                tally = {"ok": 0, "cancelled": 0, "unexpected_errors": 0, "wrong_answers": 0, "latency_ms": []}
+                rss_round2 = None
+                for r in range(args.rounds):
+                    await asyncio.gather(*(one(stub, rng, refs, args, tally) for _ in range(args.streams)))
+                    await settle(stub, pstub)
+                    if r == 1:
+                        rss_round2 = rss_kib(producer.process.pid) + rss_kib(consumer.process.pid)
+                    print(f"# round {r + 1}/{args.rounds}: {tally['ok']} ok, {tally['cancelled']} cancelled, "
+                          f"{tally['unexpected_errors']} unexpected", file=sys.stderr)
+                c, p, balanced = await settle(stub, pstub)
+                rss_last = rss_kib(producer.process.pid) + rss_kib(consumer.process.pid)
+                lat = sorted(tally["latency_ms"])
+                print(json.dumps({
+                    "streams": args.streams, "rounds": args.rounds, "requests": args.streams * args.rounds,
+                    "ok": tally["ok"], "cancelled": tally["cancelled"],
+                    "unexpected_errors": tally["unexpected_errors"], "wrong_answers": tally["wrong_answers"],
+                    "rss_growth_pct": round(100 * (rss_last - rss_round2) / rss_round2, 2) if rss_round2 else None,
+                    "slots_leaked": c.inflight + p.inflight, "accounting_balanced": balanced,
+                    "p50_ms": round(statistics.median(lat), 1) if lat else None,
+                    "p95_ms": round(lat[int(0.95 * (len(lat) - 1))], 1) if lat else None,
+                    "consumer": {"started": c.generates_started, "completed": c.generates_completed,
+                                 "cancelled": c.generates_cancelled, "failed": c.generates_failed},
+                    "producer": {"started": p.prefills_started, "completed": p.prefills_completed,
+                                 "cancelled": p.prefills_cancelled, "failed": p.prefills_failed},
+                }), flush=True)
+                # head-of-line: a normal raw request alone vs beside a ~1 KB/s reader of a large stream
+                normal = request("raw", {}, CONTEXTS[2], 2)
+                alone = [(await answer(stub, normal, 60))[1] for _ in range(args.hol_runs)]
+                stop = asyncio.Event()
+                reader = asyncio.ensure_future(slow_reader(producer.address, list(range(5, 380)) * 16, stop))
+                await asyncio.sleep(2.0)
+                beside = [(await answer(stub, normal, 60))[1] for _ in range(args.hol_runs)]
+                stop.set()
+                await reader
+                ratio = statistics.median(beside) / statistics.median(alone)
+                print(json.dumps({"hol_ttft_alone_ms": round(statistics.median(alone), 1),
+                                  "hol_ttft_beside_slow_reader_ms": round(statistics.median(beside), 1),
+                                  "hol_ttft_ratio": round(ratio, 3), "hol_runs": args.hol_runs}), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.load_test", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--hol-runs", type=int, default=7)
+    p.add_argument("--seed", type=int, default=0)
+    asyncio.run(main_async(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

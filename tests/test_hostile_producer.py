@@ -1,0 +1,393 @@
+"""A hostile producer against a real consumer: every way a stream can break the contract is
+refused at the first bad message with DATA_LOSS or FAILED_PRECONDITION naming what broke, no
+token is ever sent, memory stays bounded, and the consumer keeps serving afterwards.
+
+Streams are recorded from a real producer (raw, quant, scd over the same context) and mutated
+self-consistently (CRCs recomputed), so each case breaks exactly one rule.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from calibration.distill import distill
+from consumer.client import ConsumerClient
+from producer.server import ProducerServer
+from shared.config import ProducerConfig
+from shared.models import load_model
+from shared.pb import common_pb2, consumer_pb2, producer_pb2
+from tests.conftest import prompt
+from tests.hostile import chunks, consumer_of, copy, poke, record, rss_bytes, set_data
+from tests.test_scd import heldout, random_corpus
+
+CONTEXT = "The producer reads a long context and the consumer writes the answer. " * 8
+QUESTION = " Which layers are patched?"
+CASES: dict[str, tuple] = {}  # name -> (codec, options, mutate(rec, request) -> messages, status, text)
+
+
+def case(name: str, codec: str, status: grpc.StatusCode, text: str, options: dict | None = None):
+    def register(mutate):
+        CASES[name] = (codec, options or {}, mutate, status, text)
+        return mutate
+
+    return register
+
+
+DL, FP = grpc.StatusCode.DATA_LOSS, grpc.StatusCode.FAILED_PRECONDITION
+
+
+@pytest.fixture(scope="module")
+async def world(tmp_path_factory):
+    """A real producer (chunks of 1 KiB, a homogeneous SCD artifact), the context's ids, the
+    recorded streams of the producer for it (and for its first half), and the right answer."""
+    model = load_model("tiny-llama", "float32", "cpu")
+    art = distill(model, model, random_corpus(12, 96, 0), heldout(3, 1), corpus_name="random", generations=1, log=lambda m: None)
+    path = tmp_path_factory.mktemp("artifacts")
+    art.save(path / "tiny.safetensors")
+    producer = ProducerServer(ProducerConfig(port=0, model="tiny-llama", device="cpu", max_chunk_bytes=1024, artifacts=str(path),
+                                             drain_grace_s=0))
+    await producer.start()
+    await producer.load()
+    ids = model.tokenizer(CONTEXT)["input_ids"]
+    digest = model.info.weight_digest
+    rec = {
+        "raw": await record(producer.address, ids, "raw"),
+        "quant": await record(producer.address, ids, "quant", {"bits": "8", "group_size": "32"}),
+        "quant4": await record(producer.address, ids, "quant", {"bits": "4", "group_size": "32"}),
+        "scd": await record(producer.address, ids, "scd", {}, digest),
+        "raw_half": await record(producer.address, ids[: len(ids) // 2], "raw"),
+        "cheap_scd": await record(producer.address, ids, "scd", {"schedule": art.schedules[0].name}, digest),
+    }
+    yield {"rec": rec, "ids": ids, "path": path, "art": art, "producer": producer}
+    await producer.stop(0)
+
+
+@pytest.fixture(scope="module")
+async def hostile(world):
+    """One real consumer in front of a hostile producer whose script each case sets."""
+    holder: dict = {}
+    async with consumer_of(lambda request: holder["script"](request), artifacts=str(world["path"])) as (consumer, fake):
+        client = ConsumerClient(consumer.address)
+        yield holder, client, fake, consumer
+        await client.channel.close()
+
+
+def header(messages):
+    return messages[0].header
+
+
+# --- the header against the request ------------------------------------------------------
+@case("half_the_tokens", "raw", DL, "header.num_tokens=")
+def _(rec, request):
+    return rec["raw_half"]  # a self-consistent stream for the first half of the context
+
+
+@case("another_codec", "raw", DL, "header.codec.name='quant'")
+def _(rec, request):
+    return rec["quant"]
+
+
+@case("fewer_quant_bits", "quant", DL, "header.codec.options=", {"bits": "8"})
+def _(rec, request):
+    return rec["quant4"]
+
+
+@case("cheaper_scd_schedule", "scd", DL, "scd stream header: schedule")
+def _(rec, request):
+    out = [copy(m) for m in rec["cheap_scd"]]
+    out[0].header.codec.options["schedule"] = ""  # claims the request's options, sends a cheaper schedule
+    return out
+
+
+@case("another_producer_digest", "scd", FP, "producer weight digest")
+def _(rec, request):
+    out = [copy(m) for m in rec["scd"]]
+    out[0].header.producer.weight_digest = "0" * 64
+    return out
+
+
+@case("artifact_of_another_pair", "scd", FP, "is not loaded here")
+def _(rec, request):
+    out = [copy(m) for m in rec["scd"]]
+    out[0].header.codec_metadata["artifact"] = "feedfacefeedface"
+    return out
+
+
+@case("huge_num_tokens", "raw", DL, "header.num_tokens=33554432")
+def _(rec, request):
+    out = [copy(m) for m in rec["raw"]]
+    out[0].header.num_tokens = 1 << 25
+    return out
+
+
+@case("format_version", "raw", FP, "header.codec_format_version=7")
+def _(rec, request):
+    out = [copy(m) for m in rec["raw"]]
+    out[0].header.codec_format_version = 7
+    return out
+
+
+@case("kv_dtype_not_whitelisted", "raw", DL, "header.kv_dtype='int64'")
+def _(rec, request):
+    out = [copy(m) for m in rec["raw"]]
+    out[0].header.kv_dtype = "int64"
+    return out
+
+
+@case("chunk_size_above_the_ceiling", "raw", DL, "header.max_chunk_bytes=8388608")
+def _(rec, request):
+    out = [copy(m) for m in rec["raw"]]
+    out[0].header.max_chunk_bytes = 8 << 20
+    return out
+
+
+@case("two_headers", "raw", DL, "second header")
+def _(rec, request):
+    return [rec["raw"][0], *rec["raw"]]
+
+
+@case("chunk_before_header", "raw", DL, "before the header")
+def _(rec, request):
+    return [rec["raw"][1], *rec["raw"]]
+
+
+# --- values ------------------------------------------------------------------------------
+@case("nan_in_raw_k", "raw", DL, "non-finite")
+def _(rec, request):
+    out = [copy(m) for m in rec["raw"]]
+    poke(out[chunks(out, "k", layer=2)[1]], torch.float32, 3, float("nan"))
+    return out
+
+
+@case("inf_in_quant_scale", "quant", DL, "payload 'k_scale' holds non-finite values")
+def _(rec, request):
+    out = [copy(m) for m in rec["quant"]]
+    poke(out[chunks(out, "k_scale", layer=1)[0]], torch.float16, 0, float("inf"))
+    return out
+
+
+@case("nan_in_scd_scale", "scd", DL, "non-finite")
+def _(rec, request):
+    out = [copy(m) for m in rec["scd"]]
+    target = chunks(out, "z_scale") or chunks(out, "z") or chunks(out, "x")
+    poke(out[target[0]], torch.float16, 0, float("nan"))
+    return out
+
+
+# --- payload schema and chunking ---------------------------------------------------------
+@case("dtype_label_lies", "raw", DL, "dtype 2, the codec sends torch.float32")
+def _(rec, request):
+    out = [copy(m) for m in rec["raw"]]
+    out[chunks(out, "k", layer=0)[0]].chunk.dtype = common_pb2.ELEMENT_TYPE_FLOAT16
+    return out
+
+
+@case("unknown_payload_kind", "raw", DL, "not one of the layer's payloads")
+def _(rec, request):
+    out = [copy(m) for m in rec["raw"]]
+    out[chunks(out, "k", layer=0)[0]].chunk.kind = "junk"
+    return out
+
+
+@case("chunk_count_2_32", "raw", DL, "chunk_count=4294967295")
+def _(rec, request):
+    out = [copy(m) for m in rec["raw"]]
+    out[chunks(out, "v", layer=0)[0]].chunk.chunk_count = (1 << 32) - 1
+    return out
+
+
+@case("rows_inconsistent_with_header", "scd", DL, "the codec sends")
+def _(rec, request):
+    out = [copy(m) for m in rec["scd"]]
+    first = out[chunks(out)[0]].chunk
+    first.shape[0] = first.shape[0] * 100
+    return out
+
+
+@case("oversized_chunk", "raw", DL, "data bytes, the contract says 1024")
+def _(rec, request):
+    out = [copy(m) for m in rec["raw"]]
+    set_data(out[chunks(out, "k", layer=0)[0]], bytes(6 << 20))
+    return out
+
+
+@case("crc_mismatch", "raw", DL, "CRC32C mismatch")
+def _(rec, request):
+    out = [copy(m) for m in rec["raw"]]
+    data = bytearray(out[chunks(out)[4]].chunk.data)
+    data[7] ^= 1
+    out[chunks(out)[4]].chunk.data = bytes(data)
+    return out
+
+
+@case("chunk_gap", "raw", DL, "expected chunk 1")
+def _(rec, request):
+    out = [copy(m) for m in rec["raw"]]
+    del out[chunks(out, "k", layer=0)[1]]
+    return out
+
+
+@case("missing_layer", "raw", DL, "layer 1: payload(s) ['k', 'v'] missing")
+def _(rec, request):
+    return [m for i, m in enumerate(rec["raw"]) if i not in chunks(rec["raw"], layer=1)]
+
+
+@case("layers_out_of_order", "raw", DL, "layer 1: payload(s) ['k', 'v'] missing (stream went on to layer 2)")
+def _(rec, request):
+    out = list(rec["raw"])
+    by_layer = [[out[i] for i in chunks(out, layer=layer)] for layer in range(4)]
+    return [out[0], *by_layer[0], *by_layer[2], *by_layer[1], *by_layer[3], out[-1]]
+
+
+@case("layer_sent_again", "raw", DL, "layers must arrive in increasing order")
+def _(rec, request):
+    out = list(rec["raw"])
+    layer0 = [out[i] for i in chunks(out, layer=0)]
+    return [*out[:-1], *layer0, out[-1]]
+
+
+@case("duplicate_payload", "raw", DL, "payload sent twice")
+def _(rec, request):
+    out = list(rec["raw"])
+    v0 = chunks(out, "v", layer=0)
+    return out[: v0[-1] + 1] + [out[i] for i in v0] + out[v0[-1] + 1 :]
+
+
+# --- the end of the stream ---------------------------------------------------------------
+@case("no_trailer", "raw", DL, "ended without a trailer")
+def _(rec, request):
+    return rec["raw"][:-1]
+
+
+@case("trailer_totals_lie", "raw", DL, "trailer.payload_bytes=")
+def _(rec, request):
+    out = [copy(m) for m in rec["raw"]]
+    out[-1].trailer.payload_bytes += 1
+    return out
+
+
+@case("chunk_after_trailer", "raw", DL, "after the trailer")
+def _(rec, request):
+    return [*rec["raw"], rec["raw"][1]]
+
+
+# --- producer statuses -------------------------------------------------------------------
+@case("producer_overloaded", "raw", grpc.StatusCode.UNAVAILABLE, "producer overloaded (RESOURCE_EXHAUSTED)")
+def _(rec, request):
+    return [grpc.StatusCode.RESOURCE_EXHAUSTED]
+
+
+@case("producer_internal_error", "raw", grpc.StatusCode.UNAVAILABLE, "producer failed (INTERNAL)")
+def _(rec, request):
+    return [rec["raw"][0], grpc.StatusCode.INTERNAL]
+
+
+def generate_fields(codec: str, options: dict) -> dict:
+    return dict(context=prompt(CONTEXT), question=prompt(QUESTION), max_new_tokens=4,
+                transfer=common_pb2.CodecSpec(name=codec, options=options))
+
+
+async def ask(client: ConsumerClient, timeout: float = 20, **fields) -> tuple[list, grpc.aio.AioRpcError | None]:
+    received = []
+    try:
+        async for msg in client.stub.Generate(consumer_pb2.GenerateRequest(**fields), timeout=timeout):
+            received.append(msg)
+    except grpc.aio.AioRpcError as err:
+        return received, err
+    return received, None
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+async def test_hostile_stream_is_refused_at_once_and_the_consumer_keeps_serving(world, hostile, name):
+    holder, client, fake, consumer = hostile
+    codec, options, mutate, status, text = CASES[name]
+    holder["script"] = lambda request: mutate(world["rec"], request)
+    before = rss_bytes()
+    received, err = await ask(client, **generate_fields(codec, options))
+    assert err is not None, f"{name}: status OK with {len(received)} messages: a hostile stream was accepted"
+    assert (err.code(), text in err.details()) == (status, True), f"{name}: {err.code()} {err.details()!r}"
+    assert "10.1.2.3" not in err.details() and "127.0.0.1" not in err.details()  # no internal addresses
+    assert received == []  # nothing was answered
+    assert rss_bytes() - before < 64 << 20, f"{name}: RSS grew by {(rss_bytes() - before) >> 20} MiB"
+    assert consumer.servicer.admission.inflight == 0
+    # the same consumer still answers a valid stream
+    holder["script"] = lambda request: world["rec"]["raw"]
+    received, err = await ask(client, **generate_fields("raw", {}))
+    assert err is None and received[-1].WhichOneof("kind") == "stats"
+
+
+async def test_the_unmutated_recordings_are_accepted_and_match_the_real_producer(world, hostile):
+    """The control: each recording replayed as is gives the tokens of the real pair."""
+    holder, client, _, _ = hostile
+    for codec, key, options in (("raw", "raw", {}), ("quant", "quant", {"bits": "8"}), ("scd", "scd", {})):
+        holder["script"] = lambda request, key=key: world["rec"][key]
+        received, err = await ask(client, **generate_fields(codec, options))
+        assert err is None, (codec, err)
+        assert received[-1].stats.transfer.name == codec
+
+
+async def test_a_stalled_producer_ends_at_the_deadline(world, hostile):
+    holder, client, _, _ = hostile
+    holder["script"] = lambda request: [world["rec"]["raw"][0], world["rec"]["raw"][1], 30]
+    received, err = await ask(client, timeout=1.5, **generate_fields("raw", {}))
+    assert err is not None and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and received == []
+
+
+async def test_local_prefill_policy_turns_a_corrupt_stream_into_the_oracle_answer(world, hostile):
+    holder, client, _, _ = hostile
+    fields = generate_fields("raw", {})
+    holder["script"] = lambda request: CASES["nan_in_raw_k"][2](world["rec"], request)
+    oracle, err = await ask(client, **{**fields, "transfer": common_pb2.CodecSpec(name="oracle")})
+    assert err is None
+    received, err = await ask(client, on_transfer_failure=consumer_pb2.TRANSFER_FAILURE_POLICY_LOCAL_PREFILL, **fields)
+    assert err is None
+    stats = received[-1].stats
+    assert stats.transfer.name == "oracle" and stats.transfer_failure.startswith("DATA_LOSS: ") and "non-finite" in stats.transfer_failure
+    assert [m.token.ids for m in received[:-1]] == [m.token.ids for m in oracle[:-1]]
+
+
+async def test_local_prefill_policy_covers_an_unreachable_producer():
+    from consumer.server import ConsumerServer
+    from shared.config import ConsumerConfig
+
+    consumer = ConsumerServer(ConsumerConfig(port=0, model="tiny-llama", device="cpu", producer="127.0.0.1:1", drain_grace_s=0))
+    await consumer.start()
+    await consumer.load()
+    client = ConsumerClient(consumer.address)
+    try:
+        fields = generate_fields("raw", {})
+        _, err = await ask(client, timeout=10, **fields)
+        assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE and "127.0.0.1" not in err.details()
+        received, err = await ask(client, timeout=10, on_transfer_failure=consumer_pb2.TRANSFER_FAILURE_POLICY_LOCAL_PREFILL,
+                                  **fields)
+        assert err is None and received[-1].stats.transfer_failure.startswith("UNAVAILABLE: ")
+    finally:
+        await client.channel.close()
+        await consumer.stop(0)
+
+
+async def test_a_second_stream_prefix_cannot_touch_a_handed_over_layer(world):
+    """The reader hands a payload over only once it is complete and never writes it again:
+    feeding the rest of a stream after the trailer fails without changing earlier tensors."""
+    from consumer.stream_reader import Expectation, LayerPayloads, StreamReader
+    from shared.codecs import create_codecs
+
+    model = load_model("tiny-llama", "float32", "cpu")
+    codecs = create_codecs(model)
+    messages = world["rec"]["raw"]
+    reader = StreamReader(Expectation(len(world["ids"]), codecs["raw"], {}, model.info))
+    layers = [e for m in messages for e in reader.feed(m) if isinstance(e, LayerPayloads)]
+    snapshot = [{k: v.clone() for k, v in lp.payloads.items()} for lp in layers]
+    with pytest.raises(Exception, match="after the trailer"):
+        reader.feed(messages[1])
+    assert all(torch.equal(a[k], lp.payloads[k]) for a, lp in zip(snapshot, layers) for k in a)
+
+
+def test_every_contract_rule_has_a_case():
+    assert len(CASES) >= 28
+    assert {status for _, _, _, status, _ in CASES.values()} >= {DL, FP, grpc.StatusCode.UNAVAILABLE}
+
+
+_ = producer_pb2  # the recordings are PrefillResponse messages
