@@ -9,7 +9,10 @@ draining in-flight calls for a grace period. Owns no model or codec logic.
 Health: readiness is the overall service "" and each API service name (NOT_SERVING until the
 model is loaded and warmed, SERVING after, NOT_SERVING while draining or when `not_ready` says
 why); liveness is the service "liveness", SERVING while the compute thread answers a heartbeat
-(a no-op submitted every `liveness_interval_s`) within `liveness_timeout_s`.
+(a no-op submitted every `liveness_interval_s`) within `liveness_timeout_s`. As Kubernetes
+gRPC probes (the kubelet speaks plaintext, so point them at `--health-port`):
+    readinessProbe: {grpc: {port: 50060, service: scd.v1.ProducerService}}
+    livenessProbe:  {grpc: {port: 50060, service: liveness}}
 """
 
 from __future__ import annotations
