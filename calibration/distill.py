@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-from calibration import moments, predictor_training, search
+from calibration import audit_thresholds, moments, predictor_training, search
 from calibration.predictor_training import TrainConfig, TrainExample
 from calibration.recompute_profile import profile_span
 from shared.codecs.recompute import default_span
@@ -142,6 +142,7 @@ def distill(
         )
         meta["recompute_span"] = [spans[0]["start"], spans[0]["end"]]
         meta["recompute_profile"] = spans
+    meta["audit"] = audit_thresholds.thresholds(art, producer, consumer, heldout)  # the cache audit's calibrated thresholds
     meta["calibration"]["wall_s"] = round(time.perf_counter() - started, 1)
     return art
 

@@ -29,7 +29,7 @@ from transformers import DynamicCache
 
 from consumer.decoding import Detokenizer, Sampler, Sampling, forward_logits
 from consumer.stream_reader import Event, Expectation, LayerPayloads, StreamHeader, StreamTrailer
-from shared import kv, logs
+from shared import audit, kv, logs
 from shared.codecs import CacheDecoder, Codec
 from shared.errors import Cancelled, DataLoss, DeadlineExceeded, ServiceError
 from shared.models import LoadedModel
@@ -37,6 +37,7 @@ from shared.models import LoadedModel
 log = logs.get("consumer.engine")
 LOCAL_MODE = "oracle"  # the consumer's own prefill: only token ids cross
 FAIL, LOCAL_PREFILL = "fail", "local_prefill"  # on_transfer_failure policies
+AUDIT_OFF, AUDIT_REPORT, AUDIT_FALLBACK = "off", "report", "fallback"  # cache audit policies
 
 
 class TransferSource(Protocol):
@@ -58,6 +59,9 @@ class GenerateJob:
     fallback: str = ""  # why the transfer planner kept or replaced the requested mode ("" = not asked)
     on_failure: str = FAIL  # FAIL | LOCAL_PREFILL
     transfer_budget_s: float | None = None  # LOCAL_PREFILL: the share of the deadline the transfer may use
+    audit: str = AUDIT_OFF  # AUDIT_OFF | AUDIT_REPORT | AUDIT_FALLBACK
+    audit_positions: int = 8
+    audit_threshold: float = 0.05  # used when the codec has no calibrated threshold
 
     @property
     def mode(self) -> str:
@@ -91,6 +95,10 @@ class GenerateResult:
     producer_encode_ms: float = 0.0
     producer_store_hit: bool = False
     transfer_failure: str = ""  # why LOCAL_PREFILL replaced the transfer
+    audit_layer_errors: tuple[float, ...] = ()
+    audit_thresholds: tuple[float, ...] = ()
+    audit_decision: str = ""
+    audit_ms: float = 0.0
 
 
 class GenerateEngine:
@@ -124,7 +132,7 @@ class GenerateEngine:
         if job.codec is None:
             return await self._local_prefill(job, result)
         try:
-            return await self._remote(job, result)
+            cache, decoder = await self._remote(job, result)
         except ServiceError as exc:
             if job.on_failure != LOCAL_PREFILL or isinstance(exc, Cancelled) or job.deadline - time.monotonic() <= 0:
                 raise
@@ -134,6 +142,32 @@ class GenerateEngine:
             result.bytes_received = result.rebuild_ms = 0
             result.raw_kv_bytes = self.loaded.info.kv_bytes(len(job.context_ids))
             return await self._local_prefill(job, result)
+        if job.audit != AUDIT_OFF:
+            thresholds = decoder.audit_thresholds() or (job.audit_threshold,) * self.loaded.info.num_layers
+            cache = await self._audit(job, result, cache, thresholds)
+        return cache
+
+    async def _audit(self, job: GenerateJob, result: GenerateResult, cache: DynamicCache,
+                     thresholds: tuple[float, ...]) -> DynamicCache:
+        """Spot-check the rebuilt cache (shared.audit); report, or prefill locally when it diverged."""
+        self._left(job, "cache audit")
+        checked = audit.positions(len(job.context_ids), job.audit_positions, seed=len(job.context_ids))
+        report, _ = await self._timed(audit.audit, self.loaded, job.context_ids, cache, checked)
+        result.audit_layer_errors, result.audit_ms, result.audit_thresholds = report.layer_errors, report.ms, thresholds
+        diverged = any(e > t for e, t in zip(report.layer_errors, thresholds))
+        result.audit_decision = "diverged" if diverged else "ok"
+        if diverged:
+            log.warning(
+                "generate.audit_diverged",
+                mode=job.mode,
+                thresholds=[round(t, 4) for t in thresholds],
+                layer_errors=[round(e, 4) for e in report.layer_errors],
+                policy=job.audit,
+            )
+        if diverged and job.audit == AUDIT_FALLBACK:
+            result.audit_decision = "diverged: prefilled locally"
+            return await self._local_prefill(job, result)
+        return cache
 
     async def run(self, job: GenerateJob) -> AsyncIterator[TokenOut | GenerateResult]:
         result = GenerateResult(job.request_id, job.mode, dict(job.options), len(job.context_ids), len(job.question_ids))
@@ -167,7 +201,7 @@ class GenerateEngine:
         result.total_ms = (done - job.received_at) * 1e3
         yield result
 
-    async def _remote(self, job: GenerateJob, result: GenerateResult) -> DynamicCache:
+    async def _remote(self, job: GenerateJob, result: GenerateResult) -> tuple[DynamicCache, CacheDecoder]:
         """Pull the producer stream and rebuild each layer on the compute thread while later ones
         arrive; the first failure of either side cancels the other."""
         assert job.codec is not None and self.source is not None
@@ -227,4 +261,4 @@ class GenerateEngine:
         result.producer_store_hit = trailer.store_hit
         cache, took = await self._timed(state["decoder"].finish)
         result.rebuild_ms += took
-        return cache
+        return cache, state["decoder"]

@@ -132,7 +132,9 @@ class ProducerClient:
             consumer_weight_digest=self.consumer_digest,
         )
         reader = StreamReader(expect)
-        call = self.stub.Prefill(request, timeout=timeout_s, metadata=(("x-request-id", request_id), (HASH_HEADER, context_hash(context_ids))))
+        call = self.stub.Prefill(
+            request, timeout=timeout_s, metadata=(("x-request-id", request_id), (HASH_HEADER, context_hash(context_ids)))
+        )
         try:
             async for message in call:
                 for event in reader.feed(message):

@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 
 from consumer.decoding import Sampling
-from consumer.engine import FAIL, LOCAL_MODE, LOCAL_PREFILL, GenerateJob
+from consumer.engine import AUDIT_FALLBACK, AUDIT_OFF, AUDIT_REPORT, FAIL, LOCAL_MODE, LOCAL_PREFILL, GenerateJob
 from consumer.planner import TransferPlanner
 from shared import codecs as codec_lib
 from shared.config import ConsumerConfig
@@ -25,6 +25,13 @@ POLICIES = {
     consumer_pb2.TRANSFER_FAILURE_POLICY_FAIL: FAIL,
     consumer_pb2.TRANSFER_FAILURE_POLICY_LOCAL_PREFILL: LOCAL_PREFILL,
 }
+AUDITS = {
+    consumer_pb2.AUDIT_POLICY_UNSPECIFIED: AUDIT_OFF,
+    consumer_pb2.AUDIT_POLICY_OFF: AUDIT_OFF,
+    consumer_pb2.AUDIT_POLICY_REPORT: AUDIT_REPORT,
+    consumer_pb2.AUDIT_POLICY_FALLBACK: AUDIT_FALLBACK,
+}
+MAX_AUDIT_POSITIONS = 64
 MIN_TRANSFER_SHARE = 0.2  # LOCAL_PREFILL never leaves the transfer less than this share of the deadline
 
 Tokenize = Callable[[str, bool], Awaitable[list[int]]]
@@ -93,6 +100,10 @@ class JobBuilder:
             raise InvalidArgument(f"sampling.top_p: {s.top_p} not in [0, 1]")
         if request.on_transfer_failure not in POLICIES:
             raise InvalidArgument(f"on_transfer_failure: unknown value {request.on_transfer_failure}")
+        if request.audit not in AUDITS:
+            raise InvalidArgument(f"audit: unknown value {request.audit}")
+        if request.audit_positions > MAX_AUDIT_POSITIONS:
+            raise InvalidArgument(f"audit_positions: {request.audit_positions} > limit {MAX_AUDIT_POSITIONS}")
         vocab = self.loaded.info.vocab_size
         if len(request.stop_token_ids) > 64:
             raise InvalidArgument(f"stop_token_ids: {len(request.stop_token_ids)} ids > limit 64")
@@ -124,4 +135,7 @@ class JobBuilder:
             fallback=fallback,
             on_failure=policy,
             transfer_budget_s=transfer_budget_s(self.planner, len(context_ids), timeout_s) if policy == LOCAL_PREFILL else None,
+            audit=AUDITS[request.audit],
+            audit_positions=request.audit_positions or 8,
+            audit_threshold=cfg.audit_threshold,
         )

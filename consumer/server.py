@@ -63,16 +63,23 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         received = time.perf_counter()
         request_id = serving.request_id(request.request_id)
         with structlog.contextvars.bound_contextvars(request_id=request_id), self.admission.slot():
-            async for message in self.outcomes.track(self._generate(request, request_id, context, received), context, log,
-                                                     "generate"):
+            async for message in self.outcomes.track(
+                self._generate(request, request_id, context, received), context, log, "generate"
+            ):
                 yield message
 
     async def _generate(self, request, request_id: str, context, received: float):
         self._ready()
         job = await self.jobs.build(request, request_id, serving.remaining_s(context, self.config.default_timeout_s))
         job.received_at = received
-        log.info("generate.start", mode=job.mode, context_tokens=len(job.context_ids), question_tokens=len(job.question_ids),
-                 deadline_s=context.time_remaining(), on_failure=job.on_failure)
+        log.info(
+            "generate.start",
+            mode=job.mode,
+            context_tokens=len(job.context_ids),
+            question_tokens=len(job.question_ids),
+            deadline_s=context.time_remaining(),
+            on_failure=job.on_failure,
+        )
         async with contextlib.aclosing(self.engine.run(job)) as items:
             async for item in items:
                 if isinstance(item, TokenOut):
@@ -152,6 +159,10 @@ def result_to_pb(r: GenerateResult) -> consumer_pb2.GenerateStats:
         producer_encode_ms=r.producer_encode_ms,
         producer_store_hit=r.producer_store_hit,
         transfer_failure=r.transfer_failure,
+        audit_layer_errors=r.audit_layer_errors,
+        audit_layer_thresholds=r.audit_thresholds,
+        audit_decision=r.audit_decision,
+        audit_ms=r.audit_ms,
     )
 
 

@@ -63,7 +63,9 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         metadata_id = dict(context.invocation_metadata() or ()).get("x-request-id", "")
         request_id = serving.request_id(request.request_id or metadata_id)
         with structlog.contextvars.bound_contextvars(request_id=request_id), self.admission.slot():
-            async for message in self.outcomes.track(self._prefill(request, request_id, context, started), context, log, "prefill"):
+            async for message in self.outcomes.track(
+                self._prefill(request, request_id, context, started), context, log, "prefill"
+            ):
                 yield message
 
     async def _prefill(self, request, request_id: str, context, started: float):

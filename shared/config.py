@@ -115,6 +115,7 @@ class ConsumerConfig(ServerConfig):
     max_new_tokens: int = 512
     max_text_bytes: int = 1 << 20  # context or question text longer than this is refused before tokenizing
     max_inflight: int = 16  # concurrent Generate calls; more get RESOURCE_EXHAUSTED
+    audit_threshold: float = 0.05  # cache-audit error counted as divergence when the codec has no calibrated one
     default_timeout_s: float = 120.0  # used when the caller sets no deadline
 
     def validate(self) -> None:
@@ -123,6 +124,8 @@ class ConsumerConfig(ServerConfig):
             raise ValueError("max_question_tokens and max_new_tokens: must be >= 1")
         if self.max_text_bytes < 1 or self.max_inflight < 1:
             raise ValueError("max_text_bytes and max_inflight: must be >= 1")
+        if not self.audit_threshold > 0:
+            raise ValueError("audit_threshold: must be > 0")
         if self.default_timeout_s <= 0:
             raise ValueError("default_timeout_s: must be > 0")
         if self.producer_lb not in LB_POLICIES:

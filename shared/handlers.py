@@ -54,7 +54,8 @@ def add_servicer(server: grpc.aio.Server, servicer: object, service: ServiceDesc
                     yield item
 
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                stream, request_deserializer=_deserializer(request_cls), response_serializer=response_cls.SerializeToString)
+                stream, request_deserializer=_deserializer(request_cls), response_serializer=response_cls.SerializeToString
+            )
         else:
 
             async def unary(request, context, impl=impl):
@@ -63,5 +64,6 @@ def add_servicer(server: grpc.aio.Server, servicer: object, service: ServiceDesc
                 return await impl(request, context)
 
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                unary, request_deserializer=_deserializer(request_cls), response_serializer=response_cls.SerializeToString)
+                unary, request_deserializer=_deserializer(request_cls), response_serializer=response_cls.SerializeToString
+            )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

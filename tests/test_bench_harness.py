@@ -221,7 +221,7 @@ def test_smoke_loopback_run(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [json.loads(line) for line in done.stdout.splitlines()] == rows
     assert [(r["mode"], r["store"], r["ctx_tokens"], r["runs"]) for r in rows] == [
-        ("oracle", "cold", 64, 2), ("cached", "warm", 64, 2), ("raw", "cold", 64, 2)]
+        ("oracle", "cold", 64, 2), ("cached", "warm", 64, 2), ("raw", "cold", 64, 2)], done.stderr[-3000:]
     for row in rows:
         assert list(row)[: len(KEYS)] == KEYS
         assert row["ttft_ms_min"] <= row["ttft_ms_median"] <= row["ttft_ms_max"]

@@ -103,6 +103,11 @@ class CacheDecoder(ABC):
     def finish(self) -> DynamicCache:
         """The consumer model's cache over the context, once every layer was added."""
 
+    def audit_thresholds(self) -> tuple[float, ...] | None:
+        """Per layer, the cache-audit error above which this stream's cache counts as diverged,
+        when the codec has them calibrated (shared.audit); None: the consumer's default."""
+        return None
+
 
 class Codec(ABC):
     name: ClassVar[str]

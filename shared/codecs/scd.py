@@ -71,6 +71,9 @@ class ScdDecoder(KVDecoder):
             self.art.geometry.quant_group,
         )
 
+    def audit_thresholds(self) -> tuple[float, ...] | None:
+        return self.art.audit_thresholds(str(self.schedule))
+
     def add_layer(self, layer: int, payloads: dict[str, torch.Tensor]) -> None:
         keys, values = ops.decode_layer(
             self.art, layer, self.schedule.actions[layer], payloads, self.loaded, self.pos, self.art.geometry.quant_group
@@ -99,8 +102,12 @@ class ScdCodec(Codec):
         so a bad rank or an unmeetable budget is INVALID_ARGUMENT before any transfer."""
         resolved = super().resolve(options)
         digest = self.model.info.weight_digest
-        mine = [a for a in self.artifacts if digest in (a.meta["producer"]["weight_digest"], a.meta["consumer"]["weight_digest"])
-                and (not resolved["artifact"] or a.artifact_id == resolved["artifact"])]
+        mine = [
+            a
+            for a in self.artifacts
+            if digest in (a.meta["producer"]["weight_digest"], a.meta["consumer"]["weight_digest"])
+            and (not resolved["artifact"] or a.artifact_id == resolved["artifact"])
+        ]
         if mine:
             pick(mine[0], resolved)
         return resolved

@@ -79,6 +79,11 @@ class Artifact:
     def schedules(self) -> list[ScheduleEntry]:
         return [ScheduleEntry(**s) for s in self.meta.get("schedules", [])]
 
+    def audit_thresholds(self, schedule: str) -> tuple[float, ...] | None:
+        """The calibrated per-layer cache-audit thresholds of a schedule (text form), if calibrated."""
+        value = self.meta.get("audit", {}).get("thresholds", {}).get(schedule)
+        return None if value is None else tuple(float(v) for v in value)
+
     def tensor(self, layer: int, name: str) -> torch.Tensor:
         return self.tensors[f"layer.{layer}.{name}"]
 
@@ -147,7 +152,7 @@ def _content_id(tensors: dict[str, torch.Tensor], meta: dict) -> str:
     for name in sorted(tensors):
         digest.update(name.encode())
         digest.update(tensors[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    body = {k: v for k, v in meta.items() if k not in ("artifact_id", "schedules")}
+    body = {k: v for k, v in meta.items() if k not in ("artifact_id", "schedules", "audit")}  # measured, not fitted
     digest.update(json.dumps(body, sort_keys=True).encode())
     return digest.hexdigest()[:16]
 

@@ -1,0 +1,83 @@
+"""Cache audit: a serving-time signal that a rebuilt cache left the regime its codec was
+calibrated for.
+
+An exact cache is a fixed point of the consumer's own forward: at any context position p, running
+the consumer's layers on token p over the cache's prefix [0, p) reproduces the cache's own K/V
+at p, layer by layer. A diverged cache is not: the K/V the consumer computes there differ from
+the ones the codec rebuilt. The audit checks k positions (always the last ones, where the
+question attends most, plus a seeded spread) in ONE batched forward: row i is token p_i over the
+prefix [0, p_i), left-padded to a common length with an attention mask, so its cost is about
+one decode step of batch k, not k prefills.
+
+Error of layer l = max over the checked positions of ||[k|v]_own - [k|v]_rebuilt|| / ||[k|v]_own||
+(post-RoPE keys, values; float32). Knows nothing about codecs, policies or the wire.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from shared import kv
+from shared.models import LoadedModel
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    positions: tuple[int, ...]
+    layer_errors: tuple[float, ...]  # per layer, max over positions
+    ms: float
+
+    @property
+    def max_error(self) -> float:
+        return max(self.layer_errors, default=0.0)
+
+
+def positions(num_tokens: int, k: int, seed: int = 0) -> tuple[int, ...]:
+    """k distinct positions in [1, T): the last ceil(k/2), the rest spread at random (seeded)."""
+    candidates = list(range(1, num_tokens))
+    k = min(k, len(candidates))
+    last = candidates[len(candidates) - (k + 1) // 2 :]
+    rest = [p for p in candidates if p not in last]
+    return tuple(sorted(last + random.Random(seed).sample(rest, k - len(last))))
+
+
+@torch.inference_mode()
+def audit(loaded: LoadedModel, context_ids: list[int], cache: DynamicCache, checked: tuple[int, ...]) -> AuditReport:
+    """Check `cache` (the rebuilt context cache, batch 1, T = len(context_ids)) at `checked`."""
+    started = time.perf_counter()
+    num_layers, device = loaded.info.num_layers, loaded.device
+    if not checked:
+        return AuditReport((), tuple(0.0 for _ in range(num_layers)), 0.0)
+    width = max(checked)  # the longest prefix
+    batch = len(checked)
+    probe = kv.empty_cache(loaded)
+    for layer in range(num_layers):
+        keys, values = cache.layers[layer].keys, cache.layers[layer].values  # [1, n_kv, T, hd]
+        pk = keys.new_zeros(batch, keys.shape[1], width, keys.shape[3], dtype=loaded.dtype)  # [k, n_kv, width, hd], left-padded
+        pv = values.new_zeros(batch, values.shape[1], width, values.shape[3], dtype=loaded.dtype)
+        for row, p in enumerate(checked):
+            pk[row, :, width - p :] = keys[0, :, :p]
+            pv[row, :, width - p :] = values[0, :, :p]
+        probe.update(pk, pv, layer)
+    mask = torch.zeros(batch, width + 1, dtype=torch.long, device=device)
+    for row, p in enumerate(checked):
+        mask[row, width - p :] = 1  # the prefix and the token itself
+    ids = torch.tensor([[context_ids[p]] for p in checked], device=device)  # [k, 1]
+    pos = torch.tensor([[p] for p in checked], device=device)
+    loaded.model.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=probe, use_cache=True)
+    errors = []
+    for layer in range(num_layers):
+        own = torch.cat(
+            [probe.layers[layer].keys[:, :, width], probe.layers[layer].values[:, :, width]], -1
+        ).float()  # [k, n_kv, 2hd]
+        rebuilt = torch.stack(
+            [torch.cat([cache.layers[layer].keys[0, :, p], cache.layers[layer].values[0, :, p]], -1) for p in checked]
+        ).float()
+        diff = (own - rebuilt).flatten(1).norm(dim=1) / own.flatten(1).norm(dim=1).clamp_min(1e-6)  # [k]
+        errors.append(float(diff.max()))
+    return AuditReport(tuple(checked), tuple(errors), (time.perf_counter() - started) * 1e3)
