@@ -44,11 +44,13 @@ class ConsumerClient:
         """Collect one Generate stream; `mode`/`options` fill `transfer` when given."""
         if mode is not None:
             fields["transfer"] = common_pb2.CodecSpec(name=mode, options=options or {})
-        ids, text, stats = [], "", None
+        ids: list[int] = []
+        text, stats = "", None
         async for msg in self.stub.Generate(consumer_pb2.GenerateRequest(**fields), timeout=timeout):
             if msg.WhichOneof("kind") == "token":
                 ids += msg.token.ids
                 text += msg.token.text
             else:
                 stats = msg.stats
+        assert stats is not None, "Generate ended without stats"  # the consumer always ends with them
         return Answer(ids, text, stats)

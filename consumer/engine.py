@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -41,7 +41,9 @@ AUDIT_OFF, AUDIT_REPORT, AUDIT_FALLBACK = "off", "report", "fallback"  # cache a
 
 
 class TransferSource(Protocol):
-    def open(self, request_id: str, context_ids: list[int], expect: Expectation, timeout_s: float) -> AsyncIterator[Event]: ...
+    def open(
+        self, request_id: str, context_ids: list[int], expect: Expectation, timeout_s: float
+    ) -> AsyncGenerator[Event, None]: ...
 
 
 @dataclass
@@ -147,8 +149,9 @@ class GenerateEngine:
             cache = await self._audit(job, result, cache, thresholds)
         return cache
 
-    async def _audit(self, job: GenerateJob, result: GenerateResult, cache: DynamicCache,
-                     thresholds: tuple[float, ...]) -> DynamicCache:
+    async def _audit(
+        self, job: GenerateJob, result: GenerateResult, cache: DynamicCache, thresholds: tuple[float, ...]
+    ) -> DynamicCache:
         """Spot-check the rebuilt cache (shared.audit); report, or prefill locally when it diverged."""
         self._left(job, "cache audit")
         checked = audit.positions(len(job.context_ids), job.audit_positions, seed=len(job.context_ids))
@@ -169,7 +172,7 @@ class GenerateEngine:
             return await self._local_prefill(job, result)
         return cache
 
-    async def run(self, job: GenerateJob) -> AsyncIterator[TokenOut | GenerateResult]:
+    async def run(self, job: GenerateJob) -> AsyncGenerator[TokenOut | GenerateResult, None]:
         result = GenerateResult(job.request_id, job.mode, dict(job.options), len(job.context_ids), len(job.question_ids))
         result.raw_kv_bytes = self.loaded.info.kv_bytes(len(job.context_ids))
         cache = await self._cache(job, result)
@@ -205,6 +208,7 @@ class GenerateEngine:
         """Pull the producer stream and rebuild each layer on the compute thread while later ones
         arrive; the first failure of either side cancels the other."""
         assert job.codec is not None and self.source is not None
+        source = self.source
         started = time.perf_counter()
         expect = Expectation(len(job.context_ids), job.codec, job.options, self.loaded.info)
         budget = self._left(job, "transfer")
@@ -214,7 +218,7 @@ class GenerateEngine:
         state: dict[str, Any] = {}
 
         async def pump() -> None:
-            stream = self.source.open(job.request_id, job.context_ids, expect, budget)
+            stream = source.open(job.request_id, job.context_ids, expect, budget)
             try:
                 async for event in stream:
                     if isinstance(event, StreamHeader):

@@ -76,16 +76,19 @@ class TransferPlanner:
 
     def decide(self, mode: str, options: Mapping[str, str], context_tokens: int) -> Decision:
         per_token = self.bytes_per_token.get(mode_key(mode, options), Ewma()).value
+        local_ms = self.local_ms_per_token.value
+        producer_ms = self.producer_ms_per_token.value
+        link = self.link_bytes_per_ms.value
         needs = {
-            "local prefill ms/token (an oracle request)": self.local_ms_per_token.value,
-            "producer ms/token": self.producer_ms_per_token.value,
-            "link bytes/ms": self.link_bytes_per_ms.value,
+            "local prefill ms/token (an oracle request)": local_ms,
+            "producer ms/token": producer_ms,
+            "link bytes/ms": link,
             f"bytes/token of {mode_key(mode, options)}": per_token,
         }
-        missing = [name for name, value in needs.items() if value is None]
-        if missing:
+        if local_ms is None or producer_ms is None or link is None or per_token is None:
+            missing = [name for name, value in needs.items() if value is None]
             return Decision(False, f"remote: no estimate yet for {', '.join(missing)}")
-        local = context_tokens * self.local_ms_per_token.value
-        remote = context_tokens * (self.producer_ms_per_token.value + per_token / self.link_bytes_per_ms.value)
+        local = context_tokens * local_ms
+        remote = context_tokens * (producer_ms + per_token / link)
         where = "local" if local < remote else "remote"
         return Decision(local < remote, f"{where}: estimated local {local:.1f} ms vs remote {remote:.1f} ms")

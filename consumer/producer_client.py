@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 
@@ -124,7 +124,9 @@ class ProducerClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def open(self, request_id: str, context_ids: list[int], expect: Expectation, timeout_s: float) -> AsyncIterator[Event]:
+    async def open(
+        self, request_id: str, context_ids: list[int], expect: Expectation, timeout_s: float
+    ) -> AsyncGenerator[Event, None]:
         request = producer_pb2.PrefillRequest(
             request_id=request_id,
             token_ids=context_ids,

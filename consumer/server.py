@@ -19,6 +19,7 @@ from shared import codecs as codec_lib
 from shared import describe, handlers, logs, outcomes, serving
 from shared.config import ConsumerConfig
 from shared.errors import Unavailable
+from shared.metrics import Metrics
 from shared.models import LoadedModel, load_model, warm_up
 from shared.pb import common_pb2, consumer_pb2, consumer_pb2_grpc
 from shared.scd.artifact import discover
@@ -31,6 +32,8 @@ FINISH = {"length": consumer_pb2.FINISH_REASON_LENGTH, "stop": consumer_pb2.FINI
 
 class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
     """Registered before the port opens; answers UNAVAILABLE until `attach` gives it a model."""
+
+    metrics: Metrics  # the server's, set by ConsumerServer right after construction
 
     def __init__(self, config: ConsumerConfig, executor: ThreadPoolExecutor):
         self.config = config

@@ -41,16 +41,17 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         self.engine = PrefillEngine(loaded, self.executor)
         self.loaded = loaded
 
-    def _ready(self) -> None:
+    def _ready(self) -> LoadedModel:
         if self.loaded is None:
             raise Unavailable("producer model is still loading")
+        return self.loaded
 
     def _validate(self, request: producer_pb2.PrefillRequest) -> None:
-        self._ready()
+        loaded = self._ready()
         n = len(request.token_ids)
         if not 1 <= n <= self.config.max_context_tokens:
             raise InvalidArgument(f"token_ids: length {n} not in 1..{self.config.max_context_tokens}")
-        vocab = self.loaded.info.vocab_size
+        vocab = loaded.info.vocab_size
         bad = next((t for t in request.token_ids if t >= vocab), None)
         if bad is not None:
             raise InvalidArgument(f"token_ids: id {bad} >= vocab_size {vocab}")
@@ -74,7 +75,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         options = codec.resolve(dict(request.codec.options))
         encoder = codec.encoder(options, codec_lib.EncodeRequest(len(request.token_ids), request.consumer_weight_digest))
         log.info("prefill.start", tokens=len(request.token_ids), codec=codec.name, deadline_s=context.time_remaining())
-        info = self.loaded.info
+        info = self._ready().info
         max_chunk = self.config.max_chunk_bytes
         yield producer_pb2.PrefillResponse(
             header=producer_pb2.PrefillHeader(

@@ -57,7 +57,7 @@ def audit(loaded: LoadedModel, context_ids: list[int], cache: DynamicCache, chec
     batch = len(checked)
     probe = kv.empty_cache(loaded)
     for layer in range(num_layers):
-        keys, values = cache.layers[layer].keys, cache.layers[layer].values  # [1, n_kv, T, hd]
+        keys, values = kv.layer_kv(cache, layer)  # [1, n_kv, T, hd]
         pk = keys.new_zeros(batch, keys.shape[1], width, keys.shape[3], dtype=loaded.dtype)  # [k, n_kv, width, hd], left-padded
         pv = values.new_zeros(batch, values.shape[1], width, values.shape[3], dtype=loaded.dtype)
         for row, p in enumerate(checked):
@@ -72,12 +72,10 @@ def audit(loaded: LoadedModel, context_ids: list[int], cache: DynamicCache, chec
     loaded.model.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=probe, use_cache=True)
     errors = []
     for layer in range(num_layers):
-        own = torch.cat(
-            [probe.layers[layer].keys[:, :, width], probe.layers[layer].values[:, :, width]], -1
-        ).float()  # [k, n_kv, 2hd]
-        rebuilt = torch.stack(
-            [torch.cat([cache.layers[layer].keys[0, :, p], cache.layers[layer].values[0, :, p]], -1) for p in checked]
-        ).float()
+        probe_keys, probe_values = kv.layer_kv(probe, layer)
+        own = torch.cat([probe_keys[:, :, width], probe_values[:, :, width]], -1).float()  # [k, n_kv, 2hd]
+        keys, values = kv.layer_kv(cache, layer)
+        rebuilt = torch.stack([torch.cat([keys[0, :, p], values[0, :, p]], -1) for p in checked]).float()
         diff = (own - rebuilt).flatten(1).norm(dim=1) / own.flatten(1).norm(dim=1).clamp_min(1e-6)  # [k]
         errors.append(float(diff.max()))
     return AuditReport(tuple(checked), tuple(errors), (time.perf_counter() - started) * 1e3)

@@ -11,14 +11,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from shared.models import DTYPES
 from shared.wire import DEFAULT_MAX_CHUNK_BYTES
 
-C = TypeVar("C")
+
+class Validated(Protocol):
+    """What `load` and `replace` build: a dataclass that checks itself."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+    def validate(self) -> None: ...
+
+
+C = TypeVar("C", bound=Validated)
 LB_POLICIES = ("ring_hash", "round_robin", "pick_first")
 
 
@@ -138,14 +147,14 @@ class ConsumerConfig(ServerConfig):
             raise ValueError("keepalive_s: must be > 0")
 
 
-def load(cls: type[C], service: str, argv: Sequence[str] | None = None, env: dict | None = None) -> C:
+def load(cls: type[C], service: str, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> C:
     """Build `cls` from flags and SCD_<SERVICE>_<FIELD> environment variables, then validate."""
     env = os.environ if env is None else env
     parser = argparse.ArgumentParser(prog=f"python -m {service}", description=f"SCD {service} service")
     for f in fields(cls):
         var = f"SCD_{service.upper()}_{f.name.upper()}"
         default = env.get(var, f.default)
-        kind = parse_bool if isinstance(f.default, bool) else type(f.default)
+        kind: Callable[[Any], Any] = parse_bool if isinstance(f.default, bool) else type(f.default)
         parser.add_argument(
             f"--{f.name.replace('_', '-')}",
             type=kind,

@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping
 
 from shared.codecs import Codec
+from shared.codecs.scd import ScdCodec
 from shared.models import ModelInfo
 from shared.pb import common_pb2
 
@@ -44,7 +45,7 @@ def artifacts_to_pb(codecs: Mapping[str, Codec]) -> list[common_pb2.ArtifactInfo
     """The SCD artifacts the service loaded, with their schedules."""
     codec = codecs.get("scd")
     out = []
-    for art in codec.artifacts if codec is not None else []:
+    for art in codec.artifacts if isinstance(codec, ScdCodec) else []:
         out.append(
             common_pb2.ArtifactInfo(
                 artifact_id=art.artifact_id,

@@ -11,9 +11,11 @@ import enum
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from shared.models import LoadedModel
 
@@ -63,13 +65,13 @@ def layer_capture(
         def post(module, args, kwargs, output, index=index):
             state = pending.pop(index, None) or LayerState(index)
             if Capture.KV in needs:
-                state.keys = cache.layers[index].keys[0]  # [n_kv, T, hd]
-                state.values = cache.layers[index].values[0]
+                keys, values = layer_kv(cache, index)
+                state.keys, state.values = keys[0], values[0]  # [n_kv, T, hd] each
             on_layer(state)
 
         handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
         if Capture.NORMED in needs:
-            handles.append(layer.input_layernorm.register_forward_hook(normed))
+            handles.append(layer.get_submodule("input_layernorm").register_forward_hook(normed))
         handles.append(layer.register_forward_hook(post, with_kwargs=True))
     try:
         yield
@@ -88,6 +90,15 @@ def prefill_context(loaded: LoadedModel, ids: torch.Tensor, cache: DynamicCache 
 
 def empty_cache(loaded: LoadedModel) -> DynamicCache:
     return DynamicCache(config=loaded.model.config)
+
+
+def layer_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A filled layer's (keys, values) as the cache stores them, [B, n_kv, T, hd] each.
+    transformers types `cache.layers` as a union with linear-attention layers and keys/values as
+    Optional; a DynamicCache of these decoders holds DynamicLayers."""
+    entry = cast(DynamicLayer, cache.layers[layer])
+    assert entry.keys is not None and entry.values is not None, f"cache layer {layer} is empty"
+    return entry.keys, entry.values
 
 
 def put_layer(cache: DynamicCache, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:

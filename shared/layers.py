@@ -10,11 +10,13 @@ nothing about codecs or the wire.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
+from shared.kv import layer_kv
 from shared.models import LoadedModel
 
 
@@ -37,7 +39,7 @@ def rope(loaded: LoadedModel, layer: int, keys_pre: torch.Tensor, pos: torch.Ten
 def kv_pre_rope(loaded: LoadedModel, layer: int, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Pre-RoPE keys (after k_norm where the model has one) and values from the layer's
     normalized input normed [T, d] -> ([n_kv, T, hd], [n_kv, T, hd])."""
-    attn = loaded.layers[layer].self_attn
+    attn: Any = loaded.layers[layer].self_attn  # the model's own attention class: k_proj, v_proj, k_norm (Qwen3)
     info = loaded.info
     shape = (normed.shape[0], info.num_kv_heads, info.head_dim)
     keys = attn.k_proj(normed).view(shape)  # [T, n_kv, hd]
@@ -68,5 +70,6 @@ def run_layers(loaded: LoadedModel, hidden: torch.Tensor, start: int, end: int) 
     out = []
     for index in range(start, end):
         h = model.layers[index](h, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, position_embeddings=emb)
-        out.append((cache.layers[index].keys[0], cache.layers[index].values[0]))
+        keys, values = layer_kv(cache, index)
+        out.append((keys[0], values[0]))
     return out

@@ -13,6 +13,7 @@ import contextlib
 import inspect
 import time
 from collections.abc import Callable, Iterable
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -72,7 +73,7 @@ class Metrics:
             ["reason"],
             registry=r,
         )
-        self.http = None
+        self.http: WSGIServer | None = None
 
     # -- exposition --------------------------------------------------------------------------
     def serve(self, port: int, host: str = "0.0.0.0") -> int:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from shared import tiny
 
@@ -41,7 +42,7 @@ class ModelInfo:
 @dataclass
 class LoadedModel:
     model: PreTrainedModel
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     info: ModelInfo
 
     @property
@@ -91,7 +92,7 @@ def load_model(model_id: str, dtype: str = "float32", device: str = "auto") -> L
     target = resolve_device(device)
     path = resolve_path(model_id)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="sdpa")
-    model.to(target).eval()
+    cast(torch.nn.Module, model).to(target).eval()  # transformers' decorated `to` stub rejects a device
     tokenizer = AutoTokenizer.from_pretrained(path)
     cfg = model.config.get_text_config(decoder=True)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

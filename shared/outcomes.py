@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -26,7 +26,7 @@ class Outcomes:
     cancelled: int = 0
     failed: int = 0
 
-    async def track(self, messages: AsyncIterator[T], context: Any, log: Any, event: str) -> AsyncIterator[T]:
+    async def track(self, messages: AsyncGenerator[T, None], context: Any, log: Any, event: str) -> AsyncGenerator[T, None]:
         """Pass `messages` on; `context` is the grpc servicer context (asked whether the caller
         went away), `event` the log event prefix ("prefill", "generate")."""
         self.started += 1

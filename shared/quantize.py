@@ -183,7 +183,8 @@ def decode_kv(
     Raises KeyError naming a missing payload and ValueError naming one whose shape or dtype is not
     what `shape`, `bits` and `group_size` imply."""
     _check(bits, group_size)
-    shape = tuple(int(d) for d in shape)
+    n_kv, t, hd = shape
+    shape = (int(n_kv), int(t), int(hd))
     for name, want in payload_shapes(shape, bits, group_size).items():
         if name not in payloads:
             raise KeyError(f"payload '{name}' missing")

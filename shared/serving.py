@@ -334,7 +334,7 @@ def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
     uvloop.run(runner())
 
 
-def main(service: str, config_cls: type, server_cls: type, argv: list[str] | None) -> None:
+def main(service: str, config_cls: type[ServerConfig], server_cls: type, argv: list[str] | None) -> None:
     """`python -m <service>`: config from flags/env, logs, then start -> load -> serve until
     SIGTERM/SIGINT -> drain. `server_cls(config)` has async start(), load() and stop()."""
     from shared import config as config_lib

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -21,7 +22,7 @@ _CORPUS = (
     "0 1 2 3 4 5 6 7 8 9 alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu. "
 )
 
-_COMMON = dict(
+_COMMON: dict[str, Any] = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=4,

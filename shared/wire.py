@@ -25,7 +25,7 @@ _TO_PB = {
     torch.uint8: common_pb2.ELEMENT_TYPE_UINT8,
     torch.int32: common_pb2.ELEMENT_TYPE_INT32,
 }
-_FROM_PB = {v: k for k, v in _TO_PB.items()}
+_FROM_PB: dict[int, torch.dtype] = {v: k for k, v in _TO_PB.items()}
 
 
 def dtype_to_pb(dtype: torch.dtype) -> int:
@@ -45,7 +45,7 @@ def dtype_from_pb(value: int) -> torch.dtype:
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """Little-endian row-major bytes of `tensor` (copied to CPU and made contiguous if needed)."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def payload_to_pb(layer: int, kind: str, tensor: torch.Tensor, max_chunk_bytes: int) -> list[producer_pb2.LayerChunk]:

@@ -98,6 +98,7 @@ class RecomputeEncoder(LayerEncoder):
 
     def encode(self, state: LayerState) -> dict[str, torch.Tensor]:
         if state.index == self.start:
+            assert state.hidden is not None  # the encoder asked for Capture.HIDDEN
             return {"hidden": state.hidden}  # [T, d], residual stream entering layer `start`
         if self.start < state.index < self.end:
             return {}  # the consumer recomputes it

@@ -16,8 +16,11 @@ the metadata. Knows nothing about schedules, training or the wire.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from transformers import LlamaConfig, LlamaModel
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 PREFIX = "predictor."
 
@@ -27,8 +30,9 @@ def build(config: dict) -> LlamaModel:
     attention and MLP output projections start at zero, so an untrained predictor is the
     identity (naive reuse of P's state) and training learns only the correction."""
     model = LlamaModel(LlamaConfig(**config))
-    model.norm = torch.nn.Identity()
+    model.norm = torch.nn.Identity()  # type: ignore[assignment]  # deliberately no final norm
     for block in model.layers:
+        assert isinstance(block, LlamaDecoderLayer)
         torch.nn.init.zeros_(block.self_attn.o_proj.weight)
         torch.nn.init.zeros_(block.mlp.down_proj.weight)
     model.embed_tokens.weight.requires_grad_(False)  # unused: inputs arrive as embeddings
@@ -59,4 +63,5 @@ def from_tensors(tensors: dict[str, torch.Tensor], layer: int, config: dict) -> 
     if unexpected or [m for m in missing if not m.startswith("embed_tokens")]:
         raise ValueError(f"layer {layer} predictor: missing {missing}, unexpected {unexpected}")
     device = next(iter(state.values())).device
-    return model.to(device).eval().requires_grad_(False)
+    cast(torch.nn.Module, model).to(device)  # in place; transformers' decorated `to` stub rejects a device
+    return model.eval().requires_grad_(False)
