@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from shared.models import LoadedModel
 
@@ -51,14 +51,19 @@ def forward_logits(loaded: LoadedModel, ids: list[int], cache: DynamicCache) -> 
 class Detokenizer:
     """Turns a growing list of ids into text deltas, holding back an unfinished UTF-8 sequence."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.emitted = ""
 
+    def _text(self) -> str:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence of ids decodes to one string
+        return text
+
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self._text()
         if text.endswith("\ufffd") or not text.startswith(self.emitted):
             return ""
         delta, self.emitted = text[len(self.emitted) :], text
@@ -66,7 +71,7 @@ class Detokenizer:
 
     def flush(self) -> str:
         """Text still held back once generation has ended (e.g. an incomplete byte sequence)."""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self._text()
         delta = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
         self.emitted = text
         return delta
