@@ -11,7 +11,7 @@ PROTOS  := $(wildcard protos/scd/v1/*.proto)
 PB_GEN  := $(PB_OUT)/scd/v1/.generated
 COMPOSE := .venv-compose/bin/docker-compose
 
-.PHONY: all install proto lint test demo models eval-pair artifacts bench-quality bench-ttft compose-config compose-smoke clean
+.PHONY: all install proto lint test demo models eval-pair artifacts bench-quality bench-audit bench-ttft compose-config compose-smoke clean
 
 all: test
 
@@ -80,6 +80,13 @@ artifacts: $(PB_GEN)
 
 bench-quality: $(PB_GEN)
 	$(PYTHON) -m bench.quality
+
+# Does the consumer's cache audit catch SCD answers that diverge from its own prefill, on the
+# shifted sets of qa/shifted.py? One JSON line per set and a summary -> bench/results/audit.{jsonl,md}
+# (about 8 min on this 2-core CPU). AUDIT_ARGS e.g. "--audit-positions 16 --n 10".
+AUDIT_ARGS ?=
+bench-audit: $(PB_GEN)
+	$(PYTHON) -m bench.audit $(AUDIT_ARGS)
 
 # Needs root (network namespaces + tc). TTFT_ARGS narrows the grid, e.g. TTFT_ARGS="--quick".
 TTFT_ARGS ?=
