@@ -15,6 +15,7 @@ from pathlib import Path
 
 from bench import services
 from consumer.client import ConsumerClient, prompt
+from shared.labels import options_label
 
 PAIR = Path(services.ROOT / "checkpoints")
 FALLBACK_CONTEXT = ("The producer reads a long context and the consumer writes the answer. "
@@ -50,7 +51,7 @@ async def ask_all(address: str, context: str, question: str, max_new_tokens: int
                                            max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
             oracle_ids = answer.ids if mode == "oracle" else oracle_ids
             chosen = dict(answer.stats.transfer.options)
-            detail = chosen.get("schedule") or ",".join(f"{k}={v}" for k, v in sorted(chosen.items()))
+            detail = chosen.get("schedule") or options_label(chosen)
             print(f"[{mode:>9}] {answer.text.strip()!r}  ({detail or 'no options'})", file=sys.stderr)
             rows.append({"mode": mode, "tokens": answer.stats.generated_tokens, "ttft_ms": round(answer.stats.ttft_ms, 2),
                          "bytes": answer.stats.bytes_received, "raw_kv_bytes": answer.stats.raw_kv_bytes,

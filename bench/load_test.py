@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -157,7 +158,7 @@ async def main_async(args) -> None:
                 c, p, balanced = await settle(stub, pstub)
                 rss_last = rss_kib(producer.process.pid) + rss_kib(consumer.process.pid)
                 lat = sorted(tally["latency_ms"])
-                print(json.dumps({
+                lines = [{
                     "streams": args.streams, "rounds": args.rounds, "requests": args.streams * args.rounds,
                     "ok": tally["ok"], "cancelled": tally["cancelled"],
                     "unexpected_errors": tally["unexpected_errors"], "wrong_answers": tally["wrong_answers"],
@@ -169,20 +170,33 @@ async def main_async(args) -> None:
                                  "cancelled": c.generates_cancelled, "failed": c.generates_failed},
                     "producer": {"started": p.prefills_started, "completed": p.prefills_completed,
                                  "cancelled": p.prefills_cancelled, "failed": p.prefills_failed},
-                }), flush=True)
-                # head-of-line: a normal raw request alone vs beside a ~1 KB/s reader of a large stream
+                    "load_avg_1m": round(os.getloadavg()[0], 2), "cores": os.cpu_count(),
+                }]
+                print(json.dumps(lines[0]), flush=True)
+                # head-of-line: a normal raw request beside a ~1 KB/s reader of a large stream, then
+                # alone, interleaved so drift hits both; each repetition opens a new slow stream
+                # of a new context (cold: its forward runs while the reader stalls)
                 normal = request("raw", {}, CONTEXTS[2], 2)
-                alone = [(await answer(stub, normal, 60))[1] for _ in range(args.hol_runs)]
-                stop = asyncio.Event()
-                reader = asyncio.ensure_future(slow_reader(producer.address, list(range(5, 380)) * 16, stop))
-                await asyncio.sleep(2.0)
-                beside = [(await answer(stub, normal, 60))[1] for _ in range(args.hol_runs)]
-                stop.set()
-                await reader
+                await answer(stub, normal, 60)  # warm-up
+                alone, beside = [], []
+                for i in range(args.hol_runs):
+                    stop = asyncio.Event()
+                    ids = [5 + (j * (i + 3)) % 370 for j in range(6000)]
+                    reader = asyncio.ensure_future(slow_reader(producer.address, ids, stop))
+                    await asyncio.sleep(1.5)  # its forward is done, its stream stalled on the reader
+                    beside.append((await answer(stub, normal, 60))[1])
+                    stop.set()
+                    await reader
+                    await asyncio.sleep(0.3)
+                    alone.append((await answer(stub, normal, 60))[1])
                 ratio = statistics.median(beside) / statistics.median(alone)
-                print(json.dumps({"hol_ttft_alone_ms": round(statistics.median(alone), 1),
-                                  "hol_ttft_beside_slow_reader_ms": round(statistics.median(beside), 1),
-                                  "hol_ttft_ratio": round(ratio, 3), "hol_runs": args.hol_runs}), flush=True)
+                lines.append({"hol_ttft_alone_ms": round(statistics.median(alone), 1),
+                              "hol_ttft_beside_slow_reader_ms": round(statistics.median(beside), 1),
+                              "hol_ttft_ratio": round(ratio, 3), "hol_runs": args.hol_runs,
+                              "load_avg_1m": round(os.getloadavg()[0], 2), "cores": os.cpu_count()})
+                print(json.dumps(lines[-1]), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -193,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--hol-runs", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=services.ROOT / "bench/results/load.jsonl")
     asyncio.run(main_async(p.parse_args(argv)))
 
 

@@ -17,6 +17,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from shared.labels import mode_label
+
 ORACLE = "oracle"
 CACHED = "cached"
 REFERENCES = (ORACLE, CACHED)  # rows without a link
@@ -28,7 +30,7 @@ def load(path: Path) -> list[dict]:
 
 def label(row: dict) -> str:
     """'raw cold', 'quant(bits=8) warm', 'oracle cold', 'cached warm'."""
-    name = f"{row['mode']}({row['schedule']})" if row.get("schedule") else row["mode"]
+    name = mode_label(row["mode"], row.get("schedule") or "")
     return f"{name} {row.get('store') or 'cold'}"
 
 

@@ -5,7 +5,7 @@ Formula (all times in ms; T context tokens, q question tokens, B link Gbit/s):
 
     prefill P(T)  = (2 N T + 2 L d T^2) / (mfu * peak)        dense weights + causal attention FLOPs
     question Q    = 2 N / (hbm_eff * hbm)                     a short prefill is weight-read bound
-    wire W_m(T,B) = T * kv_bytes_per_token * r_m * 8 / (link_eff * B)
+    wire W_m(T,B) = T * kv_bytes_per_token * r_m * 8 / min(link_eff * B, S)
     rebuild R_m   = c_m * P(T)                                consumer compute to rebuild (patch/recompute)
 
     oracle        = P(T + q)                                  the consumer prefills everything itself
@@ -19,7 +19,10 @@ of that mode and schedule), c_m the measured median rebuild_ms over the same con
 TTFT; both can be overridden (--ratio, --rebuild-frac). The 7B geometry (Qwen2.5-7B: 28 layers,
 hidden 3584, 4 KV heads x 128, bf16 -> 57,344 raw KV bytes per token) and the H200 figures
 (989 TFLOP/s dense bf16, 4.8 TB/s HBM) are stated assumptions, as are mfu 0.45, hbm_eff 0.6 and
-link_eff 0.9. The crossover bandwidth at which mode m matches oracle (warm) is
+link_eff 0.9. S is the MEASURED ceiling of this implementation's gRPC stream (bench.transport: raw
+payload bytes through the real producer stream on loopback, best chunk size, from
+bench/results/transport.jsonl): no link is faster than the Python stream that feeds it, so a
+400 Gbit/s line does not carry more than S here. The crossover bandwidth at which mode m matches oracle (warm) is
 B* = T kv_bytes r_m 8 / (link_eff (oracle - Q)) when R_m + Q < oracle, else never.
 """
 
@@ -32,7 +35,18 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from shared.labels import mode_label
+
 RESULTS = Path(__file__).parent / "results" / "ttft.jsonl"
+TRANSPORT = Path(__file__).parent / "results" / "transport.jsonl"
+
+
+def stream_ceiling_gbps(path: Path) -> float:
+    """Best measured gRPC stream throughput (median over repetitions, best chunk size), Gbit/s."""
+    if not path.exists():
+        return float("inf")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return max((r["grpc_MBps"] * 8e-3 for r in rows), default=float("inf"))
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,7 @@ class Assumptions:
     hbm_bytes_s: float = 4.8e12
     hbm_eff: float = 0.6  # assumed
     link_eff: float = 0.9  # goodput / line rate (measured ~0.96 on the tbf link here)
+    stream_ceiling_gbps: float = float("inf")  # measured gRPC stream throughput (bench.transport), S
     question_tokens: int = 32
 
     @property
@@ -67,7 +82,7 @@ def question_ms(a: Assumptions) -> float:
 
 
 def wire_ms(a: Assumptions, tokens: int, ratio: float, gbps: float) -> float:
-    return tokens * a.kv_bytes_per_token * ratio * 8 / (a.link_eff * gbps * 1e9) * 1e3
+    return tokens * a.kv_bytes_per_token * ratio * 8 / (min(a.link_eff * gbps, a.stream_ceiling_gbps) * 1e9) * 1e3
 
 
 def project(a: Assumptions, tokens: int, ratio: float, rebuild_frac: float, gbps: float, store: str) -> float:
@@ -79,7 +94,8 @@ def crossover_gbps(a: Assumptions, tokens: int, ratio: float, rebuild_frac: floa
     oracle, q = prefill_ms(a, tokens + a.question_tokens), question_ms(a)
     if rebuild_frac * prefill_ms(a, tokens) + q >= oracle:
         return None
-    return tokens * a.kv_bytes_per_token * ratio * 8 / (a.link_eff * (oracle - q) * 1e-3) / 1e9
+    needed = tokens * a.kv_bytes_per_token * ratio * 8 / ((oracle - q) * 1e-3) / 1e9  # goodput that ties the oracle
+    return None if needed > a.stream_ceiling_gbps else needed / a.link_eff
 
 
 def measured_modes(rows: list[dict], model: str | None) -> dict[str, tuple[float, float]]:
@@ -91,7 +107,7 @@ def measured_modes(rows: list[dict], model: str | None) -> dict[str, tuple[float
     rows = [r for r in rows if r["mode"] not in ("oracle", "cached") and r.get("raw_kv_bytes")]  # link modes only
     ratios, fracs = defaultdict(list), defaultdict(list)
     for r in rows:
-        name = f"{r['mode']}({r['schedule']})" if r.get("schedule") else r["mode"]
+        name = mode_label(r["mode"], r.get("schedule") or "")
         ratios[name].append(r["bytes"] / r["raw_kv_bytes"])
         if r["ctx_tokens"] in oracle:
             fracs[name].append(r["rebuild_ms"] / oracle[r["ctx_tokens"]])
@@ -115,8 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--contexts", nargs="+", type=int, default=[4096, 32768])
     p.add_argument("--gbps", nargs="+", type=float, default=[10, 25, 50, 100, 200, 400])
     p.add_argument("--mfu", type=float, default=Assumptions.mfu)
+    p.add_argument("--transport", type=Path, default=TRANSPORT, help="bench.transport rows: the stream ceiling S")
     args = p.parse_args(argv)
-    a = Assumptions(mfu=args.mfu)
+    a = Assumptions(mfu=args.mfu, stream_ceiling_gbps=stream_ceiling_gbps(args.transport))
     rows = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()] if args.results.exists() else []
     modes = {"raw": (1.0, 0.0), **measured_modes(rows, args.from_model)}
     for name, r in _pairs(args.ratio).items():
@@ -125,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
         modes[name] = (modes.get(name, (1.0, 0.0))[0], c)
     print(json.dumps({"projection": True, "assumptions": {**asdict(a), "kv_bytes_per_token": a.kv_bytes_per_token},
                       "modes": {n: {"bytes_ratio": round(r, 4), "rebuild_frac": round(c, 4)} for n, (r, c) in modes.items()}}))
-    table = [f"**PROJECTION, not measured: {a.model} on {a.gpu}** (TTFT ms, ratio to oracle; warm store / cold store)\n"]
+    table = [f"**PROJECTION, not measured: {a.model} on {a.gpu}** (TTFT ms, ratio to oracle; warm store / cold store; "
+             f"wire capped at the measured gRPC stream ceiling {a.stream_ceiling_gbps:.1f} Gbit/s)\n"]
     for ctx in args.contexts:
         oracle = prefill_ms(a, ctx + a.question_tokens)
         print(json.dumps({"projection": True, "ctx_tokens": ctx, "mode": "oracle", "ttft_ms": round(oracle, 2)}))

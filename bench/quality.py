@@ -19,11 +19,12 @@ import sys
 from pathlib import Path
 
 from bench import services
+from calibration.search import evenly_spaced
 from consumer.client import ConsumerClient, prompt
 from qa.metrics import exact_match, f1_score
 from qa.task import END, examples
+from shared.labels import options_label
 from shared.scd.artifact import Artifact
-from calibration.search import evenly_spaced
 
 ROOT = services.ROOT
 RESULTS = ROOT / "bench/results"
@@ -45,7 +46,7 @@ def modes_for(artifact: Artifact, max_schedules: int) -> list[tuple[str, dict]]:
 def schedule_label(mode: str, options: dict, stats_options: dict) -> str:
     if mode == "scd":
         return stats_options.get("schedule", options.get("schedule", ""))
-    return ",".join(f"{k}={v}" for k, v in sorted(options.items())) or "-"
+    return options_label(options) or "-"
 
 
 async def run_pair(pair: str, address: str, artifact: Artifact, n: int, ctx: int, max_schedules: int, end_id: int,
@@ -124,8 +125,9 @@ def main() -> None:
     p.add_argument("--out-dir", type=Path, default=RESULTS, help="where quality.{jsonl,md,png} go")
     args = p.parse_args()
     overrides = dict(a.split("=", 1) for a in args.artifact)
-    from qa.tokenizer import end_token_id
     from transformers import AutoTokenizer
+
+    from qa.tokenizer import end_token_id
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from shared.labels import mode_label, options_label
+
 MIN_WIRE_BYTES = 16 * 1024  # smaller transfers say more about latency than about bandwidth
 
 
@@ -51,7 +53,7 @@ class Decision:
 
 
 def mode_key(mode: str, options: Mapping[str, str]) -> str:
-    return mode + "(" + ",".join(f"{k}={v}" for k, v in sorted(options.items())) + ")"
+    return mode_label(mode, options_label(options))
 
 
 @dataclass

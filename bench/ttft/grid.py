@@ -12,6 +12,8 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from shared.labels import mode_label, options_label
+
 ORACLE = "oracle"
 CACHED = "cached"  # reference row: a consumer that has the context cached itself
 DEFAULT_MODES = ["oracle", "raw", "quant:bits=8", "quant:bits=4", "recompute", "scd"]
@@ -37,11 +39,11 @@ class Mode:
         opts = dict(self.options)
         if set(opts) == {"schedule"}:
             return opts["schedule"]
-        return ",".join(f"{k}={v}" for k, v in self.options) or None
+        return options_label(self.options) or None
 
     @property
     def label(self) -> str:
-        return f"{self.name}({self.schedule})" if self.schedule else self.name
+        return mode_label(self.name, self.schedule or "")
 
 
 def parse_mode(text: str) -> Mode:

@@ -67,7 +67,7 @@ def row(model: str, dtype: str, shaping: str, bw: float | None, link_mbit: float
         mode: Mode, store: str, samples: list[Sample]) -> dict:
     """One JSON row of a cell (see bench.ttft for the keys)."""
     stats = [s.answer.stats for s in samples]
-    med = lambda xs: round(statistics.median(xs), 2)  # noqa: E731
+    med = lambda xs: round(statistics.median(xs), 2)
     ttft = summarize([s.ttft_ms for s in stats])
     linked = mode.name != ORACLE and link_mbit
     payload = statistics.median([s.bytes_received for s in stats])
