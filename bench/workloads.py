@@ -4,7 +4,6 @@ models (built once into .cache/models), or a tiny/builtin model; each with the i
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ def ensure_random(name: str, config: dict, seed: int = 0, dtype: str = "bfloat16
     init) and loaded by the services like any checkpoint. No downloads."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+    from transformers import PreTrainedTokenizerFast, Qwen2Config
 
     from shared import tiny
 
@@ -52,16 +51,8 @@ def ensure_random(name: str, config: dict, seed: int = 0, dtype: str = "bfloat16
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                         pad_token="<pad>")
-    torch.manual_seed(seed)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**config), dtype=getattr(torch, dtype))
-    tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    del model
-    if not path.exists():
-        tmp.rename(path)
-    return path
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return tiny.save_random(path, Qwen2Config(**config), tokenizer, seed, getattr(torch, dtype), device)
 
 
 def ensure_qwen05b(seed: int = 0) -> Path:

@@ -61,17 +61,30 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
-def ensure_tiny(name: str, seed: int = 0) -> Path:
-    """Return the checkpoint directory of builtin `name`, building it the first time."""
-    path = cache_dir() / name
+def save_random(path: Path, config, tokenizer, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Path:
+    """The one random-model builder: a model of `config` with seeded random weights in `dtype`,
+    initialized on `device` (the same seed gives other weights on CUDA than on the CPU: the
+    builtin tiny models always start on the CPU, large benchmark shapes on CUDA when present,
+    which is much faster) and `tokenizer`, written as a
+    normal checkpoint directory at `path` (atomically: a concurrent builder never sees half of
+    it), unless it is already there. Used for the builtin tiny models and the benchmarks'
+    0.5B / 7B shapes."""
     if (path / "config.json").exists():
         return path
-    tokenizer = build_tokenizer()
-    config = BUILTIN[name](len(tokenizer))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(path) if not path.exists() else None
+    del model
+    if not path.exists():
+        tmp.rename(path)
     return path
+
+
+def ensure_tiny(name: str, seed: int = 0) -> Path:
+    """Return the checkpoint directory of builtin `name`, building it the first time."""
+    tokenizer = build_tokenizer()
+    return save_random(cache_dir() / name, BUILTIN[name](len(tokenizer)), tokenizer, seed)
