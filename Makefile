@@ -108,7 +108,13 @@ TTFT_GRID_05B := --model-scale qwen05b --artifacts .cache/artifacts --contexts 5
 	--bandwidths 10 100 1000 --stores cold warm --warmup 1 --runs 5 \
 	--modes oracle raw quant:bits=8 quant:bits=4 scd
 
-.PHONY: bench-transport gpu-check pool-test
+.PHONY: bench-transport gpu-check pool-test load-test
+
+# Rounds of 32 concurrent Generate streams over every mode with random cancels and tiny deadlines,
+# then the head-of-line check; JSON lines to stdout and bench/results/load.jsonl (~2 min).
+load-test: $(PB_GEN)
+	$(PYTHON) -m bench.load_test
+
 # 3 producers behind one consumer's ring_hash / round_robin target on loopback, a producer
 # stopped mid-run; one JSON line, also written to bench/results/pool.json (about 15 s).
 pool-test: $(PB_GEN)
