@@ -19,6 +19,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -101,19 +102,40 @@ class History:
     val_em: list[tuple[int, float]] = field(default_factory=list)
 
 
-def train_phase(model, tok, phase: Phase, val_n: int = 50) -> History:
+@dataclass
+class Progress:
+    """Where a phase stands: enough to resume it exactly (with the model and optimizer state)."""
+
+    step: int = 0
+    seed: int = 0  # next train-split seed
+    cur: int = 0  # curriculum: current max facts
+    recent: list[float] = field(default_factory=list)
+    rng: list = field(default_factory=list)  # random.Random(data_seed).getstate(), JSON-able
+    history: History = field(default_factory=History)
+
+
+def train_phase(model, tok, phase: Phase, val_n: int = 50, progress: Progress | None = None, opt=None,
+                checkpoint: Callable[[Progress], None] | None = None, checkpoint_every: int = 0,
+                stop_at: float | None = None) -> History:
+    """Train one phase (or the rest of it, from `progress` and `opt`). `checkpoint(progress)` is
+    called every `checkpoint_every` steps and when `stop_at` (time.time()) passes, which ends
+    the phase early (resume later from the checkpoint)."""
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=phase.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    if opt is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=phase.lr, betas=(0.9, 0.98), weight_decay=0.01)
     rng = random.Random(phase.data_seed)
-    hist, cur, recent = History(), phase.min_facts, []
-    seed = phase.first_seed
-    bar = tqdm(range(phase.steps), desc=phase.name, mininterval=2.0)
+    if progress is None or not progress.rng:
+        progress = Progress(seed=phase.first_seed, cur=phase.min_facts)
+    else:
+        rng.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in progress.rng))
+    hist = progress.history
+    bar = tqdm(range(progress.step, phase.steps), desc=phase.name, mininterval=2.0)
     for step in bar:
-        lo = max(phase.min_facts, cur // 2) if phase.curriculum else phase.min_facts
-        hi = cur if phase.curriculum else phase.max_facts
+        lo = max(phase.min_facts, progress.cur // 2) if phase.curriculum else phase.min_facts
+        hi = progress.cur if phase.curriculum else phase.max_facts
         n_facts = rng.randint(lo, hi)
-        qa = qa_batch(range(seed, seed + phase.batch_size), tok, n_facts, list(phase.queries))
-        seed += phase.batch_size
+        qa = qa_batch(range(progress.seed, progress.seed + phase.batch_size), tok, n_facts, list(phase.queries))
+        progress.seed += phase.batch_size
         cp = copy_batch(rng, tok, phase.copy_batch_size)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, phase)
@@ -127,9 +149,9 @@ def train_phase(model, tok, phase: Phase, val_n: int = 50) -> History:
         hist.qa_loss.append(qa_loss.item())
         hist.copy_loss.append(copy_loss.item())
         hist.facts.append(n_facts)
-        recent.append(acc)
-        if phase.curriculum and len(recent) >= 10 and sum(recent[-10:]) / 10 > 0.85 and cur < phase.max_facts:
-            cur, recent = min(cur + 8, phase.max_facts), []
+        progress.recent.append(acc)
+        if phase.curriculum and len(progress.recent) >= 10 and sum(progress.recent[-10:]) / 10 > 0.85 and progress.cur < phase.max_facts:
+            progress.cur, progress.recent = min(progress.cur + 8, phase.max_facts), []
         if (step + 1) % phase.eval_every == 0 or step + 1 == phase.steps:
             model.eval()
             em = evaluate(own_prefill(model, tok), "validation", val_n, 512, phase.task)["em"]
@@ -138,7 +160,14 @@ def train_phase(model, tok, phase: Phase, val_n: int = 50) -> History:
             tqdm.write(f"{phase.name} step {step + 1}: qa_loss {sum(hist.qa_loss[-50:]) / len(hist.qa_loss[-50:]):.3f} "
                        f"copy_loss {sum(hist.copy_loss[-50:]) / len(hist.copy_loss[-50:]):.3f} "
                        f"facts<= {hi} val_em@512 {em:.3f}")
-        bar.set_postfix(loss=f"{qa_loss.item():.3f}", copy=f"{copy_loss.item():.2f}", acc=f"{acc:.2f}", facts=cur)
+        bar.set_postfix(loss=f"{qa_loss.item():.3f}", copy=f"{copy_loss.item():.2f}", acc=f"{acc:.2f}", facts=progress.cur)
+        progress.step = step + 1
+        out_of_time = stop_at is not None and time.time() > stop_at
+        if checkpoint is not None and ((checkpoint_every and progress.step % checkpoint_every == 0) or out_of_time):
+            progress.rng = list(rng.getstate())
+            checkpoint(progress)
+        if out_of_time:
+            break
     model.eval()
     return hist
 
@@ -181,7 +210,6 @@ def main(argv: list[str] | None = None) -> None:
     base_phase = Phase(**{**asdict(BASE), "steps": args.base_steps})
     tuned_phase = Phase(**{**asdict(TUNED), "steps": args.tuned_steps})
 
-    t0 = time.time()
     torch.manual_seed(MODEL_SEED)
     model = LlamaForCausalLM(model_config(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, args.layers))
     histories, summary = {}, {"threads": args.threads, "model_seed": MODEL_SEED, "layers": args.layers}
