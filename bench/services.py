@@ -75,10 +75,10 @@ def running(producer_args: Sequence[str], consumer_args: Sequence[str], log_dir:
                      f"{producer_host}:{pport}", log_dir, producer_prefix)
     consumer = None
     try:
+        wait_healthy(producer, timeout_s)  # first: the consumer checks its producer when it starts
         consumer = spawn("consumer", ["--host", consumer_host, "--port", str(cport), "--producer",
                                       f"{producer_host}:{pport}", *consumer_args],
                          f"{consumer_host}:{cport}", log_dir, consumer_prefix)
-        wait_healthy(producer, timeout_s)
         wait_healthy(consumer, timeout_s)
         yield producer, consumer
     finally:

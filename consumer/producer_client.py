@@ -99,6 +99,11 @@ def channel_options(lb: str = "ring_hash", keepalive_s: float = 30.0, server_nam
         ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        # a producer that comes (back) up is reached within a second or two, not gRPC's default
+        # reconnect backoff of up to 120 s (then requests would fail UNAVAILABLE meanwhile)
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2000),
         ("grpc.http2.max_pings_without_data", 0),
     ]
     if server_name:

@@ -9,6 +9,10 @@ question attends most, plus a seeded spread) in ONE batched forward: row i is to
 prefix [0, p_i), left-padded to a common length with an attention mask, so its cost is about
 one decode step of batch k, not k prefills.
 
+The reference's layer 0 is exact: its K/V depend on the token ids alone, so the audit computes
+them itself instead of attending over the rebuilt layer 0 (a low-rank Reuse layer 0 would
+otherwise put a fixed error floor under every later layer's reference, hiding divergence).
+
 Error of layer l = max over the checked positions of ||[k|v]_own - [k|v]_rebuilt|| / ||[k|v]_own||
 (post-RoPE keys, values; float32). Knows nothing about codecs, policies or the wire.
 """
@@ -18,11 +22,12 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 
-from shared import kv
+from shared import kv, layers
 from shared.models import LoadedModel
 
 
@@ -47,6 +52,18 @@ def positions(num_tokens: int, k: int, seed: int = 0) -> tuple[int, ...]:
 
 
 @torch.inference_mode()
+def exact_first_layer(loaded: LoadedModel, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 0's exact K/V over ids ([1, n_kv, len(ids), hd] each): they depend on the token ids
+    alone (embedding -> input_layernorm -> k/v projections -> RoPE), no attention, no MLP."""
+    tokens = torch.tensor([ids], device=loaded.device)
+    first: Any = loaded.layers[0]  # a decoder layer module (its stub type is a Tensor/Module union)
+    embed: Any = loaded.model.model.embed_tokens
+    normed = first.input_layernorm(embed(tokens))[0]  # [T, d]
+    keys, values = layers.kv_from_normed(loaded, 0, normed, layers.positions(loaded, len(ids)))
+    return keys[None], values[None]
+
+
+@torch.inference_mode()
 def audit(loaded: LoadedModel, context_ids: list[int], cache: DynamicCache, checked: tuple[int, ...]) -> AuditReport:
     """Check `cache` (the rebuilt context cache, batch 1, T = len(context_ids)) at `checked`."""
     started = time.perf_counter()
@@ -56,8 +73,9 @@ def audit(loaded: LoadedModel, context_ids: list[int], cache: DynamicCache, chec
     width = max(checked)  # the longest prefix
     batch = len(checked)
     probe = kv.empty_cache(loaded)
+    exact0 = exact_first_layer(loaded, context_ids[:width])  # the reference's layer 0: exact, from token ids
     for layer in range(num_layers):
-        keys, values = kv.layer_kv(cache, layer)  # [1, n_kv, T, hd]
+        keys, values = exact0 if layer == 0 else kv.layer_kv(cache, layer)  # [1, n_kv, >= width, hd]
         pk = keys.new_zeros(batch, keys.shape[1], width, keys.shape[3], dtype=loaded.dtype)  # [k, n_kv, width, hd], left-padded
         pv = values.new_zeros(batch, values.shape[1], width, values.shape[3], dtype=loaded.dtype)
         for row, p in enumerate(checked):
