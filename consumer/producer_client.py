@@ -25,7 +25,7 @@ import grpc
 
 from consumer.stream_reader import Event, Expectation, StreamReader
 from shared import logs, security
-from shared.errors import Cancelled, DataLoss, DeadlineExceeded, FailedPrecondition, ServiceError, Unavailable
+from shared.errors import DataLoss, DeadlineExceeded, FailedPrecondition, ServiceError, Unavailable
 from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
 from shared.serving import GRPC_OPTIONS
 
@@ -56,7 +56,9 @@ _MAPPED: dict[grpc.StatusCode, tuple[type[ServiceError], str]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (Unavailable, "producer overloaded"),
     grpc.StatusCode.UNAVAILABLE: (Unavailable, "producer unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (DeadlineExceeded, "deadline passed during the transfer"),
-    grpc.StatusCode.CANCELLED: (Cancelled, "transfer cancelled"),
+    # the caller's own cancel arrives as asyncio cancellation, never as this status: a CANCELLED
+    # status means the producer side ended the call (draining, restarted), so it is retryable
+    grpc.StatusCode.CANCELLED: (Unavailable, "producer cancelled the transfer"),
     grpc.StatusCode.INVALID_ARGUMENT: (FailedPrecondition, "producer refused the request"),
     grpc.StatusCode.FAILED_PRECONDITION: (FailedPrecondition, "producer cannot serve this codec for this pair"),
     grpc.StatusCode.DATA_LOSS: (DataLoss, "producer reported data loss"),

@@ -279,6 +279,11 @@ def _(rec, request):
     return [grpc.StatusCode.RESOURCE_EXHAUSTED]
 
 
+@case("producer_cancelled_the_call", "raw", grpc.StatusCode.UNAVAILABLE, "producer cancelled the transfer (CANCELLED)")
+def _(rec, request):
+    return [rec["raw"][0], rec["raw"][1], grpc.StatusCode.CANCELLED]
+
+
 @case("producer_internal_error", "raw", grpc.StatusCode.UNAVAILABLE, "producer failed (INTERNAL)")
 def _(rec, request):
     return [rec["raw"][0], grpc.StatusCode.INTERNAL]
