@@ -5,9 +5,10 @@ An exact cache is a fixed point of the consumer's own forward: at any context po
 the consumer's layers on token p over the cache's prefix [0, p) reproduces the cache's own K/V
 at p, layer by layer. A diverged cache is not: the K/V the consumer computes there differ from
 the ones the codec rebuilt. The audit checks k positions (always the last ones, where the
-question attends most, plus a seeded spread) in ONE batched forward: row i is token p_i over the
-prefix [0, p_i), left-padded to a common length with an attention mask, so its cost is about
-one decode step of batch k, not k prefills.
+question attends most, plus a seeded spread) in ONE forward: the k tokens as one row after the
+cache, with a 4D attention mask under which query i sees only the keys [0, p_i) and its own,
+at position p_i; the cache is shared, never copied per position, so the cost is about one
+decode step of k tokens, not k prefills.
 
 The reference's layer 0 is exact: its K/V depend on the token ids alone, so the audit computes
 them itself instead of attending over the rebuilt layer 0 (a low-rank Reuse layer 0 would
@@ -67,33 +68,30 @@ def exact_first_layer(loaded: LoadedModel, ids: list[int]) -> tuple[torch.Tensor
 def audit(loaded: LoadedModel, context_ids: list[int], cache: DynamicCache, checked: tuple[int, ...]) -> AuditReport:
     """Check `cache` (the rebuilt context cache, batch 1, T = len(context_ids)) at `checked`."""
     started = time.perf_counter()
-    num_layers, device = loaded.info.num_layers, loaded.device
+    num_layers, device, T = loaded.info.num_layers, loaded.device, len(context_ids)
     if not checked:
         return AuditReport((), tuple(0.0 for _ in range(num_layers)), 0.0)
-    width = max(checked)  # the longest prefix
-    batch = len(checked)
+    k = len(checked)
     probe = kv.empty_cache(loaded)
-    exact0 = exact_first_layer(loaded, context_ids[:width])  # the reference's layer 0: exact, from token ids
+    exact0 = exact_first_layer(loaded, context_ids)  # the reference's layer 0: exact, from token ids
     for layer in range(num_layers):
-        keys, values = exact0 if layer == 0 else kv.layer_kv(cache, layer)  # [1, n_kv, >= width, hd]
-        pk = keys.new_zeros(batch, keys.shape[1], width, keys.shape[3], dtype=loaded.dtype)  # [k, n_kv, width, hd], left-padded
-        pv = values.new_zeros(batch, values.shape[1], width, values.shape[3], dtype=loaded.dtype)
-        for row, p in enumerate(checked):
-            pk[row, :, width - p :] = keys[0, :, :p]
-            pv[row, :, width - p :] = values[0, :, :p]
-        probe.update(pk, pv, layer)
-    mask = torch.zeros(batch, width + 1, dtype=torch.long, device=device)
-    for row, p in enumerate(checked):
-        mask[row, width - p :] = 1  # the prefix and the token itself
-    ids = torch.tensor([[context_ids[p]] for p in checked], device=device)  # [k, 1]
-    pos = torch.tensor([[p] for p in checked], device=device)
+        keys, values = exact0 if layer == 0 else kv.layer_kv(cache, layer)  # [1, n_kv, T, hd]
+        probe.update(keys.to(loaded.dtype), values.to(loaded.dtype), layer)
+    # the k checked tokens as one row after the cache: query i sees keys [0, p_i) and its own new key
+    mask = torch.full((1, 1, k, T + k), torch.finfo(loaded.dtype).min, dtype=loaded.dtype, device=device)
+    for i, p in enumerate(checked):
+        mask[0, 0, i, :p] = 0
+        mask[0, 0, i, T + i] = 0
+    ids = torch.tensor([[context_ids[p] for p in checked]], device=device)  # [1, k]
+    pos = torch.tensor([list(checked)], device=device)
     loaded.model.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=probe, use_cache=True)
+    where = torch.tensor(checked, device=device)
     errors = []
     for layer in range(num_layers):
-        probe_keys, probe_values = kv.layer_kv(probe, layer)
-        own = torch.cat([probe_keys[:, :, width], probe_values[:, :, width]], -1).float()  # [k, n_kv, 2hd]
+        probe_keys, probe_values = kv.layer_kv(probe, layer)  # [1, n_kv, T + k, hd]
+        own = torch.cat([probe_keys[0, :, T:], probe_values[0, :, T:]], -1).float().transpose(0, 1)  # [k, n_kv, 2hd]
         keys, values = kv.layer_kv(cache, layer)
-        rebuilt = torch.stack([torch.cat([keys[0, :, p], values[0, :, p]], -1) for p in checked]).float()
+        rebuilt = torch.cat([keys[0][:, where], values[0][:, where]], -1).float().transpose(0, 1)
         diff = (own - rebuilt).flatten(1).norm(dim=1) / own.flatten(1).norm(dim=1).clamp_min(1e-6)  # [k]
         errors.append(float(diff.max()))
     return AuditReport(tuple(checked), tuple(errors), (time.perf_counter() - started) * 1e3)
