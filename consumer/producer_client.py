@@ -24,7 +24,7 @@ from collections.abc import AsyncGenerator
 import grpc
 
 from consumer.stream_reader import Event, Expectation, StreamReader
-from shared import logs, security
+from shared import logs, security, tracing
 from shared.errors import DataLoss, DeadlineExceeded, FailedPrecondition, ServiceError, Unavailable
 from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
 from shared.serving import GRPC_OPTIONS
@@ -121,12 +121,14 @@ class ProducerClient:
         self.stub = producer_pb2_grpc.ProducerServiceStub(self.channel)
 
     @classmethod
-    def from_config(cls, cfg, consumer_digest: str = "") -> ProducerClient:
-        """The channel a ConsumerConfig describes: target, balancing, TLS/mTLS, token, keepalive."""
+    def from_config(cls, cfg, consumer_digest: str = "", tracer: tracing.Tracing | None = None) -> ProducerClient:
+        """The channel a ConsumerConfig describes: target, balancing, TLS/mTLS, token, keepalive,
+        and the tracing interceptors (trace context to the producer) when tracing is on."""
         credentials = security.channel_credentials(cfg.producer_tls_ca, cfg.producer_tls_cert, cfg.producer_tls_key)
         token = security.load_token(cfg.producer_token, cfg.producer_token_file)
         options = channel_options(cfg.producer_lb, cfg.keepalive_s, cfg.producer_tls_server_name)
-        return cls(cfg.producer, consumer_digest, security.aio_channel(cfg.producer, options, credentials, token))
+        extra = tracer.client_interceptors() if tracer is not None else []
+        return cls(cfg.producer, consumer_digest, security.aio_channel(cfg.producer, options, credentials, token, extra))
 
     async def close(self) -> None:
         await self.channel.close()

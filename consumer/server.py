@@ -195,7 +195,7 @@ class ConsumerServer:
         if loaded is None:
             loaded = await logs.run_in(self.executor, load_model, cfg.model, cfg.dtype, cfg.device)
         await logs.run_in(self.executor, warm_up, loaded)
-        self.client = ProducerClient.from_config(cfg, loaded.info.weight_digest)
+        self.client = ProducerClient.from_config(cfg, loaded.info.weight_digest, self.server.tracing)
         self.servicer.attach(loaded, self.client)
         self.server.not_ready = await compat.check_producer(self.client.stub, self.servicer.codecs)
         await self.server.serving()

@@ -117,10 +117,15 @@ class BearerTokenStream(grpc.aio.UnaryStreamClientInterceptor):
 
 
 def aio_channel(
-    target: str, options: Sequence = (), credentials: grpc.ChannelCredentials | None = None, token: str = ""
+    target: str,
+    options: Sequence = (),
+    credentials: grpc.ChannelCredentials | None = None,
+    token: str = "",
+    extra_interceptors: Sequence = (),
 ) -> grpc.aio.Channel:
-    """A grpc.aio channel: TLS when credentials are given, a bearer token on every call when set."""
-    interceptors = [BearerTokenUnary(token), BearerTokenStream(token)] if token else None
+    """A grpc.aio channel: TLS when credentials are given, a bearer token on every call when set,
+    and `extra_interceptors` (tracing) after it."""
+    interceptors = [*([BearerTokenUnary(token), BearerTokenStream(token)] if token else []), *extra_interceptors] or None
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)
     return grpc.aio.secure_channel(target, credentials, options=list(options), interceptors=interceptors)

@@ -32,7 +32,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from shared import logs, security
+from shared import logs, security, tracing
 from shared.config import ServerConfig
 from shared.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable
 from shared.metrics import Metrics
@@ -183,6 +183,9 @@ class Server:
         self.config = config
         self.metrics = Metrics(self.service_names[0] if self.service_names else "scd")
         interceptors: list[grpc.aio.ServerInterceptor] = [self.metrics.interceptor()]
+        self.tracing = tracing.create(self.service_names[0] if self.service_names else "scd", config.trace)
+        if self.tracing is not None:  # outermost: its span covers the whole call, and it wraps handlers as they are
+            interceptors.insert(0, self.tracing.server_interceptor())
         token = security.load_token(config.token, config.token_file)
         if token:
             interceptors.append(security.BearerTokenAuth(token))

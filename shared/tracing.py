@@ -1,0 +1,45 @@
+"""Optional OpenTelemetry tracing (`--trace console|memory`; off by default): the gRPC
+instrumentation's aio interceptors on the server and on the consumer's producer channel, so a
+Generate and the Prefill it causes are one trace (W3C trace context travels in the call's
+metadata). `console` prints finished spans as JSON on stderr; `memory` keeps them in the
+provider's exporter (tests). Knows nothing about the services.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+TRACE_MODES = ("off", "console", "memory")
+
+
+class Tracing:
+    """One tracer provider per process role (service name); `exporter` holds spans for `memory`."""
+
+    def __init__(self, service: str, mode: str):
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        if mode not in TRACE_MODES[1:]:
+            raise ValueError(f"trace: {mode!r} not in {TRACE_MODES}")
+        self.provider = TracerProvider(resource=Resource.create({"service.name": service}))
+        self.exporter: Any = InMemorySpanExporter() if mode == "memory" else ConsoleSpanExporter(out=sys.stderr)
+        self.provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+
+    def server_interceptor(self) -> Any:
+        from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
+
+        # the API services only: health's Watch is written with context.write, which the
+        # instrumentation's streaming wrapper does not support
+        return aio_server_interceptor(tracer_provider=self.provider, filter_=filters.service_prefix("scd.v1."))
+
+    def client_interceptors(self) -> list[Any]:
+        from opentelemetry.instrumentation.grpc import aio_client_interceptors
+
+        return list(aio_client_interceptors(tracer_provider=self.provider))
+
+
+def create(service: str, mode: str) -> Tracing | None:
+    return None if mode == "off" else Tracing(service, mode)
