@@ -92,7 +92,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         )
 
         def pack(layer, payloads):
-            return [c for kind, t in payloads.items() for c in wire.payload_to_pb(layer, kind, t, max_chunk)]
+            return [r for kind, t in payloads.items() for r in wire.payload_to_responses(layer, kind, t, max_chunk)]
 
         key = store_key(request.token_ids, codec.name, options, encoder.metadata())
         stored = self.store.get(key)
@@ -101,10 +101,10 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         async with contextlib.aclosing(source) as layers:
             async for item in layers:
                 if isinstance(item, EncodedLayer):
-                    for chunk in item.packed:
-                        yield producer_pb2.PrefillResponse(chunk=chunk)
+                    for response in item.packed:  # built once at encode time, replayed as is from the store
+                        yield response
                     sent_chunks += len(item.packed)
-                    sent_payloads += len({c.kind for c in item.packed})
+                    sent_payloads += len({r.chunk.kind for r in item.packed})
                     sent_bytes += item.payload_bytes
                 elif isinstance(item, PrefillDone):
                     total_ms = (time.perf_counter() - started) * 1e3

@@ -1,7 +1,7 @@
 """The one bridge between torch tensors and the scd.v1 wire types.
 
 Owns: element-type mapping, splitting a payload tensor into CRC32C-checked `LayerChunk`s
-(`payload_to_pb`) and reassembling them (`PayloadAssembler`, `payload_from_pb`). It knows
+(`payload_to_responses`, `payload_to_pb`) and reassembling them (`PayloadAssembler`, `payload_from_pb`). It knows
 nothing about codecs, models or transport.
 """
 
@@ -48,30 +48,31 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data.cast("B")
 
 
-def payload_to_pb(layer: int, kind: str, tensor: torch.Tensor, max_chunk_bytes: int) -> list[producer_pb2.LayerChunk]:
-    """Split one payload into chunks of at most `max_chunk_bytes` bytes each."""
+def payload_to_responses(layer: int, kind: str, tensor: torch.Tensor, max_chunk_bytes: int) -> list[producer_pb2.PrefillResponse]:
+    """Split one payload into chunks of at most `max_chunk_bytes` bytes each, built directly as
+    the stream's `PrefillResponse` messages: the producer sends (and its store replays) these
+    objects as they are, so a chunk's bytes are copied once into its message, never again."""
     data = tensor_bytes(tensor)
     total = len(data)
     count = max(1, -(-total // max_chunk_bytes))
     dtype = dtype_to_pb(tensor.dtype)
     shape = list(tensor.shape)
-    chunks = []
+    out = []
     for index in range(count):
-        piece = bytes(data[index * max_chunk_bytes : (index + 1) * max_chunk_bytes])
-        chunks.append(
-            producer_pb2.LayerChunk(
-                layer=layer,
-                kind=kind,
-                chunk_index=index,
-                chunk_count=count,
-                dtype=dtype,
-                shape=shape,
-                payload_bytes=total,
-                crc32c=google_crc32c.value(piece),
-                data=piece,
-            )
-        )
-    return chunks
+        piece = data[index * max_chunk_bytes : (index + 1) * max_chunk_bytes].tobytes()
+        response = producer_pb2.PrefillResponse()
+        chunk = response.chunk  # a reference into the response, not a copy
+        chunk.layer, chunk.kind, chunk.chunk_index, chunk.chunk_count = layer, kind, index, count
+        chunk.dtype, chunk.payload_bytes, chunk.crc32c = dtype, total, google_crc32c.value(piece)
+        chunk.shape.extend(shape)
+        chunk.data = piece
+        out.append(response)
+    return out
+
+
+def payload_to_pb(layer: int, kind: str, tensor: torch.Tensor, max_chunk_bytes: int) -> list[producer_pb2.LayerChunk]:
+    """The chunks alone (tests and tools)."""
+    return [r.chunk for r in payload_to_responses(layer, kind, tensor, max_chunk_bytes)]
 
 
 @dataclass
