@@ -4,7 +4,8 @@ real services, on the trained pair's test split.
 Pairs: heterogeneous (P = qa-base, C = qa-tuned) and homogeneous (P = C = qa-tuned); the task is
 the consumer's (tuned). Per mode/schedule one JSON line
   {"pair", "mode", "schedule", "ctx_tokens", "bytes_per_token", "bytes_ratio_vs_raw", "f1", "em",
-   "f1_gap_vs_oracle"}   (f1, em and the gap in points, 0-100; ratio = raw bf16 KV bytes / bytes)
+   "f1_gap_vs_oracle", "identical_to_oracle"}   (f1, em and the gap in points, 0-100; ratio = raw
+   bf16 KV bytes / bytes; identical = share of answers token-identical to the oracle's)
 also written to bench/results/quality.jsonl, plus a bytes-vs-F1 Pareto plot (quality.png) and a
 markdown table (quality.md).
 """
@@ -51,12 +52,12 @@ def schedule_label(mode: str, options: dict, stats_options: dict) -> str:
 
 async def run_pair(pair: str, address: str, artifact: Artifact, n: int, ctx: int, max_schedules: int, end_id: int,
                    element_bytes: int) -> list[dict]:
-    rows, oracle_f1 = [], None
+    rows, oracle_f1, oracle_ids = [], None, []
     data = list(examples("test", n, ctx, "tuned"))
     async with ConsumerClient(address) as client:
         for mode, options in modes_for(artifact, max_schedules):
-            f1s, ems, sent, tokens, raw_bf16, label = [], [], 0, 0, 0, ""
-            for ex in data:
+            f1s, ems, sent, tokens, raw_bf16, label, same = [], [], 0, 0, 0, "", 0
+            for i, ex in enumerate(data):
                 answer = await client.generate(mode=mode, options=options, context=prompt(ex.context),
                                                question=prompt(ex.question), max_new_tokens=8, stop_token_ids=[end_id])
                 text = answer.text.strip().removesuffix(END).strip()
@@ -67,11 +68,15 @@ async def run_pair(pair: str, address: str, artifact: Artifact, n: int, ctx: int
                 tokens += s.context_tokens
                 raw_bf16 += s.raw_kv_bytes * 2 // element_bytes  # the same K/V in bf16
                 label = schedule_label(mode, options, dict(s.transfer.options))
+                if mode == "oracle":
+                    oracle_ids.append(answer.ids)
+                same += answer.ids == oracle_ids[i]  # greedy tokens equal to the consumer's own prefill
             f1, em = 100 * statistics.fmean(f1s), 100 * statistics.fmean(ems)
             oracle_f1 = f1 if mode == "oracle" else oracle_f1
             row = {"pair": pair, "mode": mode, "schedule": label, "ctx_tokens": round(tokens / len(data)),
                    "bytes_per_token": round(sent / tokens, 2), "bytes_ratio_vs_raw": round(raw_bf16 / sent, 2) if sent else None,
-                   "f1": round(f1, 2), "em": round(em, 2), "f1_gap_vs_oracle": round(oracle_f1 - f1, 2)}
+                   "f1": round(f1, 2), "em": round(em, 2), "f1_gap_vs_oracle": round(oracle_f1 - f1, 2),
+                   "identical_to_oracle": round(same / len(data), 4)}
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -104,12 +109,12 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| pair | mode | schedule | bytes/token | x fewer than raw bf16 | F1 | EM | F1 gap vs oracle |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| pair | mode | schedule | bytes/token | x fewer than raw bf16 | F1 | EM | F1 gap vs oracle | identical to oracle |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = "-" if r["bytes_ratio_vs_raw"] is None else f"{r['bytes_ratio_vs_raw']:.1f}"
         lines.append(f"| {r['pair']} | {r['mode']} | `{r['schedule']}` | {r['bytes_per_token']:g} | {ratio} | "
-                     f"{r['f1']:.1f} | {r['em']:.1f} | {r['f1_gap_vs_oracle']:+.1f} |")
+                     f"{r['f1']:.1f} | {r['em']:.1f} | {r['f1_gap_vs_oracle']:+.1f} | {100 * r['identical_to_oracle']:.1f}% |")
     return "\n".join(lines)
 
 
