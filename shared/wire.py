@@ -1,13 +1,11 @@
 """The one bridge between torch tensors and the scd.v1 wire types.
 
 Owns: element-type mapping, splitting a payload tensor into CRC32C-checked `LayerChunk`s
-(`payload_to_responses`, `payload_to_pb`) and reassembling them (`PayloadAssembler`, `payload_from_pb`). It knows
+(`payload_to_responses`, `payload_to_pb`) and reassembling one (`payload_from_bytes`, `payload_from_pb`). It knows
 nothing about codecs, models or transport.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import google_crc32c
 import torch
@@ -75,54 +73,6 @@ def payload_to_pb(layer: int, kind: str, tensor: torch.Tensor, max_chunk_bytes: 
     return [r.chunk for r in payload_to_responses(layer, kind, tensor, max_chunk_bytes)]
 
 
-@dataclass
-class _Partial:
-    dtype: int
-    shape: tuple[int, ...]
-    count: int
-    total: int
-    buffer: bytearray
-
-
-class PayloadAssembler:
-    """Collects the chunks of one stream and returns each payload once it is complete.
-
-    Checks every chunk's CRC32C and its consistency with the first chunk of its payload; any
-    mismatch raises DataLoss naming the layer, payload kind and chunk index.
-    """
-
-    def __init__(self, num_layers: int):
-        self.num_layers = num_layers
-        self._open: dict[tuple[int, str], _Partial] = {}
-
-    def add(self, chunk: producer_pb2.LayerChunk) -> tuple[int, str, torch.Tensor] | None:
-        where = f"layer {chunk.layer}, payload '{chunk.kind}', chunk {chunk.chunk_index}/{chunk.chunk_count}"
-        if chunk.layer >= self.num_layers:
-            raise DataLoss(f"{where}: layer index out of range (num_layers={self.num_layers})")
-        if google_crc32c.value(chunk.data) != chunk.crc32c:
-            raise DataLoss(f"{where}: CRC32C mismatch")
-        key = (chunk.layer, chunk.kind)
-        part = self._open.get(key)
-        if part is None:
-            if chunk.chunk_index != 0:
-                raise DataLoss(f"{where}: first chunk seen is not chunk 0")
-            part = _Partial(chunk.dtype, tuple(chunk.shape), chunk.chunk_count, chunk.payload_bytes, bytearray())
-            self._open[key] = part
-        elif (chunk.dtype, tuple(chunk.shape), chunk.chunk_count) != (part.dtype, part.shape, part.count):
-            raise DataLoss(f"{where}: dtype/shape/count differ from chunk 0")
-        part.buffer += chunk.data
-        if chunk.chunk_index != part.count - 1:
-            return None
-        del self._open[key]
-        if len(part.buffer) != part.total:
-            raise DataLoss(f"{where}: got {len(part.buffer)} bytes, header says {part.total}")
-        return chunk.layer, chunk.kind, payload_from_bytes(part.buffer, part.dtype, part.shape, where)
-
-    def pending(self) -> list[tuple[int, str]]:
-        """Payloads started but not finished (non-empty at stream end means data loss)."""
-        return sorted(self._open)
-
-
 def payload_from_bytes(buffer: bytearray, dtype_pb: int, shape: tuple[int, ...], where: str = "") -> torch.Tensor:
     dtype = dtype_from_pb(dtype_pb)
     flat = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
@@ -133,11 +83,17 @@ def payload_from_bytes(buffer: bytearray, dtype_pb: int, shape: tuple[int, ...],
 
 
 def payload_from_pb(chunks: list[producer_pb2.LayerChunk]) -> torch.Tensor:
-    """Reassemble one payload from all its chunks (convenience for tests and tools)."""
-    assembler = PayloadAssembler(num_layers=max(c.layer for c in chunks) + 1)
-    result = None
-    for chunk in chunks:
-        result = assembler.add(chunk)
-    if result is None:
-        raise DataLoss("payload incomplete")
-    return result[2]
+    """One payload from all its chunks, in order, CRC32C-checked (tests and tools). The serving
+    path reassembles through the consumer's stream reader, which also checks every chunk against
+    the codec's schema."""
+    buffer, where = bytearray(), "payload"
+    for index, chunk in enumerate(chunks):
+        where = f"layer {chunk.layer}, payload '{chunk.kind}', chunk {chunk.chunk_index}/{chunk.chunk_count}"
+        if chunk.chunk_index != index:
+            raise DataLoss(f"{where}: expected chunk {index}" + (" (first chunk seen is not chunk 0)" if index == 0 else ""))
+        if google_crc32c.value(chunk.data) != chunk.crc32c:
+            raise DataLoss(f"{where}: CRC32C mismatch")
+        buffer += chunk.data
+    if not chunks or len(chunks) != chunks[0].chunk_count or len(buffer) != chunks[0].payload_bytes:
+        raise DataLoss(f"{where}: payload incomplete")
+    return payload_from_bytes(buffer, chunks[0].dtype, tuple(chunks[0].shape), where)

@@ -191,6 +191,13 @@ def _(rec, request):
     return out
 
 
+@case("layer_out_of_range", "raw", DL, "layer index out of range (num_layers=4)")
+def _(rec, request):
+    out = [copy(m) for m in rec["raw"]]
+    out[chunks(out, "k", layer=0)[0]].chunk.layer = 4
+    return out
+
+
 @case("chunk_count_2_32", "raw", DL, "chunk_count=4294967295")
 def _(rec, request):
     out = [copy(m) for m in rec["raw"]]

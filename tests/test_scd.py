@@ -35,11 +35,7 @@ def homogeneous():
 
 
 def states_of(model, ids):
-    cache = kv.empty_cache(model)
-    states = {}
-    with kv.layer_capture(model, cache, kv.Capture.KV | kv.Capture.NORMED, lambda s: states.__setitem__(s.index, s)):
-        kv.prefill_context(model, torch.tensor([ids], device=model.device), cache)
-    return states
+    return kv.capture_states(model, ids, kv.Capture.KV | kv.Capture.NORMED)[0]
 
 
 def reconstruct(art, model, states, action, layer, T):

@@ -23,18 +23,17 @@ def test_corrupt_chunk_names_layer_and_chunk():
     t = torch.arange(4096, dtype=torch.float32)
     chunks = wire.payload_to_pb(3, "v", t, max_chunk_bytes=4096)
     chunks[2].data = bytes([chunks[2].data[0] ^ 1]) + chunks[2].data[1:]
-    assembler = wire.PayloadAssembler(num_layers=4)
     with pytest.raises(DataLoss, match=r"layer 3, payload 'v', chunk 2/4: CRC32C mismatch"):
-        for c in chunks:
-            assembler.add(c)
+        wire.payload_from_pb(chunks)
 
 
-def test_out_of_order_and_out_of_range_chunks_are_refused():
+def test_out_of_order_and_missing_chunks_are_refused():
+    """(Layer ranges are the stream reader's: tests/test_hostile_producer.py, layer_out_of_range.)"""
     chunks = wire.payload_to_pb(1, "k", torch.zeros(2048), max_chunk_bytes=4096)
     with pytest.raises(DataLoss, match="not chunk 0"):
-        wire.PayloadAssembler(2).add(chunks[1])
-    with pytest.raises(DataLoss, match="out of range"):
-        wire.PayloadAssembler(1).add(chunks[0])
+        wire.payload_from_pb(chunks[1:])
+    with pytest.raises(DataLoss, match="payload incomplete"):
+        wire.payload_from_pb(chunks[:1])
 
 
 def test_empty_payload_round_trips():
