@@ -11,7 +11,7 @@ PROTOS  := $(wildcard protos/scd/v1/*.proto)
 PB_GEN  := $(PB_OUT)/scd/v1/.generated
 COMPOSE := .venv-compose/bin/docker-compose
 
-.PHONY: all install proto lint test demo models eval-pair artifacts bench-quality bench-audit bench-ttft compose-config compose-smoke clean
+.PHONY: all install proto lint test demo models deep-models eval-pair artifacts deep-artifacts bench-quality bench-audit bench-ttft compose-config compose-smoke clean
 
 all: test
 
@@ -73,8 +73,13 @@ demo: $(PB_GEN)
 models: $(STAMP)
 	$(PYTHON) -m qa.train
 
+# One JSON line per (pair, model, ctx, cache_from) and per layer mix, with a `layers` field.
 eval-pair: $(STAMP)
-	$(PYTHON) -m qa.evaluate pair
+	$(PYTHON) -m qa.evaluate pair --pairs 2-layer,deep-full,deep-lora
+
+# The 6-layer pair (grown from qa-base; resumable phases base, tuned, lora; see qa/deep.py).
+deep-models: $(STAMP)
+	$(PYTHON) -m qa.deep
 
 QA_CORPUS := --corpus qa.corpus:calibration_corpus --corpus-arg task=tuned --corpus-arg ctx=256 --corpus-arg predictor_ctx=512
 # SCD codec artifacts for the trained pair (committed; rebuild after `make models`).
@@ -84,6 +89,17 @@ artifacts: $(PB_GEN)
 		--out artifacts/qa-base-to-tuned.safetensors
 	$(PYTHON) -m calibration --producer checkpoints/qa-tuned --consumer checkpoints/qa-tuned $(QA_CORPUS) \
 		--dtype bfloat16 --out artifacts/qa-tuned-to-tuned.safetensors
+	$(MAKE) deep-artifacts
+
+DEEP_CALIBRATION := $(QA_CORPUS) --dtype bfloat16 --predictor-layers auto --predictor-steps $(DEEP_PREDICTOR_STEPS) \
+	--predictor-depth 2 --threads 1
+DEEP_PREDICTOR_STEPS ?= 600,600
+# SCD artifacts for the two 6-layer heterogeneous pairs (committed; rebuild after `make deep-models`).
+deep-artifacts: $(PB_GEN)
+	$(PYTHON) -m calibration --producer checkpoints/deep/qa-deep-base --consumer checkpoints/deep/qa-deep-tuned \
+		$(DEEP_CALIBRATION) --out artifacts/qa-deep-base-to-tuned.safetensors
+	$(PYTHON) -m calibration --producer checkpoints/deep/qa-deep-base --consumer checkpoints/deep/qa-deep-lora \
+		$(DEEP_CALIBRATION) --out artifacts/qa-deep-base-to-lora.safetensors
 
 bench-quality: $(PB_GEN)
 	$(PYTHON) -m bench.quality

@@ -2,20 +2,23 @@
 silently differ from the consumer's own prefill, on the shifted sets of qa.shifted, and at what
 cost? Through the real services, the heterogeneous QA pair as bench.quality runs it.
 
-Per example, three requests: mode "oracle" (the reference; its rebuild_ms is the consumer's own
+Per example, four requests: mode "oracle" (the reference; its rebuild_ms is the consumer's own
 context prefill), mode "scd" with AUDIT_POLICY_REPORT (the rebuilt cache's answer and the audit's
-decision), and mode "scd" with AUDIT_POLICY_FALLBACK (the answer a client gets with the audit on).
+decision), mode "scd" with AUDIT_POLICY_FALLBACK (the answer a client gets with the audit on) and
+with AUDIT_POLICY_UPGRADE (a flagged cache is transferred again with the artifact's lowest-loss
+schedule, and prefilled locally if that is flagged too).
 An answer diverged when its greedy tokens differ from the oracle's; flagged when the audit's
 decision starts with "diverged". One JSON line per set:
   {"set", "in_distribution", "n", "diverged", "flagged_diverged", "flagged_agreeing",
    "audit_cost_ratio", "oracle_f1", "oracle_em", "scd_f1", "scd_em", "identical_rate",
-   "fallback_identical_rate", "fallback_flagged", "audit_ms", "oracle_prefill_ms",
-   "layer_error_median", "layer_thresholds"}
+   "fallback_identical_rate", "fallback_flagged", "upgrade_identical_rate", "upgrade_local_rate",
+   "upgrade_bytes_ratio", "audit_ms", "oracle_prefill_ms", "layer_error_median", "layer_thresholds"}
 (F1/EM in points 0-100, null for a set without gold; cost = median over requests of audit_ms /
 the oracle's rebuild_ms of the same example; *_ms are medians), then a summary line
   {"recall", "false_alarm_rate", "cost_ratio", "fallback_identical_rate", ..., "layer_error_auroc"}
 recall over the shifted sets' diverged answers, false alarms over the in-distribution agreeing
-ones, fallback identical over the shifted sets; layer_error_auroc says per layer whether any
+ones, fallback (and upgrade) identical over the shifted sets; upgrade_local_rate = share of upgrade
+requests that still ended in a local prefill, upgrade_bytes_ratio = upgrade bytes / report bytes; layer_error_auroc says per layer whether any
 threshold on that error could tell those diverged answers from the agreeing in-distribution ones
 (0.5: no signal, 1.0: a perfect one). Written to bench/results/audit.jsonl and
 audit.md; every example's record to bench/runs/audit/examples.jsonl.
@@ -34,7 +37,7 @@ from pathlib import Path
 
 import grpc
 
-from bench import services
+from bench import flops, services
 from consumer.client import ConsumerClient, prompt
 from qa.metrics import exact_match, f1_score
 from qa.shifted import SETS, ShiftedExample, examples
@@ -77,6 +80,7 @@ async def ask(
         "text": answer_text(a.text),
         "tokens": s.context_tokens,
         "rebuild_ms": s.rebuild_ms,
+        "bytes": s.bytes_received,
         "audit_ms": s.audit_ms,
         "decision": s.audit_decision,
         "layer_errors": [round(e, 5) for e in s.audit_layer_errors],
@@ -116,8 +120,17 @@ async def run_sets(
                 oracle = await ask(client, ex, end_id, "oracle", {}, consumer_pb2.AUDIT_POLICY_OFF, positions)
                 report = await ask(client, ex, end_id, "scd", schedule, consumer_pb2.AUDIT_POLICY_REPORT, positions)
                 fallback = await ask(client, ex, end_id, "scd", schedule, consumer_pb2.AUDIT_POLICY_FALLBACK, positions)
+                upgrade = await ask(client, ex, end_id, "scd", schedule, consumer_pb2.AUDIT_POLICY_UPGRADE, positions)
                 records.append(
-                    {"set": name, "index": index, "gold": ex.answer, "oracle": oracle, "report": report, "fallback": fallback}
+                    {
+                        "set": name,
+                        "index": index,
+                        "gold": ex.answer,
+                        "oracle": oracle,
+                        "report": report,
+                        "fallback": fallback,
+                        "upgrade": upgrade,
+                    }
                 )
             on_set(name, records[done:])
     return records
@@ -155,6 +168,11 @@ def set_row(name: str, recs: list[dict]) -> dict:
         "identical_rate": round(1 - sum(diverged) / len(recs), 4),
         "fallback_identical_rate": round(statistics.fmean(r["fallback"]["ids"] == r["oracle"]["ids"] for r in recs), 4),
         "fallback_flagged": sum(_flagged(r["fallback"]) for r in recs),
+        "upgrade_identical_rate": round(statistics.fmean(r["upgrade"]["ids"] == r["oracle"]["ids"] for r in recs), 4),
+        "upgrade_local_rate": round(statistics.fmean(r["upgrade"]["decision"].endswith("prefilled locally") for r in recs), 4),
+        "upgrade_bytes_ratio": round(
+            sum(r["upgrade"]["bytes"] for r in recs) / max(1, sum(r["report"]["bytes"] for r in recs)), 3
+        ),
         "audit_ms": round(statistics.median(r["report"]["audit_ms"] for r in recs), 2),
         "oracle_prefill_ms": round(statistics.median(r["oracle"]["rebuild_ms"] for r in recs), 2),
         "layer_error_median": [round(statistics.median(r["report"]["layer_errors"][i] for r in recs), 4) for i in range(layers)],
@@ -174,14 +192,8 @@ def floor_cost_ratio(recs: list[dict]) -> float:
 
 
 def flops_ratio(config: dict, tokens: float, positions: int) -> float:
-    """Audit FLOPs / context prefill FLOPs (matmuls; no LM head): k rows over a left-padded prefix
-    of T (attention not causal-halved) against T rows causally. About k/T on any model."""
-    d, hd = config["hidden_size"], config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
-    weights = d * q + 2 * d * kv + q * d + 3 * d * config["intermediate_size"]  # per layer
-    prefill = 2 * tokens * weights + 2 * tokens * tokens * q  # QK^T and AV, causal
-    audit = 2 * positions * weights + 4 * positions * tokens * q
-    return round(audit / prefill, 4)
+    """Audit FLOPs / context prefill FLOPs (bench.flops): about k/T on any model."""
+    return round(flops.audit(config, tokens, positions) / flops.prefill(config, tokens), 4)
 
 
 def posthoc(diverged: list[dict], agreeing: list[dict], layers: int, quantile: float = 0.95) -> dict:
@@ -236,6 +248,10 @@ def summary(rows: list[dict], records: list[dict], schedule: str, positions: int
         "fallback_identical_rate": _rate(
             round(sum(r["fallback_identical_rate"] * r["n"] for r in shifted)), sum(r["n"] for r in shifted)
         ),
+        "upgrade_identical_rate": _rate(
+            round(sum(r["upgrade_identical_rate"] * r["n"] for r in shifted)), sum(r["n"] for r in shifted)
+        ),
+        "upgrade_local_rate": _rate(round(sum(r["upgrade_local_rate"] * r["n"] for r in shifted)), sum(r["n"] for r in shifted)),
         "false_alarm_rate_all_sets": _rate(sum(r["flagged_agreeing"] for r in rows), agreeing),
         "layer_error_auroc": [
             auroc([r["report"]["layer_errors"][i] for r in diverged], [r["report"]["layer_errors"][i] for r in agreeing_home])
@@ -259,8 +275,8 @@ def table(rows: list[dict], total: dict) -> str:
         f"{total['audit_positions']} audited positions, n = {total['n_per_set']} per set (`python -m bench.audit`).",
         "",
         "| set | in dist. | n | oracle F1 / EM | scd F1 / EM | identical | diverged | flagged: diverged / agreeing "
-        "| fallback identical | audit cost | median layer errors (thresholds) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| fallback identical | upgrade identical / local | audit cost | median layer errors (thresholds) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         errors = ", ".join(f"{e:.3f} ({t:.3f})" for e, t in zip(r["layer_error_median"], r["layer_thresholds"]))
@@ -268,6 +284,7 @@ def table(rows: list[dict], total: dict) -> str:
             f"| {r['set']} | {'yes' if r['in_distribution'] else 'no'} | {r['n']} | {num(r['oracle_f1'])} / {num(r['oracle_em'])} "
             f"| {num(r['scd_f1'])} / {num(r['scd_em'])} | {r['identical_rate']:.0%} | {r['diverged']} "
             f"| {r['flagged_diverged']} / {r['flagged_agreeing']} | {r['fallback_identical_rate']:.0%} "
+            f"| {r['upgrade_identical_rate']:.0%} / {r['upgrade_local_rate']:.0%} "
             f"| {r['audit_cost_ratio']:.1%} | {errors} |"
         )
     ph = total["posthoc_p95"]
@@ -282,7 +299,9 @@ def table(rows: list[dict], total: dict) -> str:
         f"Audit cost: median per-request ratio {total['cost_ratio']:.3f}, fastest audit / fastest prefill "
         f"{total['cost_ratio_floor']:.3f}, FLOPs ratio {total['cost_ratio_flops']:.3f}. "
         f"Per-layer AUROC of the audit error, diverged shifted vs agreeing in-distribution answers: "
-        f"{', '.join(num(a, '{:.3f}') for a in total['layer_error_auroc'])} (0.5 = no signal).",
+        f"{', '.join(num(a, '{:.3f}') for a in total['layer_error_auroc'])} (0.5 = no signal). "
+        f"Upgrade policy on the shifted sets: {num(total['upgrade_identical_rate'], '{:.3f}')} identical, "
+        f"{num(total['upgrade_local_rate'], '{:.3f}')} still prefilled locally.",
     ]
     if ph:
         lines.append(

@@ -1,11 +1,18 @@
 """`make bench-quality`: answer quality vs bytes on the wire for every transfer mode, through the
 real services, on the trained pair's test split.
 
-Pairs: heterogeneous (P = qa-base, C = qa-tuned) and homogeneous (P = C = qa-tuned); the task is
-the consumer's (tuned). Per mode/schedule one JSON line
-  {"pair", "mode", "schedule", "ctx_tokens", "bytes_per_token", "bytes_ratio_vs_raw", "f1", "em",
-   "f1_gap_vs_oracle", "identical_to_oracle"}   (f1, em and the gap in points, 0-100; ratio = raw
-   bf16 KV bytes / bytes; identical = share of answers token-identical to the oracle's)
+Pairs: heterogeneous (2 layers: P = qa-base, C = qa-tuned), homogeneous (P = C = qa-tuned), and
+the 6-layer pairs deep-full (C = full fine-tune of P) and deep-lora (C = P + merged LoRA); the task
+is the consumer's (tuned). Per pair, context length and mode/schedule one JSON line
+  {"pair", "layers", "mode", "schedule", "ctx_tokens", "bytes_per_token", "bytes_ratio_vs_raw",
+   "f1", "em", "f1_gap_vs_oracle", "identical_to_oracle", "encode_ms", "consumer_prefill_ms",
+   "encode_cost_ratio", "predictor_flops_ratio", "consumer_flops_ratio"}
+(f1, em and the gap in points, 0-100; ratio = raw bf16 KV bytes / bytes; identical = share of
+answers token-identical to the oracle's; encode_ms = median producer encode time per request,
+consumer_prefill_ms = median of the oracle's own context prefill, encode_cost_ratio their ratio;
+predictor_flops_ratio = the producer's learned-predictor FLOPs / the consumer's prefill FLOPs,
+consumer_flops_ratio = the consumer's rebuild FLOPs / its prefill FLOPs, both from bench.flops).
+The recompute baseline runs at every span width the artifact profiled (its best span of each).
 also written to bench/results/quality.jsonl, plus a bytes-vs-F1 Pareto plot (quality.png) and a
 markdown table (quality.md).
 """
@@ -19,27 +26,33 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench import services
+from bench import flops, services
 from calibration.search import evenly_spaced
 from consumer.client import ConsumerClient, prompt
 from qa.metrics import exact_match, f1_score
 from qa.task import END, examples
+from shared.codecs.recompute import span as recompute_span
 from shared.labels import options_label
 from shared.scd.artifact import Artifact
 
 ROOT = services.ROOT
 RESULTS = ROOT / "bench/results"
-PAIRS = {
-    "heterogeneous": ("checkpoints/qa-base", "checkpoints/qa-tuned", "artifacts/qa-base-to-tuned.safetensors"),
-    "homogeneous": ("checkpoints/qa-tuned", "checkpoints/qa-tuned", "artifacts/qa-tuned-to-tuned.safetensors"),
+PAIRS = {  # name -> (producer, consumer, artifact, context lengths)
+    "heterogeneous": ("checkpoints/qa-base", "checkpoints/qa-tuned", "artifacts/qa-base-to-tuned.safetensors", (512,)),
+    "homogeneous": ("checkpoints/qa-tuned", "checkpoints/qa-tuned", "artifacts/qa-tuned-to-tuned.safetensors", (512,)),
+    "deep-full": ("checkpoints/deep/qa-deep-base", "checkpoints/deep/qa-deep-tuned",
+                  "artifacts/qa-deep-base-to-tuned.safetensors", (512, 1024)),
+    "deep-lora": ("checkpoints/deep/qa-deep-base", "checkpoints/deep/qa-deep-lora",
+                  "artifacts/qa-deep-base-to-lora.safetensors", (512, 1024)),
 }
 
 
 def modes_for(artifact: Artifact, max_schedules: int) -> list[tuple[str, dict]]:
     """(mode, options) to run: baselines, then the artifact's Pareto schedules."""
-    span = artifact.meta.get("recompute_span")
+    spans = artifact.meta.get("recompute_spans") or {"": artifact.meta.get("recompute_span")}
     runs = [("oracle", {}), ("raw", {}), ("quant", {"bits": "8"}), ("quant", {"bits": "4"})]
-    runs.append(("recompute", {"start": str(span[0]), "end": str(span[1])} if span else {}))
+    for span in spans.values():
+        runs.append(("recompute", {"start": str(span[0]), "end": str(span[1])} if span else {}))
     runs += [("scd", {"schedule": e.name}) for e in evenly_spaced(artifact.schedules, max_schedules)]
     return runs
 
@@ -50,13 +63,33 @@ def schedule_label(mode: str, options: dict, stats_options: dict) -> str:
     return options_label(options) or "-"
 
 
+def compute_costs(mode: str, options: dict, artifact: Artifact, config: dict, tokens: float) -> dict:
+    """The producer's predictor FLOPs and the consumer's rebuild FLOPs, as fractions of the
+    consumer's own prefill FLOPs over the same context (bench.flops)."""
+    own = flops.prefill(config, tokens)
+    predictor_flops, rebuild = 0.0, 0.0
+    if mode == "scd":
+        actions = options["schedule"].split(".")
+        rebuild = flops.scd_rebuild(config, tokens, actions)
+        pconf = artifact.meta.get("predictor", {}).get("config")
+        used = [l for l in artifact.predictor_layers if flops.uses_predictor(actions[l])]
+        predictor_flops = flops.predictors(pconf, tokens, len(used)) if pconf and used else 0.0
+    elif mode == "recompute":
+        start, end = recompute_span(options, config["num_hidden_layers"], "")
+        rebuild = flops.prefill(config, tokens, end - start)
+    elif mode == "oracle":
+        rebuild = own
+    return {"predictor_flops_ratio": round(predictor_flops / own, 4), "consumer_flops_ratio": round(rebuild / own, 4)}
+
+
 async def run_pair(pair: str, address: str, artifact: Artifact, n: int, ctx: int, max_schedules: int, end_id: int,
-                   element_bytes: int) -> list[dict]:
-    rows, oracle_f1, oracle_ids = [], None, []
+                   element_bytes: int, config: dict) -> list[dict]:
+    rows, oracle_f1, oracle_ids, oracle_ms = [], None, [], 0.0
     data = list(examples("test", n, ctx, "tuned"))
     async with ConsumerClient(address) as client:
         for mode, options in modes_for(artifact, max_schedules):
-            f1s, ems, sent, tokens, raw_bf16, label, same = [], [], 0, 0, 0, "", 0
+            f1s, ems, sent, tokens, raw_bf16, label, same, encode_ms, prefill_ms = [], [], 0, 0, 0, "", 0, [], []
+            resolved: dict = {}
             for i, ex in enumerate(data):
                 answer = await client.generate(mode=mode, options=options, context=prompt(ex.context),
                                                question=prompt(ex.question), max_new_tokens=8, stop_token_ids=[end_id])
@@ -68,15 +101,23 @@ async def run_pair(pair: str, address: str, artifact: Artifact, n: int, ctx: int
                 tokens += s.context_tokens
                 raw_bf16 += s.raw_kv_bytes * 2 // element_bytes  # the same K/V in bf16
                 label = schedule_label(mode, options, dict(s.transfer.options))
+                resolved = dict(s.transfer.options)
+                encode_ms.append(s.producer_encode_ms)
+                prefill_ms.append(s.rebuild_ms)
                 if mode == "oracle":
                     oracle_ids.append(answer.ids)
                 same += answer.ids == oracle_ids[i]  # greedy tokens equal to the consumer's own prefill
             f1, em = 100 * statistics.fmean(f1s), 100 * statistics.fmean(ems)
             oracle_f1 = f1 if mode == "oracle" else oracle_f1
-            row = {"pair": pair, "mode": mode, "schedule": label, "ctx_tokens": round(tokens / len(data)),
+            oracle_ms = statistics.median(prefill_ms) if mode == "oracle" else oracle_ms
+            encode = statistics.median(encode_ms)
+            costs = compute_costs(mode, resolved, artifact, config, tokens / len(data))
+            row = {"pair": pair, "layers": config["num_hidden_layers"], "ctx": ctx, "mode": mode, "schedule": label, "ctx_tokens": round(tokens / len(data)),
                    "bytes_per_token": round(sent / tokens, 2), "bytes_ratio_vs_raw": round(raw_bf16 / sent, 2) if sent else None,
                    "f1": round(f1, 2), "em": round(em, 2), "f1_gap_vs_oracle": round(oracle_f1 - f1, 2),
-                   "identical_to_oracle": round(same / len(data), 4)}
+                   "identical_to_oracle": round(same / len(data), 4), "encode_ms": round(encode, 2),
+                   "consumer_prefill_ms": round(oracle_ms, 2), "encode_cost_ratio": round(encode / oracle_ms, 4) if oracle_ms else None,
+                   **costs}
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -88,10 +129,14 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pairs = sorted({r["pair"] for r in rows})
-    fig, axes = plt.subplots(1, len(pairs), figsize=(6 * len(pairs), 4.5), squeeze=False)
-    for ax, pair in zip(axes[0], pairs):
-        sub = [r for r in rows if r["pair"] == pair]
+    pairs = list(dict.fromkeys((r["pair"], r["ctx"]) for r in rows))
+    cols = min(3, len(pairs))
+    nrows = -(-len(pairs) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 4.5 * nrows), squeeze=False)
+    for ax in axes.flat[len(pairs):]:
+        ax.set_visible(False)
+    for ax, (pair, ctx) in zip(axes.flat, pairs):
+        sub = [r for r in rows if (r["pair"], r["ctx"]) == (pair, ctx)]
         oracle = next(r for r in sub if r["mode"] == "oracle")
         ax.axhline(oracle["f1"], color="k", ls="--", lw=1, label=f"oracle (C prefills) F1 {oracle['f1']:.1f}")
         for mode, marker in (("raw", "s"), ("quant", "^"), ("recompute", "D"), ("scd", "o")):
@@ -101,7 +146,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xscale("log")
         ax.set_xlabel("bytes per context token on the wire (log)")
         ax.set_ylabel("F1 (0-100)")
-        ax.set_title(f"{pair} pair, ctx {sub[0]['ctx_tokens']} tokens")
+        ax.set_title(f"{pair} pair ({sub[0]['layers']} layers), ctx {sub[0]['ctx_tokens']} tokens")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -109,26 +154,32 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| pair | mode | schedule | bytes/token | x fewer than raw bf16 | F1 | EM | F1 gap vs oracle | identical to oracle |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| pair | layers | ctx | mode | schedule | bytes/token | x fewer than raw bf16 | F1 | EM | F1 gap vs oracle "
+             "| identical to oracle | producer encode / C prefill (ms) | predictor FLOPs / C prefill | C rebuild FLOPs / C prefill |",
+             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = "-" if r["bytes_ratio_vs_raw"] is None else f"{r['bytes_ratio_vs_raw']:.1f}"
-        lines.append(f"| {r['pair']} | {r['mode']} | `{r['schedule']}` | {r['bytes_per_token']:g} | {ratio} | "
-                     f"{r['f1']:.1f} | {r['em']:.1f} | {r['f1_gap_vs_oracle']:+.1f} | {100 * r['identical_to_oracle']:.1f}% |")
+        encode = "-" if r["mode"] == "oracle" or r["encode_cost_ratio"] is None else f"{r['encode_cost_ratio']:.1%}"
+        lines.append(f"| {r['pair']} | {r['layers']} | {r['ctx_tokens']} | {r['mode']} | `{r['schedule']}` | {r['bytes_per_token']:g} "
+                     f"| {ratio} | {r['f1']:.1f} | {r['em']:.1f} | {r['f1_gap_vs_oracle']:+.1f} | {100 * r['identical_to_oracle']:.1f}% "
+                     f"| {encode} | {r['predictor_flops_ratio']:.1%} | {r['consumer_flops_ratio']:.1%} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pairs", default="heterogeneous,homogeneous")
+    p.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated, of: {', '.join(PAIRS)}")
     p.add_argument("--n", type=int, default=200, help="test examples per point")
-    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--ctx", type=int, nargs="*", default=[], help="context lengths (default: each pair's own)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-schedules", type=int, default=8)
     p.add_argument("--artifact", action="append", default=[], metavar="PAIR=PATH",
                    help="use this artifact for a pair instead of the shipped one (repeatable)")
     p.add_argument("--out-dir", type=Path, default=RESULTS, help="where quality.{jsonl,md,png} go")
     args = p.parse_args()
+    unknown = [name for name in args.pairs.split(",") if name not in PAIRS]
+    if unknown:
+        p.error(f"--pairs: unknown {unknown}; known: {list(PAIRS)}")
     overrides = dict(a.split("=", 1) for a in args.artifact)
     from transformers import AutoTokenizer
 
@@ -137,15 +188,17 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for pair in args.pairs.split(","):
-        producer, consumer, artifact_path = PAIRS[pair]
+        producer, consumer, artifact_path, ctxs = PAIRS[pair]
         artifact_path = overrides.get(pair, artifact_path)
         artifact = Artifact.load(ROOT / artifact_path)
         end_id = end_token_id(AutoTokenizer.from_pretrained(ROOT / consumer))
+        config = json.loads((ROOT / consumer / "config.json").read_text())
         common = ["--dtype", args.dtype, "--log-level", "WARNING", "--artifacts", str(ROOT / artifact_path)]
         with services.running(["--model", producer, *common], ["--model", consumer, *common],
                               log_dir=ROOT / "bench/runs/quality") as (_, c):
-            rows += asyncio.run(run_pair(pair, c.address, artifact, args.n, args.ctx, args.max_schedules, end_id,
-                                         4 if args.dtype == "float32" else 2))
+            for ctx in args.ctx or ctxs:
+                rows += asyncio.run(run_pair(pair, c.address, artifact, args.n, ctx, args.max_schedules, end_id,
+                                             4 if args.dtype == "float32" else 2, config))
     (args.out_dir / "quality.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     plot(rows, args.out_dir / "quality.png")
     (args.out_dir / "quality.md").write_text(table(rows) + "\n")

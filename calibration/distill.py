@@ -127,21 +127,29 @@ def distill(
         for i, p in enumerate(front)
     ]
     meta["search"] = report
-    # the recompute baseline's span, chosen by profiling on the same held-out set (DroidSpeak-style)
+    # the recompute baseline's span, chosen by profiling on the same held-out set (DroidSpeak-style):
+    # the default width's best span, and the best span of every narrower width (cheaper baselines
+    # whose consumer compute is closer to SCD's)
     start, end = default_span(consumer.info.num_layers)
     if same:  # recomputing from the true hidden state is exact for any span: keep the default
         meta["recompute_span"] = [start, end]
     else:
-        spans = profile_span(
-            producer,
-            consumer,
-            [h.context_ids for h in heldout],
-            [h.qa_ids[: h.answer_start] for h in heldout],
-            [h.qa_ids[h.answer_start :] for h in heldout],
-            end - start,
-        )
-        meta["recompute_span"] = [spans[0]["start"], spans[0]["end"]]
-        meta["recompute_profile"] = spans
+        profile = []
+        for width in range(1, end - start + 1):
+            profile += profile_span(
+                producer,
+                consumer,
+                [h.context_ids for h in heldout],
+                [h.qa_ids[: h.answer_start] for h in heldout],
+                [h.qa_ids[h.answer_start :] for h in heldout],
+                width,
+            )
+        best = {}
+        for row in profile:  # rows come best-first within each width
+            best.setdefault(str(row["width"]), [row["start"], row["end"]])
+        meta["recompute_span"] = best[str(end - start)]
+        meta["recompute_spans"] = best
+        meta["recompute_profile"] = profile
     meta["audit"] = audit_thresholds.thresholds(art, producer, consumer, heldout)  # the cache audit's calibrated thresholds
     meta["calibration"]["wall_s"] = round(time.perf_counter() - started, 1)
     return art

@@ -37,7 +37,7 @@ from shared.models import LoadedModel
 log = logs.get("consumer.engine")
 LOCAL_MODE = "oracle"  # the consumer's own prefill: only token ids cross
 FAIL, LOCAL_PREFILL = "fail", "local_prefill"  # on_transfer_failure policies
-AUDIT_OFF, AUDIT_REPORT, AUDIT_FALLBACK = "off", "report", "fallback"  # cache audit policies
+AUDIT_OFF, AUDIT_REPORT, AUDIT_FALLBACK, AUDIT_UPGRADE = "off", "report", "fallback", "upgrade"  # cache audit policies
 
 
 class TransferSource(Protocol):
@@ -61,7 +61,7 @@ class GenerateJob:
     fallback: str = ""  # why the transfer planner kept or replaced the requested mode ("" = not asked)
     on_failure: str = FAIL  # FAIL | LOCAL_PREFILL
     transfer_budget_s: float | None = None  # LOCAL_PREFILL: the share of the deadline the transfer may use
-    audit: str = AUDIT_OFF  # AUDIT_OFF | AUDIT_REPORT | AUDIT_FALLBACK
+    audit: str = AUDIT_OFF  # AUDIT_OFF | AUDIT_REPORT | AUDIT_FALLBACK | AUDIT_UPGRADE
     audit_positions: int = 8
     audit_threshold: float = 0.05  # used when the codec has no calibrated threshold
 
@@ -145,32 +145,65 @@ class GenerateEngine:
             result.raw_kv_bytes = self.loaded.info.kv_bytes(len(job.context_ids))
             return await self._local_prefill(job, result)
         if job.audit != AUDIT_OFF:
-            thresholds = decoder.audit_thresholds() or (job.audit_threshold,) * self.loaded.info.num_layers
-            cache = await self._audit(job, result, cache, thresholds)
+            cache = await self._audited(job, result, cache, decoder)
         return cache
 
-    async def _audit(
-        self, job: GenerateJob, result: GenerateResult, cache: DynamicCache, thresholds: tuple[float, ...]
+    async def _audited(
+        self, job: GenerateJob, result: GenerateResult, cache: DynamicCache, decoder: CacheDecoder
     ) -> DynamicCache:
-        """Spot-check the rebuilt cache (shared.audit); report, or prefill locally when it diverged."""
+        """Spot-check the rebuilt cache (shared.audit). Policy report: answer from it anyway;
+        fallback: prefill locally when it is flagged; upgrade: when flagged, transfer once more
+        with the codec's richer options and audit that, prefilling locally if it is flagged too,
+        no richer option exists or the second transfer fails."""
+        if not await self._audit(job, result, cache, decoder):
+            return cache
+        if job.audit == AUDIT_REPORT:
+            return cache
+        if job.audit == AUDIT_UPGRADE:
+            richer = decoder.richer_options()
+            if richer is None:
+                result.audit_decision += ": no richer options"
+            else:
+                assert job.codec is not None
+                upgraded = dataclasses.replace(job, options=job.codec.resolve(richer))
+                label = richer.get("schedule") or ",".join(f"{k}={v}" for k, v in sorted(richer.items()))
+                first = result.audit_decision
+                try:
+                    cache, decoder = await self._remote(upgraded, result)
+                except ServiceError as exc:
+                    if isinstance(exc, Cancelled) or job.deadline - time.monotonic() <= 0:
+                        raise
+                    result.audit_decision = f"{first}: upgrade to {label} failed ({exc.code})"
+                    log.warning("generate.upgrade_failed", mode=job.mode, code=exc.code, reason=str(exc)[:300])
+                else:
+                    flagged = await self._audit(upgraded, result, cache, decoder)
+                    result.audit_decision = f"{first}: upgraded to {label}: {result.audit_decision}"
+                    if not flagged:
+                        return cache
+        result.audit_decision += ": prefilled locally"
+        return await self._local_prefill(job, result)
+
+    async def _audit(self, job: GenerateJob, result: GenerateResult, cache: DynamicCache, decoder: CacheDecoder) -> bool:
+        """Audit `cache` into `result` (errors, thresholds, decision "ok" | "diverged", time added);
+        True when it diverged."""
         self._left(job, "cache audit")
+        thresholds = decoder.audit_thresholds() or (job.audit_threshold,) * self.loaded.info.num_layers
         checked = audit.positions(len(job.context_ids), job.audit_positions, seed=len(job.context_ids))
         report, _ = await self._timed(audit.audit, self.loaded, job.context_ids, cache, checked)
-        result.audit_layer_errors, result.audit_ms, result.audit_thresholds = report.layer_errors, report.ms, thresholds
+        result.audit_layer_errors, result.audit_thresholds = report.layer_errors, thresholds
+        result.audit_ms += report.ms
         diverged = any(e > t for e, t in zip(report.layer_errors, thresholds))
         result.audit_decision = "diverged" if diverged else "ok"
         if diverged:
             log.warning(
                 "generate.audit_diverged",
                 mode=job.mode,
+                options=job.options,
                 thresholds=[round(t, 4) for t in thresholds],
                 layer_errors=[round(e, 4) for e in report.layer_errors],
                 policy=job.audit,
             )
-        if diverged and job.audit == AUDIT_FALLBACK:
-            result.audit_decision = "diverged: prefilled locally"
-            return await self._local_prefill(job, result)
-        return cache
+        return diverged
 
     async def run(self, job: GenerateJob) -> AsyncGenerator[TokenOut | GenerateResult, None]:
         result = GenerateResult(job.request_id, job.mode, dict(job.options), len(job.context_ids), len(job.question_ids))
@@ -259,7 +292,7 @@ class GenerateEngine:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         trailer: StreamTrailer = state["trailer"]
-        result.transfer_ms = (time.perf_counter() - started) * 1e3
+        result.transfer_ms += (time.perf_counter() - started) * 1e3
         result.producer_prefill_ms = trailer.prefill_ms
         result.producer_encode_ms = trailer.encode_ms
         result.producer_store_hit = trailer.store_hit

@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 
 from consumer.decoding import Sampling
-from consumer.engine import AUDIT_FALLBACK, AUDIT_OFF, AUDIT_REPORT, FAIL, LOCAL_MODE, LOCAL_PREFILL, GenerateJob
+from consumer.engine import AUDIT_FALLBACK, AUDIT_OFF, AUDIT_REPORT, AUDIT_UPGRADE, FAIL, LOCAL_MODE, LOCAL_PREFILL, GenerateJob
 from consumer.planner import TransferPlanner
 from shared import codecs as codec_lib
 from shared.config import ConsumerConfig
@@ -30,6 +30,7 @@ AUDITS = {
     consumer_pb2.AUDIT_POLICY_OFF: AUDIT_OFF,
     consumer_pb2.AUDIT_POLICY_REPORT: AUDIT_REPORT,
     consumer_pb2.AUDIT_POLICY_FALLBACK: AUDIT_FALLBACK,
+    consumer_pb2.AUDIT_POLICY_UPGRADE: AUDIT_UPGRADE,
 }
 MAX_AUDIT_POSITIONS = 64
 MIN_TRANSFER_SHARE = 0.2  # LOCAL_PREFILL never leaves the transfer less than this share of the deadline

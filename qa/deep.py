@@ -30,11 +30,11 @@ from qa.train import BASE, TUNED, History, Phase, Progress, train_phase
 from qa.tokenizer import build_tokenizer
 
 EVERY = 3  # the deep model has this many layers per original one: [original, new, new]
-DEEP_BASE = replace(BASE, name="qa-deep-base", steps=3000, lr=1e-3, warmup=50, min_facts=96, max_facts=200, first_seed=10_000_000,
+DEEP_BASE = replace(BASE, name="qa-deep-base", steps=1200, lr=1e-3, warmup=50, min_facts=96, max_facts=200, first_seed=10_000_000,
                     data_seed=11, decay_from=0.6, eval_every=250)
-DEEP_TUNED = replace(TUNED, name="qa-deep-tuned", steps=800, first_seed=60_000_000, data_seed=12, max_facts=200, eval_every=200)
-DEEP_LORA = replace(TUNED, name="qa-deep-lora", steps=800, lr=2e-3, first_seed=70_000_000, data_seed=13, max_facts=200,
-                    eval_every=200)
+DEEP_TUNED = replace(TUNED, name="qa-deep-tuned", steps=500, first_seed=60_000_000, data_seed=12, max_facts=200, eval_every=100)
+DEEP_LORA = replace(TUNED, name="qa-deep-lora", steps=500, lr=2e-3, first_seed=70_000_000, data_seed=13, max_facts=200,
+                    eval_every=100)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -106,6 +106,29 @@ def save_final(out: Path, phase: Phase, model, tok) -> None:
     print(f"{phase.name}: saved to {out / phase.name}", flush=True)
 
 
+def add_lora(model: LlamaForCausalLM, rank: int = 16):
+    """(peft wrapper, the same Llama with LoRA adapters injected): only the adapters train."""
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS, lora_dropout=0.0))
+    return peft, peft.get_base_model()
+
+
+def fine_tune(out: Path, phase: Phase, base_dir: Path, tok, stop_at: float, checkpoint_every: int, lora: bool) -> bool:
+    """Train (or resume) a fine-tune of the finished base; saves the consumer when done (a LoRA
+    fine-tune merged into plain Llama weights). True when done, False when time ran out."""
+    model = LlamaForCausalLM.from_pretrained(base_dir)
+    peft = None
+    if lora:
+        peft, model = add_lora(model)
+    if not run_phase(out, phase, model, tok, stop_at, checkpoint_every):
+        return False
+    if peft is not None:
+        model = peft.merge_and_unload()
+    save_final(out, phase, model, tok)
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m qa.deep", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("checkpoints/deep"))
@@ -129,17 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     for phase in (DEEP_TUNED, DEEP_LORA):
         if phase.name.rsplit("-", 1)[1] not in wanted or (args.out / phase.name / "config.json").exists():
             continue
-        model = LlamaForCausalLM.from_pretrained(base_dir)
-        if phase is DEEP_LORA:
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, lora_dropout=0.0))
-        if not run_phase(args.out, phase, model, tok, stop_at, args.checkpoint_every):
+        if not fine_tune(args.out, phase, base_dir, tok, stop_at, args.checkpoint_every, lora=phase is DEEP_LORA):
             return
-        if phase is DEEP_LORA:
-            model = model.merge_and_unload()
-        save_final(args.out, phase, model, tok)
-
 
 if __name__ == "__main__":
     main()

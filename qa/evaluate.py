@@ -6,7 +6,7 @@ reuse), and the layer-mixing rows (C with P's KV in some layers, its own in the 
 The per-example prediction is pluggable (`qa.predict.Predictor`), so a service-backed
 predictor runs through the same `evaluate` function. Knows nothing about training.
 
-    python -m qa.evaluate pair [--n 200] [--ctx 512 256 1024] [--checkpoints checkpoints]
+    python -m qa.evaluate pair [--pairs 2-layer,deep-full,deep-lora] [--n 200] [--ctx 512 256 1024]
     python -m qa.evaluate model checkpoints/qa-tuned --task tuned [--ctx 512] [--n 200]
 """
 
@@ -41,20 +41,33 @@ def evaluate(
     return {"split": split, "ctx": ctx_tokens, "task": task, **score(pairs)}
 
 
-def load_pair(checkpoints: str | Path):
-    """(base model P, tuned model C, tokenizer) from `checkpoints/qa-base` and `qa-tuned`."""
+# pair name -> (producer P, consumer C) checkpoint folders under the checkpoints root
+PAIRS = {
+    "2-layer": ("qa-base", "qa-tuned"),
+    "deep-full": ("deep/qa-deep-base", "deep/qa-deep-tuned"),  # 6 layers, C = full fine-tune of P
+    "deep-lora": ("deep/qa-deep-base", "deep/qa-deep-lora"),  # 6 layers, C = P + merged LoRA
+}
+
+
+def load_pair(checkpoints: str | Path, pair: str = "2-layer"):
+    """(base model P, tuned model C, tokenizer) of `pair` under `checkpoints`."""
     root = Path(checkpoints)
-    base = AutoModelForCausalLM.from_pretrained(root / "qa-base").eval()
-    tuned = AutoModelForCausalLM.from_pretrained(root / "qa-tuned").eval()
-    return base, tuned, load_tokenizer(root / "qa-base")
+    producer, consumer = PAIRS[pair]
+    base = AutoModelForCausalLM.from_pretrained(root / producer).eval()
+    tuned = AutoModelForCausalLM.from_pretrained(root / consumer).eval()
+    return base, tuned, load_tokenizer(root / producer)
 
 
 def _emit(row: dict) -> None:
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
 
 
-def pair_report(checkpoints: str | Path, n: int, ctxs: list[int], mix_ctx: int, split: Split = "test") -> None:
-    base, tuned, tok = load_pair(checkpoints)
+def pair_report(checkpoints: str | Path, n: int, ctxs: list[int], mix_ctx: int, split: Split = "test",
+                pair: str = "2-layer") -> None:
+    """One JSON line per (model, ctx, cache_from) and per layer mix; `base_layers` names the layers
+    whose KV comes from P (the others are C's own): the halves, then with more than two layers
+    each single layer ("3") and each layer left out ("all-but-3")."""
+    base, tuned, tok = load_pair(checkpoints, pair)
     n_layers = tuned.config.num_hidden_layers
     half = n_layers // 2
     rows: list[tuple[dict, Predictor, Task]] = []
@@ -68,13 +81,14 @@ def pair_report(checkpoints: str | Path, n: int, ctxs: list[int], mix_ctx: int, 
     mixes = {f"0-{half - 1}": range(half), f"{half}-{n_layers - 1}": range(half, n_layers)}
     if n_layers > 2:  # with two layers the halves already are the single layers
         mixes.update({str(i): [i] for i in range(n_layers)})
+        mixes.update({f"all-but-{i}": [j for j in range(n_layers) if j != i] for i in range(n_layers)})
     for label, layers in mixes.items():
         pred = cross_cache(base, tuned, tok, producer_layers=layers)
         rows.append(({"model": "tuned", "cache_from": "base", "mode": "raw", "base_layers": label, "ctx": mix_ctx}, pred, "tuned"))
     for head, predict, task in rows:
         t0 = time.time()
         result = evaluate(predict, split, n, head["ctx"], task)
-        _emit({**head, "task": task, "split": split, "n": result["n"], "em": result["em"], "f1": result["f1"],
+        _emit({"pair": pair, "layers": n_layers, **head, "task": task, "split": split, "n": result["n"], "em": result["em"], "f1": result["f1"],
                "wall_s": round(time.time() - t0, 1)})
 
 
@@ -83,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     pair = sub.add_parser("pair", help="base/tuned/naive-reuse/layer-mix report as JSON lines")
     pair.add_argument("--checkpoints", default="checkpoints")
+    pair.add_argument("--pairs", default="2-layer", help=f"comma-separated, of: {', '.join(PAIRS)}")
     pair.add_argument("--n", type=int, default=200)
     pair.add_argument("--ctx", type=int, nargs="+", default=[512, 256, 1024])
     pair.add_argument("--mix-ctx", type=int, default=512, help="context length of the layer-mixing rows")
@@ -98,7 +113,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.command == "pair":
-        pair_report(args.checkpoints, args.n, args.ctx, args.mix_ctx, args.split)
+        for name in args.pairs.split(","):
+            if name not in PAIRS:
+                parser.error(f"--pairs: unknown pair {name!r}; known: {list(PAIRS)}")
+        for name in args.pairs.split(","):
+            pair_report(args.checkpoints, args.n, args.ctx, args.mix_ctx, args.split, name)
     else:
         model = AutoModelForCausalLM.from_pretrained(args.checkpoint).eval()
         predict = own_prefill(model, load_tokenizer(args.checkpoint))

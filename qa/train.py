@@ -163,7 +163,8 @@ def train_phase(model, tok, phase: Phase, val_n: int = 50, progress: Progress | 
         bar.set_postfix(loss=f"{qa_loss.item():.3f}", copy=f"{copy_loss.item():.2f}", acc=f"{acc:.2f}", facts=progress.cur)
         progress.step = step + 1
         out_of_time = stop_at is not None and time.time() > stop_at
-        if checkpoint is not None and ((checkpoint_every and progress.step % checkpoint_every == 0) or out_of_time):
+        last = progress.step == phase.steps
+        if checkpoint is not None and ((checkpoint_every and progress.step % checkpoint_every == 0) or out_of_time or last):
             progress.rng = list(rng.getstate())
             checkpoint(progress)
         if out_of_time:

@@ -55,6 +55,25 @@ async def test_report_and_fallback_on_a_heterogeneous_pair(tmp_path):
         assert stats.audit_decision == "" and list(stats.audit_layer_errors) == []
 
 
+async def test_upgrade_retransfers_with_richer_options_then_prefills_locally(tmp_path):
+    """UPGRADE: quant 4-bit flagged (a strict threshold) -> the same context again at 8 bits, which
+    passes; a raw stream has nothing richer -> local prefill. Bytes of both transfers count."""
+    async with running_pair("tiny-llama", consumer_kw={"audit_threshold": 0.02}) as pair:
+        oracle, _, _ = await pair.generate(**fields("oracle", consumer_pb2.AUDIT_POLICY_OFF))
+        _, _, q8 = await pair.generate(**fields("quant", consumer_pb2.AUDIT_POLICY_REPORT, bits="8"))
+        _, _, q4 = await pair.generate(**fields("quant", consumer_pb2.AUDIT_POLICY_REPORT, bits="4"))
+        assert q8.audit_decision == "ok" and q4.audit_decision == "diverged"
+        _, _, up = await pair.generate(**fields("quant", consumer_pb2.AUDIT_POLICY_UPGRADE, bits="4"))
+        assert up.audit_decision == "diverged: upgraded to bits=8,group_size=32: ok"
+        assert up.bytes_received == q4.bytes_received + q8.bytes_received and dict(up.transfer.options)["bits"] == "8"
+        assert up.audit_ms > 0 and len(up.audit_layer_errors) == 4
+    perturbed_model("tiny-llama", 7, 0.03, save_to=tmp_path)
+    async with running_pair("tiny-llama", consumer_model=str(tmp_path)) as pair:
+        oracle, _, _ = await pair.generate(**fields("oracle", consumer_pb2.AUDIT_POLICY_OFF))
+        ids, _, stats = await pair.generate(**fields("raw", consumer_pb2.AUDIT_POLICY_UPGRADE))
+        assert stats.audit_decision == "diverged: no richer options: prefilled locally" and ids == oracle
+
+
 async def test_an_exact_transfer_passes_the_audit(pair_llama):
     _, _, stats = await pair_llama.generate(**fields("raw", consumer_pb2.AUDIT_POLICY_FALLBACK))
     assert stats.audit_decision == "ok" and max(stats.audit_layer_errors) < 1e-4 and stats.audit_ms > 0

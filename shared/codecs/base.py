@@ -108,6 +108,11 @@ class CacheDecoder(ABC):
         when the codec has them calibrated (shared.audit); None: the consumer's default."""
         return None
 
+    def richer_options(self) -> dict[str, str] | None:
+        """Resolved options for a second transfer of the same context that this codec expects to
+        rebuild more faithfully (the audit's `upgrade` policy), or None when there is none."""
+        return None
+
 
 class Codec(ABC):
     name: ClassVar[str]

@@ -94,6 +94,9 @@ class QuantDecoder(KVDecoder):
         keys, values = decode_quant(layer, payloads, self.kv_shape, self.bits, self.group_size, self.loaded.device)
         self.store(layer, keys, values)  # float32 [n_kv, T, hd] -> consumer dtype
 
+    def richer_options(self) -> dict[str, str] | None:
+        return {**self.stream.options, "bits": "8"} if self.bits < 8 else None
+
 
 @register
 class QuantCodec(Codec):

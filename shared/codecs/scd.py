@@ -74,6 +74,19 @@ class ScdDecoder(KVDecoder):
     def audit_thresholds(self) -> tuple[float, ...] | None:
         return self.art.audit_thresholds(str(self.schedule))
 
+    def richer_options(self) -> dict[str, str] | None:
+        """The artifact's lowest-loss schedule, when this stream did not already use it."""
+        best = self.art.pick("", None, None)
+        if best.schedule == str(self.schedule):
+            return None
+        return {
+            **self.stream.options,
+            "schedule": best.name,
+            "max_loss": "",
+            "max_bytes_per_token": "",
+            "artifact": self.art.artifact_id,
+        }
+
     def add_layer(self, layer: int, payloads: dict[str, torch.Tensor]) -> None:
         keys, values = ops.decode_layer(
             self.art, layer, self.schedule.actions[layer], payloads, self.loaded, self.pos, self.art.geometry.quant_group
