@@ -21,7 +21,7 @@ ones, fallback (and upgrade) identical over the shifted sets; upgrade_local_rate
 requests that still ended in a local prefill, upgrade_bytes_ratio = upgrade bytes / report bytes; layer_error_auroc says per layer whether any
 threshold on that error could tell those diverged answers from the agreeing in-distribution ones
 (0.5: no signal, 1.0: a perfect one). Written to bench/results/audit.jsonl and
-audit.md; every example's record to bench/runs/audit/examples.jsonl.
+audit.md (audit-<pair>.* for another --pair); every example's record to bench/runs/audit/examples.jsonl.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from pathlib import Path
 import grpc
 
 from bench import flops, services
+from bench.pairs import PAIRS
 from consumer.client import ConsumerClient, prompt
 from qa.metrics import exact_match, f1_score
 from qa.shifted import SETS, ShiftedExample, examples
@@ -47,8 +48,7 @@ from shared.scd.artifact import Artifact
 
 ROOT = services.ROOT
 RESULTS = ROOT / "bench/results"
-PRODUCER, CONSUMER, ARTIFACT = "checkpoints/qa-base", "checkpoints/qa-tuned", "artifacts/qa-base-to-tuned.safetensors"
-HEADLINE_SCHEDULE = "R2.R64"  # bench.quality's headline: the fewest bytes within 2 F1 of the oracle
+DEFAULT_PAIR = "heterogeneous"  # its headline schedule R2.R64: bench.quality's fewest bytes within 2 F1 of the oracle
 TARGETS = {
     "recall": (">=", 0.9),
     "false_alarm_rate": ("<=", 0.1),
@@ -196,6 +196,57 @@ def flops_ratio(config: dict, tokens: float, positions: int) -> float:
     return round(flops.audit(config, tokens, positions) / flops.prefill(config, tokens), 4)
 
 
+def cost_at_scale(
+    tokens: list[int], positions: int, reps: int = 5, threads: int = 2, model_name: str = "qwen05b-random"
+) -> list[dict]:
+    """The audit's cost where it matters: on the Qwen2.5-0.5B-shaped random model (bf16, CPU),
+    the same `shared.audit.audit` the consumer runs, over the cache of its own prefill (an exact
+    cache: the audit's work does not depend on the data), timed interleaved with that prefill.
+    One row per context length: medians of `reps`, and the load average."""
+    import os
+
+    import torch
+
+    from bench.workloads import ensure_qwen05b
+    from shared import audit as cache_audit
+    from shared import kv
+    from shared.models import load_model
+
+    torch.set_num_threads(threads)
+    source = str(ensure_qwen05b()) if model_name == "qwen05b-random" else model_name
+    model = load_model(source, "bfloat16", "cpu")
+    config = model.model.config.to_dict()
+    rows = []
+    for t in tokens:
+        ids = [4 + (7919 * i) % (config["vocab_size"] - 4) for i in range(t)]
+        checked = cache_audit.positions(t, positions, seed=t)
+        prefill_ms, audit_ms = [], []
+        for rep in range(reps + 1):  # the first round warms up and is not counted
+            started = time.perf_counter()
+            cache = kv.prefill_context(model, torch.tensor([ids]))
+            took = (time.perf_counter() - started) * 1e3
+            report = cache_audit.audit(model, ids, cache, checked)
+            if rep:
+                prefill_ms.append(took)
+                audit_ms.append(report.ms)
+        p, a = statistics.median(prefill_ms), statistics.median(audit_ms)
+        rows.append(
+            {
+                "scale": "qwen05b-random",
+                "tokens": t,
+                "audit_positions": positions,
+                "prefill_ms": round(p, 1),
+                "audit_ms": round(a, 1),
+                "cost_ratio": round(a / p, 4),
+                "cost_ratio_flops": flops_ratio(config, t, positions),
+                "max_error": round(report.max_error, 5),
+                "threads": threads,
+                "load": round(os.getloadavg()[0], 2),
+            }
+        )
+    return rows
+
+
 def posthoc(diverged: list[dict], agreeing: list[dict], layers: int, quantile: float = 0.95) -> dict:
     """In-sample, optimistic: thresholds at each layer's `quantile` of the agreeing
     in-distribution errors of this run, and the recall / false alarms they would give."""
@@ -271,7 +322,7 @@ def table(rows: list[dict], total: dict) -> str:
         return "-" if v is None else fmt.format(v)
 
     lines = [
-        f"Heterogeneous pair (P = qa-base, C = qa-tuned), scd `{total['schedule']}`, "
+        f"Pair `{total['pair']}` (P = {total['producer']}, C = {total['consumer']}), scd `{total['schedule']}`, "
         f"{total['audit_positions']} audited positions, n = {total['n_per_set']} per set (`python -m bench.audit`).",
         "",
         "| set | in dist. | n | oracle F1 / EM | scd F1 / EM | identical | diverged | flagged: diverged / agreeing "
@@ -320,12 +371,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sets", default=",".join(SETS), help=f"comma-separated, of: {', '.join(SETS)}")
     p.add_argument(
         "--schedule",
-        default=HEADLINE_SCHEDULE,
-        help="SCD schedule (text such as R2.R64, or its name); '' = the artifact's default",
+        default=None,
+        help="SCD schedule (text such as R2.R64, or its name); '' = the artifact's default; default: the pair's headline",
     )
     p.add_argument("--audit-positions", type=int, default=8, help="context positions the audit checks (1..64)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--artifact", default=ARTIFACT)
+    p.add_argument(
+        "--scale-tokens",
+        type=int,
+        nargs="*",
+        default=[2048],
+        help="also time the audit against the prefill on the 0.5B-shaped model at these lengths ('' = skip)",
+    )
+    p.add_argument("--scale-only", action="store_true", help="only the 0.5B-scale cost rows (no services, no sets)")
+    p.add_argument("--pair", default=DEFAULT_PAIR, choices=list(PAIRS))
+    p.add_argument("--artifact", default=None, help="default: the pair's")
     p.add_argument("--out-dir", type=Path, default=RESULTS, help="where audit.{jsonl,md} go")
     p.add_argument(
         "--records",
@@ -334,6 +394,13 @@ def main(argv: list[str] | None = None) -> None:
         help="every example's answers, errors and decisions",
     )
     args = p.parse_args(argv)
+    if args.scale_only:
+        for row in cost_at_scale(args.scale_tokens, args.audit_positions):
+            print(json.dumps(row), flush=True)
+        return
+    pair = PAIRS[args.pair]
+    args.artifact = args.artifact or pair.artifact
+    args.schedule = pair.headline if args.schedule is None else args.schedule
     names = [s for s in args.sets.split(",") if s]
     unknown = [s for s in names if s not in SETS]
     if unknown:
@@ -346,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from qa.tokenizer import end_token_id
 
-    end_id = end_token_id(AutoTokenizer.from_pretrained(ROOT / CONSUMER))
+    end_id = end_token_id(AutoTokenizer.from_pretrained(ROOT / pair.consumer))
     schedule = {"schedule": entry.name} if entry else {}
     common = ["--dtype", args.dtype, "--log-level", "WARNING", "--artifacts", str(ROOT / args.artifact)]
     rows: list[dict] = []
@@ -355,17 +422,23 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(set_row(name, recs))
         print(json.dumps(rows[-1]), flush=True)
 
-    with services.running(["--model", PRODUCER, *common], ["--model", CONSUMER, *common], log_dir=ROOT / "bench/runs/audit") as (
+    with services.running(
+        ["--model", pair.producer, *common], ["--model", pair.consumer, *common], log_dir=ROOT / "bench/runs/audit"
+    ) as (
         _,
         c,
     ):
         records = asyncio.run(run_sets(c.address, names, args.n, schedule, args.audit_positions, end_id, on_set))
-    config = json.loads((ROOT / CONSUMER / "config.json").read_text())
+    config = json.loads((ROOT / pair.consumer / "config.json").read_text())
     total = summary(rows, records, entry.schedule if entry else "(artifact default)", args.audit_positions, config)
+    total.update(pair=args.pair, producer=pair.producer.split("/")[-1], consumer=pair.consumer.split("/")[-1])
+    if args.scale_tokens:  # after the services stopped: the timing has the machine to itself
+        total["cost_at_scale"] = cost_at_scale(args.scale_tokens, args.audit_positions)
     print(json.dumps(total), flush=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "audit.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*rows, total]))
-    (args.out_dir / "audit.md").write_text(table(rows, total) + "\n")
+    stem = "audit" if args.pair == DEFAULT_PAIR else f"audit-{args.pair}"
+    (args.out_dir / f"{stem}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*rows, total]))
+    (args.out_dir / f"{stem}.md").write_text(table(rows, total) + "\n")
     args.records.parent.mkdir(parents=True, exist_ok=True)
     args.records.write_text("".join(json.dumps(r) + "\n" for r in records))
     print(table(rows, total), file=sys.stderr)

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from bench import flops, services
+from bench.pairs import PAIRS
 from calibration.search import evenly_spaced
 from consumer.client import ConsumerClient, prompt
 from qa.metrics import exact_match, f1_score
@@ -37,14 +38,6 @@ from shared.scd.artifact import Artifact
 
 ROOT = services.ROOT
 RESULTS = ROOT / "bench/results"
-PAIRS = {  # name -> (producer, consumer, artifact, context lengths)
-    "heterogeneous": ("checkpoints/qa-base", "checkpoints/qa-tuned", "artifacts/qa-base-to-tuned.safetensors", (512,)),
-    "homogeneous": ("checkpoints/qa-tuned", "checkpoints/qa-tuned", "artifacts/qa-tuned-to-tuned.safetensors", (512,)),
-    "deep-full": ("checkpoints/deep/qa-deep-base", "checkpoints/deep/qa-deep-tuned",
-                  "artifacts/qa-deep-base-to-tuned.safetensors", (512, 1024)),
-    "deep-lora": ("checkpoints/deep/qa-deep-base", "checkpoints/deep/qa-deep-lora",
-                  "artifacts/qa-deep-base-to-lora.safetensors", (512, 1024)),
-}
 
 
 def modes_for(artifact: Artifact, max_schedules: int) -> list[tuple[str, dict]]:
@@ -82,8 +75,17 @@ def compute_costs(mode: str, options: dict, artifact: Artifact, config: dict, to
     return {"predictor_flops_ratio": round(predictor_flops / own, 4), "consumer_flops_ratio": round(rebuild / own, 4)}
 
 
-async def run_pair(pair: str, address: str, artifact: Artifact, n: int, ctx: int, max_schedules: int, end_id: int,
-                   element_bytes: int, config: dict) -> list[dict]:
+async def run_pair(
+    pair: str,
+    address: str,
+    artifact: Artifact,
+    n: int,
+    ctx: int,
+    max_schedules: int,
+    end_id: int,
+    element_bytes: int,
+    config: dict,
+) -> list[dict]:
     rows, oracle_f1, oracle_ids, oracle_ms = [], None, [], 0.0
     data = list(examples("test", n, ctx, "tuned"))
     async with ConsumerClient(address) as client:
@@ -91,8 +93,14 @@ async def run_pair(pair: str, address: str, artifact: Artifact, n: int, ctx: int
             f1s, ems, sent, tokens, raw_bf16, label, same, encode_ms, prefill_ms = [], [], 0, 0, 0, "", 0, [], []
             resolved: dict = {}
             for i, ex in enumerate(data):
-                answer = await client.generate(mode=mode, options=options, context=prompt(ex.context),
-                                               question=prompt(ex.question), max_new_tokens=8, stop_token_ids=[end_id])
+                answer = await client.generate(
+                    mode=mode,
+                    options=options,
+                    context=prompt(ex.context),
+                    question=prompt(ex.question),
+                    max_new_tokens=8,
+                    stop_token_ids=[end_id],
+                )
                 text = answer.text.strip().removesuffix(END).strip()
                 f1s.append(f1_score(text, ex.answer))
                 ems.append(exact_match(text, ex.answer))
@@ -112,12 +120,24 @@ async def run_pair(pair: str, address: str, artifact: Artifact, n: int, ctx: int
             oracle_ms = statistics.median(prefill_ms) if mode == "oracle" else oracle_ms
             encode = statistics.median(encode_ms)
             costs = compute_costs(mode, resolved, artifact, config, tokens / len(data))
-            row = {"pair": pair, "layers": config["num_hidden_layers"], "ctx": ctx, "mode": mode, "schedule": label, "ctx_tokens": round(tokens / len(data)),
-                   "bytes_per_token": round(sent / tokens, 2), "bytes_ratio_vs_raw": round(raw_bf16 / sent, 2) if sent else None,
-                   "f1": round(f1, 2), "em": round(em, 2), "f1_gap_vs_oracle": round(oracle_f1 - f1, 2),
-                   "identical_to_oracle": round(same / len(data), 4), "encode_ms": round(encode, 2),
-                   "consumer_prefill_ms": round(oracle_ms, 2), "encode_cost_ratio": round(encode / oracle_ms, 4) if oracle_ms else None,
-                   **costs}
+            row = {
+                "pair": pair,
+                "layers": config["num_hidden_layers"],
+                "ctx": ctx,
+                "mode": mode,
+                "schedule": label,
+                "ctx_tokens": round(tokens / len(data)),
+                "bytes_per_token": round(sent / tokens, 2),
+                "bytes_ratio_vs_raw": round(raw_bf16 / sent, 2) if sent else None,
+                "f1": round(f1, 2),
+                "em": round(em, 2),
+                "f1_gap_vs_oracle": round(oracle_f1 - f1, 2),
+                "identical_to_oracle": round(same / len(data), 4),
+                "encode_ms": round(encode, 2),
+                "consumer_prefill_ms": round(oracle_ms, 2),
+                "encode_cost_ratio": round(encode / oracle_ms, 4) if oracle_ms else None,
+                **costs,
+            }
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -133,7 +153,7 @@ def plot(rows: list[dict], path: Path) -> None:
     cols = min(3, len(pairs))
     nrows = -(-len(pairs) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 4.5 * nrows), squeeze=False)
-    for ax in axes.flat[len(pairs):]:
+    for ax in axes.flat[len(pairs) :]:
         ax.set_visible(False)
     for ax, (pair, ctx) in zip(axes.flat, pairs):
         sub = [r for r in rows if (r["pair"], r["ctx"]) == (pair, ctx)]
@@ -154,15 +174,19 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| pair | layers | ctx | mode | schedule | bytes/token | x fewer than raw bf16 | F1 | EM | F1 gap vs oracle "
-             "| identical to oracle | producer encode / C prefill (ms) | predictor FLOPs / C prefill | C rebuild FLOPs / C prefill |",
-             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| pair | layers | ctx | mode | schedule | bytes/token | x fewer than raw bf16 | F1 | EM | F1 gap vs oracle "
+        "| identical to oracle | producer encode / C prefill (ms) | predictor FLOPs / C prefill | C rebuild FLOPs / C prefill |",
+        "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         ratio = "-" if r["bytes_ratio_vs_raw"] is None else f"{r['bytes_ratio_vs_raw']:.1f}"
         encode = "-" if r["mode"] == "oracle" or r["encode_cost_ratio"] is None else f"{r['encode_cost_ratio']:.1%}"
-        lines.append(f"| {r['pair']} | {r['layers']} | {r['ctx_tokens']} | {r['mode']} | `{r['schedule']}` | {r['bytes_per_token']:g} "
-                     f"| {ratio} | {r['f1']:.1f} | {r['em']:.1f} | {r['f1_gap_vs_oracle']:+.1f} | {100 * r['identical_to_oracle']:.1f}% "
-                     f"| {encode} | {r['predictor_flops_ratio']:.1%} | {r['consumer_flops_ratio']:.1%} |")
+        lines.append(
+            f"| {r['pair']} | {r['layers']} | {r['ctx_tokens']} | {r['mode']} | `{r['schedule']}` | {r['bytes_per_token']:g} "
+            f"| {ratio} | {r['f1']:.1f} | {r['em']:.1f} | {r['f1_gap_vs_oracle']:+.1f} | {100 * r['identical_to_oracle']:.1f}% "
+            f"| {encode} | {r['predictor_flops_ratio']:.1%} | {r['consumer_flops_ratio']:.1%} |"
+        )
     return "\n".join(lines)
 
 
@@ -173,8 +197,13 @@ def main() -> None:
     p.add_argument("--ctx", type=int, nargs="*", default=[], help="context lengths (default: each pair's own)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-schedules", type=int, default=8)
-    p.add_argument("--artifact", action="append", default=[], metavar="PAIR=PATH",
-                   help="use this artifact for a pair instead of the shipped one (repeatable)")
+    p.add_argument(
+        "--artifact",
+        action="append",
+        default=[],
+        metavar="PAIR=PATH",
+        help="use this artifact for a pair instead of the shipped one (repeatable)",
+    )
     p.add_argument("--out-dir", type=Path, default=RESULTS, help="where quality.{jsonl,md,png} go")
     args = p.parse_args()
     unknown = [name for name in args.pairs.split(",") if name not in PAIRS]
@@ -188,17 +217,30 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for pair in args.pairs.split(","):
-        producer, consumer, artifact_path, ctxs = PAIRS[pair]
-        artifact_path = overrides.get(pair, artifact_path)
+        spec = PAIRS[pair]
+        producer, consumer, ctxs = spec.producer, spec.consumer, spec.ctxs
+        artifact_path = overrides.get(pair, spec.artifact)
         artifact = Artifact.load(ROOT / artifact_path)
         end_id = end_token_id(AutoTokenizer.from_pretrained(ROOT / consumer))
         config = json.loads((ROOT / consumer / "config.json").read_text())
         common = ["--dtype", args.dtype, "--log-level", "WARNING", "--artifacts", str(ROOT / artifact_path)]
-        with services.running(["--model", producer, *common], ["--model", consumer, *common],
-                              log_dir=ROOT / "bench/runs/quality") as (_, c):
+        with services.running(
+            ["--model", producer, *common], ["--model", consumer, *common], log_dir=ROOT / "bench/runs/quality"
+        ) as (_, c):
             for ctx in args.ctx or ctxs:
-                rows += asyncio.run(run_pair(pair, c.address, artifact, args.n, ctx, args.max_schedules, end_id,
-                                             4 if args.dtype == "float32" else 2, config))
+                rows += asyncio.run(
+                    run_pair(
+                        pair,
+                        c.address,
+                        artifact,
+                        args.n,
+                        ctx,
+                        args.max_schedules,
+                        end_id,
+                        4 if args.dtype == "float32" else 2,
+                        config,
+                    )
+                )
     (args.out_dir / "quality.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     plot(rows, args.out_dir / "quality.png")
     (args.out_dir / "quality.md").write_text(table(rows) + "\n")

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--predictor-layers",
         default="none",
-        help="heterogeneous pairs: layers with a learned non-linear predictor: none | all | auto | '1,3'",
+        help="heterogeneous pairs: layers with a learned non-linear predictor: none | all | auto | auto:K | '1,3'",
     )
     p.add_argument("--predictor-steps", default="1500,2000", help="predictor training steps: kv-error stage, KL stage")
     p.add_argument("--predictor-mult", type=int, default=2, help="predictor MLP width / hidden size")

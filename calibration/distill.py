@@ -51,7 +51,8 @@ def distill(
     schedule texts (`schedules`, e.g. for a timing-only model where a search costs too much).
 
     predictor_layers (heterogeneous pairs): "none", "all", "auto" (the layers whose Patch through
-    the linear map alone loses more than loss_target) or comma-separated layer indices; those
+    the linear map alone loses more than loss_target; "auto:K": the K worst of them) or
+    comma-separated layer indices; those
     layers get a learned predictor (calibration.predictor_training) trained on `predictor_examples`, and the
     linear maps are refitted on its output."""
     torch.manual_seed(seed)
@@ -164,9 +165,11 @@ def _predictor_layers(
         return [], {}
     if spec == "all":
         return list(range(n)), {}
-    if spec != "auto":
+    auto, _, most = spec.partition(":")
+    if auto != "auto":
         return sorted({int(x) for x in spec.split(",")}), {}
     ev = search.LossEvaluator(art, producer, consumer, heldout)
     losses = {l: ev.loss([Action("patch") if i == l else None for i in range(n)]) for l in range(n)}
     log(f"patch loss with the linear map alone, per layer: {losses}")
-    return [l for l, v in losses.items() if v > loss_target], {str(l): v for l, v in losses.items()}
+    over = sorted((l for l, v in losses.items() if v > loss_target), key=lambda l: -losses[l])
+    return sorted(over[: int(most)] if most else over), {str(l): v for l, v in losses.items()}

@@ -80,19 +80,30 @@ def test_shapes_differ_from_training_as_promised():
 
 
 def test_flops_ratio_is_about_k_over_t():
-    config = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 512}
+    config = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 512,
+              "num_hidden_layers": 2}
     assert audit.flops_ratio(config, 511, 8) == pytest.approx(8 / 511, rel=0.5)
+
+
+def test_cost_at_scale_times_the_audit_beside_the_prefill():
+    (row,) = audit.cost_at_scale([64], 8, reps=1, threads=1, model_name="tiny-llama")
+    assert row["tokens"] == 64 and row["prefill_ms"] > 0 and row["audit_ms"] > 0 and row["max_error"] < 0.05
+    assert row["cost_ratio"] == pytest.approx(row["audit_ms"] / row["prefill_ms"], rel=0.01) and 0 < row["cost_ratio_flops"] < 1
 
 
 def test_a_small_run_prints_a_line_per_set_and_a_summary(tmp_path, capsys):
     audit.main(["--n", "2", "--sets", "in_distribution,random_tokens", "--out-dir", str(tmp_path),
-                "--records", str(tmp_path / "examples.jsonl")])
+                "--records", str(tmp_path / "examples.jsonl"), "--scale-tokens"])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r.get("set") for r in lines] == ["in_distribution", "random_tokens", None]
     for row in lines[:2]:
         assert {"set", "in_distribution", "n", "diverged", "flagged_diverged", "flagged_agreeing", "audit_cost_ratio",
-                "oracle_f1", "scd_f1", "identical_rate", "fallback_identical_rate"} <= set(row)
+                "oracle_f1", "scd_f1", "identical_rate", "fallback_identical_rate", "upgrade_identical_rate",
+                "upgrade_local_rate", "upgrade_bytes_ratio"} <= set(row)
         assert row["n"] == 2 and row["audit_cost_ratio"] > 0
     assert lines[1]["scd_f1"] is None  # no gold in random tokens
-    assert {"recall", "false_alarm_rate", "cost_ratio", "fallback_identical_rate"} <= set(lines[2])
+    assert {"recall", "false_alarm_rate", "cost_ratio", "fallback_identical_rate", "upgrade_identical_rate"} <= set(lines[2])
+    assert lines[2]["pair"] == "heterogeneous" and "cost_at_scale" not in lines[2]
+    # random tokens diverge, are flagged, and UPGRADE re-transfers (more bytes) before prefilling locally
+    assert lines[1]["upgrade_identical_rate"] == 1.0 and lines[1]["upgrade_bytes_ratio"] > 1.0
     assert (tmp_path / "audit.jsonl").read_text().count("\n") == 3 and "| random_tokens |" in (tmp_path / "audit.md").read_text()

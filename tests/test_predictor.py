@@ -140,6 +140,10 @@ def test_homogeneous_pairs_get_no_predictor_and_auto_follows_the_linear_patch_lo
                    predictor_train=predictor_training.TrainConfig(mse_steps=2, kl_steps=1, batch=1), log=lambda m: None)
     linear = auto.meta["predictor"]["patch_loss_linear"]
     assert auto.predictor_layers == [int(l) for l, loss in linear.items() if loss > 0.0] != []
+    worst = distill(producer, consumer, random_corpus(6, 64, 0), heldout(2, 1), corpus_name="r", predictor_layers="auto:1",
+                    predictor_examples=itertools.cycle(train_examples()), schedules=["R8.R8.R8.R8"], loss_target=0.0,
+                    predictor_train=predictor_training.TrainConfig(mse_steps=2, kl_steps=1, batch=1), log=lambda m: None)
+    assert worst.predictor_layers == [int(max(linear, key=linear.get))]  # "auto:K": the K worst layers only
 
 
 def test_predictor_training_is_deterministic_for_a_seed(pair):
