@@ -37,12 +37,11 @@ from pathlib import Path
 
 import grpc
 
-from bench import flops, services
+from bench import flops, pairs, services
 from bench.pairs import PAIRS
-from consumer.client import ConsumerClient, prompt
+from consumer.client import ConsumerClient
 from qa.metrics import exact_match, f1_score
 from qa.shifted import SETS, ShiftedExample, examples
-from qa.task import END
 from shared.pb import consumer_pb2
 from shared.scd.artifact import Artifact
 
@@ -57,27 +56,14 @@ TARGETS = {
 }
 
 
-def answer_text(text: str) -> str:
-    return text.strip().removesuffix(END).strip()
-
-
 async def ask(
     client: ConsumerClient, ex: ShiftedExample, end_id: int, mode: str, options: dict, audit: int, positions: int
 ) -> dict:
-    a = await client.generate(
-        mode=mode,
-        options=options,
-        context=prompt(ex.context),
-        question=prompt(ex.question),
-        max_new_tokens=8,
-        stop_token_ids=[end_id],
-        audit=audit,
-        audit_positions=positions,
-    )
+    a = await pairs.ask(client, ex.context, ex.question, end_id, mode, options, audit=audit, audit_positions=positions)
     s = a.stats
     return {
         "ids": list(a.ids),
-        "text": answer_text(a.text),
+        "text": a.text,
         "tokens": s.context_tokens,
         "rebuild_ms": s.rebuild_ms,
         "bytes": s.bytes_received,

@@ -34,3 +34,22 @@ PAIRS = {
         (512, 1024),
     ),
 }
+
+
+async def ask(client, context: str, question: str, end_id: int, mode: str, options: dict, **fields):
+    """One QA question through the consumer (greedy, stops at the task's END token): the
+    consumer.client Answer, with `text` cut to the answer words."""
+    from consumer.client import prompt
+    from qa.task import END
+
+    answer = await client.generate(
+        mode=mode,
+        options=options,
+        context=prompt(context),
+        question=prompt(question),
+        max_new_tokens=8,
+        stop_token_ids=[end_id],
+        **fields,
+    )
+    answer.text = answer.text.strip().removesuffix(END).strip()
+    return answer

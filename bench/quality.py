@@ -26,12 +26,12 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench import flops, services
+from bench import flops, pairs, services
 from bench.pairs import PAIRS
 from calibration.search import evenly_spaced
-from consumer.client import ConsumerClient, prompt
+from consumer.client import ConsumerClient
 from qa.metrics import exact_match, f1_score
-from qa.task import END, examples
+from qa.task import examples
 from shared.codecs.recompute import span as recompute_span
 from shared.labels import options_label
 from shared.scd.artifact import Artifact
@@ -93,15 +93,8 @@ async def run_pair(
             f1s, ems, sent, tokens, raw_bf16, label, same, encode_ms, prefill_ms = [], [], 0, 0, 0, "", 0, [], []
             resolved: dict = {}
             for i, ex in enumerate(data):
-                answer = await client.generate(
-                    mode=mode,
-                    options=options,
-                    context=prompt(ex.context),
-                    question=prompt(ex.question),
-                    max_new_tokens=8,
-                    stop_token_ids=[end_id],
-                )
-                text = answer.text.strip().removesuffix(END).strip()
+                answer = await pairs.ask(client, ex.context, ex.question, end_id, mode, options)
+                text = answer.text
                 f1s.append(f1_score(text, ex.answer))
                 ems.append(exact_match(text, ex.answer))
                 s = answer.stats

@@ -109,6 +109,8 @@ def evenly_spaced(items: list, n: int) -> list:
     """At most n items: both ends and an even spread between (items kept in order)."""
     if len(items) <= n:
         return list(items)
+    if n <= 1:
+        return list(items[-1:]) if n == 1 else []
     step = (len(items) - 1) / (n - 1)
     return [items[round(i * step)] for i in range(n)]
 
