@@ -91,9 +91,12 @@ artifacts: $(PB_GEN)
 		--dtype bfloat16 --out artifacts/qa-tuned-to-tuned.safetensors
 	$(MAKE) deep-artifacts
 
-DEEP_CALIBRATION := $(QA_CORPUS) --dtype bfloat16 --predictor-layers auto --predictor-steps $(DEEP_PREDICTOR_STEPS) \
-	--predictor-depth 2 --threads 1
 DEEP_PREDICTOR_STEPS ?= 600,600
+# the deep pairs serve 512-1024-token contexts: calibrate at 512, train predictors at 1024;
+# learned predictors on the 2 layers whose linear Patch loses most
+DEEP_CALIBRATION := --corpus qa.corpus:calibration_corpus --corpus-arg task=tuned --corpus-arg ctx=512 \
+	--corpus-arg predictor_ctx=1024 --dtype bfloat16 --predictor-layers auto:2 --predictor-steps $(DEEP_PREDICTOR_STEPS) \
+	--predictor-depth 2 --threads 1
 # SCD artifacts for the two 6-layer heterogeneous pairs (committed; rebuild after `make deep-models`).
 deep-artifacts: $(PB_GEN)
 	$(PYTHON) -m calibration --producer checkpoints/deep/qa-deep-base --consumer checkpoints/deep/qa-deep-tuned \

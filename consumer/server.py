@@ -88,19 +88,21 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
                 if isinstance(item, TokenOut):
                     yield consumer_pb2.GenerateResponse(token=consumer_pb2.TokenDelta(ids=item.ids, text=item.text))
                 elif isinstance(item, GenerateResult):
-                    self.planner.observe(
-                        Observation(
-                            item.codec,
-                            item.options if item.transfer_failure else job.options,
-                            item.context_tokens,
-                            item.bytes_received,
-                            item.transfer_ms,
-                            item.rebuild_ms,
-                            item.producer_prefill_ms,
-                            item.producer_encode_ms,
-                            item.producer_store_hit,
+                    # a flagged cache re-transferred or replaced by a local prefill is no clean sample
+                    if not item.audit_decision.startswith("diverged:"):
+                        self.planner.observe(
+                            Observation(
+                                item.codec,
+                                item.options if item.transfer_failure else job.options,
+                                item.context_tokens,
+                                item.bytes_received,
+                                item.transfer_ms,
+                                item.rebuild_ms,
+                                item.producer_prefill_ms,
+                                item.producer_encode_ms,
+                                item.producer_store_hit,
+                            )
                         )
-                    )
                     if job.fallback:
                         item.options["fallback"] = job.fallback
                     self.transfer_fallbacks += bool(item.transfer_failure)
