@@ -91,18 +91,19 @@ artifacts: $(PB_GEN)
 		--dtype bfloat16 --out artifacts/qa-tuned-to-tuned.safetensors
 	$(MAKE) deep-artifacts
 
-DEEP_PREDICTOR_STEPS ?= 600,600
+# predictor training steps (kv-error stage, KL stage) the shipped deep artifacts were made with
+DEEP_FULL_STEPS ?= 1000,1500
+DEEP_LORA_STEPS ?= 600,600
 # the deep pairs serve 512-1024-token contexts: calibrate at 512, train predictors at 1024;
 # learned predictors on the 2 layers whose linear Patch loses most
 DEEP_CALIBRATION := --corpus qa.corpus:calibration_corpus --corpus-arg task=tuned --corpus-arg ctx=512 \
-	--corpus-arg predictor_ctx=1024 --dtype bfloat16 --predictor-layers auto:2 --predictor-steps $(DEEP_PREDICTOR_STEPS) \
-	--predictor-depth 2 --threads 1
+	--corpus-arg predictor_ctx=1024 --dtype bfloat16 --predictor-layers auto:2 --predictor-depth 2 --threads 1
 # SCD artifacts for the two 6-layer heterogeneous pairs (committed; rebuild after `make deep-models`).
 deep-artifacts: $(PB_GEN)
 	$(PYTHON) -m calibration --producer checkpoints/deep/qa-deep-base --consumer checkpoints/deep/qa-deep-tuned \
-		$(DEEP_CALIBRATION) --out artifacts/qa-deep-base-to-tuned.safetensors
+		$(DEEP_CALIBRATION) --predictor-steps $(DEEP_FULL_STEPS) --out artifacts/qa-deep-base-to-tuned.safetensors
 	$(PYTHON) -m calibration --producer checkpoints/deep/qa-deep-base --consumer checkpoints/deep/qa-deep-lora \
-		$(DEEP_CALIBRATION) --out artifacts/qa-deep-base-to-lora.safetensors
+		$(DEEP_CALIBRATION) --predictor-steps $(DEEP_LORA_STEPS) --out artifacts/qa-deep-base-to-lora.safetensors
 
 bench-quality: $(PB_GEN)
 	$(PYTHON) -m bench.quality
