@@ -59,3 +59,19 @@ def test_stated_quality_on_fixed_test_slice(pair):
     assert base_row["em"] >= STATED_EM, base_row
     assert tuned_row["em"] >= STATED_EM, tuned_row
     assert tuned_row["f1"] - raw_row["f1"] >= STATED_RAW_F1_DROP, (tuned_row, raw_row)
+
+
+@pytest.mark.parametrize("consumer", ["qa-deep-tuned", "qa-deep-lora"])
+def test_the_deep_pairs_stated_quality_and_naive_reuse_loss(consumer):
+    """checkpoints/deep/README.md: 6 layers; each consumer EM >= 0.9 at 512 on its task, and
+    naive reuse of the base's KV loses >= 10 F1 points."""
+    torch.set_num_threads(1)
+    base = AutoModelForCausalLM.from_pretrained(ROOT / "deep/qa-deep-base").eval()
+    tuned = AutoModelForCausalLM.from_pretrained(ROOT / "deep" / consumer).eval()
+    tok = AutoTokenizer.from_pretrained(ROOT / "deep/qa-deep-base")
+    assert base.config.num_hidden_layers == tuned.config.num_hidden_layers == 6
+    assert not any("lora" in name for name in tuned.state_dict())  # merged: plain Llama weights
+    own = evaluate(own_prefill(tuned, tok), "test", SLICE, 512, "tuned")
+    raw = evaluate(cross_cache(base, tuned, tok), "test", SLICE, 512, "tuned")
+    assert own["em"] >= STATED_EM, own
+    assert own["f1"] - raw["f1"] >= STATED_RAW_F1_DROP, (own, raw)
