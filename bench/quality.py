@@ -6,15 +6,16 @@ the 6-layer pairs deep-full (C = full fine-tune of P) and deep-lora (C = P + mer
 is the consumer's (tuned). Per pair, context length and mode/schedule one JSON line
   {"pair", "layers", "mode", "schedule", "ctx_tokens", "bytes_per_token", "bytes_ratio_vs_raw",
    "f1", "em", "f1_gap_vs_oracle", "identical_to_oracle", "encode_ms", "consumer_prefill_ms",
-   "encode_cost_ratio", "predictor_flops_ratio", "consumer_flops_ratio"}
+   "encode_cost_ratio", "predictor_flops_ratio", "consumer_flops_ratio", "load"}
 (f1, em and the gap in points, 0-100; ratio = raw bf16 KV bytes / bytes; identical = share of
 answers token-identical to the oracle's; encode_ms = median producer encode time per request,
 consumer_prefill_ms = median of the oracle's own context prefill, encode_cost_ratio their ratio;
 predictor_flops_ratio = the producer's learned-predictor FLOPs / the consumer's prefill FLOPs,
-consumer_flops_ratio = the consumer's rebuild FLOPs / its prefill FLOPs, both from bench.flops).
-The recompute baseline runs at every span width the artifact profiled (its best span of each).
-also written to bench/results/quality.jsonl, plus a bytes-vs-F1 Pareto plot (quality.png) and a
-markdown table (quality.md).
+consumer_flops_ratio = the consumer's rebuild FLOPs / its prefill FLOPs, both from bench.flops;
+load = the 1-minute load average, the higher of the pair's start and the row's end).
+Also written to bench/results/quality.jsonl (`--merge` keeps the other pairs' rows there), plus a
+bytes-vs-F1 Pareto plot (quality.png) and a markdown table (quality.md). The recompute baseline
+runs at every span width the artifact profiled (its best span of each). Default n = 100.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -87,6 +89,7 @@ async def run_pair(
     config: dict,
 ) -> list[dict]:
     rows, oracle_f1, oracle_ids, oracle_ms = [], None, [], 0.0
+    load = os.getloadavg()[0]
     data = list(examples("test", n, ctx, "tuned"))
     async with ConsumerClient(address) as client:
         for mode, options in modes_for(artifact, max_schedules):
@@ -128,6 +131,7 @@ async def run_pair(
                 "identical_to_oracle": round(same / len(data), 4),
                 "encode_ms": round(encode, 2),
                 "consumer_prefill_ms": round(oracle_ms, 2),
+                "load": round(max(load, os.getloadavg()[0]), 2),
                 "encode_cost_ratio": round(encode / oracle_ms, 4) if oracle_ms else None,
                 **costs,
             }
@@ -186,7 +190,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated, of: {', '.join(PAIRS)}")
-    p.add_argument("--n", type=int, default=200, help="test examples per point")
+    p.add_argument("--n", type=int, default=100, help="test examples per point")
     p.add_argument("--ctx", type=int, nargs="*", default=[], help="context lengths (default: each pair's own)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-schedules", type=int, default=8)
@@ -198,6 +202,7 @@ def main() -> None:
         help="use this artifact for a pair instead of the shipped one (repeatable)",
     )
     p.add_argument("--out-dir", type=Path, default=RESULTS, help="where quality.{jsonl,md,png} go")
+    p.add_argument("--merge", action="store_true", help="keep the other pairs' rows of an existing quality.jsonl")
     args = p.parse_args()
     unknown = [name for name in args.pairs.split(",") if name not in PAIRS]
     if unknown:
@@ -234,6 +239,12 @@ def main() -> None:
                         config,
                     )
                 )
+    done = {r["pair"] for r in rows}
+    if args.merge and (args.out_dir / "quality.jsonl").exists():
+        kept = [json.loads(line) for line in (args.out_dir / "quality.jsonl").read_text().splitlines() if line.strip()]
+        rows += [r for r in kept if r["pair"] not in done]
+        order = list(PAIRS)
+        rows.sort(key=lambda r: order.index(r["pair"]) if r["pair"] in order else len(order))  # stable within a pair
     (args.out_dir / "quality.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     plot(rows, args.out_dir / "quality.png")
     (args.out_dir / "quality.md").write_text(table(rows) + "\n")
