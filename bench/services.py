@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,12 +65,19 @@ def stop(service: Service, timeout_s: float = 30.0) -> int:
     return service.process.returncode
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 @contextlib.contextmanager
 def running(producer_args: Sequence[str], consumer_args: Sequence[str], log_dir: Path,
             producer_host: str = "127.0.0.1", consumer_host: str = "127.0.0.1",
             producer_prefix: Sequence[str] = (), consumer_prefix: Sequence[str] = (),
             timeout_s: float = 300.0) -> Iterator[tuple[Service, Service]]:
-    """Producer then consumer (pointed at it), both SERVING; both stopped on exit."""
+    """Producer then consumer (pointed at it), both SERVING; both stopped on exit, also when this
+    process gets SIGTERM (turned into SystemExit so the cleanup runs; no orphaned services)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     pport, cport = free_port(), free_port()
     producer = spawn("producer", ["--host", producer_host, "--port", str(pport), *producer_args],
                      f"{producer_host}:{pport}", log_dir, producer_prefix)
