@@ -340,6 +340,12 @@ def table(rows: list[dict], total: dict) -> str:
         f"Upgrade policy on the shifted sets: {num(total['upgrade_identical_rate'], '{:.3f}')} identical, "
         f"{num(total['upgrade_local_rate'], '{:.3f}')} still prefilled locally.",
     ]
+    for row in total.get("cost_at_scale", []):
+        lines.append(
+            f"At scale ({row['scale']}, bf16, {row['tokens']} tokens, {row['threads']} threads, load {row['load']}): "
+            f"audit {row['audit_ms']:.0f} ms vs the consumer's prefill {row['prefill_ms']:.0f} ms = "
+            f"**{row['cost_ratio']:.1%}** (FLOPs {row['cost_ratio_flops']:.2%})."
+        )
     if ph:
         lines.append(
             f"In-sample thresholds at each layer's 95th percentile of in-distribution errors "
