@@ -165,10 +165,10 @@ class GenerateEngine:
                 result.audit_decision += ": no richer options"
             else:
                 assert job.codec is not None
-                upgraded = dataclasses.replace(job, options=job.codec.resolve(richer))
                 label = richer.get("schedule") or ",".join(f"{k}={v}" for k, v in sorted(richer.items()))
                 first = result.audit_decision
                 try:
+                    upgraded = dataclasses.replace(job, options=job.codec.resolve(richer))
                     cache, decoder = await self._remote(upgraded, result)
                 except ServiceError as exc:
                     if isinstance(exc, Cancelled) or job.deadline - time.monotonic() <= 0:
