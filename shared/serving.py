@@ -214,6 +214,7 @@ class Server:
         self.metrics_port = -1
         self.compute: Executor | None = None
         self._liveness_task: asyncio.Task | None = None
+        self._stopping = False  # the heartbeat loop's exit condition (a cancel alone can be lost, see drain)
         self.alive = True
         self.not_ready: str = ""  # why readiness is NOT_SERVING though the model is loaded
 
@@ -268,7 +269,7 @@ class Server:
         """Every liveness_interval_s a no-op goes to the compute thread; no answer within
         liveness_timeout_s: "liveness" NOT_SERVING until it answers."""
         cfg = self.config
-        while True:
+        while not self._stopping:
             try:
                 answered = asyncio.wrap_future(executor.submit(_noop))
             except RuntimeError:  # executor shut down
@@ -306,10 +307,13 @@ class Server:
             inflight = admission.inflight
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(admission.idle.wait(), grace_s)
+        self._stopping = True
         if self._liveness_task is not None:
+            # Python 3.11's asyncio.wait_for can swallow a cancel that races with its inner future
+            # completing (the heartbeat's no-op answering just then): the loop would go on forever
+            # and awaiting it would hold the stop. It also checks _stopping, so wait a bounded time.
             self._liveness_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._liveness_task
+            await asyncio.wait({self._liveness_task}, timeout=1.0)
         await self.server.stop(0 if admission is not None else grace_s)
         if self.health_server is not None:
             await self.health_server.stop(0)

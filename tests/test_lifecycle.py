@@ -156,3 +156,30 @@ async def test_drain_lets_admitted_calls_finish_refuses_new_ones_and_a_watch_hol
         assert time.perf_counter() - started < 5.0  # not the 20 s grace: the open Watch did not hold the drain
         watch.cancel()
         await channel.close()
+
+
+async def test_a_lost_cancel_of_the_heartbeat_does_not_hold_the_stop(monkeypatch):
+    """Python 3.11's asyncio.wait_for can swallow a cancel that races with its inner future
+    completing; the heartbeat loop (shared.serving) then kept running and the server's stop waited
+    for it forever. Simulated: every cancel inside wait_for is lost, the heartbeat is slow."""
+    from producer.server import ProducerServer
+    from shared import serving
+    from shared.config import ProducerConfig
+
+    real_wait_for = asyncio.wait_for
+
+    async def losing_wait_for(aw, timeout):
+        try:
+            return await real_wait_for(aw, timeout)
+        except asyncio.CancelledError:
+            return None
+
+    monkeypatch.setattr(serving, "_noop", lambda: time.sleep(0.2))
+    monkeypatch.setattr(asyncio, "wait_for", losing_wait_for)
+    server = ProducerServer(ProducerConfig(port=0, model="tiny-llama", drain_grace_s=0.1, liveness_interval_s=0.01))
+    await server.start()
+    await server.load()
+    await asyncio.sleep(0.3)  # the heartbeat is running, mostly inside wait_for
+    started = time.perf_counter()
+    await real_wait_for(server.stop(), 20)  # stop() itself must return
+    assert time.perf_counter() - started < 5.0
