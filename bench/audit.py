@@ -218,7 +218,7 @@ def cost_at_scale(
         p, a = statistics.median(prefill_ms), statistics.median(audit_ms)
         rows.append(
             {
-                "scale": "qwen05b-random",
+                "scale": model_name,
                 "tokens": t,
                 "audit_positions": positions,
                 "prefill_ms": round(p, 1),

@@ -87,7 +87,7 @@ def test_flops_ratio_is_about_k_over_t():
 
 def test_cost_at_scale_times_the_audit_beside_the_prefill():
     (row,) = audit.cost_at_scale([64], 8, reps=1, threads=1, model_name="tiny-llama")
-    assert row["tokens"] == 64 and row["prefill_ms"] > 0 and row["audit_ms"] > 0 and row["max_error"] < 0.05
+    assert row["scale"] == "tiny-llama" and row["tokens"] == 64 and row["prefill_ms"] > 0 and row["audit_ms"] > 0 and row["max_error"] < 0.05
     # the ms are rounded to 0.1 in the row, the ratio is not
     low, high = (row["audit_ms"] - 0.05) / (row["prefill_ms"] + 0.05), (row["audit_ms"] + 0.05) / (row["prefill_ms"] - 0.05)
     assert low <= row["cost_ratio"] <= high and 0 < row["cost_ratio_flops"] < 1
