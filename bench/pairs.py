@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qa.evaluate import PAIRS as QA_PAIRS
+
 
 @dataclass(frozen=True)
 class Pair:
@@ -16,23 +18,17 @@ class Pair:
     headline: str = ""  # the schedule bench.audit checks by default ("" = the artifact's default)
 
 
+def _checkpoints(name: str) -> tuple[str, str]:
+    """(producer, consumer) checkpoint folders of a qa.evaluate pair, relative to the repo root."""
+    producer, consumer = QA_PAIRS[name]
+    return f"checkpoints/{producer}", f"checkpoints/{consumer}"
+
+
 PAIRS = {
-    "heterogeneous": Pair(
-        "checkpoints/qa-base", "checkpoints/qa-tuned", "artifacts/qa-base-to-tuned.safetensors", (512,), "R2.R64"
-    ),
+    "heterogeneous": Pair(*_checkpoints("2-layer"), "artifacts/qa-base-to-tuned.safetensors", (512,), "R2.R64"),
     "homogeneous": Pair("checkpoints/qa-tuned", "checkpoints/qa-tuned", "artifacts/qa-tuned-to-tuned.safetensors", (512,)),
-    "deep-full": Pair(
-        "checkpoints/deep/qa-deep-base",
-        "checkpoints/deep/qa-deep-tuned",
-        "artifacts/qa-deep-base-to-tuned.safetensors",
-        (512, 1024),
-    ),
-    "deep-lora": Pair(
-        "checkpoints/deep/qa-deep-base",
-        "checkpoints/deep/qa-deep-lora",
-        "artifacts/qa-deep-base-to-lora.safetensors",
-        (512, 1024),
-    ),
+    "deep-full": Pair(*_checkpoints("deep-full"), "artifacts/qa-deep-base-to-tuned.safetensors", (512, 1024)),
+    "deep-lora": Pair(*_checkpoints("deep-lora"), "artifacts/qa-deep-base-to-lora.safetensors", (512, 1024)),
 }
 
 
