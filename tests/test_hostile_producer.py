@@ -403,3 +403,28 @@ def test_every_contract_rule_has_a_case():
 
 
 _ = producer_pb2  # the recordings are PrefillResponse messages
+
+
+@pytest.mark.parametrize("second, code", [("overloaded", "UNAVAILABLE"), ("wrong_codec", "DATA_LOSS")])
+async def test_upgrade_whose_second_transfer_fails_answers_from_a_local_prefill(world, second, code):
+    """AUDIT_POLICY_UPGRADE: the 4-bit stream is flagged (strict threshold), the 8-bit retry the
+    producer refuses or corrupts: the answer is the consumer's own prefill's, status OK, the
+    decision names the failed upgrade, and no slot is left taken."""
+
+    def script(request):
+        if request.codec.options["bits"] == "4":
+            return world["rec"]["quant4"]
+        return [grpc.StatusCode.RESOURCE_EXHAUSTED] if second == "overloaded" else world["rec"]["raw"]
+
+    async with consumer_of(script, audit_threshold=0.02) as (consumer, fake):
+        client = ConsumerClient(consumer.address)
+        fields = generate_fields("quant", {"bits": "4"})
+        oracle, err = await ask(client, **{**fields, "transfer": common_pb2.CodecSpec(name="oracle")})
+        assert err is None
+        received, err = await ask(client, audit=consumer_pb2.AUDIT_POLICY_UPGRADE, **fields)
+        await client.channel.close()
+        assert err is None and fake.calls >= 2  # the 4-bit stream, then the 8-bit retry (gRPC may retry an overload)
+        stats = received[-1].stats
+        assert stats.audit_decision == f"diverged: upgrade to bits=8,group_size=32 failed ({code}): prefilled locally"
+        assert [m.token.ids for m in received[:-1]] == [m.token.ids for m in oracle[:-1]]
+        assert consumer.servicer.admission.inflight == 0
