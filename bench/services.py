@@ -75,7 +75,9 @@ def running(producer_args: Sequence[str], consumer_args: Sequence[str], log_dir:
             producer_prefix: Sequence[str] = (), consumer_prefix: Sequence[str] = (),
             timeout_s: float = 300.0) -> Iterator[tuple[Service, Service]]:
     """Producer then consumer (pointed at it), both SERVING; both stopped on exit, also when this
-    process gets SIGTERM (turned into SystemExit so the cleanup runs; no orphaned services)."""
+    process gets SIGTERM (turned into SystemExit so the cleanup runs; no orphaned services). Python
+    runs the handler in the main thread at its next bytecode: a main thread blocked in one long C
+    call (a long sleep) notices a SIGTERM the kernel delivered to another thread only afterwards."""
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     pport, cport = free_port(), free_port()
