@@ -39,7 +39,7 @@ proto: $(PB_GEN)
 # Then ruff (check + format) and mypy (config in pyproject.toml); mypy reads the generated stubs.
 BUF_AGAINST ?= protos/releases/scd.v1-e4b451a.binpb
 RUFF_PATHS  := shared producer consumer calibration
-MYPY_PATHS  := shared producer consumer
+MYPY_PATHS  := shared producer consumer calibration
 lint: $(PB_GEN)
 	$(BIN)/buf lint
 	$(BIN)/buf breaking --against '$(BUF_AGAINST)'

@@ -15,6 +15,7 @@ import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from calibration.predictor_training import TrainExample
 from calibration.search import HeldOut
@@ -41,8 +42,10 @@ def from_file(path: Path, n: int, heldout: int, tokenizer) -> Corpus:
     sequences after the first n are split into context (first 80%) / question (next 10%) /
     answer (last 10%)."""
     lines = [line for line in path.read_text().splitlines() if line.strip()]
-    records = [json.loads(line) for line in lines] if path.suffix == ".jsonl" else [{"text": line} for line in lines]
-    seqs = [r["ids"] if "ids" in r else tokenizer(r["text"])["input_ids"] for r in records]
+    records: list[dict[str, Any]] = (
+        [json.loads(line) for line in lines] if path.suffix == ".jsonl" else [{"text": line} for line in lines]
+    )
+    seqs: list[list[int]] = [r["ids"] if "ids" in r else tokenizer(r["text"])["input_ids"] for r in records]
     if any(len(s) < 10 for s in seqs):
         raise ValueError(f"{path}: every sequence needs >= 10 tokens (the tokenizer may not know its words)")
     sequences, rest = seqs[:n], seqs[n : n + heldout]

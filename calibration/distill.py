@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -62,7 +63,7 @@ def distill(
     window = 1 if same else window  # P == C: the token's own state determines its K/V exactly
     layer_moments = moments.collect(producer, consumer, corpus, total=len(corpus), window=window)
     g = geometry(producer.info)
-    meta = {
+    meta: dict[str, Any] = {
         "producer": {"model_id": producer.info.model_id, "weight_digest": producer.info.weight_digest},
         "consumer": {"model_id": consumer.info.model_id, "weight_digest": consumer.info.weight_digest},
         "corpus": {
@@ -145,7 +146,7 @@ def distill(
                 [h.qa_ids[h.answer_start :] for h in heldout],
                 width,
             )
-        best = {}
+        best: dict[str, list[int]] = {}
         for row in profile:  # rows come best-first within each width
             best.setdefault(str(row["width"]), [row["start"], row["end"]])
         meta["recompute_span"] = best[str(end - start)]

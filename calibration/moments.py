@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -61,7 +62,9 @@ def normed_inputs_and_cache(loaded: LoadedModel, ids: list[int]) -> tuple[list[t
     """One forward over ids: every layer's normalized input (list of [T, d] on CPU, float32)
     and the cache that forward filled."""
     states, cache = kv.capture_states(loaded, ids, kv.Capture.NORMED)
-    return [states[i].normed.float().cpu() for i in range(loaded.info.num_layers)], cache
+    normed = [states[i].normed for i in range(loaded.info.num_layers)]
+    assert all(x is not None for x in normed)  # Capture.NORMED fills every layer
+    return [x.float().cpu() for x in normed if x is not None], cache
 
 
 def normed_inputs(loaded: LoadedModel, ids: list[int]) -> list[torch.Tensor]:
@@ -105,7 +108,7 @@ def ridge(cxx: torch.Tensor, cxy: torch.Tensor, rel: float) -> torch.Tensor:
 
 def exact_kv_map(consumer: LoadedModel, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(W [d, D], b [D]) with y = x W + b, when K/V are linear in x (no k_norm); else None."""
-    attn = consumer.layers[layer].self_attn
+    attn: Any = consumer.layers[layer].self_attn  # LlamaAttention or the like
     if hasattr(attn, "k_norm"):
         return None
     weight = torch.cat([attn.k_proj.weight, attn.v_proj.weight]).double().cpu().T

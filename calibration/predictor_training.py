@@ -22,7 +22,7 @@ import torch
 from transformers import LlamaModel
 
 from calibration import kl, moments
-from shared import layers
+from shared import kv, layers
 from shared.models import LoadedModel
 from shared.scd.predictor import build, predict
 
@@ -95,7 +95,7 @@ def consumer_pass(
     layer's own (keys, values) ([n_kv, T, hd] each), on C's device."""
     normed, cache = moments.normed_inputs_and_cache(consumer, ids)
     return normed[layer].to(consumer.device), [
-        (cache.layers[i].keys[0], cache.layers[i].values[0]) for i in range(consumer.info.num_layers)
+        (k[0], v[0]) for k, v in (kv.layer_kv(cache, i) for i in range(consumer.info.num_layers))
     ]
 
 
@@ -136,7 +136,9 @@ def train(
     started = time.perf_counter()
     producer, consumer = as_float32(producer), as_float32(consumer)  # no copy when already fp32
     config = model_config(consumer, cfg.intermediate_mult, cfg.depth)
-    model = build(config).to(consumer.device).train()
+    model = build(config)
+    model.to(consumer.device)  # type: ignore[arg-type]  # in place; transformers' wrapped `to` is mistyped
+    model.train()
     for p in list(producer.model.parameters()) + list(consumer.model.parameters()):
         p.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]

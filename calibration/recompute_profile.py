@@ -47,7 +47,7 @@ def profile_span(
         if not question:
             raise ValueError("every question needs at least one token (it predicts the first answer token)")
         states, _ = kv.capture_states(producer, context, kv.Capture.KV | kv.Capture.HIDDEN)
-        reuse = [(states[i].keys.to(device, dtype), states[i].values.to(device, dtype)) for i in range(num_layers)]
+        reuse = [(k.to(device, dtype), v.to(device, dtype)) for k, v in (states[i].kv() for i in range(num_layers))]
         scored = [(question + answer, len(question))]
 
         def answer_logprobs(replaced: dict[int, tuple[torch.Tensor, torch.Tensor]], reuse=reuse, scored=scored) -> torch.Tensor:
@@ -55,10 +55,12 @@ def profile_span(
             return scored_logprobs(consumer, layer_kv, scored)[0]
 
         own, _ = kv.capture_states(consumer, context, kv.Capture.KV)
-        log_p = answer_logprobs({i: (own[i].keys, own[i].values) for i in range(num_layers)})  # [A, V]
+        log_p = answer_logprobs({i: own[i].kv() for i in range(num_layers)})  # [A, V]
         kl_reuse += float(kl_sum(log_p, answer_logprobs({})))
         for s in starts:
-            span_kv = layers.run_layers(consumer, states[s].hidden.to(device), s, s + width)
+            hidden = states[s].hidden
+            assert hidden is not None  # captured above (Capture.HIDDEN)
+            span_kv = layers.run_layers(consumer, hidden.to(device), s, s + width)
             kl[s] += float(kl_sum(log_p, answer_logprobs({s + j: pair for j, pair in enumerate(span_kv)})))
         tokens += len(answer)
     if tokens == 0:

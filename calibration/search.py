@@ -45,7 +45,7 @@ class LossEvaluator:
             states, _ = kv.capture_states(producer, ex.context_ids, kv.Capture.KV | kv.Capture.NORMED)
             self.states.append(states)
             own, _ = kv.capture_states(consumer, ex.context_ids, kv.Capture.KV)
-            self.oracle_kv.append([(own[i].keys, own[i].values) for i in range(consumer.info.num_layers)])
+            self.oracle_kv.append([own[i].kv() for i in range(consumer.info.num_layers)])
             self.oracle_logp.append(self._answer_logp(ex, self.oracle_kv[-1]))
         self.evaluations = 0
 

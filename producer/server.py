@@ -149,9 +149,9 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
 
     @serving.unary_errors
     async def Describe(self, request, context):
-        self._ready()
+        loaded = self._ready()
         return producer_pb2.ProducerServiceDescribeResponse(
-            model=describe.model_to_pb(self.loaded.info),
+            model=describe.model_to_pb(loaded.info),
             codecs=describe.codecs_to_pb(self.codecs),
             limits=common_pb2.Limits(
                 max_context_tokens=self.config.max_context_tokens, max_chunk_bytes=self.config.max_chunk_bytes

@@ -39,6 +39,12 @@ class LayerState:
     normed: torch.Tensor | None = None  # [T, hidden], input_layernorm(hidden)
     hidden: torch.Tensor | None = None  # [T, hidden], residual stream entering the layer
 
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values); a clear error when the forward did not capture them."""
+        if self.keys is None or self.values is None:
+            raise ValueError(f"layer {self.index}: K/V were not captured (pass Capture.KV)")
+        return self.keys, self.values
+
 
 @contextmanager
 def layer_capture(

@@ -24,7 +24,7 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import Executor
 
 import grpc
@@ -140,7 +140,7 @@ def unary_errors(fn: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
     return wrapper
 
 
-def stream_errors(fn: Callable[..., AsyncIterator]) -> Callable[..., AsyncIterator]:
+def stream_errors(fn: Callable[..., AsyncGenerator]) -> Callable[..., AsyncGenerator]:
     """The same for server-streaming handlers written as async generators (closed on every path)."""
 
     @functools.wraps(fn)
