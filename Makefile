@@ -91,9 +91,9 @@ artifacts: $(PB_GEN)
 		--dtype bfloat16 --out artifacts/qa-tuned-to-tuned.safetensors
 	$(MAKE) deep-artifacts
 
-# predictor training steps (kv-error stage, KL stage) the shipped deep artifacts were made with; the
-# 2-layer pair's predictor needed 1500,2000 to reach its calibrated loss (see docs/results.md)
-DEEP_PREDICTOR_STEPS ?= 600,600
+# predictor training steps (kv-error stage, KL stage) the shipped deep artifacts were made with, as
+# for the 2-layer pair (600,600 left the deep predictors under-trained: see docs/results.md)
+DEEP_PREDICTOR_STEPS ?= 1500,2000
 # the deep pairs serve 512-1024-token contexts: calibrate at 512, train predictors at 1024;
 # learned predictors on the 2 layers whose linear Patch loses most
 DEEP_CALIBRATION := --corpus qa.corpus:calibration_corpus --corpus-arg task=tuned --corpus-arg ctx=512 \

@@ -33,7 +33,7 @@ EVERY = 3  # the deep model has this many layers per original one: [original, ne
 DEEP_BASE = replace(BASE, name="qa-deep-base", steps=1200, lr=1e-3, warmup=50, min_facts=96, max_facts=200, first_seed=10_000_000,
                     data_seed=11, decay_from=0.6, eval_every=250)
 DEEP_TUNED = replace(TUNED, name="qa-deep-tuned", steps=500, first_seed=60_000_000, data_seed=12, max_facts=200, eval_every=100)
-DEEP_LORA = replace(TUNED, name="qa-deep-lora", steps=500, lr=2e-3, first_seed=70_000_000, data_seed=13, max_facts=200,
+DEEP_LORA = replace(TUNED, name="qa-deep-lora", steps=800, lr=2e-3, first_seed=70_000_000, data_seed=13, max_facts=200,
                     eval_every=100)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
