@@ -65,7 +65,7 @@ class ServerConfig:
     health_port: int = -1  # plaintext port serving only grpc.health.v1 (kubelet gRPC probes)
     metrics_port: int = -1  # Prometheus text exposition over HTTP (shared.metrics)
     liveness_interval_s: float = 5.0  # heartbeat period: a no-op submitted to the compute thread
-    trace: str = "off"  # OpenTelemetry spans: off | console (JSON on stderr) | memory (tests); shared.tracing
+    trace: str = "off"  # OpenTelemetry spans: off | console (JSON on stderr) | memory (tests) | otlp; shared.tracing
     liveness_timeout_s: float = 30.0  # heartbeat bound: longer and health service "liveness" is NOT_SERVING
 
     @property
@@ -73,8 +73,8 @@ class ServerConfig:
         return [p for p in self.artifacts.split(",") if p]
 
     def validate(self) -> None:
-        if self.trace not in ("off", "console", "memory"):
-            raise ValueError(f"trace: {self.trace!r} not in off, console, memory")
+        if self.trace not in ("off", "console", "memory", "otlp"):
+            raise ValueError(f"trace: {self.trace!r} not in off, console, memory, otlp")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} not in {sorted(DTYPES)}")
         if not 0 <= self.port <= 65535:

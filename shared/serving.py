@@ -22,6 +22,7 @@ import contextlib
 import functools
 import re
 import signal
+import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
@@ -164,6 +165,7 @@ def remaining_s(context: grpc.aio.ServicerContext, default: float) -> float:
 
 
 LIVENESS = "liveness"  # health service name of the compute-thread heartbeat
+TRACE_FLUSH_S = 5.0  # how long a drain waits for queued spans to reach the collector
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
@@ -318,6 +320,10 @@ class Server:
         if self.health_server is not None:
             await self.health_server.stop(0)
         self.metrics.stop()
+        if self.tracing is not None:  # flush queued spans off the loop, bounded: the collector may be gone
+            flush = threading.Thread(target=self.tracing.shutdown, name="trace-flush", daemon=True)
+            flush.start()  # a daemon thread, so a hung export cannot hold the process at exit either
+            await asyncio.to_thread(flush.join, TRACE_FLUSH_S)
         log.info(
             "server.drained",
             grace_s=grace_s,
