@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from shared.models import DTYPES
+from shared.tracing import TRACE_MODES
 from shared.wire import DEFAULT_MAX_CHUNK_BYTES
 
 
@@ -73,8 +74,8 @@ class ServerConfig:
         return [p for p in self.artifacts.split(",") if p]
 
     def validate(self) -> None:
-        if self.trace not in ("off", "console", "memory", "otlp"):
-            raise ValueError(f"trace: {self.trace!r} not in off, console, memory, otlp")
+        if self.trace not in TRACE_MODES:
+            raise ValueError(f"trace: {self.trace!r} not in {', '.join(TRACE_MODES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} not in {sorted(DTYPES)}")
         if not 0 <= self.port <= 65535:
