@@ -10,6 +10,8 @@ Owns nothing but this measurement; knows nothing about the wire or the services.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from calibration.kl import kl_sum, scored_logprobs
@@ -24,20 +26,23 @@ def profile_span(
     contexts: list[list[int]],
     questions: list[list[int]],
     answers: list[list[int]],
-    width: int,
+    width: int | Sequence[int],
 ) -> list[dict]:
     """Rows {"start", "end", "width", "kl", "kl_reuse", "answer_tokens"}, one per span
-    [start, start + width), best (lowest kl) first. `kl_reuse` is the same loss with no span
+    [start, start + width) of each width asked for (one pass over the examples for all of them),
+    by width, best (lowest kl) first within a width. `kl_reuse` is the same loss with no span
     recomputed (naive reuse of the producer's K/V on every layer), for reference."""
     num_layers = consumer.info.num_layers
     if producer.info.num_layers != num_layers:
         raise ValueError(f"producer has {producer.info.num_layers} layers, consumer {num_layers}")
-    if not 1 <= width <= num_layers:
-        raise ValueError(f"width {width} not in 1..{num_layers}")
+    widths = [width] if isinstance(width, int) else list(width)
+    for w in widths:
+        if not 1 <= w <= num_layers:
+            raise ValueError(f"width {w} not in 1..{num_layers}")
     if not len(contexts) == len(questions) == len(answers):
         raise ValueError(f"{len(contexts)} contexts, {len(questions)} questions, {len(answers)} answers")
-    starts = range(num_layers - width + 1)
-    kl = {s: 0.0 for s in starts}
+    spans = [(s, s + w) for w in widths for s in range(num_layers - w + 1)]
+    kl = dict.fromkeys(spans, 0.0)
     kl_reuse = 0.0
     tokens = 0
     device, dtype = consumer.device, consumer.dtype
@@ -57,23 +62,23 @@ def profile_span(
         own, _ = kv.capture_states(consumer, context, kv.Capture.KV)
         log_p = answer_logprobs({i: own[i].kv() for i in range(num_layers)})  # [A, V]
         kl_reuse += float(kl_sum(log_p, answer_logprobs({})))
-        for s in starts:
+        for s, e in spans:
             hidden = states[s].hidden
             assert hidden is not None  # captured above (Capture.HIDDEN)
-            span_kv = layers.run_layers(consumer, hidden.to(device), s, s + width)
-            kl[s] += float(kl_sum(log_p, answer_logprobs({s + j: pair for j, pair in enumerate(span_kv)})))
+            span_kv = layers.run_layers(consumer, hidden.to(device), s, e)
+            kl[s, e] += float(kl_sum(log_p, answer_logprobs({s + j: pair for j, pair in enumerate(span_kv)})))
         tokens += len(answer)
     if tokens == 0:
         raise ValueError("no answer tokens to profile on")
     rows = [
         {
             "start": s,
-            "end": s + width,
-            "width": width,
-            "kl": kl[s] / tokens,
+            "end": e,
+            "width": e - s,
+            "kl": kl[s, e] / tokens,
             "kl_reuse": kl_reuse / tokens,
             "answer_tokens": tokens,
         }
-        for s in starts
+        for s, e in spans
     ]
-    return sorted(rows, key=lambda r: (r["kl"], r["start"]))
+    return sorted(rows, key=lambda r: (r["width"], r["kl"], r["start"]))

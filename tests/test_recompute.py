@@ -155,3 +155,6 @@ def test_profile_span_ranks_every_span(different_consumer):
     assert rows[0]["kl"] < rows[0]["kl_reuse"]  # the best span beats naive reuse of every layer
     full = profile_span(local_p, local_c, *data, width=4)
     assert len(full) == 1 and full[0]["kl"] < rows[-1]["kl"]  # C recomputing all layers from P's embeddings
+    both = profile_span(local_p, local_c, *data, width=[1, 4])  # one pass over the examples, by width
+    assert [(r["start"], r["end"]) for r in both] == [(r["start"], r["end"]) for r in rows + full]
+    assert all(math.isclose(a["kl"], b["kl"], rel_tol=1e-5, abs_tol=1e-7) for a, b in zip(both, rows + full, strict=True))
