@@ -62,9 +62,12 @@ def normed_inputs_and_cache(loaded: LoadedModel, ids: list[int]) -> tuple[list[t
     """One forward over ids: every layer's normalized input (list of [T, d] on CPU, float32)
     and the cache that forward filled."""
     states, cache = kv.capture_states(loaded, ids, kv.Capture.NORMED)
-    normed = [states[i].normed for i in range(loaded.info.num_layers)]
-    assert all(x is not None for x in normed)  # Capture.NORMED fills every layer
-    return [x.float().cpu() for x in normed if x is not None], cache
+    out = []
+    for i in range(loaded.info.num_layers):
+        normed = states[i].normed
+        assert normed is not None  # Capture.NORMED fills every layer
+        out.append(normed.float().cpu())
+    return out, cache
 
 
 def normed_inputs(loaded: LoadedModel, ids: list[int]) -> list[torch.Tensor]:

@@ -5,13 +5,13 @@ a stuck drain."""
 
 from __future__ import annotations
 
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from bench.services import free_port
 from shared.pb import common_pb2
 from shared.serving import TRACE_FLUSH_S
 from tests.conftest import prompt, running_pair
@@ -91,10 +91,7 @@ async def test_otlp_mode_exports_both_services_spans_to_a_collector(monkeypatch)
 
 
 async def test_an_unreachable_collector_neither_fails_calls_nor_holds_the_drain(monkeypatch):
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nobody listens there
     async with running_pair("tiny-llama", producer_kw={"trace": "otlp"}, consumer_kw={"trace": "otlp"}) as pair:
         await _one_generate(pair)  # status OK: export failures stay on the SDK's thread
         stopping = time.perf_counter()

@@ -77,8 +77,7 @@ class QuantEncoder(LayerEncoder):
         self.group_size = group_size
 
     def encode(self, state: LayerState) -> dict[str, torch.Tensor]:
-        assert state.keys is not None and state.values is not None  # the encoder asked for Capture.KV
-        return quantize.encode_kv(state.keys, state.values, self.bits, self.group_size)  # see shared.quantize
+        return quantize.encode_kv(*state.kv(), self.bits, self.group_size)  # see shared.quantize
 
 
 class QuantDecoder(KVDecoder):

@@ -32,8 +32,8 @@ from shared.models import LoadedModel
 
 
 def kv_payloads(state: LayerState) -> dict[str, torch.Tensor]:
-    assert state.keys is not None and state.values is not None  # the encoder asked for Capture.KV
-    return {"k": state.keys, "v": state.values}  # [n_kv, T, hd] each, post-RoPE, producer dtype
+    keys, values = state.kv()  # the encoder asked for Capture.KV
+    return {"k": keys, "v": values}  # [n_kv, T, hd] each, post-RoPE, producer dtype
 
 
 def kv_schema(model: LoadedModel, stream: StreamInfo) -> Schema:

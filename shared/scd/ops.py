@@ -45,8 +45,7 @@ def encode_layer(art: Artifact, layer: int, action: Action, state: LayerState, g
     if action.kind == "raw":
         return kv_payloads(state)
     if action.kind == "quant":
-        assert state.keys is not None and state.values is not None  # the encoder asked for Capture.KV
-        return quantize.encode_kv(state.keys, state.values, action.param, group_size)
+        return quantize.encode_kv(*state.kv(), action.param, group_size)
     assert state.normed is not None  # the encoder asked for Capture.NORMED
     features = producer_features(state.normed.float(), art.window, art.predictor(layer))  # [T, w·d]
     x = features - art.tensor(layer, "mu_x")
