@@ -128,7 +128,14 @@ TTFT_GRID_05B := --model-scale qwen05b --artifacts .cache/artifacts --contexts 5
 	--bandwidths 10 100 1000 --stores cold warm --warmup 1 --runs 5 \
 	--modes oracle raw quant:bits=8 quant:bits=4 scd
 
-.PHONY: bench-transport gpu-check pool-test load-test
+.PHONY: bench-transport gpu-check pool-test load-test bench-throughput
+
+# The consumer's batch engine vs --max-batch 1, same run, interleaved: QA pair and the
+# 0.5B-shaped model, modes oracle/raw/scd, concurrency 1-64 -> bench/results/throughput.{jsonl,png}.
+# THROUGHPUT_ARGS="--quick": the QA pair, raw+scd, concurrency 1 and 32 (a few minutes).
+THROUGHPUT_ARGS ?=
+bench-throughput: $(PB_GEN)
+	$(PYTHON) -m bench.throughput $(THROUGHPUT_ARGS)
 
 # Rounds of 32 concurrent Generate streams over every mode with random cancels and tiny deadlines,
 # then the head-of-line check; JSON lines to stdout and bench/results/load.jsonl (~2 min).

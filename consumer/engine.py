@@ -1,13 +1,20 @@
 """The consumer's request pipeline, the same for every transfer codec:
 
-  open the transfer (unless the mode is the consumer's own prefill) -> rebuild each layer on the
-  compute thread as soon as its payloads arrive, while later layers are still in flight ->
-  finish the cache -> prefill the question on top -> decode, yielding tokens as they come -> stats.
+  wait for KV memory (consumer.kv_admission: blocks for context + question + max_new_tokens) ->
+  open the transfer (unless the mode is the consumer's own prefill) -> rebuild each layer into the
+  request's KV pool blocks on the engine thread as soon as its payloads arrive, while later layers
+  are still in flight -> finish the cache -> hand question and decode to the batch engine
+  (consumer.batch), yielding tokens as they come -> release the blocks -> stats.
 
 A transfer failure (producer unreachable or overloaded, stream corrupt or incompatible, too slow
 for the transfer's share of the deadline) fails the request, or, with the LOCAL_PREFILL policy,
 becomes the consumer's own prefill, recorded in the stats. Either way it is noticed at once: the
 stream pump and the rebuild run as two tasks and the first failure of either cancels the other.
+
+A local prefill (mode oracle, LOCAL_PREFILL, an audit's fallback) is a chunked prefill inside the
+engine's batches, never a forward that holds the device for its whole length. A request whose
+rebuilt cache gives non-finite logits fails alone: DataLoss, or under LOCAL_PREFILL the
+consumer's own prefill (recorded in the stats).
 
 Knows nothing about gRPC: the transfer arrives through a `TransferSource` (an async iterator of
 StreamHeader / LayerPayloads / StreamTrailer events, contract enforced by
@@ -17,19 +24,19 @@ consumer.stream_reader), which the servicer builds from the producer client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncGenerator
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import torch
-from transformers import DynamicCache
-
-from consumer.decoding import Detokenizer, Sampler, Sampling, forward_logits
+from consumer.batch import BatchEngine, Finished, Task
+from consumer.decoding import Detokenizer, Sampler, Sampling
+from consumer.kv_admission import KVAdmission
+from consumer.kv_pool import SequenceKV
 from consumer.stream_reader import Event, Expectation, LayerPayloads, StreamHeader, StreamTrailer
-from shared import audit, kv, logs
+from shared import audit, logs
 from shared.codecs import CacheDecoder, Codec
 from shared.errors import Cancelled, DataLoss, DeadlineExceeded, ServiceError
 from shared.models import LoadedModel
@@ -101,12 +108,14 @@ class GenerateResult:
     audit_thresholds: tuple[float, ...] = ()
     audit_decision: str = ""
     audit_ms: float = 0.0
+    queue_wait_ms: float = 0.0  # waiting for KV memory before any work
 
 
 class GenerateEngine:
-    def __init__(self, loaded: LoadedModel, executor: Executor, source: TransferSource | None):
+    def __init__(self, loaded: LoadedModel, engine: BatchEngine, admission: KVAdmission, source: TransferSource | None):
         self.loaded = loaded
-        self.executor = executor
+        self.engine = engine  # the device's only executor: jobs and batched forwards
+        self.admission = admission
         self.source = source
 
     def _left(self, job: GenerateJob, what: str) -> float:
@@ -121,44 +130,81 @@ class GenerateEngine:
             value = fn(*args)
             return value, (time.perf_counter() - started) * 1e3
 
-        return await logs.run_in(self.executor, run)
+        return await logs.run_in(self.engine, run)
 
-    async def _local_prefill(self, job: GenerateJob, result: GenerateResult) -> DynamicCache:
-        self._left(job, "context prefill")
-        context = torch.tensor([job.context_ids], device=self.loaded.device)  # [1, T]
-        cache, took = await self._timed(kv.prefill_context, self.loaded, context)
-        result.rebuild_ms += took
-        return cache
+    async def _engine_task(self, job: GenerateJob, task: Task) -> AsyncGenerator[int | Finished, None]:
+        """Hand task to the batch engine; its sampled token ids, then its Finished. Leaving early
+        (deadline, cancel, error) takes the task out of the engine at its next iteration."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
 
-    async def _cache(self, job: GenerateJob, result: GenerateResult) -> DynamicCache:
-        if job.codec is None:
-            return await self._local_prefill(job, result)
+        def sink(item: Any) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, item)
+
+        task.sink = sink
+        self.engine.add(task)
+        finished = False
         try:
-            cache, decoder = await self._remote(job, result)
-        except ServiceError as exc:
-            if job.on_failure != LOCAL_PREFILL or isinstance(exc, Cancelled) or job.deadline - time.monotonic() <= 0:
-                raise
-            result.transfer_failure = f"{exc.code}: {str(exc)[:300]}"
-            log.warning("generate.transfer_failed", mode=job.mode, code=exc.code, reason=str(exc)[:300], policy=LOCAL_PREFILL)
-            result.codec, result.options = LOCAL_MODE, {}
-            result.bytes_received = result.rebuild_ms = 0
-            result.raw_kv_bytes = self.loaded.info.kv_bytes(len(job.context_ids))
-            return await self._local_prefill(job, result)
-        if job.audit != AUDIT_OFF:
-            cache = await self._audited(job, result, cache, decoder)
-        return cache
+            while not finished:
+                try:
+                    item = await asyncio.wait_for(events.get(), self._left(job, "the next engine step"))
+                except TimeoutError:
+                    raise DeadlineExceeded("deadline passed while waiting for the engine") from None
+                if isinstance(item, BaseException):
+                    raise item
+                finished = isinstance(item, Finished)
+                yield item
+        finally:
+            if not finished:
+                self.engine.cancel(task)
 
-    async def _audited(
-        self, job: GenerateJob, result: GenerateResult, cache: DynamicCache, decoder: CacheDecoder
-    ) -> DynamicCache:
+    async def _local_prefill(self, job: GenerateJob, result: GenerateResult, seq: SequenceKV) -> SequenceKV:
+        """The consumer's own prefill of the context into seq, in chunks inside the engine's batches."""
+        self._left(job, "context prefill")
+        started = time.perf_counter()
+        seq.length = 0  # a failed or flagged transfer's layers are overwritten
+        task = Task(seq, list(job.context_ids), sink=lambda _: None)
+        async with contextlib.aclosing(self._engine_task(job, task)) as events:
+            async for _ in events:
+                pass
+        result.rebuild_ms += (time.perf_counter() - started) * 1e3
+        return seq
+
+    def _replaced_by_local(self, job: GenerateJob, result: GenerateResult, exc: ServiceError) -> bool:
+        """Whether LOCAL_PREFILL turns this transfer failure into the consumer's own prefill (and
+        record it)."""
+        if job.on_failure != LOCAL_PREFILL or isinstance(exc, Cancelled) or job.deadline - time.monotonic() <= 0:
+            return False
+        result.transfer_failure = f"{exc.code}: {str(exc)[:300]}"
+        log.warning("generate.transfer_failed", mode=job.mode, code=exc.code, reason=str(exc)[:300], policy=LOCAL_PREFILL)
+        result.codec, result.options = LOCAL_MODE, {}
+        result.bytes_received = result.rebuild_ms = 0
+        result.raw_kv_bytes = self.loaded.info.kv_bytes(len(job.context_ids))
+        return True
+
+    async def _cache(self, job: GenerateJob, result: GenerateResult, seq: SequenceKV) -> None:
+        if job.codec is None:
+            await self._local_prefill(job, result, seq)
+            return
+        try:
+            decoder = await self._remote(job, result, seq)
+        except ServiceError as exc:
+            if not self._replaced_by_local(job, result, exc):
+                raise
+            await self._local_prefill(job, result, seq)
+            return
+        if job.audit != AUDIT_OFF:
+            await self._audited(job, result, seq, decoder)
+
+    async def _audited(self, job: GenerateJob, result: GenerateResult, seq: SequenceKV, decoder: CacheDecoder) -> None:
         """Spot-check the rebuilt cache (shared.audit). Policy report: answer from it anyway;
         fallback: prefill locally when it is flagged; upgrade: when flagged, transfer once more
         with the codec's richer options and audit that, prefilling locally if it is flagged too,
         no richer option exists or the second transfer fails."""
-        if not await self._audit(job, result, cache, decoder):
-            return cache
+        if not await self._audit(job, result, seq, decoder):
+            return
         if job.audit == AUDIT_REPORT:
-            return cache
+            return
         if job.audit == AUDIT_UPGRADE:
             richer = decoder.richer_options()
             if richer is None:
@@ -169,27 +215,28 @@ class GenerateEngine:
                 first = result.audit_decision
                 try:
                     upgraded = dataclasses.replace(job, options=job.codec.resolve(richer))
-                    cache, decoder = await self._remote(upgraded, result)
+                    decoder = await self._remote(upgraded, result, seq)
                 except ServiceError as exc:
                     if isinstance(exc, Cancelled) or job.deadline - time.monotonic() <= 0:
                         raise
                     result.audit_decision = f"{first}: upgrade to {label} failed ({exc.code})"
                     log.warning("generate.upgrade_failed", mode=job.mode, code=exc.code, reason=str(exc)[:300])
                 else:
-                    flagged = await self._audit(upgraded, result, cache, decoder)
+                    flagged = await self._audit(upgraded, result, seq, decoder)
                     result.audit_decision = f"{first}: upgraded to {label}: {result.audit_decision}"
                     if not flagged:
-                        return cache
+                        return
         result.audit_decision += ": prefilled locally"
-        return await self._local_prefill(job, result)
+        await self._local_prefill(job, result, seq)
 
-    async def _audit(self, job: GenerateJob, result: GenerateResult, cache: DynamicCache, decoder: CacheDecoder) -> bool:
-        """Audit `cache` into `result` (errors, thresholds, decision "ok" | "diverged", time added);
-        True when it diverged."""
+    async def _audit(self, job: GenerateJob, result: GenerateResult, seq: SequenceKV, decoder: CacheDecoder) -> bool:
+        """Audit the rebuilt cache in seq into `result` (errors, thresholds, decision "ok" |
+        "diverged", time added); True when it diverged."""
         self._left(job, "cache audit")
         thresholds = decoder.audit_thresholds() or (job.audit_threshold,) * self.loaded.info.num_layers
-        checked = audit.positions(len(job.context_ids), job.audit_positions, seed=len(job.context_ids))
-        report, _ = await self._timed(audit.audit, self.loaded, job.context_ids, cache, checked)
+        T = len(job.context_ids)
+        checked = audit.positions(T, job.audit_positions, seed=T)
+        report, _ = await self._timed(lambda: audit.audit(self.loaded, job.context_ids, seq.to_dynamic(T), checked))
         result.audit_layer_errors, result.audit_thresholds = report.layer_errors, thresholds
         result.audit_ms += report.ms
         diverged = any(e > t for e, t in zip(report.layer_errors, thresholds))
@@ -208,27 +255,58 @@ class GenerateEngine:
     async def run(self, job: GenerateJob) -> AsyncGenerator[TokenOut | GenerateResult, None]:
         result = GenerateResult(job.request_id, job.mode, dict(job.options), len(job.context_ids), len(job.question_ids))
         result.raw_kv_bytes = self.loaded.info.kv_bytes(len(job.context_ids))
-        cache = await self._cache(job, result)
+        # the request's worst case: the last sampled token is never fed back
+        need = len(job.context_ids) + len(job.question_ids) + job.max_new_tokens
+        seq, waited = await self.admission.acquire(need, job.deadline)
+        result.queue_wait_ms = waited * 1e3
+        try:
+            await self._cache(job, result, seq)
+            async with contextlib.aclosing(self._answer(job, result, seq)) as items:
+                async for item in items:
+                    yield item
+        finally:
+            self.engine.release(seq).add_done_callback(lambda _: self.admission.wake())
 
+    async def _answer(
+        self, job: GenerateJob, result: GenerateResult, seq: SequenceKV
+    ) -> AsyncGenerator[TokenOut | GenerateResult, None]:
+        """Question prefill and decode in the engine's batches; a cache whose logits are not finite
+        fails the request (DataLoss) or, under LOCAL_PREFILL, is replaced by the own prefill once."""
         self._left(job, "question prefill")
-        logits, result.question_prefill_ms = await self._timed(forward_logits, self.loaded, job.question_ids, cache)
-        sampler = Sampler(job.sampling, self.loaded.device)
         detok = Detokenizer(self.loaded.tokenizer)
-        first_at = time.perf_counter()
-        for step in range(job.max_new_tokens):
-            token = sampler(logits)
-            text = detok.push(token)
-            if step == 0:
-                first_at = time.perf_counter()
-                result.ttft_ms = (first_at - job.received_at) * 1e3
-            result.generated_tokens += 1
-            yield TokenOut([token], text)
-            if token in job.stop_ids:
-                result.finish_reason = "stop"
-                break
-            if step + 1 < job.max_new_tokens:
-                self._left(job, "next decode step")
-                logits, _ = await self._timed(forward_logits, self.loaded, [token], cache)
+        context_len = len(job.context_ids)
+        while True:
+            seq.length = context_len
+            task = Task(
+                seq,
+                list(job.question_ids),
+                sink=lambda _: None,
+                sampler=Sampler(job.sampling, self.loaded.device),
+                max_new=job.max_new_tokens,
+                stop_ids=job.stop_ids,
+            )
+            submitted = time.perf_counter()
+            first_at = submitted
+            try:
+                async with contextlib.aclosing(self._engine_task(job, task)) as events:
+                    async for item in events:
+                        if isinstance(item, Finished):
+                            result.finish_reason = item.reason
+                            break
+                        if result.generated_tokens == 0:
+                            first_at = time.perf_counter()
+                            result.question_prefill_ms = (first_at - submitted) * 1e3
+                            result.ttft_ms = (first_at - job.received_at) * 1e3
+                        result.generated_tokens += 1
+                        yield TokenOut([item], detok.push(item))
+            except DataLoss as exc:
+                if result.generated_tokens or job.codec is None or result.codec == LOCAL_MODE:
+                    raise
+                if not self._replaced_by_local(job, result, exc):
+                    raise
+                await self._local_prefill(job, result, seq)
+                continue
+            break
         rest = detok.flush()
         if rest:
             yield TokenOut([], rest)
@@ -237,9 +315,9 @@ class GenerateEngine:
         result.total_ms = (done - job.received_at) * 1e3
         yield result
 
-    async def _remote(self, job: GenerateJob, result: GenerateResult) -> tuple[DynamicCache, CacheDecoder]:
-        """Pull the producer stream and rebuild each layer on the compute thread while later ones
-        arrive; the first failure of either side cancels the other."""
+    async def _remote(self, job: GenerateJob, result: GenerateResult, seq: SequenceKV) -> CacheDecoder:
+        """Pull the producer stream and rebuild each layer into seq on the engine thread while
+        later ones arrive; the first failure of either side cancels the other."""
         assert job.codec is not None and self.source is not None
         source = self.source
         started = time.perf_counter()
@@ -255,6 +333,7 @@ class GenerateEngine:
             try:
                 async for event in stream:
                     if isinstance(event, StreamHeader):
+                        event.decoder.bind(seq)  # rebuilt layers go straight into the request's blocks
                         state["decoder"] = event.decoder
                         result.options = {**event.stream.options, **event.stream.metadata}
                         producer_kv = dataclasses.replace(self.loaded.info, dtype=event.stream.kv_dtype)
@@ -296,6 +375,8 @@ class GenerateEngine:
         result.producer_prefill_ms = trailer.prefill_ms
         result.producer_encode_ms = trailer.encode_ms
         result.producer_store_hit = trailer.store_hit
-        cache, took = await self._timed(state["decoder"].finish)
+        decoder: CacheDecoder = state["decoder"]
+        _, took = await self._timed(decoder.finish)
         result.rebuild_ms += took
-        return cache, state["decoder"]
+        seq.length = len(job.context_ids)
+        return decoder

@@ -11,7 +11,10 @@ import structlog
 
 import shared
 from consumer import compat
+from consumer.batch import BatchEngine
 from consumer.engine import LOCAL_MODE, GenerateEngine, GenerateResult, TokenOut
+from consumer.kv_admission import KVAdmission
+from consumer.kv_pool import KVPool, default_pool_bytes
 from consumer.planner import Observation, TransferPlanner
 from consumer.producer_client import ProducerClient
 from consumer.requests import JobBuilder
@@ -35,18 +38,18 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
 
     metrics: Metrics  # the server's, set by ConsumerServer right after construction
 
-    def __init__(self, config: ConsumerConfig, executor: ThreadPoolExecutor):
+    def __init__(self, config: ConsumerConfig):
         self.config = config
-        self.executor = executor
         self.tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="consumer-tokenize")
         self.loaded: LoadedModel | None = None
         self.admission = serving.Admission("max_inflight", config.max_inflight)
         self.outcomes = outcomes.Outcomes()
         self.transfer_fallbacks = 0
 
-    def attach(self, loaded: LoadedModel, client: ProducerClient) -> None:
+    def attach(self, loaded: LoadedModel, batch: BatchEngine, kv_admission: KVAdmission, client: ProducerClient) -> None:
         self.codecs = codec_lib.create_codecs(loaded, artifacts=discover(self.config.artifact_paths))
-        self.engine = GenerateEngine(loaded, self.executor, client)
+        self.batch, self.kv_admission = batch, kv_admission
+        self.engine = GenerateEngine(loaded, batch, kv_admission, client)
         self.planner = TransferPlanner()
         self.jobs = JobBuilder(self.config, loaded, self.codecs, self.planner, self._tokenize)
         self.loaded = loaded
@@ -140,6 +143,12 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
                 generates_failed=self.outcomes.failed,
                 transfer_fallbacks=self.transfer_fallbacks,
                 inflight=self.admission.inflight,
+                kv_pool_bytes=self.batch.pool.capacity_bytes,
+                kv_used_bytes=self.batch.pool.used_bytes,
+                kv_queue=self.kv_admission.queued,
+                last_batch_rows=self.batch.stats.last_batch,
+                max_batch=self.batch.max_batch,
+                nonfinite_rows=self.batch.stats.failed_rows,
             ),
         )
 
@@ -168,6 +177,7 @@ def result_to_pb(r: GenerateResult) -> consumer_pb2.GenerateStats:
         audit_layer_thresholds=r.audit_thresholds,
         audit_decision=r.audit_decision,
         audit_ms=r.audit_ms,
+        queue_wait_ms=r.queue_wait_ms,
     )
 
 
@@ -177,10 +187,10 @@ class ConsumerServer:
     def __init__(self, config: ConsumerConfig):
         self.config = config
         self.server = serving.Server([SERVICE_NAME], config)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="consumer-compute")
-        self.servicer = ConsumerServicer(config, self.executor)
+        self.servicer = ConsumerServicer(config)
         self.servicer.metrics = self.server.metrics
-        self.server.watch(admission=self.servicer.admission, compute=self.executor)
+        self.server.watch(admission=self.servicer.admission)
+        self.executor: BatchEngine | None = None  # the batch engine: the device's only executor, once loaded
         handlers.add_servicer(self.server.server, self.servicer, consumer_pb2.DESCRIPTOR.services_by_name["ConsumerService"])
         self.client: ProducerClient | None = None
 
@@ -195,10 +205,17 @@ class ConsumerServer:
     async def load(self, loaded: LoadedModel | None = None) -> None:
         cfg = self.config
         if loaded is None:
-            loaded = await logs.run_in(self.executor, load_model, cfg.model, cfg.dtype, cfg.device)
-        await logs.run_in(self.executor, warm_up, loaded)
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="consumer-load") as loader:
+                loaded = await logs.run_in(loader, load_model, cfg.model, cfg.dtype, cfg.device)
+        pool = KVPool(loaded.info, loaded.device, default_pool_bytes(cfg, loaded), cfg.kv_block_tokens)
+        batch = BatchEngine(loaded, pool, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens)
+        self.executor = batch
+        await logs.run_in(batch, warm_up, loaded)
+        kv_admission = KVAdmission(pool, cfg.max_queue)
+        self.server.metrics.watch_engine(batch, pool, kv_admission)
+        self.server.compute = batch  # liveness: the heartbeat is a job, answered at the next iteration boundary
         self.client = ProducerClient.from_config(cfg, loaded.info.weight_digest, self.server.tracing)
-        self.servicer.attach(loaded, self.client)
+        self.servicer.attach(loaded, batch, kv_admission, self.client)
         self.server.not_ready = await compat.check_producer(self.client.stub, self.servicer.codecs)
         await self.server.serving()
         log.info(
@@ -207,11 +224,14 @@ class ConsumerServer:
             dtype=loaded.info.dtype,
             device=loaded.info.device,
             digest=loaded.info.weight_digest[:16],
+            kv_pool_bytes=pool.capacity_bytes,
+            max_batch=cfg.max_batch,
         )
 
     async def stop(self, grace_s: float | None = None) -> None:
         await self.server.drain(self.config.drain_grace_s if grace_s is None else grace_s, self.servicer.admission)
         if self.client is not None:
             await self.client.close()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
         self.servicer.tokenizer_pool.shutdown(wait=False, cancel_futures=True)

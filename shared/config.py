@@ -130,6 +130,13 @@ class ConsumerConfig(ServerConfig):
     max_inflight: int = 16  # concurrent Generate calls; more get RESOURCE_EXHAUSTED
     audit_threshold: float = 0.05  # cache-audit error counted as divergence when the codec has no calibrated one
     default_timeout_s: float = 120.0  # used when the caller sets no deadline
+    # the batch engine (consumer/batch.py, docs/design.md "The serving engine")
+    max_batch: int = 32  # rows per forward (1: one request per forward, the pre-batching behaviour)
+    kv_pool_bytes: int = 0  # KV pool size; 0: what max_inflight worst-case requests need, capped by memory
+    kv_block_tokens: int = 16  # tokens per KV pool block
+    max_queue: int = 64  # requests waiting for KV memory; more get RESOURCE_EXHAUSTED
+    prefill_chunk: int = 512  # tokens one request prefills per engine iteration (chunked prefill)
+    max_batch_tokens: int = 2048  # prefill tokens per engine iteration, all requests together
 
     def validate(self) -> None:
         super().validate()
@@ -149,6 +156,11 @@ class ConsumerConfig(ServerConfig):
             raise ValueError("producer_tls_cert: needs producer_tls_ca (the client certificate rides on a TLS channel)")
         if self.keepalive_s <= 0:
             raise ValueError("keepalive_s: must be > 0")
+        for name in ("max_batch", "kv_block_tokens", "prefill_chunk", "max_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
+        if self.kv_pool_bytes < 0 or self.max_queue < 0:
+            raise ValueError("kv_pool_bytes and max_queue: must be >= 0")
 
 
 def load(cls: type[C], service: str, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> C:

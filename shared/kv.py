@@ -11,13 +11,20 @@ import enum
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, Protocol, cast
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from shared.models import LoadedModel
+
+
+class KVSink(Protocol):
+    """Where a consumer's rebuilt layers are written: a DynamicCache, or the engine's KV pool
+    blocks of one request (consumer.kv_pool.SequenceKV). keys/values [1, n_kv, T, hd], post-RoPE."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any: ...
 
 
 class Capture(enum.Flag):
@@ -107,7 +114,7 @@ def layer_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tenso
     return entry.keys, entry.values
 
 
-def put_layer(cache: DynamicCache, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+def put_layer(cache: KVSink, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Store one layer's K/V ([n_kv, T, hd] each, post-RoPE) into the cache."""
     cache.update(keys[None], values[None], layer)
 

@@ -37,6 +37,14 @@ class _Callback(Collector):
         yield from self.fn()
 
 
+def unlabelled(family, *rows: tuple[str, str, float]):
+    """One metric family of `family` (Gauge/CounterMetricFamily) per (name, help, value)."""
+    for name, help_, value in rows:
+        metric = family(name, help_)
+        metric.add_metric([], value)
+        yield metric
+
+
 class Metrics:
     def __init__(self, service: str):
         self.service = service
@@ -125,6 +133,31 @@ class Metrics:
                 g = GaugeMetricFamily(name, help_)
                 g.add_metric([], value)
                 yield g
+
+        self.registry.register(_Callback(families))
+
+    def watch_engine(self, engine, pool, admission) -> None:
+        """The consumer's batch engine (consumer.batch), its KV pool and KV admission queue."""
+
+        def families():
+            yield from unlabelled(
+                GaugeMetricFamily,
+                ("scd_kv_pool_bytes", "KV pool size (--kv-pool-bytes)", pool.capacity_bytes),
+                ("scd_kv_used_bytes", "KV pool bytes held by admitted requests", pool.used_bytes),
+                ("scd_kv_queue", "requests waiting for KV memory", admission.queued),
+                ("scd_batch_rows", "rows of the engine's last forward", engine.stats.last_batch),
+                ("scd_batch_limit", "rows per forward (--max-batch)", engine.max_batch),
+            )
+            yield from unlabelled(
+                CounterMetricFamily,
+                ("scd_engine_forwards", "batched forwards run by the engine", engine.stats.forwards),
+                ("scd_engine_rows", "request rows summed over the engine's forwards", engine.stats.rows),
+                ("scd_engine_nonfinite_rows", "rows failed alone for non-finite logits", engine.stats.failed_rows),
+            )
+            c = CounterMetricFamily("scd_kv_rejected", "requests refused for KV memory, by reason", labels=["reason"])
+            for reason, n in sorted(admission.rejected.items()):
+                c.add_metric([reason], n)
+            yield c
 
         self.registry.register(_Callback(families))
 

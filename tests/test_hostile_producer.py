@@ -8,6 +8,8 @@ self-consistently (CRCs recomputed), so each case breaks exactly one rule.
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 import torch
@@ -428,3 +430,40 @@ async def test_upgrade_whose_second_transfer_fails_answers_from_a_local_prefill(
         assert stats.audit_decision == f"diverged: upgrade to bits=8,group_size=32 failed ({code}): prefilled locally"
         assert [m.token.ids for m in received[:-1]] == [m.token.ids for m in oracle[:-1]]
         assert consumer.servicer.admission.inflight == 0
+
+
+def absurd_keys(rec, layer: int = 1) -> list:
+    """The raw recording with every key of one layer set to 3e38: finite, CRC-valid, absurd."""
+    out = [copy(m) for m in rec["raw"]]
+    for i in chunks(out, "k", layer=layer):
+        n = len(out[i].chunk.data) // 4
+        set_data(out[i], torch.full((n,), 3e38, dtype=torch.float32).view(torch.uint8).numpy().tobytes())
+    return out
+
+
+async def test_absurd_values_inside_a_batch_fail_alone(world, hostile):
+    """Finite but absurd keys (3e38 in one layer) make that request's logits non-finite: it gets
+    DATA_LOSS, never an answer of padding tokens with status OK, and the good requests decoded in
+    the same batches get exactly the tokens they get alone."""
+    holder, client, _, consumer = hostile
+    holder["script"] = lambda request: absurd_keys(world["rec"]) if request.request_id.startswith("hostile") else world["rec"]["raw"]
+    fields = {**generate_fields("raw", {}), "max_new_tokens": 12}
+    alone, err = await ask(client, **fields)
+    assert err is None
+    alone_ids = [m.token.ids for m in alone[:-1]]
+    failed_before = consumer.servicer.batch.stats.failed_rows
+    results = await asyncio.gather(
+        *(ask(client, request_id=f"{'hostile' if i % 3 == 1 else 'good'}-{i}", **fields) for i in range(9))
+    )
+    for i, (received, err) in enumerate(results):
+        if i % 3 == 1:
+            assert err is not None and err.code() == DL and "non-finite logits" in err.details(), (i, err)
+            assert received == []
+        else:
+            assert err is None, (i, err)
+            assert [m.token.ids for m in received[:-1]] == alone_ids, i
+    assert consumer.servicer.batch.stats.failed_rows - failed_before == 3
+    assert consumer.servicer.admission.inflight == 0
+    pool = consumer.servicer.batch.pool
+    await asyncio.sleep(0.2)
+    assert pool.free_blocks == pool.num_blocks  # every request's blocks came back

@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
-from transformers import DynamicCache
 
 from shared.errors import InvalidArgument
-from shared.kv import Capture, LayerState
+from shared.kv import Capture, KVSink, LayerState
 from shared.models import DTYPES, LoadedModel
 
 if TYPE_CHECKING:
@@ -100,8 +99,14 @@ class CacheDecoder(ABC):
         """Rebuild what this layer's payloads carry (called in layer order, payloads as `expected`)."""
 
     @abstractmethod
-    def finish(self) -> DynamicCache:
-        """The consumer model's cache over the context, once every layer was added."""
+    def finish(self) -> KVSink:
+        """The consumer model's cache over the context, once every layer was added: the decoder's
+        own DynamicCache, or the target given to `bind`."""
+
+    def bind(self, target: KVSink) -> None:
+        """Write rebuilt layers into `target` (the consumer engine's KV pool blocks for this
+        request) instead of a cache of its own; called before the first add_layer."""
+        raise NotImplementedError(f"{type(self).__name__} cannot rebuild into an external cache")
 
     def audit_thresholds(self) -> tuple[float, ...] | None:
         """Per layer, the cache-audit error above which this stream's cache counts as diverged,

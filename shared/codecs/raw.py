@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from transformers import DynamicCache
 
 from shared import kv
 from shared.codecs.base import (
@@ -55,7 +54,7 @@ class KVDecoder(CacheDecoder):
     def __init__(self, codec: Codec, stream: StreamInfo):
         self.loaded = codec.model
         self.stream = stream
-        self.cache = kv.empty_cache(codec.model)
+        self.cache: kv.KVSink = kv.empty_cache(codec.model)
         self.received: set[int] = set()
         info = codec.model.info
         if stream.num_layers != info.num_layers:
@@ -77,7 +76,10 @@ class KVDecoder(CacheDecoder):
         kv.put_layer(self.cache, layer, keys, values)
         self.received.add(layer)
 
-    def finish(self) -> DynamicCache:
+    def bind(self, target: kv.KVSink) -> None:
+        self.cache = target
+
+    def finish(self) -> kv.KVSink:
         missing = sorted(set(range(self.stream.num_layers)) - self.received)
         if missing:
             raise DataLoss(f"stream ended without layers {missing}")

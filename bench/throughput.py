@@ -1,0 +1,306 @@
+"""`python -m bench.throughput` (`make bench-throughput`): the consumer's batch engine under
+closed-loop load, batched against `--max-batch 1` (one row per forward: the behaviour before
+batching), in the same run, cell by cell interleaved.
+
+One producer and two consumers run as real processes (bench.services), identical but for
+--max-batch. For each (model, mode, output, concurrency) cell, `concurrency` clients each send
+requests back to back until the cell's request count is reached, first against the max-batch-1
+consumer, then against the batched one. Request i of a cell is the same in both runs (example i of
+a fixed set whose contexts are warm in the producer's store after a warm-up pass, so the cells
+measure the consumer), which gives `identical_to_batch1_rate`: the share of requests whose greedy
+tokens are the same under batching. Outputs: `answer` (the task's own stop token, a few tokens:
+TTFT-heavy; random-weight models stop at 8 tokens) and `long` (64 tokens, no stop: decode-heavy).
+
+`forward_ceiling_tokens_per_s` is the bare model forward, timed in this process between cells: one
+decode step at batch = concurrency over a Hugging Face DynamicCache of the cell's context length,
+tokens/s = batch / median step time. It is the engine's ceiling on this machine (no sampling, no
+gRPC, no scheduling).
+
+One JSON line per cell to bench/results/throughput.jsonl (--out-dir to change), a table on stdout
+and a plot (tokens/s and p95 TTFT vs concurrency). `--quick`: the QA pair in float32, modes raw
+and scd, both outputs, concurrency 1 and 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from bench import services
+from shared.pb import common_pb2, consumer_pb2, consumer_pb2_grpc
+
+RESULTS = services.ROOT / "bench" / "results"
+LONG_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    producer: str
+    consumer: str
+    dtype: str
+    weights: str  # "trained" | "random"
+    artifact: str  # "" when none: scd is skipped
+    ctx_tokens: int
+
+
+def qa_model() -> Model:
+    return Model("qa-base->qa-tuned", "checkpoints/qa-base", "checkpoints/qa-tuned", "float32", "trained",
+                 "artifacts/qa-base-to-tuned.safetensors", 512)
+
+
+def qwen05b_model() -> Model:
+    from bench.workloads import ensure_qwen05b
+
+    path = str(ensure_qwen05b())
+    return Model("qwen05b-random", path, path, "bfloat16", "random", "", 512)
+
+
+def requests_for(model: Model, n: int) -> tuple[list[tuple[list[int], list[int]]], int | None]:
+    """n distinct (context ids, question ids) and the stop id of the `answer` output."""
+    if model.weights == "trained":
+        from qa.task import make_example
+        from qa.tokenizer import end_token_id, load_tokenizer
+
+        tok = load_tokenizer(Path(model.consumer))
+        out = []
+        for i in range(n):
+            ex = make_example(seed=i, split="test", ctx_tokens=model.ctx_tokens, task="tuned")
+            out.append((tok(ex.context)["input_ids"], tok(ex.question, add_special_tokens=False)["input_ids"]))
+        return out, end_token_id(tok)
+    import random
+
+    rng = random.Random(0)
+    vocab = json.loads((Path(model.consumer) / "config.json").read_text())["vocab_size"]
+    return [([rng.randrange(4, vocab) for _ in range(model.ctx_tokens)], [rng.randrange(4, vocab) for _ in range(16)])
+            for _ in range(n)], None
+
+
+def generate_request(ctx, question, mode, options, output, stop_id) -> consumer_pb2.GenerateRequest:
+    answer = output == "answer"
+    return consumer_pb2.GenerateRequest(
+        context=consumer_pb2.Prompt(token_ids=consumer_pb2.TokenIds(ids=ctx)),
+        question=consumer_pb2.Prompt(token_ids=consumer_pb2.TokenIds(ids=question)),
+        max_new_tokens=(8 if answer else LONG_TOKENS),
+        stop_token_ids=([stop_id] if answer and stop_id is not None else []),
+        transfer=common_pb2.CodecSpec(name=mode, options=options),
+    )
+
+
+async def one(stub, req) -> dict:
+    started = time.perf_counter()
+    ids, first, stats = [], None, None
+    async for msg in stub.Generate(req, timeout=600):
+        if msg.WhichOneof("kind") == "token":
+            first = first or time.perf_counter()
+            ids += list(msg.token.ids)
+        else:
+            stats = msg.stats
+    done = time.perf_counter()
+    ttft = ((first or done) - started) * 1e3
+    tpot = (done - (first or done)) * 1e3 / max(1, len(ids) - 1)
+    return {"ids": ids, "ttft": ttft, "tpot": tpot, "queue": stats.queue_wait_ms if stats else 0.0}
+
+
+async def closed_loop(address: str, reqs: list, concurrency: int) -> tuple[list[dict], float]:
+    """`concurrency` clients pull the next request index until all are sent; results by index."""
+    results: list[dict | None] = [None] * len(reqs)
+    next_index = 0
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = consumer_pb2_grpc.ConsumerServiceStub(channel)
+
+        async def client():
+            nonlocal next_index
+            while next_index < len(reqs):
+                i = next_index
+                next_index += 1
+                results[i] = await one(stub, reqs[i])
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+    return [r for r in results if r is not None], wall
+
+
+def forward_ceiling(loaded, batch: int, ctx_tokens: int, steps: int = 8) -> float:
+    """Tokens/s of the bare model's decode step at `batch` rows over ctx_tokens of cache."""
+    import torch
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        ids = torch.randint(4, loaded.info.vocab_size, (batch, ctx_tokens))
+        cache = DynamicCache(config=loaded.model.config)
+        loaded.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        step = torch.randint(4, loaded.info.vocab_size, (batch, 1))
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            loaded.model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
+            times.append(time.perf_counter() - t)
+    return batch / statistics.median(times)
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))] if s else 0.0
+
+
+def hwm_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def describe_pool(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await consumer_pb2_grpc.ConsumerServiceStub(channel).Describe(consumer_pb2.ConsumerServiceDescribeRequest(), timeout=10)
+    return reply.stats.kv_pool_bytes
+
+
+def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, requests: int | None, out, log_dir: Path) -> list[dict]:
+    from shared.models import load_model
+
+    n_distinct = 16
+    examples, stop_id = requests_for(model, n_distinct)
+    limit = str(max(concurrencies) * 2)
+    common = ["--model", "{m}", "--dtype", model.dtype, "--max-inflight", limit, "--log-level", "WARNING"]
+    if model.artifact:
+        common += ["--artifacts", model.artifact]
+    pport = services.free_port()
+    producer = services.spawn("producer", ["--port", str(pport), *[a.replace("{m}", model.producer) for a in common]],
+                              f"127.0.0.1:{pport}", log_dir)
+    consumers = {}
+    rows = []
+    try:
+        services.wait_healthy(producer, 300)
+        for mb in (1, max_batch):
+            cport = services.free_port()
+            args = ["--port", str(cport), "--producer", f"127.0.0.1:{pport}", "--max-batch", str(mb),
+                    *[a.replace("{m}", model.consumer) for a in common]]
+            consumers[mb] = services.spawn("consumer", args, f"127.0.0.1:{cport}", log_dir / f"max-batch-{mb}")
+        for service in consumers.values():
+            services.wait_healthy(service, 300)
+        reference = load_model(model.consumer, model.dtype, "cpu")
+        for mode in modes:
+            if mode == "scd" and not model.artifact:
+                continue
+            # warm-up: every context once through each consumer (producer store, lazy init)
+            warm = [generate_request(c, q, mode, {}, "answer", stop_id) for c, q in examples]
+            for service in consumers.values():
+                asyncio.run(closed_loop(service.address, warm, 4))
+            for output in outputs:
+                for concurrency in concurrencies:
+                    n = requests or max(16, 2 * concurrency)
+                    reqs = [generate_request(*examples[i % n_distinct], mode, {}, output, stop_id) for i in range(n)]
+                    ceiling = forward_ceiling(reference, concurrency, model.ctx_tokens + len(examples[0][1]))
+                    by_batch = {}
+                    for mb, service in consumers.items():
+                        results, wall = asyncio.run(closed_loop(service.address, reqs, concurrency))
+                        by_batch[mb] = results
+                        tokens = sum(len(r["ids"]) for r in results)
+                        row = {
+                            "bench": "throughput", "model": model.name, "weights": model.weights, "dtype": model.dtype,
+                            "mode": mode, "output": output, "concurrency": concurrency, "max_batch": mb,
+                            "requests": len(results), "requests_per_s": round(len(results) / wall, 3),
+                            "output_tokens_per_s": round(tokens / wall, 2),
+                            "ttft_p50_ms": round(pct([r["ttft"] for r in results], 0.5), 2),
+                            "ttft_p95_ms": round(pct([r["ttft"] for r in results], 0.95), 2),
+                            "tpot_p50_ms": round(pct([r["tpot"] for r in results if len(r["ids"]) > 1], 0.5), 3),
+                            "queue_wait_p50_ms": round(pct([r["queue"] for r in results], 0.5), 2),
+                            "identical_to_batch1_rate": None,
+                            "kv_pool_bytes": asyncio.run(describe_pool(service.address)),
+                            "peak_rss_mb": round(hwm_mb(service.process.pid), 1),
+                            "forward_ceiling_tokens_per_s": round(ceiling, 1),
+                            "max_inflight": int(limit), "ctx_tokens": model.ctx_tokens,
+                            "load_avg_1m": round(os.getloadavg()[0], 2),
+                        }
+                        rows.append(row)
+                    same = sum(a["ids"] == b["ids"] for a, b in zip(by_batch[1], by_batch[max_batch]))
+                    rate = round(same / len(reqs), 4)
+                    for row in rows[-2:]:
+                        row["identical_to_batch1_rate"] = rate
+                        print(json.dumps(row), flush=True)
+                        out.write(json.dumps(row) + "\n")
+                        out.flush()
+                    if rate < 1.0:
+                        diffs = [i for i, (a, b) in enumerate(zip(by_batch[1], by_batch[max_batch])) if a["ids"] != b["ids"]]
+                        print(f"# {mode}/{output}/c{concurrency}: requests differing from max-batch 1: {diffs}", file=sys.stderr)
+    finally:
+        for service in consumers.values():
+            services.stop(service)
+        services.stop(producer)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = "| model | mode | output | conc | max_batch | req/s | tok/s | ceiling tok/s | TTFT p50 | TTFT p95 | identical |"
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} ({r['weights']}, {r['dtype']}) | {r['mode']} | {r['output']} | {r['concurrency']} | {r['max_batch']} |"
+            f" {r['requests_per_s']} | {r['output_tokens_per_s']} | {r['forward_ceiling_tokens_per_s']} |"
+            f" {r['ttft_p50_ms']} | {r['ttft_p95_ms']} | {r['identical_to_batch1_rate']} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    keys = sorted({(r["model"], r["mode"], r["output"], r["max_batch"]) for r in rows})
+    for key in keys:
+        sel = sorted((r for r in rows if (r["model"], r["mode"], r["output"], r["max_batch"]) == key), key=lambda r: r["concurrency"])
+        label = f"{key[0]} {key[1]} {key[2]} mb={key[3]}"
+        style = "-" if key[3] > 1 else "--"
+        axes[0].plot([r["concurrency"] for r in sel], [r["output_tokens_per_s"] for r in sel], style, marker="o", label=label)
+        axes[1].plot([r["concurrency"] for r in sel], [r["ttft_p95_ms"] for r in sel], style, marker="o", label=label)
+    axes[0].set(xlabel="concurrent streams", ylabel="output tokens/s", xscale="log")
+    axes[1].set(xlabel="concurrent streams", ylabel="p95 TTFT (ms)", xscale="log", yscale="log")
+    axes[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--quick", action="store_true", help="QA pair, float32, raw+scd, both outputs, concurrency 1 and 32")
+    parser.add_argument("--models", default="qa,qwen05b", help="comma-separated: qa, qwen05b")
+    parser.add_argument("--modes", default="oracle,raw,scd")
+    parser.add_argument("--outputs", default="answer,long")
+    parser.add_argument("--concurrency", default="1,4,16,32,64")
+    parser.add_argument("--max-batch", type=int, default=64, help="the batched consumer's --max-batch")
+    parser.add_argument("--requests", type=int, default=None, help="requests per cell (default max(16, 2 x concurrency))")
+    parser.add_argument("--out-dir", default=str(RESULTS), help="where throughput.jsonl and the plot go")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.models, args.modes, args.concurrency, args.max_batch = "qa", "raw,scd", "1,32", 32
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    builders = {"qa": qa_model, "qwen05b": qwen05b_model}
+    rows = []
+    with open(out_dir / "throughput.jsonl", "a") as out, tempfile.TemporaryDirectory() as logs:
+        for name in args.models.split(","):
+            rows += run_model(builders[name](), args.modes.split(","), args.outputs.split(","),
+                              [int(c) for c in args.concurrency.split(",")], args.max_batch, args.requests, out, Path(logs))
+    print(table(rows))
+    if rows:
+        plot(rows, out_dir / "throughput.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""The consumer's batch engine: one thread owns the compute device and, each iteration, advances
+every admitted request by one batched forward (continuous batching).
+
+An iteration:
+  1. runs the jobs queued since the last one, in order (a codec's layer rebuild, a cache audit,
+     a release of a request's blocks): the engine is also the device's only executor, so nothing
+     else ever touches the pool or the model;
+  2. one prefill forward: requests with tokens still to prefill (a local context prefill or a
+     question), oldest first, each taking at most `prefill_chunk` tokens, together at most
+     `max_batch_tokens` and `max_batch` rows (chunked prefill: a long local prefill never stops
+     the batch, it takes one chunk per iteration);
+  3. one decode forward: requests with a sampled token to feed, up to `max_batch` rows, taken
+     round-robin when there are more.
+Requests join and leave between iterations. A request's rows sample with its own settings and
+stop ids; a row whose logits are not finite fails alone (DataLoss), the rest of the batch goes
+on. A cancelled request leaves at the next iteration. `max_batch = 1` gives one row per forward,
+interleaved round-robin: the behaviour before batching, kept as the comparison baseline.
+
+Liveness comes from progress: `last_progress` moves at every iteration and while idle; the
+server's watchdog flags only an iteration that runs past its bound.
+
+Knows nothing about gRPC, codecs or transfers; results go back to asyncio through callbacks.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from consumer.decoding import Sampler
+from consumer.kv_pool import KVPool, SequenceKV
+from consumer.runner import Row, Runner
+from shared import logs
+from shared.errors import DataLoss
+from shared.models import LoadedModel
+
+log = logs.get("consumer.batch")
+
+Sink = Callable[[Any], None]  # called on the engine thread with a token id (int), a Finished or an exception
+
+
+@dataclass
+class Finished:
+    reason: str  # "length" | "stop" | "filled" (a prefill without sampling)
+
+
+@dataclass(eq=False)
+class Task:
+    seq: SequenceKV
+    pending: list[int]  # tokens still to feed: prefill tokens, or the last sampled token
+    sink: Sink
+    sampler: Sampler | None = None  # None: prefill only (fill the cache, sample nothing)
+    max_new: int = 0
+    stop_ids: frozenset[int] = frozenset()
+    generated: int = 0
+    cancelled: bool = False
+    enqueued: float = field(default_factory=time.perf_counter)
+    first_forward: float = 0.0  # when it first joined a forward (queue wait = this - enqueued)
+
+    @property
+    def decoding(self) -> bool:
+        return self.generated > 0
+
+
+@dataclass
+class EngineStats:
+    iterations: int = 0
+    forwards: int = 0
+    rows: int = 0  # summed over forwards
+    last_batch: int = 0
+    failed_rows: int = 0
+
+
+class BatchEngine(concurrent.futures.Executor):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        pool: KVPool,
+        max_batch: int = 32,
+        prefill_chunk: int = 512,
+        max_batch_tokens: int = 2048,
+    ):
+        if max_batch < 1 or prefill_chunk < 1 or max_batch_tokens < 1:
+            raise ValueError("max_batch, prefill_chunk and max_batch_tokens: must be >= 1")
+        self.loaded, self.pool = loaded, pool
+        self.runner = Runner(loaded, pool)
+        self.max_batch, self.prefill_chunk, self.max_batch_tokens = max_batch, prefill_chunk, max_batch_tokens
+        self.jobs: collections.deque[tuple[concurrent.futures.Future, Callable[[], Any]]] = collections.deque()
+        self.tasks: list[Task] = []  # admitted to the engine, in arrival order
+        self._incoming: list[Task] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._rr = 0  # round-robin offset over decode rows
+        self.stats = EngineStats()
+        self.last_progress = time.monotonic()
+        self.busy_since: float | None = None  # monotonic start of the running iteration, None when idle
+        self._thread = threading.Thread(target=self._loop, name="consumer-engine", daemon=True)
+        self._thread.start()
+
+    # --- the asyncio side's surface (any thread) -------------------------------------------------
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:  # type: ignore[override]
+        """Run fn on the engine thread before the next forward (an Executor, for logs.run_in)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("engine stopped")
+            self.jobs.append((future, lambda: fn(*args, **kwargs)))
+            self._cv.notify()
+        return future
+
+    def add(self, task: Task) -> Task:
+        with self._cv:
+            self._incoming.append(task)
+            self._cv.notify()
+        return task
+
+    def cancel(self, task: Task) -> None:
+        task.cancelled = True
+        with self._cv:
+            self._cv.notify()
+
+    def release(self, seq: SequenceKV) -> concurrent.futures.Future:
+        """Free seq's blocks on the engine thread, after any job or forward that may still use them."""
+        return self.submit(self.pool.release, seq)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if wait:
+            self._thread.join(timeout=10)
+
+    @property
+    def queue_length(self) -> int:
+        """Requests admitted to the engine that have not joined a forward yet."""
+        return sum(1 for t in self.tasks if not t.first_forward) + len(self._incoming)
+
+    def stalled_s(self) -> float:
+        """How long the running iteration has run (0 when idle)."""
+        started = self.busy_since
+        return 0.0 if started is None else time.monotonic() - started
+
+    # --- the engine thread -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stopping or self.jobs or self._incoming or self._runnable()):
+                    self.last_progress = time.monotonic()
+                    self._cv.wait(timeout=1.0)
+                if self._stopping:
+                    break
+                jobs = list(self.jobs)
+                self.jobs.clear()
+                self.tasks.extend(self._incoming)
+                self._incoming.clear()
+            self.busy_since = time.monotonic()
+            try:
+                for future, fn in jobs:
+                    if future.set_running_or_notify_cancel():
+                        try:
+                            future.set_result(fn())
+                        except BaseException as exc:
+                            future.set_exception(exc)
+                self._drop_cancelled()
+                self._step()
+            except Exception as exc:  # a forward that failed as a whole fails every row in it
+                log.error("engine.iteration_failed", error=f"{type(exc).__name__}: {str(exc)[:300]}")
+                for task in self.tasks:
+                    task.sink(exc)
+                self.tasks.clear()
+            finally:
+                self.busy_since = None
+                self.last_progress = time.monotonic()
+                self.stats.iterations += 1
+        for future, _ in self.jobs:
+            future.cancel()
+
+    def _runnable(self) -> bool:
+        return any(t.pending and not t.cancelled for t in self.tasks) or any(t.cancelled for t in self.tasks)
+
+    def _drop_cancelled(self) -> None:
+        if any(t.cancelled for t in self.tasks):
+            self.tasks = [t for t in self.tasks if not t.cancelled]
+
+    def _step(self) -> None:
+        prefill: list[tuple[Task, int]] = []
+        budget = self.max_batch_tokens
+        for task in self.tasks:
+            if len(prefill) >= self.max_batch or budget <= 0:
+                break
+            if task.pending and not task.decoding:
+                take = min(len(task.pending), self.prefill_chunk, budget)
+                prefill.append((task, take))
+                budget -= take
+        if prefill:
+            self._forward(prefill)
+        decode = [t for t in self.tasks if t.decoding and t.pending and not t.cancelled]
+        if len(decode) > self.max_batch:
+            start = self._rr % len(decode)
+            decode = (decode[start:] + decode[:start])[: self.max_batch]
+            self._rr += self.max_batch
+        if decode:
+            self._forward([(t, 1) for t in decode])
+
+    def _forward(self, chosen: list[tuple[Task, int]]) -> None:
+        now = time.perf_counter()
+        rows = []
+        for task, take in chosen:
+            task.first_forward = task.first_forward or now
+            rows.append(Row(task.seq, task.pending[:take], task.seq.length))
+        logits = self.runner.forward(rows)  # [B, vocab]
+        self.stats.forwards += 1
+        self.stats.rows += len(rows)
+        self.stats.last_batch = len(rows)
+        finite = torch.isfinite(logits).all(dim=1).tolist()
+        greedy = torch.argmax(logits, dim=1).tolist()
+        for i, (task, take) in enumerate(chosen):
+            del task.pending[:take]
+            if task.pending:
+                continue  # more prefill chunks to come: no sampling yet
+            if task.sampler is None:
+                self._finish(task, Finished("filled"))
+                continue
+            if not finite[i]:
+                self.stats.failed_rows += 1
+                self._finish(task, DataLoss("the rebuilt cache gives non-finite logits (corrupt or out-of-range values)"))
+                continue
+            token = greedy[i] if task.sampler.generator is None else task.sampler(logits[i])
+            task.generated += 1
+            task.sink(token)
+            if token in task.stop_ids:
+                self._finish(task, Finished("stop"))
+            elif task.generated >= task.max_new:
+                self._finish(task, Finished("length"))
+            else:
+                task.pending = [token]
+
+    def _finish(self, task: Task, outcome: Any) -> None:
+        task.cancelled = True  # leaves at the next iteration
+        task.pending = []
+        task.sink(outcome)

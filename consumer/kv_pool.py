@@ -1,0 +1,145 @@
+"""The consumer's KV memory: one preallocated pool of fixed-size token blocks per layer, and each
+request's view of its blocks (`SequenceKV`).
+
+Layout, per K and per V: [num_layers, num_blocks + 1, block_tokens, n_kv, head_dim] in the
+model's dtype on its device, allocated once at start. Block 0 is the null block: always zeros,
+it pads block tables so a batch gathers a rectangle. A request holds the blocks for its whole
+worst case (context + question + max_new_tokens) from admission to release, so a running request
+never waits for memory and a batch never preempts; the pool is written in place (rebuilt layers,
+prefill and decode tokens), never grown or copied per token.
+
+A released block is zeroed before reuse: a masked-out key or value is still multiplied by zero in
+attention, and a stale huge value from a hostile stream would turn that zero into NaN for the next
+owner. Thread-safe allocation; reading and writing blocks is the engine thread's (consumer.batch).
+Knows nothing about requests, codecs or gRPC.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from shared.models import DTYPES, LoadedModel, ModelInfo
+
+NULL_BLOCK = 0
+
+
+def bytes_per_token(info: ModelInfo) -> int:
+    """K and V of one token over all layers, in the model's dtype."""
+    return info.kv_bytes(1)
+
+
+def default_pool_bytes(config, loaded: LoadedModel) -> int:
+    """--kv-pool-bytes, or when 0: what max_inflight requests of the largest allowed size need,
+    capped by half the free GPU memory (after the model) or an eighth of the RAM on CPU."""
+    if config.kv_pool_bytes:
+        return config.kv_pool_bytes
+    per_request = config.max_context_tokens + config.max_question_tokens + config.max_new_tokens
+    want = config.max_inflight * per_request * bytes_per_token(loaded.info)
+    if loaded.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(loaded.device)
+        cap = free // 2
+    else:
+        cap = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
+    return int(min(want, cap))
+
+
+class KVPool:
+    def __init__(self, info: ModelInfo, device: torch.device, budget_bytes: int, block_tokens: int = 16):
+        if block_tokens < 1:
+            raise ValueError("block_tokens: must be >= 1")
+        self.info, self.device, self.block_tokens = info, device, block_tokens
+        self.dtype = DTYPES[info.dtype]
+        self.block_bytes = bytes_per_token(info) * block_tokens
+        self.num_blocks = max(0, budget_bytes // self.block_bytes)
+        shape = (info.num_layers, self.num_blocks + 1, block_tokens, info.num_kv_heads, info.head_dim)
+        self.k = torch.zeros(shape, dtype=self.dtype, device=device)  # [L, NB + 1, Bt, n_kv, hd]
+        self.v = torch.zeros(shape, dtype=self.dtype, device=device)
+        self._free = list(range(self.num_blocks, 0, -1))  # a stack; NULL_BLOCK is never handed out
+        self._lock = threading.Lock()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_bytes(self) -> int:
+        return (self.num_blocks - len(self._free)) * self.block_bytes
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_tokens)
+
+    def fits_ever(self, tokens: int) -> bool:
+        return self.blocks_for(tokens) <= self.num_blocks
+
+    def allocate(self, tokens: int) -> SequenceKV | None:
+        """Blocks for `tokens` tokens, or None when they are not free now."""
+        need = self.blocks_for(tokens)
+        with self._lock:
+            if need > len(self._free):
+                return None
+            blocks = [self._free.pop() for _ in range(need)]
+        table = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        return SequenceKV(self, blocks, table, need * self.block_tokens)
+
+    def release(self, seq: SequenceKV) -> None:
+        """Zero the sequence's blocks and return them; a second release is a no-op."""
+        if seq.released:
+            return
+        seq.released = True
+        self.k[:, seq.table] = 0
+        self.v[:, seq.table] = 0
+        with self._lock:
+            self._free.extend(seq.blocks)
+
+    def slots(self, positions: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) index tensors of token positions under a block table."""
+        return table[positions // self.block_tokens], positions % self.block_tokens
+
+
+@dataclass(eq=False)
+class SequenceKV:
+    """One request's blocks. `length` tokens are valid (positions 0..length-1, every layer)."""
+
+    pool: KVPool
+    blocks: list[int]
+    table: torch.Tensor  # [num_blocks] long, on the pool's device
+    capacity: int  # tokens the blocks hold
+    length: int = 0
+    released: bool = False
+    _written: set[int] = field(default_factory=set)
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int, kwargs=None) -> None:
+        """A codec decoder's write of one whole layer over the context (the DynamicCache surface
+        shared.kv.put_layer uses): keys/values [1, n_kv, T, hd], post-RoPE, at positions 0..T-1."""
+        T = keys.shape[2]
+        if T > self.capacity:
+            raise ValueError(f"layer {layer}: {T} tokens > the {self.capacity} this request reserved")
+        blk, off = self.pool.slots(torch.arange(T, device=self.pool.device), self.table)
+        self.pool.k[layer, blk, off] = keys[0].transpose(0, 1).to(self.pool.dtype)  # [T, n_kv, hd]
+        self.pool.v[layer, blk, off] = values[0].transpose(0, 1).to(self.pool.dtype)
+        self._written.add(layer)
+
+    def layers_written(self) -> set[int]:
+        return set(self._written)
+
+    def to_dynamic(self, tokens: int | None = None) -> DynamicCache:
+        """A copy of the first `tokens` (default: length) positions as a DynamicCache (batch 1):
+        for the cache audit, which runs its own probe forward on top."""
+        T = self.length if tokens is None else tokens
+        blk, off = self.pool.slots(torch.arange(T, device=self.pool.device), self.table)
+        cache = DynamicCache()
+        for layer in range(self.pool.info.num_layers):
+            keys = self.pool.k[layer, blk, off].transpose(0, 1)[None]  # [1, n_kv, T, hd]
+            values = self.pool.v[layer, blk, off].transpose(0, 1)[None]
+            cache.update(keys, values, layer)
+        return cache

@@ -1,0 +1,103 @@
+"""One batched forward of the consumer model over the KV pool: the engine's model runner.
+
+Each row is a request: new token ids appended at its own positions (`start` = tokens already in
+its blocks). Rows have ragged lengths: queries are right-padded to the longest row, keys are the
+rows' blocks gathered into a rectangle (padded with the null block), and a boolean mask
+[B, 1, n, L] lets query j of row r see keys 0..start_r + j of its own row only. New K/V are
+written into the pool in place, for valid tokens only (padding never touches a block).
+
+Runs the model's own modules (embedding, rotary embedding, decoder layers, final norm, LM head),
+so every number is the model's; the decoder layers receive a cache adapter whose `update` is the
+pool write + gather. No module hooks, nothing global: any number of requests share a forward.
+Supports decoders without sliding-window layers (Llama, Qwen2, Qwen3). Knows nothing about
+scheduling, sampling, codecs or gRPC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from consumer.kv_pool import NULL_BLOCK, KVPool, SequenceKV
+from shared.models import LoadedModel
+
+
+@dataclass
+class Row:
+    seq: SequenceKV
+    ids: list[int]  # new tokens, appended at positions seq.length ..
+    start: int  # = seq.length when the forward is built
+
+
+class _BatchKV:
+    """What the decoder layers see as their cache: write the new tokens, return the batch's K/V."""
+
+    def __init__(self, pool: KVPool, tables: torch.Tensor, write_blk, write_off, row_idx, col_idx):
+        self.pool, self.tables = pool, tables  # tables [B, nblk]
+        self.write = (write_blk, write_off, row_idx, col_idx)  # each [N valid tokens]
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, kwargs: Any = None):
+        """keys/values [B, n_kv, n, hd] (post-RoPE) -> the batch's K/V [B, n_kv, L, hd]."""
+        blk, off, rows, cols = self.write
+        pool = self.pool
+        pool.k[layer_idx, blk, off] = keys[rows, :, cols]  # [N, n_kv, hd]
+        pool.v[layer_idx, blk, off] = values[rows, :, cols]
+        B, nblk = self.tables.shape
+        shape = (B, nblk * pool.block_tokens, pool.info.num_kv_heads, pool.info.head_dim)
+        k = pool.k[layer_idx][self.tables].view(shape).transpose(1, 2)  # gather: [B, n_kv, L, hd]
+        v = pool.v[layer_idx][self.tables].view(shape).transpose(1, 2)
+        return k, v
+
+
+class Runner:
+    def __init__(self, loaded: LoadedModel, pool: KVPool):
+        cfg = loaded.model.config.get_text_config(decoder=True)
+        if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+            raise ValueError(f"{loaded.info.model_id}: sliding-window attention is not supported by the batch runner")
+        self.loaded, self.pool = loaded, pool
+        inner: Any = loaded.model.model
+        self.inner = inner
+        self.lm_head: Any = loaded.model.get_output_embeddings()
+
+    @torch.inference_mode()
+    def forward(self, rows: list[Row]) -> torch.Tensor:
+        """Append each row's ids to its sequence; the logits of each row's last new token, [B, vocab]
+        float32. Advances every row's `seq.length`."""
+        device, Bt = self.loaded.device, self.pool.block_tokens
+        B = len(rows)
+        lens = torch.tensor([len(r.ids) for r in rows], device=device)  # [B]
+        starts = torch.tensor([r.start for r in rows], device=device)
+        n = int(lens.max())
+        ids = torch.zeros(B, n, dtype=torch.long, device=device)
+        for i, r in enumerate(rows):
+            ids[i, : len(r.ids)] = torch.tensor(r.ids, device=device)
+        cols = torch.arange(n, device=device)[None]  # [1, n]
+        valid = cols < lens[:, None]  # [B, n]
+        pos = starts[:, None] + cols  # [B, n]; padded queries get positions past their row's end
+        total = int((starts + lens).max())
+        nblk = -(-total // Bt)
+        tables = torch.full((B, nblk), NULL_BLOCK, dtype=torch.long, device=device)
+        for i, r in enumerate(rows):
+            used = -(-(r.start + len(r.ids)) // Bt)
+            tables[i, :used] = r.seq.table[:used]
+        keys_at = torch.arange(nblk * Bt, device=device)[None, None]  # [1, 1, L]
+        mask = keys_at <= pos[:, :, None]  # [B, n, L]: causal within the row's own prefix
+        mask = torch.where(valid[:, :, None], mask, keys_at == 0)  # padded queries see one (zero) key
+        row_idx, col_idx = valid.nonzero(as_tuple=True)  # [N]
+        write_pos = pos[row_idx, col_idx]
+        write_blk = tables[row_idx, write_pos // Bt]
+        write_off = write_pos % Bt
+        cache = _BatchKV(self.pool, tables, write_blk, write_off, row_idx, col_idx)
+
+        h = self.inner.embed_tokens(ids)  # [B, n, d]
+        emb = self.inner.rotary_emb(h, position_ids=pos)
+        attn_mask = mask[:, None]  # [B, 1, n, L]
+        for layer in self.inner.layers:
+            h = layer(h, attention_mask=attn_mask, position_ids=pos, cache=cache, use_cache=True, position_embeddings=emb)
+        last = h[torch.arange(B, device=device), lens - 1]  # [B, d]
+        logits = self.lm_head(self.inner.norm(last)).float()  # [B, vocab]
+        for r in rows:
+            r.seq.length = r.start + len(r.ids)
+        return logits

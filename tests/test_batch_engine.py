@@ -1,0 +1,210 @@
+"""The consumer's batch engine without gRPC: the runner against the model's own forward, the KV
+pool written in place, batched answers equal to one-row-per-forward answers, a hostile row that
+fails alone, cancel and release returning every block, KV admission's limits."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from consumer.batch import BatchEngine, Finished, Task
+from consumer.decoding import Sampler, Sampling
+from consumer.kv_admission import KVAdmission
+from consumer.kv_pool import KVPool
+from consumer.runner import Row, Runner
+from shared.errors import DataLoss, DeadlineExceeded, ResourceExhausted
+from shared.models import load_model
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model("tiny-llama", "float32", "cpu")  # GQA: 4 heads over 2 KV heads
+
+
+def pool_for(loaded, tokens: int = 4096, block: int = 16) -> KVPool:
+    return KVPool(loaded.info, loaded.device, tokens * loaded.info.kv_bytes(1), block)
+
+
+def ids(n: int, seed: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, vocab, (n,), generator=g).tolist()
+
+
+@torch.inference_mode()
+def test_runner_matches_the_models_forward_on_ragged_chunked_rows(loaded):
+    pool = pool_for(loaded)
+    runner = Runner(loaded, pool)
+    vocab = loaded.info.vocab_size
+    seqs = [ids(n, seed, vocab) for seed, n in enumerate((37, 5, 90))]
+    kvs = [pool.allocate(128) for _ in seqs]
+    runner.forward([Row(kv, s[:20], 0) for kv, s in zip(kvs, seqs)])  # first chunk, ragged (5 < 20)
+    longer = [(kv, s) for kv, s in zip(kvs, seqs) if len(s) > 20]
+    logits = runner.forward([Row(kv, s[20:], kv.length) for kv, s in longer])
+    for row, (_, s) in enumerate(longer):
+        ref = loaded.model(torch.tensor([s])).logits[0, -1]
+        torch.testing.assert_close(logits[row], ref, atol=1e-4, rtol=1e-4)
+    logits = runner.forward([Row(kv, [7], kv.length) for kv in kvs])  # one decode step, all rows
+    for row, s in enumerate(seqs):
+        ref = loaded.model(torch.tensor([s + [7]])).logits[0, -1]
+        torch.testing.assert_close(logits[row], ref, atol=1e-4, rtol=1e-4)
+
+
+def run_tasks(engine: BatchEngine, specs: list[tuple[list[int], int]], pool: KVPool) -> list[list[int] | Exception]:
+    """Each spec (prompt ids, max_new) as a greedy generate task on its own blocks, all added at
+    once; the tokens (or the error) of each."""
+    done = threading.Event()
+    out: list[list[int] | Exception] = [[] for _ in specs]
+    left = [len(specs)]
+    lock = threading.Lock()
+    seqs = []
+
+    def sink_for(i):
+        def sink(item):
+            if isinstance(item, int):
+                out[i].append(item)  # type: ignore[union-attr]
+                return
+            if isinstance(item, Exception):
+                out[i] = item
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
+
+        return sink
+
+    for i, (prompt, max_new) in enumerate(specs):
+        seq = pool.allocate(len(prompt) + max_new)
+        seqs.append(seq)
+        engine.add(Task(seq, list(prompt), sink_for(i), Sampler(Sampling(), torch.device("cpu")), max_new))
+    assert done.wait(60)
+    for seq in seqs:
+        engine.release(seq).result(10)
+    return out
+
+
+def test_batched_answers_equal_one_row_per_forward(loaded):
+    vocab = loaded.info.vocab_size
+    specs = [(ids(n, 100 + n, vocab), new) for n, new in ((40, 12), (7, 20), (130, 5), (64, 16), (3, 9))]
+    answers = {}
+    for max_batch in (1, 8):
+        pool = pool_for(loaded)
+        engine = BatchEngine(loaded, pool, max_batch=max_batch, prefill_chunk=32, max_batch_tokens=64)
+        try:
+            answers[max_batch] = run_tasks(engine, specs, pool)
+            assert pool.free_blocks == pool.num_blocks  # every block back
+        finally:
+            engine.shutdown()
+    assert answers[1] == answers[8]
+    assert [len(a) for a in answers[8]] == [new for _, new in specs]  # type: ignore[arg-type]
+    assert engine.stats.last_batch >= 1
+
+
+def test_decoding_writes_the_pool_in_place(loaded):
+    pool = pool_for(loaded)
+    storage = (pool.k.data_ptr(), pool.v.data_ptr(), pool.k.shape)
+    engine = BatchEngine(loaded, pool, max_batch=4)
+    try:
+        before = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
+        out = run_tasks(engine, [(ids(50, 1, loaded.info.vocab_size), 40)], pool)
+        assert len(out[0]) == 40  # type: ignore[arg-type]
+        assert (pool.k.data_ptr(), pool.v.data_ptr(), pool.k.shape) == storage  # never grown, never replaced
+        if before is not None:
+            assert torch.cuda.memory_allocated() == before
+    finally:
+        engine.shutdown()
+
+
+def test_a_row_with_absurd_values_fails_alone(loaded):
+    """K = 3e38 in one layer of one request: that request gets DataLoss, the others of the same
+    batches get exactly the tokens they get alone."""
+    vocab = loaded.info.vocab_size
+    good = [(ids(30, 7, vocab), 10), (ids(45, 8, vocab), 10)]
+    pool = pool_for(loaded)
+    engine = BatchEngine(loaded, pool, max_batch=8)
+    try:
+        alone = run_tasks(engine, good, pool)
+        hostile_ctx = ids(40, 9, vocab)
+        seq = pool.allocate(60)
+        engine.submit(lambda: None).result(5)
+        # the hostile request's context: a finite but absurd layer 1 written straight into its blocks
+        engine.submit(lambda: Runner(loaded, pool).forward([Row(seq, hostile_ctx, 0)])).result(10)
+        seq_len = seq.length
+        blk, off = pool.slots(torch.arange(seq_len), seq.table)
+        pool.k[1, blk, off] = 3e38
+        pool.v[1, blk, off] = 3e38
+        box: dict = {}
+        got = threading.Event()
+
+        def sink(item):
+            if not isinstance(item, int):
+                box["end"] = item
+                got.set()
+
+        engine.add(Task(seq, [5, 6, 7], sink, Sampler(Sampling(), torch.device("cpu")), 10))
+        together = run_tasks(engine, good, pool)
+        assert got.wait(30)
+        assert isinstance(box["end"], DataLoss)
+        assert together == alone
+        assert engine.stats.failed_rows == 1
+        engine.release(seq).result(10)
+        assert pool.free_blocks == pool.num_blocks
+        assert float(pool.k.abs().max()) == 0.0  # released blocks are zeroed: no stale absurd values
+    finally:
+        engine.shutdown()
+
+
+def test_cancel_leaves_at_the_next_iteration_and_release_returns_blocks(loaded):
+    pool = pool_for(loaded)
+    engine = BatchEngine(loaded, pool, max_batch=4)
+    try:
+        seq = pool.allocate(1000)
+        seen = []
+        task = Task(seq, ids(20, 3, loaded.info.vocab_size), seen.append, Sampler(Sampling(), torch.device("cpu")), 900)
+        engine.add(task)
+        deadline = time.monotonic() + 20
+        while len(seen) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        engine.cancel(task)
+        engine.submit(lambda: None).result(10)  # one iteration boundary later
+        engine.submit(lambda: None).result(10)
+        n = len(seen)
+        time.sleep(0.2)
+        assert len(seen) == n < 900 and not any(isinstance(s, Finished) for s in seen)
+        engine.release(seq).result(10)
+        assert pool.free_blocks == pool.num_blocks
+    finally:
+        engine.shutdown()
+
+
+async def test_kv_admission_limits_queue_and_release(loaded):
+    pool = pool_for(loaded, tokens=64, block=16)  # 4 blocks
+    admission = KVAdmission(pool, max_queue=1)
+    soon = time.monotonic() + 5
+    with pytest.raises(ResourceExhausted, match="kv_pool_bytes"):
+        await admission.acquire(65, soon)
+    first, waited = await admission.acquire(48, soon)  # 3 blocks
+    assert waited == 0.0
+    second = asyncio.ensure_future(admission.acquire(32, soon))  # waits: 1 block free
+    await asyncio.sleep(0.05)
+    assert admission.queued == 1 and not second.done()
+    with pytest.raises(ResourceExhausted, match="max_queue 1"):
+        await admission.acquire(16, soon)
+    pool.release(first)
+    admission.wake()
+    seq, waited = await asyncio.wait_for(second, 5)
+    assert waited > 0 and pool.free_blocks == 2
+    with pytest.raises(DeadlineExceeded):
+        await admission.acquire(48, time.monotonic() + 0.1)
+    third = asyncio.ensure_future(admission.acquire(48, time.monotonic() + 5))
+    await asyncio.sleep(0.05)
+    third.cancel()  # a caller that leaves while waiting takes nothing with it
+    with pytest.raises(asyncio.CancelledError):
+        await third
+    pool.release(seq)
+    admission.wake()
+    await asyncio.sleep(0.05)
+    assert pool.free_blocks == pool.num_blocks and admission.queued == 0
