@@ -29,9 +29,21 @@ def _rope_fn(loaded: LoadedModel, layer: int):
     return sys.modules[type(attn).__module__].apply_rotary_pos_emb
 
 
+def rope_tables(loaded: LoadedModel, like: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's (cos, sin) for positions pos [1, T] in like's dtype, kept on the positions
+    tensor: a decoder passes the same positions for every layer, so they are computed once per
+    request, not once per layer (position tensors are never modified in place)."""
+    cached = getattr(pos, "_scd_rope", None)
+    if cached is not None and cached[0] is loaded.model and cached[1] == like.dtype:
+        return cached[2]
+    tables = loaded.model.model.rotary_emb(like, position_ids=pos)
+    pos._scd_rope = (loaded.model, like.dtype, tables)  # type: ignore[attr-defined]
+    return tables
+
+
 def rope(loaded: LoadedModel, layer: int, keys_pre: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Apply the model's rotary embedding: keys_pre [n_kv, T, hd] -> post-RoPE [n_kv, T, hd]."""
-    cos, sin = loaded.model.model.rotary_emb(keys_pre, position_ids=pos)  # [1, T, hd] each
+    cos, sin = rope_tables(loaded, keys_pre, pos)  # [1, T, hd] each
     _, keys = _rope_fn(loaded, layer)(keys_pre[None], keys_pre[None], cos, sin)
     return keys[0]
 

@@ -7,6 +7,7 @@ layer geometry. Knows nothing about gRPC or codecs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,8 +46,9 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     info: ModelInfo
 
-    @property
+    @functools.cached_property
     def device(self) -> torch.device:
+        """The model's device, read once (transformers' `model.device` walks the parameters)."""
         return self.model.device
 
     @property

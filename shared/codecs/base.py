@@ -67,7 +67,7 @@ class PayloadSpec:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 Schema = dict[str, PayloadSpec]
