@@ -46,8 +46,9 @@ class _BatchKV:
         pool.v[layer_idx, blk, off] = values[rows, :, cols]
         B, nblk = self.tables.shape
         shape = (B, nblk * pool.block_tokens, pool.info.num_kv_heads, pool.info.head_dim)
-        k = pool.k[layer_idx][self.tables].view(shape).transpose(1, 2)  # gather: [B, n_kv, L, hd]
-        v = pool.v[layer_idx][self.tables].view(shape).transpose(1, 2)
+        flat = self.tables.view(-1)  # index_select: several times faster than advanced indexing here
+        k = pool.k[layer_idx].index_select(0, flat).view(shape).transpose(1, 2)  # gather: [B, n_kv, L, hd]
+        v = pool.v[layer_idx].index_select(0, flat).view(shape).transpose(1, 2)
         return k, v
 
 

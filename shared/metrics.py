@@ -24,7 +24,7 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
 BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 2))  # 1 KiB .. 8 GiB
 # statuses that mean a transfer broke the stream contract (checksum, schema, order, format)
 CONTRACT_CODES = ("DATA_LOSS", "FAILED_PRECONDITION")
-GENERATE_STAGES = ("ttft", "transfer", "rebuild", "question_prefill", "decode")
+GENERATE_STAGES = ("queue_wait", "ttft", "transfer", "rebuild", "question_prefill", "decode")
 
 
 class _Callback(Collector):
