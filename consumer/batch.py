@@ -2,9 +2,9 @@
 every admitted request by one batched forward (continuous batching).
 
 An iteration:
-  1. runs the jobs queued since the last one, in order (a codec's layer rebuild, a cache audit,
-     a release of a request's blocks): the engine is also the device's only executor, so nothing
-     else ever touches the pool or the model;
+  1. runs the jobs queued since the last forward, in order (a codec's layer rebuild, a cache
+     audit, a release of a request's blocks; again between the two forwards): the engine is also
+     the device's only executor, so nothing else ever touches the pool or the model;
   2. one prefill forward: requests with tokens still to prefill (a local context prefill or a
      question), oldest first, each taking at most `prefill_chunk` tokens, together at most
      `max_batch_tokens` and `max_batch` rows (chunked prefill: a long local prefill never stops
@@ -144,7 +144,10 @@ class BatchEngine(concurrent.futures.Executor):
         return sum(1 for t in self.tasks if not t.first_forward) + len(self._incoming)
 
     def stalled_s(self) -> float:
-        """How long the running iteration has run (0 when idle)."""
+        """How long the running iteration has run (0 when idle; infinite when the engine thread
+        died)."""
+        if not self._thread.is_alive() and not self._stopping:
+            return float("inf")
         started = self.busy_since
         return 0.0 if started is None else time.monotonic() - started
 
@@ -158,18 +161,11 @@ class BatchEngine(concurrent.futures.Executor):
                     self._cv.wait(timeout=1.0)
                 if self._stopping:
                     break
-                jobs = list(self.jobs)
-                self.jobs.clear()
                 self.tasks.extend(self._incoming)
                 self._incoming.clear()
             self.busy_since = time.monotonic()
             try:
-                for future, fn in jobs:
-                    if future.set_running_or_notify_cancel():
-                        try:
-                            future.set_result(fn())
-                        except BaseException as exc:
-                            future.set_exception(exc)
+                self._run_jobs()
                 self._drop_cancelled()
                 self._step()
             except Exception as exc:  # a forward that failed as a whole fails every row in it
@@ -183,6 +179,19 @@ class BatchEngine(concurrent.futures.Executor):
                 self.stats.iterations += 1
         for future, _ in self.jobs:
             future.cancel()
+
+    def _run_jobs(self) -> None:
+        """The jobs queued until now, in order (run at every forward boundary, so a rebuild or a
+        release waits for at most one forward)."""
+        with self._cv:
+            jobs = list(self.jobs)
+            self.jobs.clear()
+        for future, fn in jobs:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # handed to the caller
+                    future.set_exception(exc)
 
     def _runnable(self) -> bool:
         return any(t.pending and not t.cancelled for t in self.tasks) or any(t.cancelled for t in self.tasks)
@@ -203,6 +212,7 @@ class BatchEngine(concurrent.futures.Executor):
                 budget -= take
         if prefill:
             self._forward(prefill)
+            self._run_jobs()
         decode = [t for t in self.tasks if t.decoding and t.pending and not t.cancelled]
         if len(decode) > self.max_batch:
             start = self._rr % len(decode)

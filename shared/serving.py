@@ -269,8 +269,12 @@ class Server:
 
     async def _liveness(self, executor: Executor) -> None:
         """Every liveness_interval_s a no-op goes to the compute thread; no answer within
-        liveness_timeout_s: "liveness" NOT_SERVING until it answers."""
+        liveness_timeout_s: "liveness" NOT_SERVING until it answers. An executor that reports its
+        own progress (`stalled_s()`, the consumer's batch engine) is watched by that instead."""
         cfg = self.config
+        if hasattr(executor, "stalled_s"):
+            await self._watch_progress(executor)
+            return
         while not self._stopping:
             try:
                 answered = asyncio.wrap_future(executor.submit(_noop))
@@ -292,6 +296,22 @@ class Server:
                 self.alive = True
                 await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
             await asyncio.sleep(cfg.liveness_interval_s)
+
+    async def _watch_progress(self, engine) -> None:
+        """Liveness from progress: NOT_SERVING only while one engine iteration has run longer than
+        liveness_timeout_s (a stuck forward or job), never because work waits in its queue."""
+        cfg = self.config
+        while not self._stopping:
+            stalled_s = engine.stalled_s()
+            if stalled_s > cfg.liveness_timeout_s and self.alive:
+                self.alive = False
+                await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.NOT_SERVING)
+                log.error("server.compute_stalled", iteration_s=round(stalled_s, 3), limit_s=cfg.liveness_timeout_s)
+            elif stalled_s <= cfg.liveness_timeout_s and not self.alive:
+                self.alive = True
+                await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+                log.warning("server.compute_recovered")
+            await asyncio.sleep(min(cfg.liveness_interval_s, cfg.liveness_timeout_s / 4))
 
     async def _set(self, status) -> None:
         for name in ["", *self.service_names]:
