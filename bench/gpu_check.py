@@ -11,6 +11,9 @@ Three steps, each printing JSON lines (also written to `--out`, bench/results/gp
    with its own efficiency check) for the Qwen2.5-0.5B shape at 2048 and 8192 tokens and the
    7B shape at 2048 (random weights, bf16, built from configs: no downloads): bench.ttft's rows
    with "check": "ttft".
+4. The batch engine's throughput grid (`python -m bench.throughput`: QA pair and the 0.5B shape,
+   batched vs --max-batch 1, concurrency 1-64; its rows with "check": "throughput"; skipped with
+   --quick and with --no-throughput).
 
 `--device cpu --quick` runs the same three steps on tiny shapes (tiny-llama, 128 tokens) in
 under a minute: the CI test of this script. Exit status: non-zero when any step failed.
@@ -108,6 +111,17 @@ def run_ttft(scale: str, contexts: list[int], dtype: str, args) -> tuple[int, li
     return done.returncode, [{"check": "ttft", **r} for r in rows]
 
 
+def run_throughput(args) -> tuple[int, list[dict]]:
+    """bench.throughput's full grid; (its exit code, its rows)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "bench.throughput", "--out-dir", tmp]
+        note(" ".join(cmd[1:]))
+        done = subprocess.run(cmd, cwd=services.ROOT, stdout=subprocess.DEVNULL, timeout=args.timeout_s * 4)
+        out = Path(tmp) / "throughput.jsonl"
+        rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    return done.returncode, [{"check": "throughput", **r} for r in rows]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--artifacts", default="", help="SCD artifacts for the scales' models (adds the scd mode)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per step")
     p.add_argument("--out", type=Path, default=RESULTS / "gpu.jsonl")
+    p.add_argument("--no-throughput", action="store_true", help="skip step 4 (the batch engine's throughput grid)")
     args = p.parse_args(argv)
     import torch
 
@@ -149,6 +164,12 @@ def main(argv: list[str] | None = None) -> None:
                 emit(row)
             if rc != 0 or not rows:
                 failed.append(f"bench.ttft {scale}: exit {rc}, {len(rows)} rows")
+        if not (args.quick or args.no_throughput):
+            rc, rows = run_throughput(args)
+            for row in rows:
+                emit(row)
+            if rc != 0 or not rows:
+                failed.append(f"bench.throughput: exit {rc}, {len(rows)} rows")
         emit({"check": "done", "seconds": round(time.monotonic() - started, 1), "failed": failed})
     note(f"-> {args.out}")
     if failed:

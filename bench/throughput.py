@@ -138,15 +138,18 @@ def forward_ceiling(loaded, batch: int, ctx_tokens: int, steps: int = 8) -> floa
     from transformers import DynamicCache
 
     with torch.inference_mode():
-        ids = torch.randint(4, loaded.info.vocab_size, (batch, ctx_tokens))
+        ids = torch.randint(4, loaded.info.vocab_size, (batch, ctx_tokens), device=loaded.device)
         cache = DynamicCache(config=loaded.model.config)
         loaded.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        step = torch.randint(4, loaded.info.vocab_size, (batch, 1))
+        step = torch.randint(4, loaded.info.vocab_size, (batch, 1), device=loaded.device)
         times = []
-        for _ in range(steps):
+        for _ in range(steps + 2):  # the first two warm up
             t = time.perf_counter()
             loaded.model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
+            if loaded.device.type == "cuda":
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
+        times = times[2:]
     return batch / statistics.median(times)
 
 
@@ -191,7 +194,7 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
             consumers[mb] = services.spawn("consumer", args, f"127.0.0.1:{cport}", log_dir / f"max-batch-{mb}")
         for service in consumers.values():
             services.wait_healthy(service, 300)
-        reference = load_model(model.consumer, model.dtype, "cpu")
+        reference = load_model(model.consumer, model.dtype, "auto")
         for mode in modes:
             if mode == "scd" and not model.artifact:
                 continue
