@@ -8,8 +8,12 @@ draining in-flight calls for a grace period. Owns no model or codec logic.
 
 Health: readiness is the overall service "" and each API service name (NOT_SERVING until the
 model is loaded and warmed, SERVING after, NOT_SERVING while draining or when `not_ready` says
-why); liveness is the service "liveness", SERVING while the compute thread answers a heartbeat
-(a no-op submitted every `liveness_interval_s`) within `liveness_timeout_s`. As Kubernetes
+why); liveness is the service "liveness". From progress (`watch(progress=...)`, the producer):
+NOT_SERVING only while some iteration of a watched loop has made no progress for
+`liveness_timeout_s` (shared.liveness), checked every `liveness_interval_s`; a long queue is not
+a hang. From the compute queue (`watch(compute=...)`, the consumer until its engine reports
+progress): SERVING while the compute thread answers a no-op submitted every
+`liveness_interval_s` within `liveness_timeout_s`. As Kubernetes
 gRPC probes (the kubelet speaks plaintext, so point them at `--health-port`):
     readinessProbe: {grpc: {port: 50060, service: scd.v1.ProducerService}}
     livenessProbe:  {grpc: {port: 50060, service: liveness}}
@@ -33,7 +37,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from shared import logs, security, tracing
+from shared import liveness, logs, security, tracing
 from shared.config import ServerConfig
 from shared.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable
 from shared.metrics import Metrics
@@ -215,6 +219,7 @@ class Server:
             self.health_port = self.health_server.add_insecure_port(f"{config.host}:{config.health_port}")
         self.metrics_port = -1
         self.compute: Executor | None = None
+        self.progress: list[liveness.Progress] = []
         self._liveness_task: asyncio.Task | None = None
         self._stopping = False  # the heartbeat loop's exit condition (a cancel alone can be lost, see drain)
         self.alive = True
@@ -234,13 +239,21 @@ class Server:
         for name in (reflection.SERVICE_NAME, REFLECTION_V1):
             self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
 
-    def watch(self, admission: Admission | None = None, store=None, compute: Executor | None = None) -> None:
-        """Metrics of `admission` and the producer's context `store`; liveness of `compute`."""
+    def watch(
+        self,
+        admission: Admission | None = None,
+        store=None,
+        compute: Executor | None = None,
+        progress: Sequence[liveness.Progress] = (),
+    ) -> None:
+        """Metrics of `admission` and the producer's context `store`; liveness from the
+        `progress` of worker loops, or else from `compute` answering a no-op."""
         if admission is not None:
             self.metrics.watch_admission(admission)
         if store is not None:
             self.metrics.watch_store(store)
         self.compute = compute
+        self.progress = list(progress)
 
     async def start(self) -> None:
         await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -264,8 +277,27 @@ class Server:
         if self.not_ready:
             log.warning("server.not_ready", reason=self.not_ready)
         await self._set(health_pb2.HealthCheckResponse.NOT_SERVING if self.not_ready else health_pb2.HealthCheckResponse.SERVING)
-        if self.compute is not None and self._liveness_task is None:
-            self._liveness_task = asyncio.create_task(self._liveness(self.compute))
+        if self._liveness_task is None:
+            if self.progress:
+                self._liveness_task = asyncio.create_task(self._watchdog(self.progress))
+            elif self.compute is not None:
+                self._liveness_task = asyncio.create_task(self._liveness(self.compute))
+
+    async def _watchdog(self, progress: list[liveness.Progress]) -> None:
+        """Every liveness_interval_s: "liveness" NOT_SERVING while an iteration of one of the
+        watched loops has not advanced for liveness_timeout_s, SERVING again once it does."""
+        cfg = self.config
+        while not self._stopping:
+            stuck = liveness.stalled(progress, cfg.liveness_timeout_s)
+            if stuck is not None and self.alive:
+                self.alive = False
+                await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.NOT_SERVING)
+                log.error("server.compute_stalled", loop=stuck.name, stalled_s=round(stuck.stalled_s(), 3))
+            elif stuck is None and not self.alive:
+                self.alive = True
+                await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+                log.warning("server.compute_recovered")
+            await asyncio.sleep(cfg.liveness_interval_s)
 
     async def _liveness(self, executor: Executor) -> None:
         """Every liveness_interval_s a no-op goes to the compute thread; no answer within
