@@ -1,7 +1,9 @@
 """KV-cache mechanics on a Hugging Face decoder: per-layer capture during the producer's
 prefill, and building a consumer cache layer by layer.
 
-Owns forward hooks and `DynamicCache` assembly. Knows nothing about codecs' payload formats,
+Owns the per-layer capture (forward hooks at batch 1 for offline tools and tests,
+`layer_capture`/`capture_states`; the hook-free batched forward the producer serves with,
+`batch_capture`) and `DynamicCache` assembly. Knows nothing about codecs' payload formats,
 wire types or gRPC.
 """
 
@@ -31,7 +33,7 @@ class Capture(enum.Flag):
 
 @dataclass
 class LayerState:
-    """One decoder layer of the producer's prefill over T context tokens (batch 1)."""
+    """One decoder layer of the producer's prefill over T context tokens (one context's row)."""
 
     index: int
     keys: torch.Tensor | None = None  # [n_kv, T, head_dim], post-RoPE
