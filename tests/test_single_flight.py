@@ -17,6 +17,7 @@ from producer.flight import Flights
 from producer.server import ProducerServer
 from shared.config import ProducerConfig
 from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
+from tests.test_metrics import scrape, value
 from tests.test_prefill_engine import contexts, held
 
 IDS = contexts(300, seed=7)[0]
@@ -51,7 +52,7 @@ def chunks(messages) -> list[bytes]:
 
 
 async def test_concurrent_identical_prefills_share_one_forward():
-    async with producer(store_bytes=0) as (server, stub):  # no store: every call alone prefills
+    async with producer(store_bytes=0, metrics_port=0) as (server, stub):  # no store: every call alone prefills
         solo = await read_all(stub.Prefill(REQUEST, timeout=30))
         engine, flights = server.servicer.engine, server.servicer.flights
         rows = engine.forward_rows
@@ -68,6 +69,9 @@ async def test_concurrent_identical_prefills_share_one_forward():
         stats = (await stub.Describe(producer_pb2.ProducerServiceDescribeRequest(), timeout=5)).stats
         assert stats.prefills_shared == 2 and stats.prefills_completed == 4 and stats.prefill_forward_contexts == 2
         assert not flights.running  # forgotten once done
+        samples = await asyncio.to_thread(scrape, server.server.metrics_port)
+        assert value(samples, "scd_prefill_shared_total") == 2 and value(samples, "scd_prefill_forward_contexts_total") == 2
+        assert value(samples, "scd_prefill_forwards_total") == 2 and value(samples, "scd_prefill_waiting") == 0
 
 
 async def test_the_first_callers_cancel_leaves_the_others_streams_whole():
