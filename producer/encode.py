@@ -67,7 +67,8 @@ class EncodePool:
 
 
 class Lane:
-    """One request's encode tasks, run in put order, one at a time, on the pool."""
+    """One request's encode tasks, run in put order, one at a time, on the pool (at most one of
+    its tasks is queued or running there at once)."""
 
     def __init__(self, pool: EncodePool):
         self.pool = pool
@@ -82,14 +83,23 @@ class Lane:
             if self._scheduled:
                 return
             self._scheduled = True
-        self.pool.executor.submit(self._drain)
+        self._submit()
 
-    def _drain(self) -> None:
-        while True:
-            with self._lock:
-                if not self._tasks:
-                    self._scheduled = False
-                    return
-                task = self._tasks.popleft()
-            with self.pool.progress.iteration():
-                task()  # tasks catch their own errors (the engine fails the request)
+    def _run_one(self) -> None:
+        """One task, then back of the pool's queue if more wait: lanes interleave layer by layer,
+        so every request of a batch gets its first layer out early, not after another's last."""
+        with self._lock:
+            task = self._tasks.popleft()
+        with self.pool.progress.iteration():
+            task()  # tasks catch their own errors (the engine fails the request)
+        with self._lock:
+            if not self._tasks:
+                self._scheduled = False
+                return
+        self._submit()
+
+    def _submit(self) -> None:
+        try:
+            self.pool.executor.submit(self._run_one)
+        except RuntimeError:  # the pool is shut down (process stopping): the request is over anyway
+            pass

@@ -219,3 +219,33 @@ async def test_a_cancel_or_an_encode_error_in_a_batch_touches_only_its_request(l
     for a, b in zip(solo[1][0], layers):
         for name in a.packed:
             torch.testing.assert_close(a.packed[name], b.packed[name], atol=1e-5, rtol=0)
+
+
+def test_lanes_keep_their_order_and_interleave_on_the_pool():
+    pool = EncodePool(3)
+    lanes = [pool.lane() for _ in range(4)]
+    seen: list[tuple[int, int]] = []
+    running = [0] * len(lanes)
+    overlap = []
+    finished = threading.Event()
+
+    def task(lane: int, i: int):
+        def run():
+            running[lane] += 1
+            overlap.append(running[lane] > 1)
+            time.sleep(0.001 * (i % 3))
+            seen.append((lane, i))
+            running[lane] -= 1
+            if len(seen) == 4 * 30:
+                finished.set()
+        return run
+
+    for i in range(30):
+        for n, lane in enumerate(lanes):
+            lane.put(task(n, i))
+    assert finished.wait(10)
+    pool.shutdown()
+    assert not any(overlap)  # one task of a lane at a time
+    for n in range(len(lanes)):
+        assert [i for lane, i in seen if lane == n] == list(range(30))  # in put order
+    assert {lane for lane, _ in seen[:8]} == set(range(4))  # every lane got going early
