@@ -108,7 +108,8 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             return [r for kind, t in payloads.items() for r in wire.payload_to_responses(layer, kind, t, max_chunk)]
 
         key = store_key(request.token_ids, codec.name, options, encoder.metadata())
-        stored = self.store.get(key)
+        # a running flight first: its caller already missed the store, a follower is no second miss
+        stored = None if key in self.flights.running else self.store.get(key)
         shared = False
         if stored:
             source = self._replay(stored)
