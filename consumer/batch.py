@@ -16,8 +16,9 @@ stop ids; a row whose logits are not finite fails alone (DataLoss), the rest of 
 on. A cancelled request leaves at the next iteration. `max_batch = 1` gives one row per forward,
 interleaved round-robin: the behaviour before batching, kept as the comparison baseline.
 
-Liveness comes from progress: `last_progress` moves at every iteration and while idle; the
-server's watchdog flags only an iteration that runs past its bound.
+Liveness comes from progress (shared.liveness): each iteration is one `Progress.iteration()`
+that beats after every job and forward; the server's watchdog flags only an iteration that has not
+advanced for longer than its bound, never work waiting in the queue.
 
 Knows nothing about gRPC, codecs or transfers; results go back to asyncio through callbacks.
 """
@@ -37,7 +38,7 @@ import torch
 from consumer.decoding import Sampler
 from consumer.kv_pool import KVPool, SequenceKV
 from consumer.runner import Row, Runner
-from shared import logs
+from shared import liveness, logs
 from shared.errors import DataLoss
 from shared.models import LoadedModel
 
@@ -99,8 +100,7 @@ class BatchEngine(concurrent.futures.Executor):
         self._stopping = False
         self._rr = 0  # round-robin offset over decode rows
         self.stats = EngineStats()
-        self.last_progress = time.monotonic()
-        self.busy_since: float | None = None  # monotonic start of the running iteration, None when idle
+        self.progress = liveness.Progress("consumer-engine")
         self._thread = threading.Thread(target=self._loop, name="consumer-engine", daemon=True)
         self._thread.start()
 
@@ -143,39 +143,28 @@ class BatchEngine(concurrent.futures.Executor):
         """Requests admitted to the engine that have not joined a forward yet."""
         return sum(1 for t in self.tasks if not t.first_forward) + len(self._incoming)
 
-    def stalled_s(self) -> float:
-        """How long the running iteration has run (0 when idle; infinite when the engine thread
-        died)."""
-        if not self._thread.is_alive() and not self._stopping:
-            return float("inf")
-        started = self.busy_since
-        return 0.0 if started is None else time.monotonic() - started
-
     # --- the engine thread -----------------------------------------------------------------------
 
     def _loop(self) -> None:
         while True:
             with self._cv:
                 while not (self._stopping or self.jobs or self._incoming or self._runnable()):
-                    self.last_progress = time.monotonic()
                     self._cv.wait(timeout=1.0)
                 if self._stopping:
                     break
                 self.tasks.extend(self._incoming)
                 self._incoming.clear()
-            self.busy_since = time.monotonic()
             try:
-                self._run_jobs()
-                self._drop_cancelled()
-                self._step()
+                with self.progress.iteration():
+                    self._run_jobs()
+                    self._drop_cancelled()
+                    self._step()
             except Exception as exc:  # a forward that failed as a whole fails every row in it
                 log.error("engine.iteration_failed", error=f"{type(exc).__name__}: {str(exc)[:300]}")
                 for task in self.tasks:
                     task.sink(exc)
                 self.tasks.clear()
             finally:
-                self.busy_since = None
-                self.last_progress = time.monotonic()
                 self.stats.iterations += 1
         for future, _ in self.jobs:
             future.cancel()
@@ -192,6 +181,7 @@ class BatchEngine(concurrent.futures.Executor):
                     future.set_result(fn())
                 except BaseException as exc:  # handed to the caller
                     future.set_exception(exc)
+                self.progress.beat()
 
     def _runnable(self) -> bool:
         return any(t.pending and not t.cancelled for t in self.tasks) or any(t.cancelled for t in self.tasks)
@@ -228,6 +218,7 @@ class BatchEngine(concurrent.futures.Executor):
             task.first_forward = task.first_forward or now
             rows.append(Row(task.seq, task.pending[:take], task.seq.length))
         logits = self.runner.forward(rows)  # [B, vocab]
+        self.progress.beat()
         self.stats.forwards += 1
         self.stats.rows += len(rows)
         self.stats.last_batch = len(rows)

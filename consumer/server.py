@@ -213,7 +213,7 @@ class ConsumerServer:
         await logs.run_in(batch, warm_up, loaded)
         kv_admission = KVAdmission(pool, cfg.max_queue)
         self.server.metrics.watch_engine(batch, pool, kv_admission)
-        self.server.compute = batch  # liveness: the heartbeat is a job, answered at the next iteration boundary
+        self.server.progress = [batch.progress]  # liveness from the engine's progress, not a place in its queue
         self.client = ProducerClient.from_config(cfg, loaded.info.weight_digest, self.server.tracing)
         self.servicer.attach(loaded, batch, kv_admission, self.client)
         self.server.not_ready = await compat.check_producer(self.client.stub, self.servicer.codecs)

@@ -1,30 +1,46 @@
-"""The producer's compute: run the prefill and hand out each layer's encoded payloads as soon as
-that layer is done.
+"""The producer's compute: batched prefills whose layers are encoded off the forward and handed
+out as soon as each is ready.
 
-The forward runs on the producer's compute thread; a hook after every decoder layer encodes the
-layer and hands it to the request's own buffer (an unbounded asyncio queue), never waiting for
-the network: a slow or stalled consumer delays only its own stream, never the forward of any
-other request (no head-of-line blocking on the compute thread). A request's buffer holds at
-most its own encoded stream, so memory is bounded by what the request itself may cost
-(max_context_tokens and its codec) times the admitted requests (max_inflight). Closing the
-stream early (caller cancelled, deadline passed, error) stops the forward at the next layer
-boundary. Knows nothing about gRPC: the servicer passes a `pack` function that turns payloads
-into whatever it sends.
+Three stages per request, each on its own thread(s):
+- the scheduler (event loop) collects the prefills waiting for the compute thread when it frees
+  up, up to `max_batch` contexts and `max_batch_tokens` padded tokens (at least one), in arrival
+  order;
+- the compute thread runs one forward over the whole batch (shared.kv.batch_capture: rows
+  right-padded, the decoder layers run by hand, no hooks) and after each layer hands every
+  row's captured `LayerState` to that request's encode lane, never waiting for it;
+- the encode pool (producer.encode) encodes, copies to the host, CRCs and packs each layer, in
+  layer order per request, into the request's own buffer (an unbounded asyncio queue).
+
+Memory bounds. Captured states waiting for their encode: at most num_layers per admitted
+request (a forward hands each row each layer once; admission caps the requests at
+max_inflight), each a view into that layer's batch tensors (K/V, and the hidden or normed
+input when the codec asks), so at most num_layers x max_inflight layer states, usually far
+fewer as the encode keeps pace. A request's buffer holds at most its own encoded stream;
+a slow or stalled reader delays only its own stream (no head-of-line blocking of the forward
+or of other requests).
+
+Closing a stream early (caller cancelled, deadline passed, error) takes the request's row out
+of the batch at the next layer boundary; its pending encodes are skipped. An encode error fails
+that request alone; a forward error fails the batch's requests. Knows nothing about gRPC: the
+servicer passes a `pack` function that turns payloads into whatever it sends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from shared import kv, logs
+from producer.encode import EncodePool, Lane
+from shared import kv, liveness, logs
 from shared.codecs import LayerEncoder
 from shared.models import LoadedModel
 
@@ -41,13 +57,11 @@ class EncodedLayer:
 
 @dataclass
 class PrefillDone:
-    prefill_ms: float  # forward wall time, encode time excluded
-    encode_ms: float
+    # The forward and the encodes overlap, so the two do not add up to the request's time:
+    prefill_ms: float  # forward wall time for this context: batch start to its last layer (encode excluded)
+    encode_ms: float  # encode-thread time spent on this context's layers (encode, copy, CRC, packing)
     layers: int
-
-
-class PrefillCancelled(Exception):
-    """Raised inside the forward to stop it once the stream is closed."""
+    batch_size: int = 1  # contexts in the forward that prefilled this one
 
 
 @dataclass
@@ -55,10 +69,39 @@ class _Failed:
     exc: BaseException
 
 
+@dataclass
+class _Job:
+    """One request's prefill, from the event loop to the compute thread and the encode lane."""
+
+    token_ids: list[int]
+    encoder: LayerEncoder
+    pack: Callable[[int, dict[str, torch.Tensor]], Any]
+    emit: Callable[[object], None]  # thread-safe: into the request's buffer
+    lane: Lane
+    closed: threading.Event = field(default_factory=threading.Event)
+    encode_ms: float = 0.0  # written by the lane only (one task at a time)
+    layers_done: int = 0
+
+
 class PrefillEngine:
-    def __init__(self, loaded: LoadedModel, executor: concurrent.futures.Executor):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        executor: concurrent.futures.Executor,
+        encode: EncodePool | None = None,
+        max_batch: int = 8,
+        max_batch_tokens: int = 8192,
+        progress: liveness.Progress | None = None,
+    ):
         self.loaded = loaded
-        self.executor = executor
+        self.executor = executor  # the compute thread
+        self.encode = encode if encode is not None else EncodePool(1, loaded.device)
+        self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
+        self.progress = progress if progress is not None else liveness.Progress("producer-compute")
+        self.waiting: collections.deque[_Job] = collections.deque()
+        self._scheduler: asyncio.Future | None = None
+        self.forwards = 0  # batched forwards run
+        self.forward_rows = 0  # contexts prefilled by them (forward_rows / forwards: mean batch size)
 
     async def stream(
         self,
@@ -69,51 +112,15 @@ class PrefillEngine:
         """Yields one EncodedLayer per layer in order, then PrefillDone. Use with aclosing()."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()  # this request's buffer; see the module doc for its bound
-        closed = threading.Event()
-        encode_ms = 0.0
 
         def emit(item: object) -> None:
-            if closed.is_set():
-                raise PrefillCancelled()
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            with contextlib.suppress(RuntimeError):  # the loop is gone (process stopping)
+                loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        def on_layer(state: kv.LayerState) -> None:
-            nonlocal encode_ms
-            if closed.is_set():
-                raise PrefillCancelled()
-            started = time.perf_counter()
-            payloads = {name: t.detach().to("cpu").contiguous() for name, t in encoder.encode(state).items()}
-            packed = pack(state.index, payloads)
-            took = (time.perf_counter() - started) * 1e3
-            encode_ms += took
-            nbytes = sum(t.numel() * t.element_size() for t in payloads.values())
-            emit(EncodedLayer(state.index, packed, nbytes, took))
-
-        def work() -> None:
-            started = time.perf_counter()
-            layers_done = 0
-
-            def counted(state: kv.LayerState) -> None:
-                nonlocal layers_done
-                on_layer(state)
-                layers_done += 1
-
-            try:
-                if closed.is_set():  # cancelled while queued behind other prefills
-                    raise PrefillCancelled()
-                ids = torch.tensor([token_ids], device=self.loaded.device)  # [1, T]
-                cache = kv.empty_cache(self.loaded)
-                with kv.layer_capture(self.loaded, cache, encoder.captures, counted):
-                    kv.prefill_context(self.loaded, ids, cache)
-                total_ms = (time.perf_counter() - started) * 1e3
-                emit(PrefillDone(prefill_ms=total_ms - encode_ms, encode_ms=encode_ms, layers=layers_done))
-            except PrefillCancelled:
-                log.info("prefill.stopped", layers_done=layers_done, num_layers=self.loaded.info.num_layers)
-            except BaseException as exc:
-                if not closed.is_set():
-                    loop.call_soon_threadsafe(queue.put_nowait, _Failed(exc))
-
-        forward = asyncio.ensure_future(logs.run_in(self.executor, work))
+        job = _Job(list(token_ids), encoder, pack, emit, self.encode.lane())
+        self.waiting.append(job)
+        if self._scheduler is None:
+            self._scheduler = asyncio.ensure_future(self._schedule())
         try:
             while True:
                 item = await queue.get()
@@ -123,5 +130,101 @@ class PrefillEngine:
                 if isinstance(item, PrefillDone):
                     return
         finally:
-            closed.set()  # a forward still running (or still queued) stops at its next layer
-            forward.add_done_callback(lambda f: f.exception() if not f.cancelled() else None)
+            job.closed.set()  # its row leaves the forward at the next layer; its queued encodes are skipped
+
+    # -- scheduler --------------------------------------------------------------------------
+    def _take(self) -> list[_Job]:
+        """The next batch, taken on the compute thread as it frees up: the prefills waiting then,
+        in arrival order, while they fit (at least one). The event loop only appends to
+        `waiting` (a deque: append and popleft are atomic)."""
+        batch: list[_Job] = []
+        width = 0
+        while self.waiting:
+            job = self.waiting[0]
+            if job.closed.is_set():  # cancelled while waiting
+                self.waiting.popleft()
+                continue
+            wider = max(width, len(job.token_ids))
+            if batch and (len(batch) >= self.max_batch or wider * (len(batch) + 1) > self.max_batch_tokens):
+                break
+            batch.append(self.waiting.popleft())
+            width = wider
+        return batch
+
+    async def _schedule(self) -> None:
+        """Runs (on the event loop) while prefills wait: one batch at a time on the compute thread."""
+        try:
+            while self.waiting:
+                try:
+                    await asyncio.get_running_loop().run_in_executor(self.executor, self._run_next)
+                except RuntimeError as exc:  # the compute thread is shut down (process stopping)
+                    while self.waiting:
+                        self.waiting.popleft().emit(_Failed(exc))
+        finally:
+            self._scheduler = None
+
+    def _run_next(self) -> None:
+        batch = self._take()
+        if batch:
+            self._forward(batch)
+
+    # -- compute thread -----------------------------------------------------------------------
+    def _forward(self, batch: list[_Job]) -> None:
+        started = time.perf_counter()
+        self.forwards += 1
+        self.forward_rows += len(batch)
+        num_layers = self.loaded.info.num_layers
+
+        def on_layer(row: int, state: kv.LayerState) -> None:
+            job = batch[row]
+            self.progress.beat()
+            event = self.encode.mark()
+            job.lane.put(lambda: self._encode(job, state, event))
+            job.layers_done += 1
+            if job.layers_done == num_layers:  # this row's forward is over; its encodes may not be
+                done = PrefillDone((time.perf_counter() - started) * 1e3, 0.0, num_layers, len(batch))
+                job.lane.put(lambda: self._finish(job, done))
+
+        with self.progress.iteration():
+            try:
+                kv.batch_capture(
+                    self.loaded,
+                    [job.token_ids for job in batch],
+                    [job.encoder.captures for job in batch],
+                    on_layer,
+                    active=lambda row: not batch[row].closed.is_set(),
+                )
+            except BaseException as exc:  # the whole batch fails; each request alone reports it
+                for job in batch:
+                    if not job.closed.is_set():
+                        job.closed.set()
+                        job.emit(_Failed(exc))
+        stopped = [job.layers_done for job in batch if job.layers_done < num_layers]
+        if stopped:
+            log.info("prefill.stopped", layers_done=stopped, num_layers=num_layers, batch=len(batch))
+
+    # -- encode pool --------------------------------------------------------------------------
+    def _encode(self, job: _Job, state: kv.LayerState, event: object) -> None:
+        if job.closed.is_set():
+            return
+
+        def run() -> None:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                payloads = {name: t.detach().to("cpu").contiguous() for name, t in job.encoder.encode(state).items()}
+            packed = job.pack(state.index, payloads)
+            took = (time.perf_counter() - started) * 1e3
+            job.encode_ms += took
+            nbytes = sum(t.numel() * t.element_size() for t in payloads.values())
+            job.emit(EncodedLayer(state.index, packed, nbytes, took))
+
+        try:
+            self.encode.on_copy_stream(event, run)  # type: ignore[arg-type]
+        except BaseException as exc:  # this request fails alone; its row leaves the forward
+            job.closed.set()
+            job.emit(_Failed(exc))
+
+    def _finish(self, job: _Job, done: PrefillDone) -> None:
+        if not job.closed.is_set():
+            done.encode_ms = job.encode_ms
+            job.emit(done)

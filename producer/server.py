@@ -10,10 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 
 import shared
+from producer.encode import EncodePool
+from producer.flight import Flights
 from producer.prefill import EncodedLayer, PrefillDone, PrefillEngine
 from producer.store import ContextStore, StoredPrefill, store_key
 from shared import codecs as codec_lib
-from shared import describe, handlers, logs, outcomes, serving, wire
+from shared import describe, handlers, liveness, logs, outcomes, serving, wire
 from shared.config import ProducerConfig
 from shared.errors import InvalidArgument, Unavailable
 from shared.models import LoadedModel, load_model, warm_up
@@ -35,10 +37,21 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         self.admission = serving.Admission("max_inflight", config.max_inflight)
         self.outcomes = outcomes.Outcomes()
         self.store = ContextStore(config.store_bytes)
+        self.flights = Flights()  # single flight: concurrent identical prefills share one run
+        self.encode = EncodePool(config.encode_threads)
+        self.compute_progress = liveness.Progress("producer-compute")  # the watchdog reads it from the start
 
     def attach(self, loaded: LoadedModel) -> None:
         self.codecs = codec_lib.create_codecs(loaded, artifacts=discover(self.config.artifact_paths))
-        self.engine = PrefillEngine(loaded, self.executor)
+        self.encode.attach(loaded.device)
+        self.engine = PrefillEngine(
+            loaded,
+            self.executor,
+            self.encode,
+            max_batch=self.config.max_prefill_batch,
+            max_batch_tokens=self.config.max_prefill_batch_tokens,
+            progress=self.compute_progress,
+        )
         self.loaded = loaded
 
     def _ready(self) -> LoadedModel:
@@ -95,8 +108,18 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             return [r for kind, t in payloads.items() for r in wire.payload_to_responses(layer, kind, t, max_chunk)]
 
         key = store_key(request.token_ids, codec.name, options, encoder.metadata())
-        stored = self.store.get(key)
-        source = self._replay(stored) if stored else self._record(key, self.engine.stream(list(request.token_ids), encoder, pack))
+        # a running flight first: its caller already missed the store, a follower is no second miss
+        stored = None if key in self.flights.running else self.store.get(key)
+        shared = False
+        if stored:
+            source = self._replay(stored)
+        else:  # a prefill already running for the same key is joined, not repeated
+            source, shared = self.flights.join(
+                key,
+                lambda: self.engine.stream(list(request.token_ids), encoder, pack),
+                is_last=lambda item: isinstance(item, PrefillDone),
+                on_complete=lambda items: self._keep(key, items),
+            )
         sent_chunks = sent_payloads = sent_bytes = 0
         async with contextlib.aclosing(source) as layers:
             async for item in layers:
@@ -117,6 +140,8 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                             encode_ms=item.encode_ms,
                             total_ms=total_ms,
                             store_hit=stored is not None,
+                            prefill_shared=shared,
+                            prefill_batch_size=item.batch_size,
                         )
                     )
                     self.store_hits += stored is not None
@@ -128,24 +153,20 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                         encode_ms=round(item.encode_ms, 2),
                         total_ms=round(total_ms, 2),
                         store_hit=stored is not None,
+                        shared=shared,
+                        batch=item.batch_size,
                     )
 
     async def _replay(self, stored: StoredPrefill):
         """A store hit: the stored layers, no forward, no encode."""
         for layer in stored.layers:
             yield layer
-        yield PrefillDone(prefill_ms=0.0, encode_ms=0.0, layers=len(stored.layers))
+        yield PrefillDone(prefill_ms=0.0, encode_ms=0.0, layers=len(stored.layers), batch_size=0)
 
-    async def _record(self, key: str, layers):
-        """Pass the engine's layers through; keep them in the store once the prefill completed."""
-        kept = []
-        async with contextlib.aclosing(layers):
-            async for item in layers:
-                if isinstance(item, EncodedLayer):
-                    kept.append(item)
-                elif isinstance(item, PrefillDone):
-                    self.store.put(key, StoredPrefill(tuple(kept), sum(x.payload_bytes for x in kept)))
-                yield item
+    def _keep(self, key: str, items: list) -> None:
+        """A completed prefill's layers go to the store (called once per run, however many share it)."""
+        kept = tuple(x for x in items if isinstance(x, EncodedLayer))
+        self.store.put(key, StoredPrefill(kept, sum(x.payload_bytes for x in kept)))
 
     @serving.unary_errors
     async def Describe(self, request, context):
@@ -166,6 +187,9 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                 prefills_failed=self.outcomes.failed,
                 store_hits=self.store_hits,
                 inflight=self.admission.inflight,
+                prefills_shared=self.flights.shared,
+                prefill_forwards=self.engine.forwards,
+                prefill_forward_contexts=self.engine.forward_rows,
             ),
         )
 
@@ -178,7 +202,12 @@ class ProducerServer:
         self.server = serving.Server([SERVICE_NAME], config)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="producer-compute")
         self.servicer = ProducerServicer(config, self.executor)
-        self.server.watch(admission=self.servicer.admission, store=self.servicer.store, compute=self.executor)
+        self.server.watch(
+            admission=self.servicer.admission,
+            store=self.servicer.store,
+            progress=[self.servicer.compute_progress, self.servicer.encode.progress],
+        )
+        self.server.metrics.watch_prefill(self.servicer)
         handlers.add_servicer(self.server.server, self.servicer, producer_pb2.DESCRIPTOR.services_by_name["ProducerService"])
 
     @property
@@ -207,3 +236,4 @@ class ProducerServer:
     async def stop(self, grace_s: float | None = None) -> None:
         await self.server.drain(self.config.drain_grace_s if grace_s is None else grace_s, self.servicer.admission)
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.servicer.encode.shutdown()

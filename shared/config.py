@@ -65,9 +65,13 @@ class ServerConfig:
     # side ports: -1 off, 0 any free port (tests)
     health_port: int = -1  # plaintext port serving only grpc.health.v1 (kubelet gRPC probes)
     metrics_port: int = -1  # Prometheus text exposition over HTTP (shared.metrics)
-    liveness_interval_s: float = 5.0  # heartbeat period: a no-op submitted to the compute thread
+    liveness_interval_s: float = (
+        5.0  # liveness check period (producer: progress watchdog; consumer: a no-op to the compute thread)
+    )
     trace: str = "off"  # OpenTelemetry spans: off | console (JSON on stderr) | memory (tests) | otlp; shared.tracing
-    liveness_timeout_s: float = 30.0  # heartbeat bound: longer and health service "liveness" is NOT_SERVING
+    liveness_timeout_s: float = (
+        30.0  # an iteration without progress (or a heartbeat unanswered) this long: "liveness" NOT_SERVING
+    )
 
     @property
     def artifact_paths(self) -> list[str]:
@@ -101,9 +105,15 @@ class ProducerConfig(ServerConfig):
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
     max_inflight: int = 8  # concurrent Prefill calls; more get RESOURCE_EXHAUSTED
     store_bytes: int = 1 << 30  # context store budget (encoded streams kept for reuse); 0 disables
+    max_prefill_batch: int = 8  # cold contexts prefilled together in one forward, at most
+    max_prefill_batch_tokens: int = 8192  # padded tokens (contexts x longest) of one batched forward; a longer context runs alone
+    encode_threads: int = 1  # threads encoding, copying to the host and packing layers beside the forward
 
     def validate(self) -> None:
         super().validate()
+        for name in ("max_prefill_batch", "max_prefill_batch_tokens", "encode_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
         if not 1024 <= self.max_chunk_bytes <= DEFAULT_MAX_CHUNK_BYTES:
             raise ValueError(f"max_chunk_bytes: {self.max_chunk_bytes} not in 1024..{DEFAULT_MAX_CHUNK_BYTES}")
         if self.store_bytes < 0:

@@ -1,14 +1,16 @@
 """KV-cache mechanics on a Hugging Face decoder: per-layer capture during the producer's
 prefill, and building a consumer cache layer by layer.
 
-Owns forward hooks and `DynamicCache` assembly. Knows nothing about codecs' payload formats,
+Owns the per-layer capture (forward hooks at batch 1 for offline tools and tests,
+`layer_capture`/`capture_states`; the hook-free batched forward the producer serves with,
+`batch_capture`) and `DynamicCache` assembly. Knows nothing about codecs' payload formats,
 wire types or gRPC.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -38,7 +40,7 @@ class Capture(enum.Flag):
 
 @dataclass
 class LayerState:
-    """One decoder layer of the producer's prefill over T context tokens (batch 1)."""
+    """One decoder layer of the producer's prefill over T context tokens (one context's row)."""
 
     index: int
     keys: torch.Tensor | None = None  # [n_kv, T, head_dim], post-RoPE
@@ -128,3 +130,97 @@ def capture_states(loaded: LoadedModel, ids: list[int], needs: Capture) -> tuple
     with layer_capture(loaded, cache, needs, lambda s: states.__setitem__(s.index, s)):
         prefill_context(loaded, torch.tensor([ids], device=loaded.device), cache)
     return states, cache
+
+
+class _LayerTap:
+    """A cache stand-in for one forward without reuse: `update` hands the layer's post-RoPE K/V
+    back unchanged and keeps them until the next layer's (no per-layer concatenation, nothing
+    kept across layers)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.keys, self.values = keys, values  # [B, n_kv, T, hd] each
+        return keys, values
+
+
+def _layer_masks(loaded: LoadedModel, h: torch.Tensor, pos: torch.Tensor) -> list[object]:
+    """Each layer's causal mask as the model's own forward builds it with no padding mask (None
+    where sdpa's is_causal suffices)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    config = loaded.model.config
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * len(loaded.layers)
+    made = {
+        "full_attention": create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
+    }
+    if "sliding_attention" in kinds:
+        made["sliding_attention"] = create_sliding_window_causal_mask(
+            config=config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos
+        )
+    return [made[kind] for kind in kinds]
+
+
+@torch.inference_mode()
+def batch_capture(
+    loaded: LoadedModel,
+    rows: Sequence[Sequence[int]],
+    needs: Sequence[Capture],
+    on_layer: Callable[[int, LayerState], None],
+    active: Callable[[int], bool] = lambda row: True,
+) -> None:
+    """One forward over several contexts at once, each row's per-layer states handed to
+    on_layer(row, state) right after the layer ran, without hooks (nothing module-global, so
+    nothing one request could see of another's).
+
+    Runs the decoder stack itself: embed -> rotary -> each layer -> (no final norm, no LM head).
+    Rows are right-padded to the longest: with causal attention a real position only attends
+    to positions before it, all real, and positions are 0..T-1 as at batch 1, so every row's
+    states over its own tokens equal a batch-1 forward's up to float rounding (the matmuls see
+    other shapes); no padding mask is needed and sdpa takes its is_causal path as at batch 1.
+    Before each layer, rows for which active(row) is false leave the batch (a cancelled
+    request stops costing compute at the next layer boundary) and the padded length shrinks to
+    the longest row left. State tensors are views into the batch's tensors, on the model's
+    device: keys/values [n_kv, T_row, hd], hidden/normed [T_row, d].
+    """
+    model = loaded.model.model
+    lengths = [len(r) for r in rows]
+    width = max(lengths)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)  # [B, T], right-padded with id 0
+    for b, r in enumerate(rows):
+        ids[b, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+    h = model.embed_tokens(ids.to(loaded.device))  # [B, T, d]
+    live = list(range(len(rows)))  # batch position -> caller's row
+    masks: list[object] = []
+    emb: tuple[torch.Tensor, torch.Tensor] | None = None
+    pos = torch.empty(0)
+    for index, layer in enumerate(loaded.layers):
+        keep = [b for b, row in enumerate(live) if active(row)]
+        if not keep:
+            return
+        if len(keep) < len(live) or emb is None:
+            if len(keep) < len(live):
+                live = [live[b] for b in keep]
+                width = max(lengths[row] for row in live)
+                h = h[keep, :width]  # [B', T', d]
+            pos = torch.arange(width, device=h.device)[None]  # [1, T]
+            emb = model.rotary_emb(h, position_ids=pos)  # (cos, sin), [1, T, hd] each
+            masks = _layer_masks(loaded, h, pos)
+        tap = _LayerTap()
+        wanted = Capture.NONE
+        for row in live:
+            wanted |= needs[row]
+        normed = cast(Any, layer).input_layernorm(h) if Capture.NORMED in wanted else None  # [B, T, d], as the layer computes it
+        out = layer(h, attention_mask=masks[index], position_ids=pos, cache=tap, use_cache=True, position_embeddings=emb)
+        for b, row in enumerate(live):
+            n, need = lengths[row], needs[row]
+            state = LayerState(index)
+            if Capture.KV in need:
+                state.keys, state.values = tap.keys[b, :, :n], tap.values[b, :, :n]  # [n_kv, T_row, hd]
+            if Capture.HIDDEN in need:
+                state.hidden = h[b, :n]  # [T_row, d]
+            if normed is not None and Capture.NORMED in need:
+                state.normed = normed[b, :n]  # [T_row, d]
+            on_layer(row, state)
+        h = out

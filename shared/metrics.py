@@ -161,6 +161,31 @@ class Metrics:
 
         self.registry.register(_Callback(families))
 
+    def watch_prefill(self, servicer) -> None:
+        """The producer's prefill engine: single-flight joins, batched forwards and the contexts
+        they prefilled, prefills waiting for the compute thread (read from the servicer at
+        scrape time; zero until its model is attached)."""
+
+        def families():
+            engine = getattr(servicer, "engine", None)
+            for name, help_, value in (
+                (
+                    "scd_prefill_shared",
+                    "Prefill calls that joined a prefill already running (single flight)",
+                    servicer.flights.shared,
+                ),
+                ("scd_prefill_forwards", "batched prefill forwards run", engine.forwards if engine else 0),
+                ("scd_prefill_forward_contexts", "contexts prefilled by those forwards", engine.forward_rows if engine else 0),
+            ):
+                c = CounterMetricFamily(name, help_)
+                c.add_metric([], value)
+                yield c
+            g = GaugeMetricFamily("scd_prefill_waiting", "cold prefills waiting for the compute thread")
+            g.add_metric([], len(engine.waiting) if engine else 0)
+            yield g
+
+        self.registry.register(_Callback(families))
+
     # -- the consumer's per-request figures --------------------------------------------------
     def observe_generate(self, result) -> None:
         """One finished Generate (consumer.engine.GenerateResult)."""

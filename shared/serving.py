@@ -8,8 +8,10 @@ draining in-flight calls for a grace period. Owns no model or codec logic.
 
 Health: readiness is the overall service "" and each API service name (NOT_SERVING until the
 model is loaded and warmed, SERVING after, NOT_SERVING while draining or when `not_ready` says
-why); liveness is the service "liveness", SERVING while the compute thread answers a heartbeat
-(a no-op submitted every `liveness_interval_s`) within `liveness_timeout_s`. As Kubernetes
+why); liveness is the service "liveness", from progress (`watch(progress=...)`: the producer's
+forward and encode loops, the consumer's batch engine): NOT_SERVING only while some iteration of
+a watched loop has made no progress for `liveness_timeout_s` (shared.liveness), checked every
+`liveness_interval_s`; a long queue is not a hang. As Kubernetes
 gRPC probes (the kubelet speaks plaintext, so point them at `--health-port`):
     readinessProbe: {grpc: {port: 50060, service: scd.v1.ProducerService}}
     livenessProbe:  {grpc: {port: 50060, service: liveness}}
@@ -26,14 +28,13 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
-from concurrent.futures import Executor
 
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from shared import logs, security, tracing
+from shared import liveness, logs, security, tracing
 from shared.config import ServerConfig
 from shared.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable
 from shared.metrics import Metrics
@@ -169,10 +170,6 @@ TRACE_FLUSH_S = 5.0  # how long a drain waits for queued spans to reach the coll
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
-def _noop() -> None:
-    return None
-
-
 class Server:
     """A grpc.aio server whose port is bound before the model loads, so health can say so.
 
@@ -214,7 +211,7 @@ class Server:
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
             self.health_port = self.health_server.add_insecure_port(f"{config.host}:{config.health_port}")
         self.metrics_port = -1
-        self.compute: Executor | None = None
+        self.progress: list[liveness.Progress] = []
         self._liveness_task: asyncio.Task | None = None
         self._stopping = False  # the heartbeat loop's exit condition (a cancel alone can be lost, see drain)
         self.alive = True
@@ -234,13 +231,19 @@ class Server:
         for name in (reflection.SERVICE_NAME, REFLECTION_V1):
             self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
 
-    def watch(self, admission: Admission | None = None, store=None, compute: Executor | None = None) -> None:
-        """Metrics of `admission` and the producer's context `store`; liveness of `compute`."""
+    def watch(
+        self,
+        admission: Admission | None = None,
+        store=None,
+        progress: Sequence[liveness.Progress] = (),
+    ) -> None:
+        """Metrics of `admission` and the producer's context `store`; liveness from the
+        `progress` of worker loops."""
         if admission is not None:
             self.metrics.watch_admission(admission)
         if store is not None:
             self.metrics.watch_store(store)
-        self.compute = compute
+        self.progress = list(progress)
 
     async def start(self) -> None:
         await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -264,54 +267,25 @@ class Server:
         if self.not_ready:
             log.warning("server.not_ready", reason=self.not_ready)
         await self._set(health_pb2.HealthCheckResponse.NOT_SERVING if self.not_ready else health_pb2.HealthCheckResponse.SERVING)
-        if self.compute is not None and self._liveness_task is None:
-            self._liveness_task = asyncio.create_task(self._liveness(self.compute))
+        if self._liveness_task is None:
+            if self.progress:
+                self._liveness_task = asyncio.create_task(self._watchdog(self.progress))
 
-    async def _liveness(self, executor: Executor) -> None:
-        """Every liveness_interval_s a no-op goes to the compute thread; no answer within
-        liveness_timeout_s: "liveness" NOT_SERVING until it answers. An executor that reports its
-        own progress (`stalled_s()`, the consumer's batch engine) is watched by that instead."""
-        cfg = self.config
-        if hasattr(executor, "stalled_s"):
-            await self._watch_progress(executor)
-            return
-        while not self._stopping:
-            try:
-                answered = asyncio.wrap_future(executor.submit(_noop))
-            except RuntimeError:  # executor shut down
-                return
-            sent = time.perf_counter()
-            try:
-                await asyncio.wait_for(asyncio.shield(answered), cfg.liveness_timeout_s)
-            except TimeoutError:
-                self.alive = False
-                await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.NOT_SERVING)
-                log.error("server.compute_stalled", waited_s=cfg.liveness_timeout_s)
-                with contextlib.suppress(Exception):
-                    await answered
-                log.warning("server.compute_recovered", took_s=round(time.perf_counter() - sent, 3))
-            except Exception:
-                return
-            if not self.alive:
-                self.alive = True
-                await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
-            await asyncio.sleep(cfg.liveness_interval_s)
-
-    async def _watch_progress(self, engine) -> None:
-        """Liveness from progress: NOT_SERVING only while one engine iteration has run longer than
-        liveness_timeout_s (a stuck forward or job), never because work waits in its queue."""
+    async def _watchdog(self, progress: list[liveness.Progress]) -> None:
+        """Every liveness_interval_s: "liveness" NOT_SERVING while an iteration of one of the
+        watched loops has not advanced for liveness_timeout_s, SERVING again once it does."""
         cfg = self.config
         while not self._stopping:
-            stalled_s = engine.stalled_s()
-            if stalled_s > cfg.liveness_timeout_s and self.alive:
+            stuck = liveness.stalled(progress, cfg.liveness_timeout_s)
+            if stuck is not None and self.alive:
                 self.alive = False
                 await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.NOT_SERVING)
-                log.error("server.compute_stalled", iteration_s=round(stalled_s, 3), limit_s=cfg.liveness_timeout_s)
-            elif stalled_s <= cfg.liveness_timeout_s and not self.alive:
+                log.error("server.compute_stalled", loop=stuck.name, stalled_s=round(stuck.stalled_s(), 3))
+            elif stuck is None and not self.alive:
                 self.alive = True
                 await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
                 log.warning("server.compute_recovered")
-            await asyncio.sleep(min(cfg.liveness_interval_s, cfg.liveness_timeout_s / 4))
+            await asyncio.sleep(cfg.liveness_interval_s)
 
     async def _set(self, status) -> None:
         for name in ["", *self.service_names]:

@@ -56,3 +56,36 @@ async def test_predictor_artifact_trains_and_serves_on_cuda(tmp_path):
         ids, _, _ = await pair.generate(context=prompt(CONTEXT), question=prompt(QUESTION), max_new_tokens=8,
                                         transfer=common_pb2.CodecSpec(name="scd", options={"schedule": "R8.P.R8.R8"}))
     assert ids[:2] == expected[:2]
+
+
+async def test_batched_prefill_with_the_copy_stream_matches_batch_one_on_cuda():
+    """The producer's engine on CUDA: encodes on the side copy stream after each layer's event;
+    a batched forward's float32 payloads equal batch-1 ones."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from producer.encode import EncodePool
+    from producer.prefill import PrefillEngine
+    from shared import codecs as codec_lib
+    from tests.test_prefill_engine import collect, contexts, held, keep_payloads
+
+    loaded = load_model("tiny-llama", "float32", "cuda")
+    raw = codec_lib.create_codecs(loaded, ["raw"])["raw"]
+    rows = contexts(64, 32, 96, seed=5)
+    pool = EncodePool(2, loaded.device)
+    assert pool.cuda
+    with ThreadPoolExecutor(1) as compute:
+        engine = PrefillEngine(loaded, compute, pool)
+        solo = [await collect(engine.stream(ids, raw.encoder({}, codec_lib.EncodeRequest(0)), keep_payloads)) for ids in rows]
+        with held(compute):
+            tasks = [asyncio.ensure_future(collect(engine.stream(ids, raw.encoder({}, codec_lib.EncodeRequest(0)), keep_payloads)))
+                     for ids in rows]
+            await asyncio.sleep(0.05)
+        batched = await asyncio.gather(*tasks)
+    pool.shutdown()
+    for (solo_layers, _), (layers, done) in zip(solo, batched):
+        assert done.batch_size == 3
+        for a, b in zip(solo_layers, layers):
+            for name in a.packed:
+                assert a.packed[name].device.type == "cpu"
+                torch.testing.assert_close(a.packed[name], b.packed[name], atol=1e-4, rtol=1e-4)
