@@ -5,10 +5,11 @@ An iteration:
   1. runs the jobs queued since the last forward, in order (a codec's layer rebuild, a cache
      audit, a release of a request's blocks; again between the two forwards): the engine is also
      the device's only executor, so nothing else ever touches the pool or the model;
-  2. one prefill forward: requests with tokens still to prefill (a local context prefill or a
-     question), oldest first, each taking at most `prefill_chunk` tokens, together at most
+  2. prefill: requests with tokens still to prefill (a local context prefill or a question),
+     oldest first, each taking at most `prefill_chunk` tokens, together at most
      `max_batch_tokens` and `max_batch` rows (chunked prefill: a long local prefill never stops
-     the batch, it takes one chunk per iteration);
+     the batch, it takes one chunk per iteration), in as few forwards as keep the padding of
+     ragged rows under 2x (`pack`);
   3. one decode forward: requests with a sampled token to feed, up to `max_batch` rows, taken
      round-robin when there are more.
 Requests join and leave between iterations. A request's rows sample with its own settings and
@@ -77,6 +78,22 @@ class EngineStats:
     rows: int = 0  # summed over forwards
     last_batch: int = 0
     failed_rows: int = 0
+
+
+def pack(rows: list[tuple[Task, int]]) -> list[list[tuple[Task, int]]]:
+    """Prefill rows (task, tokens) grouped into forwards whose right-padding at most doubles the
+    work: a 512-token chunk of a local prefill and ten 5-token questions are two forwards, not one
+    of 11 x 512 query positions."""
+    groups: list[list[tuple[Task, int]]] = []
+    total = 0
+    for row in sorted(rows, key=lambda r: -r[1]):
+        if groups and (len(groups[-1]) + 1) * groups[-1][0][1] <= 2 * (total + row[1]):
+            groups[-1].append(row)
+            total += row[1]
+        else:
+            groups.append([row])
+            total = row[1]
+    return groups
 
 
 class BatchEngine(concurrent.futures.Executor):
@@ -200,8 +217,8 @@ class BatchEngine(concurrent.futures.Executor):
                 take = min(len(task.pending), self.prefill_chunk, budget)
                 prefill.append((task, take))
                 budget -= take
-        if prefill:
-            self._forward(prefill)
+        for group in pack(prefill):
+            self._forward(group)
             self._run_jobs()
         decode = [t for t in self.tasks if t.decoding and t.pending and not t.cancelled]
         if len(decode) > self.max_batch:

@@ -265,7 +265,14 @@ class GenerateEngine:
                 async for item in items:
                     yield item
         finally:
+            self._release(seq)
+
+    def _release(self, seq: SequenceKV) -> None:
+        """seq's blocks back to the pool, on the engine thread after anything still using them."""
+        try:
             self.engine.release(seq).add_done_callback(lambda _: self.admission.wake())
+        except RuntimeError:  # the engine has stopped (server stop): nothing runs on the pool any more
+            self.engine.pool.release(seq)
 
     async def _answer(
         self, job: GenerateJob, result: GenerateResult, seq: SequenceKV

@@ -208,3 +208,14 @@ async def test_kv_admission_limits_queue_and_release(loaded):
     admission.wake()
     await asyncio.sleep(0.05)
     assert pool.free_blocks == pool.num_blocks and admission.queued == 0
+
+
+def test_pack_keeps_padding_under_twice_the_work():
+    from consumer.batch import pack
+
+    rows = [(object(), n) for n in (5, 512, 7, 6, 300, 4)]
+    groups = pack(rows)  # type: ignore[arg-type]
+    assert sorted(n for g in groups for _, n in g) == sorted(n for _, n in rows)
+    for g in groups:
+        assert len(g) * max(n for _, n in g) <= 2 * sum(n for _, n in g) or len(g) == 1
+    assert len(groups) == 2 and max(n for _, n in groups[-1]) <= 7  # the short questions share a forward
