@@ -228,6 +228,8 @@ def test_smoke_loopback_run(tmp_path):
         assert row["order"] == "interleaved" and row["cores"] == os.cpu_count() and row["load_avg_1m"] >= 0
     oracle, cached, raw = rows
     assert cached["ttft_ms_median"] < oracle["ttft_ms_median"] and cached["efficiency"] is None
+    assert {r["weights"] for r in rows} == {"random"}  # tiny-llama: what the rows ran on
+    assert cached["derived"] is True and "rebuild_ms" in cached["formula"] and "derived" not in raw
     assert raw["shaping"] == "loopback" and raw["bytes"] == raw["raw_kv_bytes"] > 0
     assert 0 < raw["efficiency"] <= report.EFFICIENCY_LIMIT and raw["link_mbit"] > 10
     assert raw["ttft_lower_bound_ms"] <= raw["ttft_ms_median"] * report.EFFICIENCY_LIMIT
