@@ -88,6 +88,23 @@ def _quality(row: dict, artifacts: dict) -> dict:
     return extra
 
 
+def _headlines(path: Path) -> set[tuple[str, str]]:
+    """(pair, schedule) of each pair's headline, chosen as bench.quality chooses it but on the test
+    rows themselves (their selected_on says so): what the committed documents quoted."""
+    from bench.pairs import PAIRS
+    from bench.quality import pick_headline
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = set()
+    for pair, spec in PAIRS.items():
+        first = [r for r in rows if r["pair"] == pair]
+        first = [r for r in first if r["ctx"] == min(r["ctx"] for r in first)] if first else []
+        chosen = pick_headline(first, spec.max_gap)
+        if chosen:
+            out.add((pair, chosen))
+    return out
+
+
 def _audit(row: dict, fields: dict) -> dict:
     for scale in row.get("cost_at_scale", []):  # the audit's cost on a scale model (random weights)
         scale.setdefault("weights", weights_of(scale["scale"]))
@@ -120,9 +137,12 @@ def main(argv: list[str] | None = None) -> None:
     heterogeneous = art[PAIRS["heterogeneous"].artifact]
     deep = {"audit-deep-full": art[PAIRS["deep-full"].artifact], "audit-deep-lora": art[PAIRS["deep-lora"].artifact]}
     r = args.results
+    headlines = _headlines(r / "quality.jsonl")
     counts = {
         "ttft": migrate(r / "ttft.jsonl", lambda row: _ttft(row, ttft_artifacts)),
-        "quality": migrate(r / "quality.jsonl", lambda row: _quality(row, art)),
+        "quality": migrate(
+            r / "quality.jsonl", lambda row: {**_quality(row, art), "headline": (row["pair"], row["schedule"]) in headlines}
+        ),
         # load test: tiny-llama (random) with --max-inflight 64 on both services; its head-of-line
         # request was a context the producer had already stored (a store hit)
         "load": migrate(

@@ -161,6 +161,8 @@ def test_markdown_table_ratios_and_crossovers(tmp_path):
     assert "| quant(bits=8) cold | 80 (0.80) | 20* (0.20) |" in text and "`*`: measured with the 1-minute load" in text
     assert "raw cold from 100 Mbit" in text and "quant(bits=8) cold from 10 Mbit" in text
     assert "cached" not in text.split("Fastest:")[1]  # a reference, not a competitor
+    rows[1] = {**rows[1], "derived": True, "formula": "ttft_ms - rebuild_ms"}
+    assert "| cached warm (derived, not measured: the oracle's TTFT minus its context prefill) |" in plot.markdown(rows)
     plot.plot(rows, tmp_path / "t.png")
     assert (tmp_path / "t.png").stat().st_size > 1000
 
