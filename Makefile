@@ -128,7 +128,12 @@ TTFT_GRID_05B := --model-scale qwen05b --artifacts .cache/artifacts --contexts 5
 	--bandwidths 10 100 1000 --stores cold warm --warmup 1 --runs 5 \
 	--modes oracle raw quant:bits=8 quant:bits=4 scd
 
-.PHONY: bench-transport gpu-check pool-test load-test
+.PHONY: bench-transport gpu-check pool-test load-test results-doc
+
+# docs/results.md and the README's generated blocks from the committed rows (bench/templates/,
+# bench/figures.py); tests/test_results_doc.py fails when they differ from what this writes.
+results-doc: $(PB_GEN)
+	$(PYTHON) -m bench.report
 
 # Rounds of 32 concurrent Generate streams over every mode with random cancels and tiny deadlines,
 # then the head-of-line check; JSON lines to stdout and bench/results/load.jsonl (~2 min).

@@ -35,6 +35,13 @@ PAIRS = {
 }
 
 
+def pick_headline(rows: list[dict], max_gap: float) -> str | None:
+    """The schedule of the cheapest SCD row (bytes/token) whose F1 gap to the oracle is at most
+    `max_gap` points; None when none is. Rows of one pair at one context length."""
+    fit = [r for r in rows if r["mode"] == "scd" and r["f1_gap_vs_oracle"] <= max_gap]
+    return min(fit, key=lambda r: r["bytes_per_token"])["schedule"] if fit else None
+
+
 async def ask(client, context: str, question: str, end_id: int, mode: str, options: dict, **fields):
     """One QA question through the consumer (greedy, stops at the task's END token): the
     consumer.client Answer, with `text` cut to the answer words."""

@@ -91,8 +91,7 @@ def _quality(row: dict, artifacts: dict) -> dict:
 def _headlines(path: Path) -> set[tuple[str, str]]:
     """(pair, schedule) of each pair's headline, chosen as bench.quality chooses it but on the test
     rows themselves (their selected_on says so): what the committed documents quoted."""
-    from bench.pairs import PAIRS
-    from bench.quality import pick_headline
+    from bench.pairs import PAIRS, pick_headline
 
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     out = set()

@@ -40,7 +40,7 @@ import sys
 from pathlib import Path
 
 from bench import flops, pairs, provenance, services
-from bench.pairs import PAIRS
+from bench.pairs import PAIRS, pick_headline
 from calibration.search import evenly_spaced
 from consumer.client import ConsumerClient
 from qa.metrics import bootstrap_ci, exact_match, f1_score
@@ -52,13 +52,6 @@ from shared.scd.artifact import Artifact
 ROOT = services.ROOT
 RESULTS = ROOT / "bench/results"
 VALIDATION_START = 10_000  # validation seeds from here: calibration holds out the first few
-
-
-def pick_headline(rows: list[dict], max_gap: float) -> str | None:
-    """The schedule of the cheapest SCD row (bytes/token) whose F1 gap to the oracle is at most
-    `max_gap` points; None when none is. Rows of one pair at one context length."""
-    fit = [r for r in rows if r["mode"] == "scd" and r["f1_gap_vs_oracle"] <= max_gap]
-    return min(fit, key=lambda r: r["bytes_per_token"])["schedule"] if fit else None
 
 
 def _ci(values: list[float]) -> list[float]:

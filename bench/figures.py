@@ -1,0 +1,448 @@
+"""Every figure the results documents quote, computed from the committed rows: bench/results/*,
+the eval-pair rows under checkpoints/, the SCD artifacts' metadata and the hostile-producer test
+file (its contract cases are counted, not remembered).
+
+Owns the arithmetic (selections, ratios, ranges, counts, tables); bench.report owns the
+templates and the files. Each section is a dict of plain values and preformatted text, read by the
+templates as `{section[key]}` with a format spec where a number is shown. Measures nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from pathlib import Path
+
+from bench import plot, projection
+from bench import quality as quality_bench
+from bench.audit import table as audit_table
+from bench.pairs import PAIRS
+from shared.labels import mode_label
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench/results"
+
+
+def rows_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def span(values, fmt: str = "{:g}") -> str:
+    """'lo-hi' (or one value) of numbers, each formatted with `fmt`."""
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def em_f1(row: dict) -> str:
+    return f"{row['em']:.3f} / {row['f1']:.3f}"
+
+
+# ---- the trained pairs (qa.evaluate pair) -------------------------------------------------------
+
+
+def _eval_row(rows: list[dict], pair: str, model: str, ctx: int, task: str | None = None, **match) -> dict:
+    task = task or model
+    for r in rows:
+        if (
+            (r["pair"], r["model"], r["ctx"], r["task"]) == (pair, model, ctx, task)
+            and all(r.get(k) == v for k, v in match.items())
+            and ("cache_from" in r) == ("cache_from" in match)
+        ):
+            if "base_layers" in r and "base_layers" not in match:
+                continue
+            return r
+    raise KeyError(f"no eval row {pair} {model} ctx {ctx} {match}")
+
+
+def evaluation(root: Path = ROOT) -> dict:
+    two = rows_of(root / "checkpoints/eval_pair.jsonl")
+    deep = rows_of(root / "checkpoints/deep/eval_pair.jsonl")
+    own = lambda pair, ctx, rows=deep: _eval_row(rows, pair, "tuned", ctx)
+    naive = lambda pair, ctx, rows=deep: _eval_row(rows, pair, "tuned", ctx, cache_from="base")
+    mix = lambda pair, layers, rows=deep: _eval_row(rows, pair, "tuned", 512, cache_from="base", base_layers=layers)
+    ctxs = (256, 512, 1024)
+    table = ["| | " + " | ".join(f"ctx {c}" for c in ctxs) + " |", "|---" * 4 + "|"]
+    lines = [
+        ("P own prefill, base task", lambda c: _eval_row(deep, "deep-full", "base", c)),
+        ("C1 (full fine-tune) own prefill, tuned task", lambda c: own("deep-full", c)),
+        ("C1 on P's KV (naive reuse)", lambda c: naive("deep-full", c)),
+        ("C2 (LoRA) own prefill, tuned task", lambda c: own("deep-lora", c)),
+        ("C2 on P's KV (naive reuse)", lambda c: naive("deep-lora", c)),
+    ]
+    for name, get in lines:
+        table.append(f"| {name} | " + " | ".join(em_f1(get(c)) for c in ctxs) + " |")
+    mixes = ["0", "1", "2", "3", "4", "5", "all-but-3", "all-but-0"]
+    mix_table = ["| P's KV in | " + " | ".join(m.replace("-", " ") for m in mixes) + " |", "|---" * (len(mixes) + 1) + "|"]
+    for pair, name in (("deep-full", "C1 (full)"), ("deep-lora", "C2 (LoRA)")):
+        cells = [em_f1(mix(pair, m)) for m in mixes]
+        cells = [f"**{c}**" if mix(pair, m)["em"] == 0 and m.isdigit() else c for c, m in zip(cells, mixes)]
+        mix_table.append(f"| {name} | " + " | ".join(cells) + " |")
+    loss = {c: [round(100 * (own(p, c)["f1"] - naive(p, c)["f1"])) for p in ("deep-full", "deep-lora")] for c in (512, 1024)}
+    damage = [m for m in mixes[:6] if all(mix(p, m)["em"] == 0 for p in ("deep-full", "deep-lora"))]
+    return {
+        "n": two[0]["n"],
+        "split": two[0]["split"],
+        "base": _eval_row(two, "2-layer", "base", 512),
+        "tuned": own("2-layer", 512, two),
+        "naive": naive("2-layer", 512, two),
+        "mix0": mix("2-layer", "0-0", two),
+        "base1024": _eval_row(two, "2-layer", "base", 1024),
+        "tuned1024": own("2-layer", 1024, two),
+        "deep_rows": {"full512": own("deep-full", 512), "lora512": own("deep-lora", 512)},
+        "deep_n": deep[0]["n"],
+        "deep_table": "\n".join(table),
+        "mix_table": "\n".join(mix_table),
+        "c1_1024": own("deep-full", 1024),
+        "c2_1024": own("deep-lora", 1024),
+        "naive_loss_512": loss[512],
+        "naive_loss_1024": loss[1024],
+        "damage_layers": ", ".join(damage),
+        "all_but_damage_cost": span(
+            [round(100 * (own(p, 512)["em"] - mix(p, "all-but-3")["em"]), 1) for p in ("deep-full", "deep-lora")]
+        ),
+    }
+
+
+# ---- quality vs bytes (bench.quality) ------------------------------------------------------------
+
+
+def _artifact_meta(path: str) -> dict:
+    from shared.scd.artifact import Artifact
+
+    return Artifact.load(ROOT / path).meta
+
+
+def quality(root: Path = ROOT) -> dict:
+    rows = rows_of(root / "bench/results/quality.jsonl")
+    out: dict = {"table": quality_bench.table(rows)}
+    for pair, spec in PAIRS.items():
+        sub = [r for r in rows if r["pair"] == pair]
+        if not sub:
+            continue
+        ctxs = sorted({r["ctx"] for r in sub})
+        head = {}
+        for ctx in ctxs:
+            at = [r for r in sub if r["ctx"] == ctx]
+            oracle = next(r for r in at if r["mode"] == "oracle")
+            chosen = next((r for r in at if r.get("headline")), None)
+            by_mode = {m: [r for r in at if r["mode"] == m] for m in ("raw", "quant", "recompute", "scd")}
+            head[ctx] = {
+                "oracle": oracle,
+                "head": chosen,
+                "n": oracle.get("n"),
+                "raw": by_mode["raw"][0],
+                "baseline_f1": span([round(r["f1"]) for m in ("raw", "quant") for r in by_mode[m]]),
+                "recompute_f1": span([round(r["f1"]) for r in by_mode["recompute"]]) if by_mode["recompute"] else "-",
+            }
+        first = head[ctxs[0]]
+        meta = _artifact_meta(spec.artifact)
+        loss = next((s["loss"] for s in meta["schedules"] if first["head"] and s["schedule"] == first["head"]["schedule"]), None)
+        linear = meta.get("predictor", {}).get("patch_loss_linear") or {}
+        worst = max(linear, key=lambda k: linear[k]) if linear else None
+        out[pair] = {
+            "ctx": head,
+            "ctxs": ctxs,
+            "first": first,
+            "selected_on": (first["head"] or {}).get("selected_on"),
+            "loss": loss,
+            "max_gap": spec.max_gap,
+            "predictor_flops": span([round(100 * r["predictor_flops_ratio"]) for r in sub if r["mode"] == "scd"]) + "%",
+            "linear_worst_layer": worst,
+            "linear_worst": linear.get(worst) if worst else None,
+            "linear_others_max": max((v for k, v in linear.items() if k != worst), default=None),
+            "load": span([r["load"] for r in sub]),
+            "encode_scd": span([r["encode_cost_ratio"] for r in sub if r["mode"] == "scd"], "{:.1f}"),
+        }
+    out["n_values"] = span([r["n"] for r in rows if r.get("n")])
+    out["selected_on_test"] = sum(1 for r in rows if r.get("headline") and r.get("selected_on") == "test")
+    out["without_ci"] = sum(1 for r in rows if r.get("f1_ci95") is None)
+    out["rows"] = len(rows)
+    return out
+
+
+# ---- TTFT (bench.ttft) and the projection ---------------------------------------------------------
+
+
+def _cell(rows: list[dict], mode: str, store: str, ctx: int, bw: float | None, schedule: str | None = None) -> dict:
+    for r in rows:
+        if (r["mode"], r["store"], r["ctx_tokens"], r["bandwidth_mbit"]) == (mode, store, ctx, bw) and (
+            schedule is None or r.get("schedule") == schedule
+        ):
+            return r
+    raise KeyError(f"no ttft row {mode} {store} {ctx} {bw}")
+
+
+def _cold_vs_oracle(rows: list[dict]) -> dict:
+    """What the cold rows show against the oracle, with the spread (min-max) of the repeats."""
+    oracle = {r["ctx_tokens"]: r for r in rows if r["mode"] == "oracle"}
+    cold = [r for r in rows if r["store"] == "cold" and r["mode"] not in ("oracle", "cached")]
+    below = [r for r in cold if r["ttft_ms_median"] < oracle[r["ctx_tokens"]]["ttft_ms_median"]]
+    overlap = [r for r in below if r["ttft_ms_max"] >= oracle[r["ctx_tokens"]]["ttft_ms_min"]]
+    ratio = lambda r: r["ttft_ms_median"] / oracle[r["ctx_tokens"]]["ttft_ms_median"]
+    listed = "; ".join(
+        f"{mode_label(r['mode'], r.get('schedule') or '')} at {r['ctx_tokens']} tokens, {plot.bw_label(r['bandwidth_mbit'])}: "
+        f"{ratio(r):.2f}x (runs {r['ttft_ms_min']:.0f}-{r['ttft_ms_max']:.0f} ms vs the oracle's "
+        f"{oracle[r['ctx_tokens']]['ttft_ms_min']:.0f}-{oracle[r['ctx_tokens']]['ttft_ms_max']:.0f})"
+        for r in sorted(below, key=ratio)
+    )
+    return {
+        "rows": len(cold),
+        "below": len(below),
+        "overlap": len(overlap),
+        "list": listed,
+        "ratios": span([round(ratio(r), 2) for r in cold], "{:.2f}"),
+        "runs": span([r["runs"] for r in cold]),
+        "efficiency": span([r["efficiency"] for r in cold if r["efficiency"] is not None], "{:.3f}"),
+    }
+
+
+def ttft(root: Path = ROOT) -> dict:
+    rows = rows_of(root / "bench/results/ttft.jsonl")
+    models = {}
+    for model in dict.fromkeys(r["model"] for r in rows):
+        sub = [r for r in rows if r["model"] == model]
+        models[model] = {
+            "rows": sub,
+            "table": plot.markdown(sub).rstrip("\n"),
+            "weights": span_words(r.get("weights") for r in sub),
+            "load": span([r["load_avg_1m"] for r in sub], "{:.1f}"),
+            "above_cores": sum(bool(r["load_above_cores"]) for r in sub),
+        }
+    q = [r for r in rows if r["model"] == "qwen05b-random"]
+    oracle = {r["ctx_tokens"]: r for r in q if r["mode"] == "oracle"}
+    cells = ((2048, 100.0), (4096, 100.0), (2048, 10.0), (2048, 1000.0))
+    scd_warm = {f"{c}@{b:g}": _cell(q, "scd", "warm", c, b) for c, b in cells}  # "2048@100": 2048 tokens, 100 Mbit
+    raw_warm = {f"{c}@{b:g}": _cell(q, "raw", "warm", c, b) for c, b in cells}
+    warm_1g = [r for r in q if r["store"] == "warm" and r["bandwidth_mbit"] == 1000.0]
+    fastest_1g = min(warm_1g, key=lambda r: r["ttft_ms_median"])
+    trained = [r for r in rows if r["model"] == "qa-base->qa-tuned"]
+    scd_trained = [r for r in trained if r["mode"] == "scd" and r["store"] == "warm"]
+    effs = [r["efficiency"] for r in rows if r["efficiency"] is not None]
+    derived = [r for r in rows if r.get("derived")]
+    return {
+        "models": models,
+        "max_efficiency": max(effs),
+        "efficiency_rows": len(effs),
+        "link_100": statistics.median(r["link_mbit"] for r in q if r["bandwidth_mbit"] == 100.0 and r["link_mbit"]),
+        "derived_rows": len(derived),
+        "derived_formula": derived[0]["formula"] if derived else "",
+        "oracle": oracle,
+        "scd_warm": scd_warm,
+        "raw_warm": raw_warm,
+        "vs_oracle": {k: r["ttft_ms_median"] / oracle[r["ctx_tokens"]]["ttft_ms_median"] for k, r in scd_warm.items()},
+        "vs_raw": {k: r["ttft_ms_median"] / raw_warm[k]["ttft_ms_median"] for k, r in scd_warm.items()},
+        "bytes_fewer": statistics.median(r["raw_kv_bytes"] / r["bytes"] for r in q if r["mode"] == "scd"),
+        "cached_q": span([r["ttft_ms_median"] for r in q if r["mode"] == "cached"], "{:.0f}"),
+        "warm_1g_ratios": span([round(r["ttft_ms_median"] / oracle[2048]["ttft_ms_median"], 2) for r in warm_1g], "{:.2f}"),
+        "fastest_1g": fastest_1g,
+        "fastest_1g_label": mode_label(fastest_1g["mode"], fastest_1g.get("schedule") or ""),
+        "cold": _cold_vs_oracle(q),
+        "trained_oracle": next(r for r in trained if r["mode"] == "oracle"),
+        "trained_scd_warm": span([r["ttft_ms_median"] for r in scd_trained], "{:.0f}"),
+        "trained_scd_bpt": span([round(r["bytes"] / r["ctx_tokens"]) for r in scd_trained]),
+        "trained_raw_10": _cell(trained, "raw", "warm", 512, 10.0),
+    }
+
+
+def span_words(values) -> str:
+    return "/".join(sorted({v for v in values if v})) or "unlabelled"
+
+
+def projection_table(root: Path = ROOT) -> dict:
+    a, modes = projection.from_results(root / "bench/results/ttft.jsonl", root / "bench/results/transport.jsonl")
+    _, table = projection.project_all(a, modes, projection.CONTEXTS, projection.GBPS)
+    return {"table": table.rstrip("\n"), "ceiling_gbps": a.stream_ceiling_gbps}
+
+
+# ---- transport, pool, compose, load, contract ----------------------------------------------------
+
+
+def transport(root: Path = ROOT) -> dict:
+    rows = rows_of(root / "bench/results/transport.jsonl")
+    table = ["| chunk | gRPC MB/s | socket MB/s | ratio |", "|---|---:|---:|---:|"]
+    best = max(rows, key=lambda r: r["ratio"])
+    for r in rows:
+        size = f"{r['chunk_bytes'] // 2**20} MiB" if r["chunk_bytes"] >= 2**20 else f"{r['chunk_bytes'] // 1024} KiB"
+        ratio = f"**{r['ratio']:.3f}**" if r is best else f"{r['ratio']:.3f}"
+        table.append(f"| {size} | {r['grpc_MBps']:.0f} | {r['socket_MBps']:.0f} | {ratio} |")
+    return {
+        "table": "\n".join(table),
+        "gbps": span([round(r["grpc_MBps"] / 1000, 1) for r in rows], "{:.1f}"),
+        "max_gbit": max(r["grpc_MBps"] for r in rows) * 8 / 1000,
+        "best_ratio": best["ratio"],
+        "best_gBps": best["grpc_MBps"] / 1000,
+        "weights": span_words(r.get("weights") for r in rows),
+    }
+
+
+def _json_line(row: dict, drop: tuple[str, ...] = ()) -> str:
+    return json.dumps({k: v for k, v in row.items() if k not in drop})
+
+
+def pool(root: Path = ROOT) -> dict:
+    row = rows_of(root / "bench/results/pool.json")[0]
+    return {**row, "line": _json_line(row)}
+
+
+def compose(root: Path = ROOT) -> dict:
+    row = rows_of(root / "bench/results/compose.json")[0]
+    return {**row, "line": _json_line(row)}
+
+
+def load(root: Path = ROOT) -> dict:
+    """The load test's rows: one per limits setting (`limits`: defaults / raised) and the
+    head-of-line probe's; what the shipped defaults are comes from shared.config."""
+    from shared.config import ConsumerConfig, ProducerConfig
+
+    rows = rows_of(root / "bench/results/load.jsonl")
+    runs = [r for r in rows if "rounds" in r]
+    hol = next((r for r in rows if "hol_ttft_ratio" in r), None)
+    defaults = {"producer": ProducerConfig.max_inflight, "consumer": ConsumerConfig.max_inflight}
+    at_defaults = [
+        r
+        for r in runs
+        if (r.get("producer_max_inflight"), r.get("consumer_max_inflight")) == (defaults["producer"], defaults["consumer"])
+    ]
+    texts = [_load_run_text(r, defaults) for r in runs]
+    if not at_defaults:
+        texts.append(
+            f"No run at the shipped defaults (`--max-inflight` {defaults['producer']} on the producer, "
+            f"{defaults['consumer']} on the consumer) is committed yet: the figures above are what a deployment "
+            "with raised limits gets, not what a user of the defaults gets."
+        )
+    if hol is None:
+        hol_text = "No head-of-line row is committed."
+    elif hol.get("hol_request") == "cold":
+        hol_text = (
+            f"Head of line: a request with a context the producer has never seen (its forward needs the "
+            f"producer's compute thread) took {hol['hol_ttft_beside_slow_reader_ms']:.1f} ms to its first token "
+            f"beside a caller that stalls its own stream at ~1 KB/s, against {hol['hol_ttft_alone_ms']:.1f} ms for "
+            f"the same kind of cold request alone: **{hol['hol_ttft_ratio']:.3f}x** (median of {hol['hol_runs']} "
+            "interleaved repetitions, target < 1.2)."
+        )
+    else:
+        hol_text = (
+            f"Head of line: the committed row ({hol['hol_ttft_ratio']:.3f}x, {hol['hol_ttft_beside_slow_reader_ms']:.1f} "
+            f"vs {hol['hol_ttft_alone_ms']:.1f} ms) timed a request whose context was already in the producer's "
+            "store: it never waited for the compute thread, so it shows only that the event loop stays free "
+            "beside a stalled reader, not that the compute thread does. `bench.load_test` now times a cold "
+            "request (a new context each time) beside the stalled reader against a cold request alone; that "
+            "row has not been run yet."
+        )
+    return {
+        "runs": runs,
+        "hol": hol,
+        "defaults": defaults,
+        "at_defaults": at_defaults[0] if at_defaults else None,
+        "lines": "\n".join(_json_line(r) for r in rows),
+        "runs_text": "\n\n".join(texts),
+        "hol_text": hol_text,
+        "readme": _load_readme(runs, at_defaults[0] if at_defaults else None, hol, defaults),
+    }
+
+
+def _limits(r: dict) -> str:
+    return f"producer {r.get('producer_max_inflight', '?')} / consumer {r.get('consumer_max_inflight', '?')} calls in flight"
+
+
+def _refused(r: dict) -> str:
+    by = r.get("refused_by_status")
+    if by is None:
+        return "refusals not counted (a run before they were)"
+    return "refused: " + (", ".join(f"{n} {code}" for code, n in sorted(by.items())) or "none")
+
+
+def _load_run_text(r: dict, defaults: dict) -> str:
+    which = "**shipped defaults**" if r.get("limits") == "defaults" else "**limits raised** above the defaults"
+    admitted = r.get("admitted_p50_ms", r.get("p50_ms")), r.get("admitted_p95_ms", r.get("p95_ms"))
+    return (
+        f"At the {which} ({_limits(r)}): {r['rounds']} rounds of {r['streams']} streams, {r['requests']} requests, "
+        f"{r['ok']} answered, {r['cancelled']} cancelled or past their deadline on purpose, {_refused(r)}; "
+        f"{r['unexpected_errors']} unexpected errors, {r['wrong_answers']} wrong answers, RSS growth "
+        f"{r['rss_growth_pct']}% between round 2 and the last, {r['slots_leaked']} slots in flight after settling, "
+        f"counters {'balanced' if r['accounting_balanced'] else 'NOT balanced'} on both services; answered calls "
+        f"p50 {admitted[0]} ms, p95 {admitted[1]} ms (load {r['load_avg_1m']} on {r['cores']} cores)."
+    )
+
+
+def _load_readme(runs: list[dict], at_defaults: dict | None, hol: dict | None, defaults: dict) -> str:
+    shown = at_defaults or (runs[0] if runs else None)
+    if shown is None:
+        return "no row committed."
+    limits = (
+        "at the shipped defaults"
+        if at_defaults
+        else (
+            f"with limits raised to {_limits(shown)} (no row at the defaults {defaults['producer']} / {defaults['consumer']} yet)"
+        )
+    )
+    text = (
+        f"{shown['rounds']} rounds of {shown['streams']} concurrent Generate streams over all modes {limits}, a third "
+        f"cancelled at random, some with tiny deadlines: {_refused(shown)}, {shown['unexpected_errors']} "
+        f"unexpected errors, {shown['wrong_answers']} wrong answers, RSS {shown['rss_growth_pct']:+}%, "
+        f"{shown['slots_leaked']} slots leaked, counters {'balanced' if shown['accounting_balanced'] else 'NOT balanced'}"
+    )
+    if hol and hol.get("hol_request") == "cold":
+        text += (
+            f"; a cold request's TTFT beside a stalled ~1 KB/s reader is {hol['hol_ttft_ratio']:.3f}x the same "
+            "kind of request alone"
+        )
+    elif hol:
+        text += (
+            f"; beside a stalled ~1 KB/s reader a store-hit request's TTFT is {hol['hol_ttft_ratio']:.3f}x its "
+            "TTFT alone (the event loop stays free; the compute thread is not probed by that row)"
+        )
+    return text + "."
+
+
+def contract(root: Path = ROOT) -> dict:
+    text = (root / "tests/test_hostile_producer.py").read_text()
+    return {"hostile_cases": len(re.findall(r"^@case\(", text, re.M))}
+
+
+# ---- the cache audit (bench.audit) ---------------------------------------------------------------
+
+CONTEXT_SHIFTS = ("long_context", "fact_in_random_tokens", "random_tokens")  # sets whose context leaves the regime
+
+
+def audit(root: Path = ROOT) -> dict:
+    out = {}
+    for stem in ("audit", "audit-deep-full", "audit-deep-lora"):
+        rows = rows_of(root / f"bench/results/{stem}.jsonl")
+        sets, total = {r["set"]: r for r in rows[:-1]}, rows[-1]
+        pair = stem.replace("audit-", "").replace("audit", "heterogeneous")
+        schedule = total["schedule"]
+        if schedule == "(artifact default)":  # the artifact's lowest-loss schedule
+            schedule = min(_artifact_meta(PAIRS[pair].artifact)["schedules"], key=lambda s: s["loss"])["schedule"]
+        out[pair] = {
+            "sets": sets,
+            "total": total,
+            "table": audit_table(rows[:-1], total),
+            "schedule": schedule,
+            "scale": (total.get("cost_at_scale") or [None])[0],
+            "prefill_ms": statistics.median(r["oracle_prefill_ms"] for r in rows[:-1]),
+            "random_flagged": sum(
+                sets[s]["flagged_diverged"] + sets[s]["flagged_agreeing"] for s in ("fact_in_random_tokens", "random_tokens")
+            ),
+            "random_n": sum(sets[s]["n"] for s in ("fact_in_random_tokens", "random_tokens")),
+            "context_shift_upgrade_local": span([round(100 * sets[s]["upgrade_local_rate"]) for s in CONTEXT_SHIFTS]),
+            "shifted_bytes": statistics.median(sets[s]["upgrade_bytes_ratio"] for s in CONTEXT_SHIFTS),
+        }
+    return out
+
+
+def figures(root: Path = ROOT) -> dict:
+    """Every section's figures, keyed as the templates read them."""
+    return {
+        "eval": evaluation(root),
+        "q": quality(root),
+        "ttft": ttft(root),
+        "proj": projection_table(root),
+        "transport": transport(root),
+        "pool": pool(root),
+        "compose": compose(root),
+        "load": load(root),
+        "contract": contract(root),
+        "audit": audit(root),
+    }
