@@ -136,9 +136,12 @@ results-doc: $(PB_GEN)
 	$(PYTHON) -m bench.report
 
 # Rounds of 32 concurrent Generate streams over every mode with random cancels and tiny deadlines,
-# then the head-of-line check; JSON lines to stdout and bench/results/load.jsonl (~2 min).
+# at the services' shipped --max-inflight (refusals counted by status) with the head-of-line check
+# (a cold request beside a stalled reader), then again with the limits raised; JSON lines to stdout
+# and bench/results/load.jsonl (~5 min). LOAD_ARGS e.g. "--quick" (smoke) or "--limits defaults".
+LOAD_ARGS ?=
 load-test: $(PB_GEN)
-	$(PYTHON) -m bench.load_test
+	$(PYTHON) -m bench.load_test $(LOAD_ARGS)
 
 # 3 producers behind one consumer's ring_hash / round_robin target on loopback, a producer
 # stopped mid-run; one JSON line, also written to bench/results/pool.json (about 15 s).
