@@ -1,5 +1,5 @@
-"""`python -m bench.report` (`make results-doc`): docs/results.md and the README's generated
-blocks, from the templates in bench/templates/ and the figures bench.figures computes from the
+"""`python -m bench.report` (`make results-doc`): docs/results.md, the README's generated
+blocks and bench/results/quality.md, from the templates in bench/templates/ and the figures bench.figures computes from the
 committed rows. `--check` writes nothing and fails (exit 1, with a diff) when a committed document
 differs from what the rows give; tests/test_results_doc.py runs it in `make test`.
 
@@ -23,6 +23,7 @@ from bench.figures import ROOT, figures
 TEMPLATES = Path(__file__).parent / "templates"
 RESULTS_DOC = "docs/results.md"
 README = "README.md"
+QUALITY_TABLE = "bench/results/quality.md"
 BLOCK = re.compile(r"(<!-- generated:([a-z_]+) -->)(.*?)(<!-- /generated:\2 -->)", re.S)
 
 
@@ -49,6 +50,7 @@ def documents(root: Path = ROOT) -> dict[str, str]:
     return {
         RESULTS_DOC: render((TEMPLATES / "results.md").read_text(), values),
         README: fill_blocks((root / README).read_text(), values),
+        QUALITY_TABLE: values["q"]["table"] + "\n",  # what bench.quality writes, from the same rows
     }
 
 
