@@ -25,13 +25,14 @@ QWEN05B_CORPUS = "random ids: 12 sequences x 320 tokens (seed 0)"
 
 def weights_of(model: str) -> str:
     """`trained` for the QA checkpoints (qa-*, checkpoints/...), `random` for the builtin tiny
-    models and the *-random scale models; ValueError for anything else (say it explicitly)."""
-    name = model.rsplit("/", 1)[-1]
-    if name.startswith("qa-") or "checkpoints/" in model:
+    models and the *-random scale models, `unknown` for anything else (a hub id or a path this
+    repo did not build: the row cannot say)."""
+    name = str(model).rstrip("/").rsplit("/", 1)[-1]
+    if name.startswith("qa-") or "checkpoints/" in str(model):
         return TRAINED
     if name.startswith("tiny-") or name.endswith("-random"):
         return RANDOM
-    raise ValueError(f"weights of {model!r} unknown: label the row with weights=trained|random")
+    return "unknown"
 
 
 def artifact_fields(path: str | Path | None) -> dict:

@@ -15,7 +15,7 @@ consumer_flops_ratio = the consumer's rebuild FLOPs / its prefill FLOPs, both fr
 load = the 1-minute load average, the higher of the pair's start and the row's end).
 Also written to bench/results/quality.jsonl (`--merge` keeps the other pairs' rows there), plus a
 bytes-vs-F1 Pareto plot (quality.png) and a markdown table (quality.md). The recompute baseline
-runs at every span width the artifact profiled (its best span of each). Default n = 100.
+runs at every span width the artifact profiled (its best span of each). Default n = 200 test examples per point.
 
 Choose on validation, report on test: before the test rows, every SCD schedule and the oracle run
 on `--n-validation` examples of the validation split (seeds from VALIDATION_START on, past the
@@ -242,7 +242,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated, of: {', '.join(PAIRS)}")
-    p.add_argument("--n", type=int, default=100, help="test examples per point")
+    p.add_argument("--n", type=int, default=200, help="test examples per point")
     p.add_argument("--ctx", type=int, nargs="*", default=[], help="context lengths (default: each pair's own)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-schedules", type=int, default=8)

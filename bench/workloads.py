@@ -119,8 +119,5 @@ def workload_for(scale: str, args) -> Workload | None:
     consumer = args.consumer_model or producer
     config = json.loads((Path(resolve_path(producer)) / "config.json").read_text())
     name = producer if producer == consumer else f"{producer}->{consumer}"
-    try:
-        weights = {weights_of(producer), weights_of(consumer)}
-    except ValueError:
-        weights = {"unknown"}
-    return Workload(name, producer, consumer, dtype, config["vocab_size"], weights="/".join(sorted(weights)))
+    weights = "/".join(sorted({weights_of(producer), weights_of(consumer)}))
+    return Workload(name, producer, consumer, dtype, config["vocab_size"], weights=weights)

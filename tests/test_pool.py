@@ -20,6 +20,7 @@ async def test_pool_affinity_and_failover():
     assert result["round_robin_hit_rate"] < result["affinity_hit_rate"]
     assert result["failover_errors"] == 0 and result["failover_requests"] == 18
     assert result["ring_hash_errors"] == result["round_robin_errors"] == 0
+    assert result["weights"] == "random"  # tiny-llama: what the row ran on
 
 
 def test_service_config_selects_the_policy():
