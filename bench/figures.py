@@ -142,8 +142,10 @@ def quality(root: Path = ROOT) -> dict:
         loss = next((s["loss"] for s in meta["schedules"] if first["head"] and s["schedule"] == first["head"]["schedule"]), None)
         linear = meta.get("predictor", {}).get("patch_loss_linear") or {}
         worst = max(linear, key=lambda k: linear[k]) if linear else None
+        train = next(iter(meta.get("predictor", {}).get("layers", {}).values()), {}).get("train", {})
         out[pair] = {
             "ctx": head,
+            "steps": f"{train['mse_steps']} + {train['kl_steps']}" if train else "no learned predictor",
             "ctxs": ctxs,
             "first": first,
             "selected_on": (first["head"] or {}).get("selected_on"),
@@ -254,6 +256,8 @@ def ttft(root: Path = ROOT) -> dict:
         "models": models,
         "max_efficiency": max(effs),
         "efficiency_rows": len(effs),
+        "raw_kib_per_token": statistics.median(r["raw_kv_bytes"] / r["ctx_tokens"] / 1024 for r in q),
+        "scd_bytes_per_token": statistics.median(r["bytes"] / r["ctx_tokens"] for r in q if r["mode"] == "scd"),
         "link_100": statistics.median(r["link_mbit"] for r in q if r["bandwidth_mbit"] == 100.0 and r["link_mbit"]),
         "derived_rows": len(derived),
         "derived_formula": derived[0]["formula"] if derived else "",
@@ -446,6 +450,7 @@ def audit(root: Path = ROOT) -> dict:
         if schedule == "(artifact default)":  # the artifact's lowest-loss schedule
             schedule = min(_artifact_meta(PAIRS[pair].artifact)["schedules"], key=lambda s: s["loss"])["schedule"]
         out[pair] = {
+            "lowest_loss": min(_artifact_meta(PAIRS[pair].artifact)["schedules"], key=lambda s: s["loss"])["schedule"],
             "sets": sets,
             "total": total,
             "table": audit_table(rows[:-1], total),
