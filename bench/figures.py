@@ -162,6 +162,7 @@ def quality(root: Path = ROOT) -> dict:
     on_test = sum(1 for r in rows if r.get("headline") and r.get("selected_on") == "test")
     without_ci = sum(1 for r in rows if r.get("f1_ci95") is None)
     out["selection_note"], out["selection_limit"] = _selection_texts(on_test, without_ci, len(rows), out["n_values"])
+    out["headline_caveat"] = "The quality headlines were chosen on the test examples they are reported on. " if on_test else ""
     return out
 
 
