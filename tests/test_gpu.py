@@ -4,8 +4,9 @@
 Rule (tests/greedy.py): the whole greedy sequence from the services equals the reference's up to
 the first position where the reference's top-2 logits are within NEAR_TIE, and entirely when there
 is no such position. References: raw and oracle, the model's own float32 prefill on CPU; quant, its
-own CPU run (the context K/V through the same int8 codec on CPU); scd, the codec's encode/decode
-path on CPU with the same artifact. The services run float32 on CUDA, so their kernels differ
+own CPU run (the context K/V through the same int8 codec on CPU); scd, with a distilled artifact
+or a learned-predictor one trained on the GPU, the codec's encode/decode path on CPU with the
+artifact as saved. The services run float32 on CUDA, so their kernels differ
 from the reference's by rounding only."""
 
 import pytest
@@ -61,23 +62,30 @@ async def test_modes_on_cuda_match_a_cpu_float32_reference(mode, tmp_path):
     await serve_and_compare(mode, "cuda", tmp_path)
 
 
-async def test_predictor_artifact_trains_and_serves_on_cuda(tmp_path):
-    """A heterogeneous artifact with a learned predictor, trained on CUDA, served by both services
-    on CUDA: the whole sequence equals the in-process codec path on the same device under the rule."""
+async def train_serve_and_compare(device: str, tmp_path) -> None:
+    """A heterogeneous artifact with a learned predictor, trained on `device`, served by both
+    services on `device`: the whole sequence against the codec path in-process on CPU (float32,
+    the artifact as saved), under the rule."""
     from calibration.predictor_training import TrainConfig
+    from shared.scd.artifact import Artifact
     from tests.test_predictor import hetero_artifact
     from tests.test_scd import states_of
 
     consumer_path, directory = tmp_path / "consumer", tmp_path / "artifacts"
     directory.mkdir()
-    producer, consumer, art = hetero_artifact(consumer_path, directory, "cuda",
-                                              TrainConfig(mse_steps=20, kl_steps=4, batch=2), ["R8.P.R8.R8"])
+    hetero_artifact(consumer_path, directory, device, TrainConfig(mse_steps=20, kl_steps=4, batch=2), ["R8.P.R8.R8"])
+    producer, consumer = load_model("tiny-llama", "float32", "cpu"), load_model(str(consumer_path), "float32", "cpu")
+    art = Artifact.load(directory / "tiny-hetero.safetensors")
     tok = consumer.tokenizer
     ctx_ids, q_ids = tok(CONTEXT)["input_ids"], tok(QUESTION, add_special_tokens=False)["input_ids"]
     ref, margins = greedy_with_margins(consumer, scd_cache(producer, consumer, art, "R8.P.R8.R8", ctx_ids, states_of), q_ids, 8)
     kw = {"artifacts": str(directory)}
-    async with running_pair("tiny-llama", consumer_model=str(consumer_path), device="cuda", producer_kw=kw,
+    async with running_pair("tiny-llama", consumer_model=str(consumer_path), device=device, producer_kw=kw,
                             consumer_kw=kw) as pair:
         ids, _, _ = await pair.generate(context=prompt(CONTEXT), question=prompt(QUESTION), max_new_tokens=8,
                                         transfer=common_pb2.CodecSpec(name="scd", options={"schedule": "R8.P.R8.R8"}))
     assert_agrees(ids, ref, margins)
+
+
+async def test_predictor_artifact_trains_and_serves_on_cuda(tmp_path):
+    await train_serve_and_compare("cuda", tmp_path)

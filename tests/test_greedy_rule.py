@@ -27,3 +27,9 @@ async def test_the_gpu_comparison_holds_with_the_services_on_cpu(mode, tmp_path)
     from tests.test_gpu import serve_and_compare
 
     await serve_and_compare(mode, "cpu", tmp_path)
+
+
+async def test_the_gpu_predictor_comparison_holds_with_the_services_on_cpu(tmp_path):
+    from tests.test_gpu import train_serve_and_compare
+
+    await train_serve_and_compare("cpu", tmp_path)
