@@ -197,10 +197,12 @@ def _cold_vs_oracle(rows: list[dict]) -> dict:
         f"{oracle[r['ctx_tokens']]['ttft_ms_min']:.0f}-{oracle[r['ctx_tokens']]['ttft_ms_max']:.0f})"
         for r in sorted(below, key=ratio)
     )
+    apart = len(below) - len(overlap)
     return {
         "rows": len(cold),
         "below": len(below),
         "overlap": len(overlap),
+        "faster_every_run": f"{apart} is" if apart == 1 else f"{apart} are",
         "list": listed,
         "ratios": span([round(ratio(r), 2) for r in cold], "{:.2f}"),
         "runs": span([r["runs"] for r in cold]),
