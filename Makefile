@@ -128,7 +128,7 @@ TTFT_GRID_05B := --model-scale qwen05b --artifacts .cache/artifacts --contexts 5
 	--bandwidths 10 100 1000 --stores cold warm --warmup 1 --runs 5 \
 	--modes oracle raw quant:bits=8 quant:bits=4 scd
 
-.PHONY: bench-transport gpu-check pool-test load-test bench-throughput
+.PHONY: bench-transport gpu-check pool-test load-test bench-throughput results-doc
 
 # The consumer's batch engine vs --max-batch 1, same run, interleaved: QA pair and the
 # 0.5B-shaped model, modes oracle/raw/scd, concurrency 1-64 -> bench/results/throughput.{jsonl,png}.
@@ -137,10 +137,18 @@ THROUGHPUT_ARGS ?=
 bench-throughput: $(PB_GEN)
 	$(PYTHON) -m bench.throughput $(THROUGHPUT_ARGS)
 
+# docs/results.md and the README's generated blocks from the committed rows (bench/templates/,
+# bench/figures.py); tests/test_results_doc.py fails when they differ from what this writes.
+results-doc: $(PB_GEN)
+	$(PYTHON) -m bench.report
+
 # Rounds of 32 concurrent Generate streams over every mode with random cancels and tiny deadlines,
-# then the head-of-line check; JSON lines to stdout and bench/results/load.jsonl (~2 min).
+# at the services' shipped --max-inflight (refusals counted by status) with the head-of-line check
+# (a cold request beside a stalled reader), then again with the limits raised; JSON lines to stdout
+# and bench/results/load.jsonl (~5 min). LOAD_ARGS e.g. "--quick" (smoke) or "--limits defaults".
+LOAD_ARGS ?=
 load-test: $(PB_GEN)
-	$(PYTHON) -m bench.load_test
+	$(PYTHON) -m bench.load_test $(LOAD_ARGS)
 
 # 3 producers behind one consumer's ring_hash / round_robin target on loopback, a producer
 # stopped mid-run; one JSON line, also written to bench/results/pool.json (about 15 s).

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import grpc
 
-from bench import flops, pairs, services
+from bench import flops, pairs, provenance, services
 from bench.pairs import PAIRS
 from consumer.client import ConsumerClient
 from qa.metrics import exact_match, f1_score
@@ -228,6 +228,7 @@ def cost_at_scale(
                 "max_error": round(report.max_error, 5),
                 "threads": threads,
                 "load": round(os.getloadavg()[0], 2),
+                "weights": provenance.weights_of(model_name),
             }
         )
     return rows
@@ -424,6 +425,9 @@ def main(argv: list[str] | None = None) -> None:
     config = json.loads((ROOT / pair.consumer / "config.json").read_text())
     total = summary(rows, records, entry.schedule if entry else "(artifact default)", args.audit_positions, config)
     total.update(pair=args.pair, producer=pair.producer.split("/")[-1], consumer=pair.consumer.split("/")[-1])
+    ran_on = {"weights": provenance.TRAINED, **provenance.artifact_fields(pair.artifact)}
+    rows = [{**r, **ran_on} for r in rows]
+    total.update(ran_on)
     if args.scale_tokens:  # after the services stopped: the timing has the machine to itself
         total["cost_at_scale"] = cost_at_scale(args.scale_tokens, args.audit_positions)
     print(json.dumps(total), flush=True)

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import services
+from bench import provenance, services
 from bench.workloads import note
 
 RESULTS = services.ROOT / "bench" / "results"
@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     failed = []
     with open(args.out, "w") as out:
         def emit(row: dict) -> None:
+            row = {**row, "weights": row.get("weights") or provenance.weights_of(row.get("model", ""))}
             line = json.dumps(row)
             print(line, flush=True)
             out.write(line + "\n")

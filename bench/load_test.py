@@ -1,20 +1,30 @@
-"""`python -m bench.load_test` (`make load-test`): the pair as real processes under abuse.
+"""`python -m bench.load_test` (`make load-test`): the pair as real processes under abuse, first at
+the services' shipped limits, then (labelled) with the limits raised.
 
 1. Reference answers: every (mode, context) request run alone, greedy.
 2. Rounds of concurrent Generate streams over every transfer mode (oracle, raw, quant int8/int4,
    recompute, scd with a homogeneous artifact calibrated here), about a third cancelled by the
    client at a random moment, some with tiny deadlines. A wrong answer is an OK status whose
-   tokens differ from the same request run alone; an unexpected error is any status other than
-   the client's own cancel or a tiny deadline passing.
+   tokens differ from the same request run alone. A refused call is one turned away at a limit:
+   RESOURCE_EXHAUSTED (the consumer's --max-inflight) or UNAVAILABLE "producer overloaded" (the
+   producer's, passed on by the consumer after gRPC's retries); they are counted by status. An
+   unexpected error is any other status than those and the client's own cancel or tiny deadline.
 3. Settle, then read both services' Describe counters: slots in flight must be 0 and
    started == completed + cancelled + failed on both. RSS of both processes is read from /proc
    after round 2 and after the last round.
-4. Head-of-line check: TTFT of a normal request alone, then while another caller reads its own
-   large Prefill stream at ~1 KB/s; prints the ratio (target < 1.2).
+4. Head-of-line check (at the shipped limits): the TTFT of a request that needs the producer's
+   compute thread (raw, a context the producer has never seen) while another caller reads its own
+   large Prefill stream at ~1 KB/s, interleaved with the same kind of cold request alone; prints
+   the ratio (target < 1.2).
 
-Prints one JSON line per phase; the first is
-{"streams", "rounds", "requests", "unexpected_errors", "wrong_answers", "rss_growth_pct",
- "slots_leaked", "accounting_balanced", "p50_ms", "p95_ms", ...}.
+`--limits defaults` runs the services with no --max-inflight flag (shared/config.py: producer 8,
+consumer 16), `raised` with --max-inflight RAISED on both; `both` (the default) runs the two in
+turn. One JSON line per run and one for the head-of-line check, each with `limits`,
+`producer_max_inflight`, `consumer_max_inflight` and `weights`; the run lines are
+{"streams", "rounds", "requests", "ok", "cancelled", "refused", "refused_by_status",
+ "unexpected_errors", "wrong_answers", "rss_growth_pct", "slots_leaked", "accounting_balanced",
+ "admitted_p50_ms", "admitted_p95_ms" (end-to-end latency of the calls answered OK), ...}.
+`--quick` is a smoke run (8 streams, 2 rounds, 2 head-of-line repetitions).
 """
 
 from __future__ import annotations
@@ -32,7 +42,8 @@ from pathlib import Path
 
 import grpc
 
-from bench import services
+from bench import provenance, services
+from shared.config import ConsumerConfig, ProducerConfig
 from shared.pb import common_pb2, consumer_pb2, consumer_pb2_grpc, producer_pb2, producer_pb2_grpc
 
 MODES = [("oracle", {}), ("raw", {}), ("quant", {"bits": "8"}), ("quant", {"bits": "4"}), ("recompute", {}), ("scd", {})]
@@ -43,6 +54,16 @@ CONTEXTS = [
 ]
 QUESTION = " Which layers are patched?"
 EXPECTED_WHEN_CANCELLED = {grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
+DEFAULT_LIMITS = {"producer": ProducerConfig.max_inflight, "consumer": ConsumerConfig.max_inflight}
+
+
+def refusal(err: grpc.aio.AioRpcError) -> str | None:
+    """The status under which a call was turned away at a limit, or None for any other error."""
+    if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return "RESOURCE_EXHAUSTED"
+    if err.code() == grpc.StatusCode.UNAVAILABLE and "overloaded" in (err.details() or ""):
+        return "UNAVAILABLE (producer overloaded)"
+    return None
 
 
 def rss_kib(pid: int) -> int:
@@ -106,6 +127,8 @@ async def one(stub, rng: random.Random, refs: dict, args, tally: dict) -> None:
     except grpc.aio.AioRpcError as err:
         if err.code() in EXPECTED_WHEN_CANCELLED and (cancel_at is not None or timeout < 1):
             tally["cancelled"] += 1
+        elif refused := refusal(err):
+            tally["refused"][refused] = tally["refused"].get(refused, 0) + 1
         else:
             tally["unexpected_errors"] += 1
             print(f"# unexpected {err.code().name}: {err.details()[:200]}", file=sys.stderr)
@@ -132,74 +155,106 @@ async def slow_reader(address: str, ids: list[int], stop: asyncio.Event) -> None
         call.cancel()
 
 
-async def main_async(args) -> None:
+def percentile(values: list[float], q: float) -> float | None:
+    ordered = sorted(values)
+    return round(ordered[int(q * (len(ordered) - 1))], 1) if ordered else None
+
+
+async def storm(stub, pstub, producer, consumer, args, refs: dict) -> dict:
+    """The rounds of concurrent streams, then the counters and RSS: one run's row."""
+    rng = random.Random(args.seed)
+    tally: dict = {"ok": 0, "cancelled": 0, "refused": {}, "unexpected_errors": 0, "wrong_answers": 0, "latency_ms": []}
+    rss_round2 = None
+    for r in range(args.rounds):
+        await asyncio.gather(*(one(stub, rng, refs, args, tally) for _ in range(args.streams)))
+        await settle(stub, pstub)
+        if r == 1:
+            rss_round2 = rss_kib(producer.process.pid) + rss_kib(consumer.process.pid)
+        print(f"# round {r + 1}/{args.rounds}: {tally['ok']} ok, {tally['cancelled']} cancelled, "
+              f"{sum(tally['refused'].values())} refused, {tally['unexpected_errors']} unexpected", file=sys.stderr)
+    c, p, balanced = await settle(stub, pstub)
+    rss_last = rss_kib(producer.process.pid) + rss_kib(consumer.process.pid)
+    lat = tally["latency_ms"]
+    return {
+        "streams": args.streams, "rounds": args.rounds, "requests": args.streams * args.rounds,
+        "ok": tally["ok"], "cancelled": tally["cancelled"], "refused": sum(tally["refused"].values()),
+        "refused_by_status": dict(sorted(tally["refused"].items())),
+        "unexpected_errors": tally["unexpected_errors"], "wrong_answers": tally["wrong_answers"],
+        "rss_growth_pct": round(100 * (rss_last - rss_round2) / rss_round2, 2) if rss_round2 else None,
+        "slots_leaked": c.inflight + p.inflight, "accounting_balanced": balanced,
+        "admitted_p50_ms": percentile(lat, 0.5), "admitted_p95_ms": percentile(lat, 0.95),
+        "consumer": {"started": c.generates_started, "completed": c.generates_completed,
+                     "cancelled": c.generates_cancelled, "failed": c.generates_failed},
+        "producer": {"started": p.prefills_started, "completed": p.prefills_completed,
+                     "cancelled": p.prefills_cancelled, "failed": p.prefills_failed},
+        "load_avg_1m": round(os.getloadavg()[0], 2), "cores": os.cpu_count(),
+    }
+
+
+def cold_context(i: int, which: str) -> str:
+    """A context of CONTEXTS[2]'s length that no earlier request used: a producer store miss."""
+    return f"{CONTEXTS[2]} Probe {which} {i}."
+
+
+async def head_of_line(stub, pstub, producer_address: str, args) -> dict:
+    """A cold raw request beside a ~1 KB/s reader of a large stream, then a cold request alone,
+    interleaved so drift hits both; each repetition opens a new slow stream of a new context
+    (its forward runs while the reader stalls) and asks for new contexts."""
+    await answer(stub, request("raw", {}, cold_context(-1, "warm-up"), 2), 60)
+    alone, beside = [], []
+    for i in range(args.hol_runs):
+        stop = asyncio.Event()
+        ids = [5 + (j * (i + 3)) % 370 for j in range(6000)]
+        reader = asyncio.ensure_future(slow_reader(producer_address, ids, stop))
+        await asyncio.sleep(1.5)  # its forward is done, its stream stalled on the reader
+        beside.append((await answer(stub, request("raw", {}, cold_context(i, "beside"), 2), 60))[1])
+        stop.set()
+        await reader
+        await settle(stub, pstub)  # the slow stream's cancel has reached both services: nothing in flight
+        alone.append((await answer(stub, request("raw", {}, cold_context(i, "alone"), 2), 60))[1])
+    return {"hol_ttft_alone_ms": round(statistics.median(alone), 1),
+            "hol_ttft_beside_slow_reader_ms": round(statistics.median(beside), 1),
+            "hol_ttft_ratio": round(statistics.median(beside) / statistics.median(alone), 3), "hol_runs": args.hol_runs,
+            "hol_request": "cold", "load_avg_1m": round(os.getloadavg()[0], 2), "cores": os.cpu_count()}
+
+
+async def run_at(limits: str, args, artifacts: str, log_dir: Path) -> list[dict]:
+    """One run of the storm (and, at the shipped defaults, the head-of-line check) at `limits`."""
+    inflight = DEFAULT_LIMITS if limits == "defaults" else {"producer": args.raised, "consumer": args.raised}
+    flags = [] if limits == "defaults" else ["--max-inflight", str(args.raised)]
+    common = ["--model", "tiny-llama", "--device", "cpu", "--artifacts", artifacts]
+    labels = {"limits": limits, "producer_max_inflight": inflight["producer"], "consumer_max_inflight": inflight["consumer"],
+              "weights": provenance.weights_of("tiny-llama")}
+    lines = []
+    with services.running([*common, *flags, "--max-chunk-bytes", "1024"], [*common, *flags], log_dir / limits) as (
+            producer, consumer):
+        async with grpc.aio.insecure_channel(consumer.address) as cch, grpc.aio.insecure_channel(producer.address) as pch:
+            stub = consumer_pb2_grpc.ConsumerServiceStub(cch)
+            pstub = producer_pb2_grpc.ProducerServiceStub(pch)
+            refs = {}
+            for m, (mode, options) in enumerate(MODES):
+                for c, context in enumerate(CONTEXTS):
+                    refs[(m, c)], _ = await answer(stub, request(mode, options, context, args.max_new_tokens), 120)
+            lines.append({**await storm(stub, pstub, producer, consumer, args, refs), **labels})
+            print(json.dumps(lines[-1]), flush=True)
+            if limits == "defaults" and args.hol_runs:
+                lines.append({**await head_of_line(stub, pstub, producer.address, args), **labels})
+                print(json.dumps(lines[-1]), flush=True)
+    return lines
+
+
+async def main_async(args) -> list[dict]:
+    lines = []
     with tempfile.TemporaryDirectory() as tmp:
         build_artifact(Path(tmp))
-        common = ["--model", "tiny-llama", "--device", "cpu", "--artifacts", tmp]
-        with services.running([*common, "--max-inflight", "64", "--max-chunk-bytes", "1024"],
-                              [*common, "--max-inflight", "64"], Path(tmp) / "logs") as (producer, consumer):
-            async with grpc.aio.insecure_channel(consumer.address) as cch, grpc.aio.insecure_channel(producer.address) as pch:
-                stub = consumer_pb2_grpc.ConsumerServiceStub(cch)
-                pstub = producer_pb2_grpc.ProducerServiceStub(pch)
-                refs = {}
-                for m, (mode, options) in enumerate(MODES):
-                    for c, context in enumerate(CONTEXTS):
-                        refs[(m, c)], _ = await answer(stub, request(mode, options, context, args.max_new_tokens), 120)
-                rng = random.Random(args.seed)
-                tally = {"ok": 0, "cancelled": 0, "unexpected_errors": 0, "wrong_answers": 0, "latency_ms": []}
-                rss_round2 = None
-                for r in range(args.rounds):
-                    await asyncio.gather(*(one(stub, rng, refs, args, tally) for _ in range(args.streams)))
-                    await settle(stub, pstub)
-                    if r == 1:
-                        rss_round2 = rss_kib(producer.process.pid) + rss_kib(consumer.process.pid)
-                    print(f"# round {r + 1}/{args.rounds}: {tally['ok']} ok, {tally['cancelled']} cancelled, "
-                          f"{tally['unexpected_errors']} unexpected", file=sys.stderr)
-                c, p, balanced = await settle(stub, pstub)
-                rss_last = rss_kib(producer.process.pid) + rss_kib(consumer.process.pid)
-                lat = sorted(tally["latency_ms"])
-                lines = [{
-                    "streams": args.streams, "rounds": args.rounds, "requests": args.streams * args.rounds,
-                    "ok": tally["ok"], "cancelled": tally["cancelled"],
-                    "unexpected_errors": tally["unexpected_errors"], "wrong_answers": tally["wrong_answers"],
-                    "rss_growth_pct": round(100 * (rss_last - rss_round2) / rss_round2, 2) if rss_round2 else None,
-                    "slots_leaked": c.inflight + p.inflight, "accounting_balanced": balanced,
-                    "p50_ms": round(statistics.median(lat), 1) if lat else None,
-                    "p95_ms": round(lat[int(0.95 * (len(lat) - 1))], 1) if lat else None,
-                    "consumer": {"started": c.generates_started, "completed": c.generates_completed,
-                                 "cancelled": c.generates_cancelled, "failed": c.generates_failed},
-                    "producer": {"started": p.prefills_started, "completed": p.prefills_completed,
-                                 "cancelled": p.prefills_cancelled, "failed": p.prefills_failed},
-                    "load_avg_1m": round(os.getloadavg()[0], 2), "cores": os.cpu_count(),
-                }]
-                print(json.dumps(lines[0]), flush=True)
-                # head-of-line: a normal raw request beside a ~1 KB/s reader of a large stream, then
-                # alone, interleaved so drift hits both; each repetition opens a new slow stream
-                # of a new context (cold: its forward runs while the reader stalls)
-                normal = request("raw", {}, CONTEXTS[2], 2)
-                await answer(stub, normal, 60)  # warm-up
-                alone, beside = [], []
-                for i in range(args.hol_runs):
-                    stop = asyncio.Event()
-                    ids = [5 + (j * (i + 3)) % 370 for j in range(6000)]
-                    reader = asyncio.ensure_future(slow_reader(producer.address, ids, stop))
-                    await asyncio.sleep(1.5)  # its forward is done, its stream stalled on the reader
-                    beside.append((await answer(stub, normal, 60))[1])
-                    stop.set()
-                    await reader
-                    await asyncio.sleep(0.3)
-                    alone.append((await answer(stub, normal, 60))[1])
-                ratio = statistics.median(beside) / statistics.median(alone)
-                lines.append({"hol_ttft_alone_ms": round(statistics.median(alone), 1),
-                              "hol_ttft_beside_slow_reader_ms": round(statistics.median(beside), 1),
-                              "hol_ttft_ratio": round(ratio, 3), "hol_runs": args.hol_runs,
-                              "load_avg_1m": round(os.getloadavg()[0], 2), "cores": os.cpu_count()})
-                print(json.dumps(lines[-1]), flush=True)
+        for limits in ("defaults", "raised") if args.limits == "both" else (args.limits,):
+            lines += await run_at(limits, args, tmp, Path(tmp) / "logs")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return lines
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m bench.load_test", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, default=32)
@@ -207,8 +262,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--hol-runs", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limits", choices=["defaults", "raised", "both"], default="both",
+                   help=f"defaults: the shipped --max-inflight ({DEFAULT_LIMITS}); raised: --raised on both")
+    p.add_argument("--raised", type=int, default=64, help="--max-inflight of both services in the raised run")
+    p.add_argument("--quick", action="store_true", help="smoke run: 8 streams, 2 rounds, 2 head-of-line repetitions")
     p.add_argument("--out", type=Path, default=services.ROOT / "bench/results/load.jsonl")
-    asyncio.run(main_async(p.parse_args(argv)))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.streams, args.rounds, args.hol_runs, args.max_new_tokens = 8, 2, 2, 4
+    return asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ class Pair:
     artifact: str
     ctxs: tuple[int, ...]
     headline: str = ""  # the schedule bench.audit checks by default ("" = the artifact's default)
+    max_gap: float = 2.0  # F1 points: the quality target (heterogeneous 2, homogeneous 1) a headline schedule meets
 
 
 def _checkpoints(name: str) -> tuple[str, str]:
@@ -26,10 +27,19 @@ def _checkpoints(name: str) -> tuple[str, str]:
 
 PAIRS = {
     "heterogeneous": Pair(*_checkpoints("2-layer"), "artifacts/qa-base-to-tuned.safetensors", (512,), "R2.R64"),
-    "homogeneous": Pair("checkpoints/qa-tuned", "checkpoints/qa-tuned", "artifacts/qa-tuned-to-tuned.safetensors", (512,)),
+    "homogeneous": Pair(
+        "checkpoints/qa-tuned", "checkpoints/qa-tuned", "artifacts/qa-tuned-to-tuned.safetensors", (512,), max_gap=1.0
+    ),
     "deep-full": Pair(*_checkpoints("deep-full"), "artifacts/qa-deep-base-to-tuned.safetensors", (512, 1024)),
     "deep-lora": Pair(*_checkpoints("deep-lora"), "artifacts/qa-deep-base-to-lora.safetensors", (512, 1024)),
 }
+
+
+def pick_headline(rows: list[dict], max_gap: float) -> str | None:
+    """The schedule of the cheapest SCD row (bytes/token) whose F1 gap to the oracle is at most
+    `max_gap` points; None when none is. Rows of one pair at one context length."""
+    fit = [r for r in rows if r["mode"] == "scd" and r["f1_gap_vs_oracle"] <= max_gap]
+    return min(fit, key=lambda r: r["bytes_per_token"])["schedule"] if fit else None
 
 
 async def ask(client, context: str, question: str, end_id: int, mode: str, options: dict, **fields):

@@ -3,7 +3,8 @@
 Owns presentation only: a PNG of TTFT vs link bandwidth (one panel per model x context, one
 line per mode, oracle dashed; unshaped points sit at the measured link throughput) and a
 markdown table of TTFT ms and the ratio to oracle per mode x store x bandwidth x context (every
-row labelled cold or warm; the oracle and the cached-consumer reference as rows without a link;
+row labelled cold or warm; the oracle and the cached-consumer reference as rows without a link, the
+latter labelled derived when its row says so;
 `*` marks a cell measured with the load average above the core count), followed by where each
 mode wins and the lowest measured bandwidth at which it beats oracle. Reads rows as bench.ttft
 writes them; measures nothing.
@@ -71,7 +72,9 @@ def markdown(rows: list[dict]) -> str:
             out.append(f"| {label(oracle)} (no link) | " + " | ".join(f"{_ms(oracle)} (1.00)" for _ in bws) + " |")
         if cached:
             ratio = f" ({cached['ttft_ms_median'] / oracle['ttft_ms_median']:.2f})" if oracle else ""
-            out.append(f"| {label(cached)} (context cached in the consumer: question prefill only) | "
+            what = "derived, not measured: the oracle's TTFT minus its context prefill" if cached.get("derived") \
+                else "context cached in the consumer: question prefill only"
+            out.append(f"| {label(cached)} ({what}) | "
                        + " | ".join(f"{_ms(cached)}{ratio}" for _ in bws) + " |")
         by_label: dict[str, dict] = defaultdict(dict)
         for r in linked:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import grpc
 
+from bench.provenance import weights_of
 from consumer.client import ConsumerClient, prompt
 from consumer.server import ConsumerServer
 from producer.server import ProducerServer
@@ -134,6 +135,7 @@ async def pool_test(args) -> dict:
         "repeats": args.repeats,
         "model": args.model,
         "seconds": round(time.perf_counter() - started, 1),
+        "weights": weights_of(args.model),
     }
 
 

@@ -38,6 +38,8 @@ from pathlib import Path
 from shared.labels import mode_label
 
 RESULTS = Path(__file__).parent / "results" / "ttft.jsonl"
+CONTEXTS = [4096, 32768]
+GBPS = [10.0, 25.0, 50.0, 100.0, 200.0, 400.0]
 TRANSPORT = Path(__file__).parent / "results" / "transport.jsonl"
 
 
@@ -122,47 +124,62 @@ def _pairs(items: list[str]) -> dict[str, float]:
     return out
 
 
+def project_all(a: Assumptions, modes: dict[str, tuple[float, float]], contexts: list[int],
+                gbps: list[float]) -> tuple[list[dict], str]:
+    """(JSON rows, markdown table) of every mode x context x bandwidth, warm and cold."""
+    lines = [{"projection": True, "assumptions": {**asdict(a), "kv_bytes_per_token": a.kv_bytes_per_token},
+              "modes": {n: {"bytes_ratio": round(r, 4), "rebuild_frac": round(c, 4)} for n, (r, c) in modes.items()}}]
+    table = [f"**PROJECTION, not measured: {a.model} on {a.gpu}** (TTFT ms, ratio to oracle; warm store / cold store; "
+             f"wire capped at the measured gRPC stream ceiling {a.stream_ceiling_gbps:.1f} Gbit/s)\n"]
+    for ctx in contexts:
+        oracle = prefill_ms(a, ctx + a.question_tokens)
+        lines.append({"projection": True, "ctx_tokens": ctx, "mode": "oracle", "ttft_ms": round(oracle, 2)})
+        table += [f"{ctx} tokens, oracle {oracle:.1f} ms\n", "| mode | " + " | ".join(f"{g:g} Gbps" for g in gbps)
+                  + " | beats oracle from |", "|---" * (len(gbps) + 2) + "|"]
+        for name, (ratio, frac) in sorted(modes.items()):
+            cells = []
+            for g in gbps:
+                warm, cold = (project(a, ctx, ratio, frac, g, s) for s in ("warm", "cold"))
+                for store, ms in (("warm", warm), ("cold", cold)):
+                    lines.append({"projection": True, "model": a.model, "gpu": a.gpu, "bandwidth_gbps": g,
+                                  "ctx_tokens": ctx, "mode": name, "store": store, "ttft_ms": round(ms, 2),
+                                  "ratio_to_oracle": round(ms / oracle, 3),
+                                  "bytes_per_token": round(ratio * a.kv_bytes_per_token, 1)})
+                cells.append(f"{warm:.1f} ({warm / oracle:.2f}) / {cold:.1f}")
+            cross = crossover_gbps(a, ctx, ratio, frac)
+            table.append(f"| {name} | " + " | ".join(cells) + f" | {f'{cross:.1f} Gbps' if cross else 'never'} |")
+        table.append("")
+    return lines, "\n".join(table)
+
+
+def from_results(results: Path = RESULTS, transport: Path | None = None, model: str | None = None,
+                 mfu: float = Assumptions.mfu) -> tuple[Assumptions, dict[str, tuple[float, float]]]:
+    """The assumptions (stream ceiling from `transport`) and each mode's measured (r_m, c_m)."""
+    a = Assumptions(mfu=mfu, stream_ceiling_gbps=stream_ceiling_gbps(transport or TRANSPORT))
+    rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()] if results.exists() else []
+    return a, {"raw": (1.0, 0.0), **measured_modes(rows, model)}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.projection", description=__doc__.split("\n\n")[0])
     p.add_argument("--results", type=Path, default=RESULTS, help="bench.ttft rows to take r_m and c_m from")
     p.add_argument("--from-model", help="which model's rows (default: qwen05b-random if present)")
     p.add_argument("--ratio", nargs="*", default=[], help="MODE=R bytes ratio to raw KV, e.g. 'quant(bits=4)=0.28'")
     p.add_argument("--rebuild-frac", nargs="*", default=[], help="MODE=C consumer rebuild compute / full prefill")
-    p.add_argument("--contexts", nargs="+", type=int, default=[4096, 32768])
-    p.add_argument("--gbps", nargs="+", type=float, default=[10, 25, 50, 100, 200, 400])
+    p.add_argument("--contexts", nargs="+", type=int, default=CONTEXTS)
+    p.add_argument("--gbps", nargs="+", type=float, default=GBPS)
     p.add_argument("--mfu", type=float, default=Assumptions.mfu)
     p.add_argument("--transport", type=Path, default=TRANSPORT, help="bench.transport rows: the stream ceiling S")
     args = p.parse_args(argv)
-    a = Assumptions(mfu=args.mfu, stream_ceiling_gbps=stream_ceiling_gbps(args.transport))
-    rows = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()] if args.results.exists() else []
-    modes = {"raw": (1.0, 0.0), **measured_modes(rows, args.from_model)}
+    a, modes = from_results(args.results, args.transport, args.from_model, args.mfu)
     for name, r in _pairs(args.ratio).items():
         modes[name] = (r, modes.get(name, (1.0, 0.0))[1])
     for name, c in _pairs(args.rebuild_frac).items():
         modes[name] = (modes.get(name, (1.0, 0.0))[0], c)
-    print(json.dumps({"projection": True, "assumptions": {**asdict(a), "kv_bytes_per_token": a.kv_bytes_per_token},
-                      "modes": {n: {"bytes_ratio": round(r, 4), "rebuild_frac": round(c, 4)} for n, (r, c) in modes.items()}}))
-    table = [f"**PROJECTION, not measured: {a.model} on {a.gpu}** (TTFT ms, ratio to oracle; warm store / cold store; "
-             f"wire capped at the measured gRPC stream ceiling {a.stream_ceiling_gbps:.1f} Gbit/s)\n"]
-    for ctx in args.contexts:
-        oracle = prefill_ms(a, ctx + a.question_tokens)
-        print(json.dumps({"projection": True, "ctx_tokens": ctx, "mode": "oracle", "ttft_ms": round(oracle, 2)}))
-        table += [f"{ctx} tokens, oracle {oracle:.1f} ms\n", "| mode | " + " | ".join(f"{g:g} Gbps" for g in args.gbps)
-                  + " | beats oracle from |", "|---" * (len(args.gbps) + 2) + "|"]
-        for name, (ratio, frac) in sorted(modes.items()):
-            cells = []
-            for g in args.gbps:
-                warm, cold = (project(a, ctx, ratio, frac, g, s) for s in ("warm", "cold"))
-                for store, ms in (("warm", warm), ("cold", cold)):
-                    print(json.dumps({"projection": True, "model": a.model, "gpu": a.gpu, "bandwidth_gbps": g,
-                                      "ctx_tokens": ctx, "mode": name, "store": store, "ttft_ms": round(ms, 2),
-                                      "ratio_to_oracle": round(ms / oracle, 3),
-                                      "bytes_per_token": round(ratio * a.kv_bytes_per_token, 1)}))
-                cells.append(f"{warm:.1f} ({warm / oracle:.2f}) / {cold:.1f}")
-            cross = crossover_gbps(a, ctx, ratio, frac)
-            table.append(f"| {name} | " + " | ".join(cells) + f" | {f'{cross:.1f} Gbps' if cross else 'never'} |")
-        table.append("")
-    print("\n".join(table))
+    lines, table = project_all(a, modes, args.contexts, args.gbps)
+    for line in lines:
+        print(json.dumps(line))
+    print(table)
 
 
 if __name__ == "__main__":

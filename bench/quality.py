@@ -15,7 +15,18 @@ consumer_flops_ratio = the consumer's rebuild FLOPs / its prefill FLOPs, both fr
 load = the 1-minute load average, the higher of the pair's start and the row's end).
 Also written to bench/results/quality.jsonl (`--merge` keeps the other pairs' rows there), plus a
 bytes-vs-F1 Pareto plot (quality.png) and a markdown table (quality.md). The recompute baseline
-runs at every span width the artifact profiled (its best span of each). Default n = 100.
+runs at every span width the artifact profiled (its best span of each). Default n = 200 test examples per point.
+
+Choose on validation, report on test: before the test rows, every SCD schedule and the oracle run
+on `--n-validation` examples of the validation split (seeds from VALIDATION_START on, past the
+few that calibration holds out) at the pair's first context length; the headline schedule is the
+cheapest one whose validation F1 gap to the oracle is within the pair's target (`pick_headline`,
+Pair.max_gap). Its test rows carry `headline: true`; every row carries `split`, `n`,
+`selected_on` (the split the headline was chosen on: "validation"; "calibration" for the
+recompute spans, which the artifact's profile chose; null for fixed baselines), `f1_ci95` and
+`f1_gap_ci95` (95% percentile bootstrap of the mean F1 and of the paired per-example gap to the
+oracle, qa.metrics.bootstrap_ci), `weights` and the artifact with its calibration corpus.
+The validation rows go to quality_validation.jsonl.
 """
 
 from __future__ import annotations
@@ -28,11 +39,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench import flops, pairs, services
-from bench.pairs import PAIRS
+from bench import flops, pairs, provenance, services
+from bench.pairs import PAIRS, pick_headline
 from calibration.search import evenly_spaced
 from consumer.client import ConsumerClient
-from qa.metrics import exact_match, f1_score
+from qa.metrics import bootstrap_ci, exact_match, f1_score
 from qa.task import examples
 from shared.codecs.recompute import span as recompute_span
 from shared.labels import options_label
@@ -40,6 +51,11 @@ from shared.scd.artifact import Artifact
 
 ROOT = services.ROOT
 RESULTS = ROOT / "bench/results"
+VALIDATION_START = 10_000  # validation seeds from here: calibration holds out the first few
+
+
+def _ci(values: list[float]) -> list[float]:
+    return [round(100 * v, 2) for v in bootstrap_ci(values)]
 
 
 def modes_for(artifact: Artifact, max_schedules: int) -> list[tuple[str, dict]]:
@@ -87,12 +103,18 @@ async def run_pair(
     end_id: int,
     element_bytes: int,
     config: dict,
+    split: str = "test",
+    only: tuple[str, ...] = (),
 ) -> list[dict]:
-    rows, oracle_f1, oracle_ids, oracle_ms = [], None, [], 0.0
+    """One row per mode/schedule over n examples of `split` (`only`: these modes; the oracle runs
+    first in any case, the reference of the gap and of `identical_to_oracle`)."""
+    rows, oracle_f1, oracle_ids, oracle_ms, oracle_f1s = [], None, [], 0.0, []
     load = os.getloadavg()[0]
-    data = list(examples("test", n, ctx, "tuned"))
+    data = list(examples(split, n, ctx, "tuned", start=VALIDATION_START if split == "validation" else 0))
     async with ConsumerClient(address) as client:
         for mode, options in modes_for(artifact, max_schedules):
+            if only and mode not in only and mode != "oracle":
+                continue
             f1s, ems, sent, tokens, raw_bf16, label, same, encode_ms, prefill_ms = [], [], 0, 0, 0, "", 0, [], []
             resolved: dict = {}
             for i, ex in enumerate(data):
@@ -113,6 +135,7 @@ async def run_pair(
                 same += answer.ids == oracle_ids[i]  # greedy tokens equal to the consumer's own prefill
             f1, em = 100 * statistics.fmean(f1s), 100 * statistics.fmean(ems)
             oracle_f1 = f1 if mode == "oracle" else oracle_f1
+            oracle_f1s = f1s if mode == "oracle" else oracle_f1s
             oracle_ms = statistics.median(prefill_ms) if mode == "oracle" else oracle_ms
             encode = statistics.median(encode_ms)
             costs = compute_costs(mode, resolved, artifact, config, tokens / len(data))
@@ -134,9 +157,26 @@ async def run_pair(
                 "load": round(max(load, os.getloadavg()[0]), 2),
                 "encode_cost_ratio": round(encode / oracle_ms, 4) if oracle_ms else None,
                 **costs,
+                "split": split,
+                "n": len(data),
+                "f1_ci95": _ci(f1s),
+                "f1_gap_ci95": _ci([o - m for o, m in zip(oracle_f1s, f1s)]),
+                "weights": provenance.TRAINED,
             }
             print(json.dumps(row), flush=True)
             rows.append(row)
+    return rows
+
+
+def label(rows: list[dict], headline: str | None, select_on: str, artifact_path: str) -> list[dict]:
+    """Test rows of one pair with what chose them: `selected_on`, `headline` and the artifact."""
+    chosen_on = None if select_on == "none" else select_on
+    ran_on = provenance.artifact_fields(artifact_path)
+    for r in rows:
+        if r["mode"] in ("scd", "recompute"):
+            r.update(ran_on)
+        r["selected_on"] = {"scd": chosen_on, "recompute": "calibration"}.get(r["mode"])
+        r["headline"] = r["mode"] == "scd" and r["schedule"] == headline
     return rows
 
 
@@ -170,19 +210,31 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _interval(ci: list[float] | None, signed: bool = False) -> str:
+    if not ci:
+        return "-"
+    return f"{ci[0]:+.1f}..{ci[1]:+.1f}" if signed else f"{ci[0]:.1f}-{ci[1]:.1f}"
+
+
 def table(rows: list[dict]) -> str:
+    """The rows as markdown; the headline schedule in bold with the split it was chosen on."""
     lines = [
-        "| pair | layers | ctx | mode | schedule | bytes/token | x fewer than raw bf16 | F1 | EM | F1 gap vs oracle "
-        "| identical to oracle | producer encode / C prefill (ms) | predictor FLOPs / C prefill | C rebuild FLOPs / C prefill |",
-        "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| pair | layers | ctx | n | mode | schedule | bytes/token | x fewer than raw bf16 | F1 | F1 95% CI | EM "
+        "| F1 gap vs oracle | gap 95% CI | identical to oracle | producer encode / C prefill (ms) "
+        "| predictor FLOPs / C prefill | C rebuild FLOPs / C prefill | headline chosen on |",
+        "|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         ratio = "-" if r["bytes_ratio_vs_raw"] is None else f"{r['bytes_ratio_vs_raw']:.1f}"
         encode = "-" if r["mode"] == "oracle" or r["encode_cost_ratio"] is None else f"{r['encode_cost_ratio']:.1%}"
+        schedule = f"**`{r['schedule']}`**" if r.get("headline") else f"`{r['schedule']}`"
+        chosen = (r.get("selected_on") or "-") if r.get("headline") else "-"
         lines.append(
-            f"| {r['pair']} | {r['layers']} | {r['ctx_tokens']} | {r['mode']} | `{r['schedule']}` | {r['bytes_per_token']:g} "
-            f"| {ratio} | {r['f1']:.1f} | {r['em']:.1f} | {r['f1_gap_vs_oracle']:+.1f} | {100 * r['identical_to_oracle']:.1f}% "
-            f"| {encode} | {r['predictor_flops_ratio']:.1%} | {r['consumer_flops_ratio']:.1%} |"
+            f"| {r['pair']} | {r['layers']} | {r['ctx_tokens']} | {r.get('n', '-')} | {r['mode']} | {schedule} "
+            f"| {r['bytes_per_token']:g} | {ratio} | {r['f1']:.1f} | {_interval(r.get('f1_ci95'))} | {r['em']:.1f} "
+            f"| {r['f1_gap_vs_oracle']:+.1f} | {_interval(r.get('f1_gap_ci95'), True)} "
+            f"| {100 * r['identical_to_oracle']:.1f}% | {encode} | {r['predictor_flops_ratio']:.1%} "
+            f"| {r['consumer_flops_ratio']:.1%} | {chosen} |"
         )
     return "\n".join(lines)
 
@@ -190,7 +242,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated, of: {', '.join(PAIRS)}")
-    p.add_argument("--n", type=int, default=100, help="test examples per point")
+    p.add_argument("--n", type=int, default=200, help="test examples per point")
     p.add_argument("--ctx", type=int, nargs="*", default=[], help="context lengths (default: each pair's own)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-schedules", type=int, default=8)
@@ -203,6 +255,13 @@ def main() -> None:
     )
     p.add_argument("--out-dir", type=Path, default=RESULTS, help="where quality.{jsonl,md,png} go")
     p.add_argument("--merge", action="store_true", help="keep the other pairs' rows of an existing quality.jsonl")
+    p.add_argument(
+        "--select-on",
+        choices=["validation", "none"],
+        default="validation",
+        help="choose each pair's headline schedule on the validation split (none: no headline)",
+    )
+    p.add_argument("--n-validation", type=int, default=100, help="validation examples per schedule for the choice")
     args = p.parse_args()
     unknown = [name for name in args.pairs.split(",") if name not in PAIRS]
     if unknown:
@@ -213,32 +272,34 @@ def main() -> None:
     from qa.tokenizer import end_token_id
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, validation = [], []
     for pair in args.pairs.split(","):
         spec = PAIRS[pair]
-        producer, consumer, ctxs = spec.producer, spec.consumer, spec.ctxs
+        producer, consumer, ctxs = spec.producer, spec.consumer, args.ctx or spec.ctxs
         artifact_path = overrides.get(pair, spec.artifact)
         artifact = Artifact.load(ROOT / artifact_path)
         end_id = end_token_id(AutoTokenizer.from_pretrained(ROOT / consumer))
         config = json.loads((ROOT / consumer / "config.json").read_text())
         common = ["--dtype", args.dtype, "--log-level", "WARNING", "--artifacts", str(ROOT / artifact_path)]
+        fixed = dict(
+            pair=pair,
+            artifact=artifact,
+            max_schedules=args.max_schedules,
+            end_id=end_id,
+            element_bytes=4 if args.dtype == "float32" else 2,
+            config=config,
+        )
         with services.running(
             ["--model", producer, *common], ["--model", consumer, *common], log_dir=ROOT / "bench/runs/quality"
         ) as (_, c):
-            for ctx in args.ctx or ctxs:
-                rows += asyncio.run(
-                    run_pair(
-                        pair,
-                        c.address,
-                        artifact,
-                        args.n,
-                        ctx,
-                        args.max_schedules,
-                        end_id,
-                        4 if args.dtype == "float32" else 2,
-                        config,
-                    )
+            chosen = None
+            if args.select_on == "validation":  # choose on validation at the pair's first length
+                validation += asyncio.run(
+                    run_pair(address=c.address, n=args.n_validation, ctx=ctxs[0], split="validation", only=("scd",), **fixed)
                 )
+                chosen = pick_headline([r for r in validation if r["pair"] == pair], spec.max_gap)
+            pair_rows = [row for ctx in ctxs for row in asyncio.run(run_pair(address=c.address, n=args.n, ctx=ctx, **fixed))]
+        rows += label(pair_rows, chosen, args.select_on, artifact_path)
     done = {r["pair"] for r in rows}
     if args.merge and (args.out_dir / "quality.jsonl").exists():
         kept = [json.loads(line) for line in (args.out_dir / "quality.jsonl").read_text().splitlines() if line.strip()]
@@ -246,6 +307,8 @@ def main() -> None:
         order = list(PAIRS)
         rows.sort(key=lambda r: order.index(r["pair"]) if r["pair"] in order else len(order))  # stable within a pair
     (args.out_dir / "quality.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if validation:
+        (args.out_dir / "quality_validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in validation))
     plot(rows, args.out_dir / "quality.png")
     (args.out_dir / "quality.md").write_text(table(rows) + "\n")
     print(table(rows), file=sys.stderr)

@@ -93,7 +93,7 @@ def measure(producer: services.Service, chunk_bytes: int, token_ids: list[int], 
     return {"grpc_MBps": round(g, 1), "socket_MBps": round(s, 1), "ratio": round(g / s, 3), "chunk_bytes": chunk_bytes,
             "payload_bytes": nbytes, "ctx_tokens": len(token_ids), "reps": reps, "grpc_MBps_max": round(max(grpc_mbps), 1),
             "socket_MBps_max": round(max(sock), 1), "cold_grpc_MBps": round(cold["bytes"] / cold["seconds"] / 1e6, 1),
-            "link": "loopback", "codec": "raw", "dtype": "float32"}
+            "link": "loopback", "codec": "raw", "dtype": "float32", "weights": "random"}
 
 
 def main(argv: list[str] | None = None) -> None:

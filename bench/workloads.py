@@ -74,6 +74,7 @@ class Workload:
     max_new_tokens: int = 2  # the second token times one decode step
     stop_ids: list[int] = field(default_factory=list)
     max_ctx: int | None = None  # longest context the input generator can make
+    weights: str = "random"  # what the rows ran on: "trained" checkpoints or "random" weights
     _serial: int = 0
 
     def request(self, ctx_tokens: int, warm: bool) -> tuple[list[int], list[int], str | None]:
@@ -94,6 +95,7 @@ class Workload:
 
 def workload_for(scale: str, args) -> Workload | None:
     """The scale's models and inputs, or None (with a note) when it cannot run here."""
+    from bench.provenance import weights_of
     from shared.models import resolve_path
 
     dtype = args.dtype or SCALE_DTYPE[scale]
@@ -108,7 +110,7 @@ def workload_for(scale: str, args) -> Workload | None:
         tok = load_tokenizer(base)
         max_ctx = FACT_TOKENS * (len(VALUES) // 2) + 1  # every value word once per context
         return Workload("qa-base->qa-tuned", str(base), str(tuned), dtype, len(tok), qa=True, tokenizer=tok,
-                        max_new_tokens=4, stop_ids=[end_token_id(tok)], max_ctx=max_ctx)
+                        max_new_tokens=4, stop_ids=[end_token_id(tok)], max_ctx=max_ctx, weights="trained")
     if scale in ("qwen05b", "qwen7b"):
         name = f"{scale}-random"
         path = str(ensure_random(name, RANDOM_MODELS[name]))
@@ -117,4 +119,5 @@ def workload_for(scale: str, args) -> Workload | None:
     consumer = args.consumer_model or producer
     config = json.loads((Path(resolve_path(producer)) / "config.json").read_text())
     name = producer if producer == consumer else f"{producer}->{consumer}"
-    return Workload(name, producer, consumer, dtype, config["vocab_size"])
+    weights = "/".join(sorted({weights_of(producer), weights_of(consumer)}))
+    return Workload(name, producer, consumer, dtype, config["vocab_size"], weights=weights)

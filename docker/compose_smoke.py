@@ -159,6 +159,8 @@ def main() -> int:
             dockerd.terminate()
             dockerd.wait(timeout=30)
     print(json.dumps(report), flush=True)
+    if ok:  # the figure docs/results.md quotes (make results-doc)
+        (ROOT / "bench/results/compose.json").write_text(json.dumps(report) + "\n")
     return 0 if ok else 1
 
 

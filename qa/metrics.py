@@ -48,3 +48,17 @@ def score(pairs: Iterable[tuple[str, str]]) -> dict[str, float]:
     if n == 0:
         raise ValueError("no pairs to score")
     return {"n": int(n), "em": em / n, "f1": f1 / n}
+
+
+def bootstrap_ci(values: list[float], level: float = 0.95, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of `values` (resampled with replacement,
+    `resamples` times, seeded: the same values give the same interval). For a paired difference
+    (a mode's F1 gap to the oracle on the same examples) pass the per-example differences."""
+    import random
+
+    if not values:
+        raise ValueError("no values to resample")
+    rng, n = random.Random(seed), len(values)
+    means = sorted(sum(rng.choices(values, k=n)) / n for _ in range(resamples))
+    tail = (1 - level) / 2
+    return means[int(tail * (resamples - 1))], means[int(round((1 - tail) * (resamples - 1)))]

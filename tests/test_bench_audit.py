@@ -106,6 +106,7 @@ def test_a_small_run_prints_a_line_per_set_and_a_summary(tmp_path, capsys):
     assert lines[1]["scd_f1"] is None  # no gold in random tokens
     assert {"recall", "false_alarm_rate", "cost_ratio", "fallback_identical_rate", "upgrade_identical_rate"} <= set(lines[2])
     assert lines[2]["pair"] == "heterogeneous" and "cost_at_scale" not in lines[2]
+    assert lines[2]["weights"] == "trained" and lines[2]["artifact"].startswith("artifacts/")
     # random tokens diverge, are flagged, and UPGRADE re-transfers (more bytes) before prefilling locally
     assert lines[1]["upgrade_identical_rate"] == 1.0 and lines[1]["upgrade_bytes_ratio"] > 1.0
     assert (tmp_path / "audit.jsonl").read_text().count("\n") == 3 and "| random_tokens |" in (tmp_path / "audit.md").read_text()

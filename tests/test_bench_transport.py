@@ -32,6 +32,7 @@ def test_quick_transport_run(tmp_path):
     for r in rows:
         assert KEYS <= set(r) and r["payload_bytes"] == kv_bytes and r["ctx_tokens"] == tokens
         assert r["grpc_MBps"] > 0 and r["socket_MBps"] > 0
+        assert r["weights"] == "random"  # what the row ran on
         assert r["ratio"] == pytest.approx(r["grpc_MBps"] / r["socket_MBps"], rel=0.02)
     assert "best ratio" in done.stderr
     print(f"bench.transport --quick took {elapsed:.1f}s")

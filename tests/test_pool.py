@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from bench import pool_test
-from consumer.producer_client import HASH_HEADER, context_hash, service_config
+from consumer.producer_client import HASH_HEADER, channel_options, context_hash, service_config
 
 
 async def test_pool_affinity_and_failover():
@@ -20,6 +20,7 @@ async def test_pool_affinity_and_failover():
     assert result["round_robin_hit_rate"] < result["affinity_hit_rate"]
     assert result["failover_errors"] == 0 and result["failover_requests"] == 18
     assert result["ring_hash_errors"] == result["round_robin_errors"] == 0
+    assert result["weights"] == "random"  # tiny-llama: what the row ran on
 
 
 def test_service_config_selects_the_policy():
@@ -27,5 +28,7 @@ def test_service_config_selects_the_policy():
     assert ring["loadBalancingConfig"] == [{"ring_hash_experimental": {"requestHashHeader": HASH_HEADER}}]
     assert ring["methodConfig"][0]["retryPolicy"]["retryableStatusCodes"][0] == "UNAVAILABLE"
     assert service_config("round_robin")["loadBalancingConfig"] == [{"round_robin": {}}]
-    assert json.dumps(ring)  # the channel option is its JSON
+    options = dict(channel_options("ring_hash"))  # what the producer client's channel is built with
+    assert json.loads(options["grpc.service_config"]) == ring
+    assert json.loads(dict(channel_options("round_robin"))["grpc.service_config"]) == service_config("round_robin")
     assert context_hash([1, 2, 3]) == context_hash([1, 2, 3]) != context_hash([1, 2, 4])

@@ -9,15 +9,15 @@ import itertools
 import pytest
 import torch
 
-from shared import kv, layers
-from shared.models import load_model
-from shared.pb import common_pb2, consumer_pb2
 from calibration import predictor_training
 from calibration.distill import distill
+from shared.models import load_model
+from shared.pb import common_pb2, consumer_pb2
 from shared.scd import ops, predictor
 from shared.scd.artifact import Artifact
 from shared.scd.schedule import Schedule
 from tests.conftest import perturbed_model, prompt, running_pair
+from tests.greedy import greedy_with_margins, scd_cache
 from tests.test_end_to_end import CONTEXT, QUESTION
 from tests.test_scd import heldout, random_corpus, states_of
 
@@ -82,22 +82,8 @@ def test_artifact_round_trips_the_predictor_and_the_encoder_reads_through_it(pai
 @torch.inference_mode()
 def codec_reference(producer, consumer, art, schedule: str, ctx_ids, q_ids, n: int) -> list[int]:
     """The scd codec path in-process: encode every layer from P's states, decode into C's cache, greedy."""
-    actions = Schedule.parse(schedule, art.num_layers).actions
-    states = states_of(producer, ctx_ids)
-    cache = kv.empty_cache(consumer)
-    pos = layers.positions(consumer, len(ctx_ids))
-    for layer, action in enumerate(actions):
-        payloads = {k: v.contiguous() for k, v in ops.encode_layer(art, layer, action, states[layer]).items()}
-        kv.put_layer(cache, layer, *ops.decode_layer(art, layer, action, payloads, consumer, pos))
-    device = consumer.device
-    logits = consumer.model(input_ids=torch.tensor([q_ids], device=device), cache=cache, use_cache=True).logits[0, -1]
-    out = []
-    for _ in range(n):
-        out.append(int(torch.argmax(logits)))
-        if out[-1] == consumer.tokenizer.eos_token_id:  # the services stop there too
-            break
-        logits = consumer.model(input_ids=torch.tensor([[out[-1]]], device=device), cache=cache, use_cache=True).logits[0, -1]
-    return out
+    cache = scd_cache(producer, consumer, art, schedule, ctx_ids, states_of)
+    return greedy_with_margins(consumer, cache, q_ids, n)[0]
 
 
 async def test_services_serve_a_predictor_artifact_like_the_in_process_codec(pair):

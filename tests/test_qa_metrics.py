@@ -38,3 +38,18 @@ def test_score_averages():
     assert result["f1"] == pytest.approx((1 + 2 / 3 + 0 + 1) / 4)
     with pytest.raises(ValueError):
         score([])
+
+
+def test_bootstrap_interval_brackets_the_mean_and_narrows_with_n():
+    from qa.metrics import bootstrap_ci
+
+    few = [1.0, 0.0] * 10
+    many = few * 20
+    lo, hi = bootstrap_ci(few)
+    assert lo < 0.5 < hi and 0.25 < lo and hi < 0.75
+    lo_many, hi_many = bootstrap_ci(many)
+    assert hi_many - lo_many < (hi - lo) / 3  # the interval shrinks like 1/sqrt(n)
+    assert bootstrap_ci(few) == (lo, hi)  # seeded: reproducible
+    assert bootstrap_ci([1.0] * 5) == (1.0, 1.0)
+    with pytest.raises(ValueError):
+        bootstrap_ci([])

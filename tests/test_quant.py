@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared import kv, quantize, wire
+from shared import quantize, wire
 from shared.models import load_model
 from shared.pb import common_pb2
 from tests.conftest import assert_refused_by_both, prompt, running_pair
+from tests.greedy import context_cache
 from tests.test_end_to_end import CONTEXT, QUESTION
 
 SHAPES = [(2, 97, 16), (2, 64, 64), (1, 5, 7), (4, 1, 128), (3, 130, 24)]
@@ -139,17 +140,8 @@ async def test_invalid_options_are_refused_by_both_services(options, named, pair
 def question_logits(loaded, ctx_ids, q_ids, bits):
     """Teacher-forced logits over the question on a context cache whose K/V went through
     quantize (bits) or not (bits=None): [len(q), V]."""
-    cache = kv.empty_cache(loaded)
-    states = {}
-    with kv.layer_capture(loaded, cache, kv.Capture.KV, lambda s: states.__setitem__(s.index, s)):
-        kv.prefill_context(loaded, torch.tensor([ctx_ids]), cache)
-    rebuilt = kv.empty_cache(loaded)
-    for i, s in states.items():
-        keys, values = s.keys, s.values
-        if bits:
-            keys, values = quantize.decode_kv(quantize.encode_kv(keys, values, bits, 32), bits, 32, tuple(keys.shape))
-        kv.put_layer(rebuilt, i, keys.to(loaded.dtype), values.to(loaded.dtype))
-    return loaded.model(input_ids=torch.tensor([q_ids]), cache=rebuilt, use_cache=True).logits[0].float()
+    cache = context_cache(loaded, ctx_ids, bits)
+    return loaded.model(input_ids=torch.tensor([q_ids]), cache=cache, use_cache=True).logits[0].float()
 
 
 @pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen2"])

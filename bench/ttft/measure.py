@@ -17,7 +17,7 @@ import time
 
 import grpc
 
-from bench import services
+from bench import provenance, services
 from bench.ttft import report
 from bench.ttft.grid import ORACLE, Mode, grid_for, rotation
 from bench.workloads import Workload, note, workload_for
@@ -101,6 +101,7 @@ async def _stores(client: ConsumerClient, w: Workload, stores: list[str], timeou
 async def bench_scale(w: Workload, consumer_address: str, link, args, grid, emit) -> None:
     """Every cell of one scale's grid, rows handed to `emit` as each cell completes."""
     bandwidths, contexts = grid
+    artifacts = provenance.artifacts_by_id(args.artifacts)
     async with ConsumerClient(consumer_address) as client:
         modes = await _advertised_modes(client, args.modes)
         stores = await _stores(client, w, args.stores, args.timeout_s)
@@ -123,13 +124,24 @@ async def bench_scale(w: Workload, consumer_address: str, link, args, grid, emit
                         cell = [m for m in modes if m.name == ORACLE and m not in refused] + cell
                     results = await measure_interleaved(client, w, cell, ctx, store, args, refused)
                     for mode, samples in results.items():
+                        ran_on = provenance_of(w, mode, samples, artifacts)
                         if mode.name == ORACLE:
                             oracle_done.add(ctx)
                             oracle = report.row(w.name, w.dtype, "n/a", None, None, 0, ctx, mode, "cold", samples)
-                            emit(oracle)
-                            emit(report.cached_reference(oracle, samples))
+                            emit({**oracle, **ran_on})
+                            emit({**report.cached_reference(oracle, samples), **ran_on})
                         else:
-                            emit(report.row(w.name, w.dtype, shaping, bw, link_mbit, burst, ctx, mode, store, samples))
+                            row = report.row(w.name, w.dtype, shaping, bw, link_mbit, burst, ctx, mode, store, samples)
+                            emit({**row, **ran_on})
+
+
+def provenance_of(w: Workload, mode: Mode, samples: list[report.Sample], artifacts: dict[str, dict]) -> dict:
+    """What a row ran on: the weights, and for scd the artifact the stream used and its corpus."""
+    out: dict = {"weights": w.weights}
+    if mode.name == "scd":
+        used = dict(samples[0].answer.stats.transfer.options).get("artifact", "")
+        out.update(artifacts.get(used, {"artifact": used or None, "calibration_corpus": None}))
+    return out
 
 
 def run_grid(args, link, emit) -> None:

@@ -28,6 +28,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import provenance
 from bench.ttft.grid import CACHED, ORACLE, Mode
 
 EFFICIENCY_LIMIT = 1.05
@@ -112,7 +113,7 @@ def cached_reference(oracle_row: dict, samples: list[Sample]) -> dict:
     return {**kept, "mode": CACHED, "schedule": None, "store": "warm",
             "ttft_ms_median": round(ttft["median"], 2), "ttft_ms_min": round(ttft["min"], 2),
             "ttft_ms_max": round(ttft["max"], 2), "rebuild_ms": 0.0,
-            "derived_from": "oracle requests: ttft_ms - context prefill (question prefill only)"}
+            **provenance.derived(provenance.CACHED_FORMULA)}
 
 
 def check(rows: list[dict]) -> list[str]:

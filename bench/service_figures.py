@@ -1,0 +1,187 @@
+"""The figures of the serving benchmarks, from their committed rows: the transport ceiling, the
+producer pool, the compose smoke run, the load test (with the text that says at which limits it
+ran and what its head-of-line probe timed), the hostile-producer case count and the cache audit.
+Part of bench.figures (which assembles every section); measures nothing."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from pathlib import Path
+
+from bench.audit import table as audit_table
+from bench.pairs import PAIRS
+from bench.rows import ROOT, artifact_meta, json_line, rows_of, span, span_words
+
+# ---- transport, pool, compose, load, contract ----------------------------------------------------
+
+
+def transport(root: Path = ROOT) -> dict:
+    rows = rows_of(root / "bench/results/transport.jsonl")
+    table = ["| chunk | gRPC MB/s | socket MB/s | ratio |", "|---|---:|---:|---:|"]
+    best = max(rows, key=lambda r: r["ratio"])
+    for r in rows:
+        size = f"{r['chunk_bytes'] // 2**20} MiB" if r["chunk_bytes"] >= 2**20 else f"{r['chunk_bytes'] // 1024} KiB"
+        ratio = f"**{r['ratio']:.3f}**" if r is best else f"{r['ratio']:.3f}"
+        table.append(f"| {size} | {r['grpc_MBps']:.0f} | {r['socket_MBps']:.0f} | {ratio} |")
+    return {
+        "table": "\n".join(table),
+        "gbps": span([round(r["grpc_MBps"] / 1000, 1) for r in rows], "{:.1f}"),
+        "max_gbit": max(r["grpc_MBps"] for r in rows) * 8 / 1000,
+        "best_ratio": best["ratio"],
+        "best_gBps": best["grpc_MBps"] / 1000,
+        "weights": span_words(r.get("weights") for r in rows),
+    }
+
+
+def pool(root: Path = ROOT) -> dict:
+    row = rows_of(root / "bench/results/pool.json")[0]
+    return {**row, "line": json_line(row)}
+
+
+def compose(root: Path = ROOT) -> dict:
+    row = rows_of(root / "bench/results/compose.json")[0]
+    return {**row, "line": json_line(row)}
+
+
+def load(root: Path = ROOT) -> dict:
+    """The load test's rows: one per limits setting (`limits`: defaults / raised) and the
+    head-of-line probe's; what the shipped defaults are comes from shared.config."""
+    from shared.config import ConsumerConfig, ProducerConfig
+
+    rows = rows_of(root / "bench/results/load.jsonl")
+    runs = [r for r in rows if "rounds" in r]
+    hol = next((r for r in rows if "hol_ttft_ratio" in r), None)
+    defaults = {"producer": ProducerConfig.max_inflight, "consumer": ConsumerConfig.max_inflight}
+    at_defaults = [
+        r
+        for r in runs
+        if (r.get("producer_max_inflight"), r.get("consumer_max_inflight")) == (defaults["producer"], defaults["consumer"])
+    ]
+    texts = [_load_run_text(r, defaults) for r in runs]
+    if not at_defaults:
+        texts.append(
+            f"No run at the shipped defaults (`--max-inflight` {defaults['producer']} on the producer, "
+            f"{defaults['consumer']} on the consumer) is committed yet: the figures above are what a deployment "
+            "with raised limits gets, not what a user of the defaults gets."
+        )
+    if hol is None:
+        hol_text = "No head-of-line row is committed."
+    elif hol.get("hol_request") == "cold":
+        hol_text = (
+            f"Head of line: a request with a context the producer has never seen (its forward needs the "
+            f"producer's compute thread) took {hol['hol_ttft_beside_slow_reader_ms']:.1f} ms to its first token "
+            f"beside a caller that stalls its own stream at ~1 KB/s, against {hol['hol_ttft_alone_ms']:.1f} ms for "
+            f"the same kind of cold request alone: **{hol['hol_ttft_ratio']:.3f}x** (median of {hol['hol_runs']} "
+            "interleaved repetitions, target < 1.2)."
+        )
+    else:
+        hol_text = (
+            f"Head of line: the committed row ({hol['hol_ttft_ratio']:.3f}x, {hol['hol_ttft_beside_slow_reader_ms']:.1f} "
+            f"vs {hol['hol_ttft_alone_ms']:.1f} ms) timed a request whose context was already in the producer's "
+            "store: it never waited for the compute thread, so it shows only that the event loop stays free "
+            "beside a stalled reader, not that the compute thread does. `bench.load_test` now times a cold "
+            "request (a new context each time) beside the stalled reader against a cold request alone; that "
+            "row has not been run yet."
+        )
+    return {
+        "runs": runs,
+        "hol": hol,
+        "defaults": defaults,
+        "at_defaults": at_defaults[0] if at_defaults else None,
+        "lines": "\n".join(json_line(r) for r in rows),
+        "runs_text": "\n\n".join(texts),
+        "hol_text": hol_text,
+        "readme": _load_readme(runs, at_defaults[0] if at_defaults else None, hol, defaults),
+    }
+
+
+def _limits(r: dict) -> str:
+    return f"producer {r.get('producer_max_inflight', '?')} / consumer {r.get('consumer_max_inflight', '?')} calls in flight"
+
+
+def _refused(r: dict) -> str:
+    by = r.get("refused_by_status")
+    if by is None:
+        return "refusals not counted (a run before they were)"
+    return "refused: " + (", ".join(f"{n} {code}" for code, n in sorted(by.items())) or "none")
+
+
+def _load_run_text(r: dict, defaults: dict) -> str:
+    which = "**shipped defaults**" if r.get("limits") == "defaults" else "**limits raised** above the defaults"
+    admitted = r.get("admitted_p50_ms", r.get("p50_ms")), r.get("admitted_p95_ms", r.get("p95_ms"))
+    return (
+        f"At the {which} ({_limits(r)}): {r['rounds']} rounds of {r['streams']} streams, {r['requests']} requests, "
+        f"{r['ok']} answered, {r['cancelled']} cancelled or past their deadline on purpose, {_refused(r)}; "
+        f"{r['unexpected_errors']} unexpected errors, {r['wrong_answers']} wrong answers, RSS growth "
+        f"{r['rss_growth_pct']}% between round 2 and the last, {r['slots_leaked']} slots in flight after settling, "
+        f"counters {'balanced' if r['accounting_balanced'] else 'NOT balanced'} on both services; answered calls "
+        f"p50 {admitted[0]} ms, p95 {admitted[1]} ms (load {r['load_avg_1m']} on {r['cores']} cores)."
+    )
+
+
+def _load_readme(runs: list[dict], at_defaults: dict | None, hol: dict | None, defaults: dict) -> str:
+    shown = at_defaults or (runs[0] if runs else None)
+    if shown is None:
+        return "no row committed."
+    limits = (
+        "at the shipped defaults"
+        if at_defaults
+        else (
+            f"with limits raised to {_limits(shown)} (no row at the defaults {defaults['producer']} / {defaults['consumer']} yet)"
+        )
+    )
+    text = (
+        f"{shown['rounds']} rounds of {shown['streams']} concurrent Generate streams over all modes {limits}, a third "
+        f"cancelled at random, some with tiny deadlines: {_refused(shown)}, {shown['unexpected_errors']} "
+        f"unexpected errors, {shown['wrong_answers']} wrong answers, RSS {shown['rss_growth_pct']:+}%, "
+        f"{shown['slots_leaked']} slots leaked, counters {'balanced' if shown['accounting_balanced'] else 'NOT balanced'}"
+    )
+    if hol and hol.get("hol_request") == "cold":
+        text += (
+            f"; a cold request's TTFT beside a stalled ~1 KB/s reader is {hol['hol_ttft_ratio']:.3f}x the same "
+            "kind of request alone"
+        )
+    elif hol:
+        text += (
+            f"; beside a stalled ~1 KB/s reader a store-hit request's TTFT is {hol['hol_ttft_ratio']:.3f}x its "
+            "TTFT alone (the event loop stays free; the compute thread is not probed by that row)"
+        )
+    return text + "."
+
+
+def contract(root: Path = ROOT) -> dict:
+    text = (root / "tests/test_hostile_producer.py").read_text()
+    return {"hostile_cases": len(re.findall(r"^@case\(", text, re.M))}
+
+
+# ---- the cache audit (bench.audit) ---------------------------------------------------------------
+
+CONTEXT_SHIFTS = ("long_context", "fact_in_random_tokens", "random_tokens")  # sets whose context leaves the regime
+
+
+def audit(root: Path = ROOT) -> dict:
+    out = {}
+    for stem in ("audit", "audit-deep-full", "audit-deep-lora"):
+        rows = rows_of(root / f"bench/results/{stem}.jsonl")
+        sets, total = {r["set"]: r for r in rows[:-1]}, rows[-1]
+        pair = stem.replace("audit-", "").replace("audit", "heterogeneous")
+        schedule = total["schedule"]
+        if schedule == "(artifact default)":  # the artifact's lowest-loss schedule
+            schedule = min(artifact_meta(PAIRS[pair].artifact)["schedules"], key=lambda s: s["loss"])["schedule"]
+        out[pair] = {
+            "lowest_loss": min(artifact_meta(PAIRS[pair].artifact)["schedules"], key=lambda s: s["loss"])["schedule"],
+            "sets": sets,
+            "total": total,
+            "table": audit_table(rows[:-1], total),
+            "schedule": schedule,
+            "scale": (total.get("cost_at_scale") or [None])[0],
+            "prefill_ms": statistics.median(r["oracle_prefill_ms"] for r in rows[:-1]),
+            "random_flagged": sum(
+                sets[s]["flagged_diverged"] + sets[s]["flagged_agreeing"] for s in ("fact_in_random_tokens", "random_tokens")
+            ),
+            "random_n": sum(sets[s]["n"] for s in ("fact_in_random_tokens", "random_tokens")),
+            "context_shift_upgrade_local": span([round(100 * sets[s]["upgrade_local_rate"]) for s in CONTEXT_SHIFTS]),
+            "shifted_bytes": statistics.median(sets[s]["upgrade_bytes_ratio"] for s in CONTEXT_SHIFTS),
+        }
+    return out
