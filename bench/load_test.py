@@ -17,8 +17,8 @@ the services' shipped limits, then (labelled) with the limits raised.
    large Prefill stream at ~1 KB/s, interleaved with the same kind of cold request alone; prints
    the ratio (target < 1.2).
 
-`--limits defaults` runs the services with no --max-inflight flag (shared/config.py: producer 8,
-consumer 16), `raised` with --max-inflight RAISED on both; `both` (the default) runs the two in
+`--limits defaults` runs the services with no --max-inflight flag (shared/config.py: producer 32,
+consumer 64), `raised` with --max-inflight RAISED on both; `both` (the default) runs the two in
 turn. One JSON line per run and one for the head-of-line check, each with `limits`,
 `producer_max_inflight`, `consumer_max_inflight` and `weights`; the run lines are
 {"streams", "rounds", "requests", "ok", "cancelled", "refused", "refused_by_status",
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limits", choices=["defaults", "raised", "both"], default="both",
                    help=f"defaults: the shipped --max-inflight ({DEFAULT_LIMITS}); raised: --raised on both")
-    p.add_argument("--raised", type=int, default=64, help="--max-inflight of both services in the raised run")
+    p.add_argument("--raised", type=int, default=128, help="--max-inflight of both services in the raised run")
     p.add_argument("--quick", action="store_true", help="smoke run: 8 streams, 2 rounds, 2 head-of-line repetitions")
     p.add_argument("--out", type=Path, default=services.ROOT / "bench/results/load.jsonl")
     args = p.parse_args(argv)

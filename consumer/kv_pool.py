@@ -34,13 +34,18 @@ def bytes_per_token(info: ModelInfo) -> int:
     return info.kv_bytes(1)
 
 
+TYPICAL_REQUEST_TOKENS = 2048  # what the default pool size assumes a request holds
+
+
 def default_pool_bytes(config, loaded: LoadedModel) -> int:
-    """--kv-pool-bytes, or when 0: what max_inflight requests of the largest allowed size need,
-    capped by half the free GPU memory (after the model) or an eighth of the RAM on CPU."""
+    """--kv-pool-bytes, or when 0: room for --max-batch requests of 2048 tokens or for two of the
+    largest allowed size, whichever is more, capped by half the free GPU memory (after the model)
+    or an eighth of the RAM on CPU. Requests beyond it wait for KV memory; it bounds memory, not
+    calls."""
     if config.kv_pool_bytes:
         return config.kv_pool_bytes
-    per_request = config.max_context_tokens + config.max_question_tokens + config.max_new_tokens
-    want = config.max_inflight * per_request * bytes_per_token(loaded.info)
+    largest = config.max_context_tokens + config.max_question_tokens + config.max_new_tokens
+    want = max(config.max_batch * TYPICAL_REQUEST_TOKENS, 2 * largest) * bytes_per_token(loaded.info)
     if loaded.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(loaded.device)
         cap = free // 2

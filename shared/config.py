@@ -103,7 +103,7 @@ class ServerConfig:
 class ProducerConfig(ServerConfig):
     port: int = 50051
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
-    max_inflight: int = 8  # concurrent Prefill calls; more get RESOURCE_EXHAUSTED
+    max_inflight: int = 32  # concurrent Prefill calls; more get RESOURCE_EXHAUSTED
     store_bytes: int = 1 << 30  # context store budget (encoded streams kept for reuse); 0 disables
     max_prefill_batch: int = 8  # cold contexts prefilled together in one forward, at most
     max_prefill_batch_tokens: int = 8192  # padded tokens (contexts x longest) of one batched forward; a longer context runs alone
@@ -137,12 +137,12 @@ class ConsumerConfig(ServerConfig):
     max_question_tokens: int = 1024
     max_new_tokens: int = 512
     max_text_bytes: int = 1 << 20  # context or question text longer than this is refused before tokenizing
-    max_inflight: int = 16  # concurrent Generate calls; more get RESOURCE_EXHAUSTED
+    max_inflight: int = 64  # concurrent Generate calls (running or waiting for KV memory); more get RESOURCE_EXHAUSTED
     audit_threshold: float = 0.05  # cache-audit error counted as divergence when the codec has no calibrated one
     default_timeout_s: float = 120.0  # used when the caller sets no deadline
     # the batch engine (consumer/batch.py, docs/design.md "The serving engine")
     max_batch: int = 32  # rows per forward (1: one request per forward, the pre-batching behaviour)
-    kv_pool_bytes: int = 0  # KV pool size; 0: what max_inflight worst-case requests need, capped by memory
+    kv_pool_bytes: int = 0  # KV pool size; 0: max_batch requests of 2048 tokens or two of the largest allowed, capped by memory
     kv_block_tokens: int = 16  # tokens per KV pool block
     max_queue: int = 64  # requests waiting for KV memory; more get RESOURCE_EXHAUSTED
     prefill_chunk: int = 512  # tokens one request prefills per engine iteration (chunked prefill)
