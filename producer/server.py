@@ -16,6 +16,7 @@ from shared import codecs as codec_lib
 from shared import describe, handlers, logs, outcomes, serving, wire
 from shared.config import ProducerConfig
 from shared.errors import InvalidArgument, Unavailable
+from shared.metrics import Metrics
 from shared.models import LoadedModel, load_model, warm_up
 from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
 from shared.scd.artifact import discover
@@ -26,6 +27,8 @@ SERVICE_NAME = producer_pb2.DESCRIPTOR.services_by_name["ProducerService"].full_
 
 class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
     """Registered before the port opens; answers UNAVAILABLE until `attach` gives it a model."""
+
+    metrics: Metrics  # the server's, set by ProducerServer right after construction
 
     def __init__(self, config: ProducerConfig, executor: ThreadPoolExecutor):
         self.config = config
@@ -120,6 +123,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                         )
                     )
                     self.store_hits += stored is not None
+                    self.metrics.observe_prefill(codec.name, sent_bytes, item.prefill_ms, item.encode_ms, stored is not None)
                     log.info(
                         "prefill.done",
                         bytes=sent_bytes,
@@ -178,6 +182,7 @@ class ProducerServer:
         self.server = serving.Server([SERVICE_NAME], config)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="producer-compute")
         self.servicer = ProducerServicer(config, self.executor)
+        self.servicer.metrics = self.server.metrics
         self.server.watch(admission=self.servicer.admission, store=self.servicer.store, compute=self.executor)
         handlers.add_servicer(self.server.server, self.servicer, producer_pb2.DESCRIPTOR.services_by_name["ProducerService"])
 

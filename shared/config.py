@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol, TypeVar
@@ -29,6 +31,7 @@ class Validated(Protocol):
 
 
 C = TypeVar("C", bound=Validated)
+LOCAL_MODE = "oracle"  # the consumer's own prefill (consumer.engine re-exports it)
 LB_POLICIES = ("ring_hash", "round_robin", "pick_first")
 
 
@@ -45,14 +48,14 @@ def parse_bool(value: str | bool) -> bool:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: pick a free port (tests); services set their own default
+    host: str = "127.0.0.1"  # listen address of every port (API, health, metrics)
+    port: int = 0  # API port (0: any free port); services set their own default
     model: str = "tiny-llama"  # local path, hub id, or builtin tiny name
-    dtype: str = "float32"
-    device: str = "auto"  # "auto": cuda:0 when present, else cpu
-    max_context_tokens: int = 8192
+    dtype: str = "float32"  # float32, bfloat16 or float16 (the shipped QA pair was trained in bfloat16)
+    device: str = "auto"  # auto (cuda:0 when present, else cpu), cpu, cuda or cuda:N
+    max_context_tokens: int = 8192  # longest context a request may carry, in tokens
     drain_grace_s: float = 30.0  # SIGTERM: admitted calls get this long to finish; new ones get UNAVAILABLE
-    log_level: str = "INFO"
+    log_level: str = "INFO"  # DEBUG, INFO, WARNING, ERROR: JSON log lines on stderr
     artifacts: str = ""  # comma-separated SCD artifact files or directories
     # transport security and caller authentication (shared.security)
     tls_cert: str = ""  # PEM server certificate chain; with tls_key the API port speaks TLS
@@ -60,7 +63,7 @@ class ServerConfig:
     tls_client_ca: str = ""  # PEM CA bundle that signs client certificates (mTLS)
     require_client_cert: bool = True  # with tls_client_ca: refuse a client without a certificate from it
     token_file: str = ""  # file holding the bearer token callers must send (health exempt)
-    token: str = field(default="", repr=False)  # the token itself (prefer the env var or token_file)
+    token: str = field(default="", repr=False)  # the bearer token itself (prefer the env var or token_file)
     reflection: bool = False  # gRPC server reflection (v1 and v1alpha)
     # side ports: -1 off, 0 any free port (tests)
     health_port: int = -1  # plaintext port serving only grpc.health.v1 (kubelet gRPC probes)
@@ -98,7 +101,7 @@ class ServerConfig:
 @dataclass(frozen=True)
 class ProducerConfig(ServerConfig):
     port: int = 50051
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES  # payload chunk size on the wire, 1024 .. 4 MiB (announced in the header)
     max_inflight: int = 8  # concurrent Prefill calls; more get RESOURCE_EXHAUSTED
     store_bytes: int = 1 << 30  # context store budget (encoded streams kept for reuse); 0 disables
 
@@ -122,14 +125,17 @@ class ConsumerConfig(ServerConfig):
     producer_tls_key: str = ""  # PEM private key of producer_tls_cert
     producer_tls_server_name: str = ""  # expected name in the producer certificate when it differs from the target's
     producer_token_file: str = ""  # bearer token sent to the producers
-    producer_token: str = field(default="", repr=False)
+    producer_token: str = field(default="", repr=False)  # the producers' bearer token itself (prefer the env var or file)
     keepalive_s: float = 30.0  # channel keepalive ping period to the producers
-    max_question_tokens: int = 1024
-    max_new_tokens: int = 512
+    max_question_tokens: int = 1024  # longest question, in tokens
+    max_new_tokens: int = 512  # most tokens generated per request
     max_text_bytes: int = 1 << 20  # context or question text longer than this is refused before tokenizing
     max_inflight: int = 16  # concurrent Generate calls; more get RESOURCE_EXHAUSTED
     audit_threshold: float = 0.05  # cache-audit error counted as divergence when the codec has no calibrated one
     default_timeout_s: float = 120.0  # used when the caller sets no deadline
+    # mode of a request that names none (consumer.defaults)
+    default_mode: str = ""  # "" = the safest the artifacts allow: scd for a calibrated pair, raw for equal weights, else oracle
+    producer_check_interval_s: float = 10.0  # re-check of the producer link (reachable, authenticated, compatible)
 
     def validate(self) -> None:
         super().validate()
@@ -149,12 +155,39 @@ class ConsumerConfig(ServerConfig):
             raise ValueError("producer_tls_cert: needs producer_tls_ca (the client certificate rides on a TLS channel)")
         if self.keepalive_s <= 0:
             raise ValueError("keepalive_s: must be > 0")
+        if self.producer_check_interval_s <= 0:
+            raise ValueError("producer_check_interval_s: must be > 0")
+        modes = default_modes()
+        if self.default_mode and self.default_mode not in modes:
+            raise ValueError(f"default_mode: {self.default_mode!r} not in {', '.join(modes)} (empty: the safest available)")
 
 
-def load(cls: type[C], service: str, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> C:
-    """Build `cls` from flags and SCD_<SERVICE>_<FIELD> environment variables, then validate."""
-    env = os.environ if env is None else env
-    parser = argparse.ArgumentParser(prog=f"python -m {service}", description=f"SCD {service} service")
+def default_modes() -> list[str]:
+    """What --default-mode may name: every registered codec and the consumer's own prefill."""
+    from shared.codecs import registered  # torch-heavy: only when a default mode is set
+
+    return sorted([*registered(), LOCAL_MODE])
+
+
+_FIELD_LINE = re.compile(r"^\s+(\w+): [^=]+=.*?  # (.+)$")
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """Each field's help line: the comment beside it in the class body (a subclass's wins)."""
+    helps: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            for line in inspect.getsource(klass).splitlines():
+                m = _FIELD_LINE.match(line)
+                if m:
+                    helps[m.group(1)] = m.group(2)
+    return helps
+
+
+def parser_for(cls: type[C], service: str, env: Mapping[str, str]) -> argparse.ArgumentParser:
+    """Flags of `cls`: no abbreviations (`--artifact` is an error, not `--artifacts`), a help line each."""
+    parser = argparse.ArgumentParser(prog=f"python -m {service}", description=f"SCD {service} service", allow_abbrev=False)
+    helps = field_help(cls)
     for f in fields(cls):
         var = f"SCD_{service.upper()}_{f.name.upper()}"
         default = env.get(var, f.default)
@@ -165,8 +198,15 @@ def load(cls: type[C], service: str, argv: Sequence[str] | None = None, env: Map
             default=kind(default),
             nargs="?" if kind is parse_bool else None,
             const=True if kind is parse_bool else None,
-            help=f"(env {var}, default {'***' if not f.repr else repr(f.default)})",
+            help=f"{helps.get(f.name, '')} (env {var}, default {'***' if not f.repr else repr(f.default)})".replace("%", "%%"),
         )
+    return parser
+
+
+def load(cls: type[C], service: str, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> C:
+    """Build `cls` from flags and SCD_<SERVICE>_<FIELD> environment variables, then validate."""
+    env = os.environ if env is None else env
+    parser = parser_for(cls, service, env)
     config = cls(**vars(parser.parse_args(argv)))
     config.validate()
     return config

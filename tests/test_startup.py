@@ -1,0 +1,111 @@
+"""Fail fast, in one line (issue 19, findings 4 and 5): start-up checks name the flag and what to
+fix before the server starts; a failure is one JSON log line, one sentence on stderr, exit 2."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import trustme
+from safetensors.torch import save_file
+
+from shared import config as config_lib
+from shared import startup
+from shared.config import ConsumerConfig, ProducerConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_service(service: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", service, "--port", "0", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def assert_one_line_failure(proc: subprocess.CompletedProcess, named: str) -> None:
+    assert proc.returncode == startup.EXIT_CODE, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    failed = [json.loads(line) for line in lines if line.startswith("{") and '"startup.failed"' in line]
+    assert len(failed) == 1 and named in failed[0]["reason"]
+    plain = [line for line in lines if not line.startswith("{")]
+    assert len(plain) == 1 and "cannot start" in plain[0] and named in plain[0], lines
+    assert "Traceback" not in proc.stderr and "Event loop is closed" not in proc.stderr
+
+
+def test_a_mistyped_model_path_fails_at_once_naming_the_path():
+    proc = run_service("consumer", "--model", "checkpoints/qa-bse")
+    assert_one_line_failure(proc, "--model checkpoints/qa-bse: no such local directory")
+    assert '"server.started"' not in proc.stderr
+
+
+def test_an_artifact_of_other_weights_fails_the_start(tmp_path):
+    meta = {
+        "artifact_id": "0123456789abcdef",
+        "format_version": 2,
+        "producer": {"model_id": "other-base", "weight_digest": "a" * 64},
+        "consumer": {"model_id": "other-tuned", "weight_digest": "b" * 64},
+        "geometry": {"num_layers": 4, "hidden": 64, "kv_width": 64, "kv_element_bytes": 4},
+        "schedules": [],
+    }
+    path = tmp_path / "other-pair.safetensors"
+    save_file({"unused": torch.zeros(1)}, str(path), metadata={"scd": json.dumps(meta)})
+    proc = run_service("producer", "--model", "tiny-llama", "--device", "cpu", "--artifacts", str(path))
+    assert_one_line_failure(proc, "--artifacts other-pair.safetensors: calibrated for producer other-base")
+
+
+def test_devices_this_build_lacks_are_refused_before_start():
+    with pytest.raises(startup.StartupError, match="--device gpu: not a device"):
+        startup.check_device("gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(startup.StartupError, match="--device cuda: this torch build sees no CUDA device"):
+            startup.check_device("cuda")
+    startup.check_device("cpu")
+
+
+def test_model_paths_are_checked_offline(tmp_path):
+    with pytest.raises(startup.StartupError, match="no such local directory"):
+        startup.check_model(str(tmp_path / "missing"))
+    with pytest.raises(startup.StartupError, match="has no config.json"):
+        startup.check_model(str(tmp_path))
+    startup.check_model("tiny-llama")
+
+
+def test_busy_and_clashing_ports_are_named():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(startup.StartupError, match=f"--metrics-port {port}: cannot listen"):
+            startup.check_ports(ProducerConfig(port=0, metrics_port=port))
+    with pytest.raises(startup.StartupError, match="--health-port 50999: the same port as --port"):
+        startup.check_ports(ProducerConfig(port=50999, health_port=50999))
+
+
+def test_a_certificate_that_does_not_match_its_key_is_named(tmp_path):
+    ca = trustme.CA()
+    one, two = ca.issue_cert("localhost"), ca.issue_cert("localhost")
+    one.cert_chain_pems[0].write_to_path(tmp_path / "cert.pem")
+    two.private_key_pem.write_to_path(tmp_path / "key.pem")
+    cfg = ProducerConfig(tls_cert=str(tmp_path / "cert.pem"), tls_key=str(tmp_path / "key.pem"))
+    with pytest.raises(startup.StartupError, match="the key does not match the certificate"):
+        startup.check_security(cfg)
+    with pytest.raises(startup.StartupError, match="--producer-tls-ca .*: no such file"):
+        startup.check_security(ConsumerConfig(producer_tls_ca=str(tmp_path / "missing.pem")))
+
+
+@pytest.mark.parametrize("cls, service", [(ProducerConfig, "producer"), (ConsumerConfig, "consumer")])
+def test_flags_have_help_and_no_abbreviations(cls, service):
+    parser = config_lib.parser_for(cls, service, {})
+    described = {a.dest: a.help for a in parser._actions if a.dest != "help"}
+    assert set(described) == {f.name for f in dataclasses.fields(cls)}
+    assert [name for name, text in described.items() if not text or text.startswith(" (env")] == []
+    with pytest.raises(SystemExit):
+        config_lib.load(cls, service, ["--artifact", "x"], env={})  # not --artifacts
