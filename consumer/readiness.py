@@ -2,9 +2,9 @@
 for readiness.
 
 `ProducerLink` asks the producer's `Describe` (through the consumer's own channel: balancing,
-TLS, token) at start and again every `--producer-check-interval-s`, so a producer that appears
-later, restarts with other weights or starts refusing our token is seen without a request
-failing first. Each check gives a `LinkState`: `ok`, `unreachable`, `tls_failed`,
+TLS, token) at start and again every `--producer-check-interval-s` (every second while the link
+is down), so a producer that appears later, restarts with other weights or starts refusing our
+token is seen without a request failing first. Each check gives a `LinkState`: `ok`, `unreachable`, `tls_failed`,
 `unauthenticated`, `incompatible` (another API or codec format version, consumer.compat) or
 `unverified` (it answers but has no Describe). A change is logged once (`producer.link`), counted
 by the metric `scd_producer_link` (1 on the current state) and shown in Describe.
@@ -35,6 +35,7 @@ log = logs.get("consumer.readiness")
 
 LINK_STATES = ("unknown", "ok", "unverified", "unreachable", "tls_failed", "unauthenticated", "incompatible")
 USABLE = ("ok", "unverified")
+RETRY_S = 1.0  # re-check period while the link is not usable
 _TLS = re.compile(r"(?:Tls|Ssl|SSL) handshake failed[^:]*:(?:.*?OPENSSL_internal:)?\s*([A-Z_]+)?:?\s*([^:]*)", re.I)
 _TLS_NAMES = {
     "CERTIFICATE_VERIFY_FAILED": "unknown CA",
@@ -135,8 +136,8 @@ class ProducerLink:
             self._task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
+        while True:  # a link that is down is retried every second (a producer still loading, restarting)
+            await asyncio.sleep(self.interval_s if self.state.state in USABLE else min(self.interval_s, RETRY_S))
             with contextlib.suppress(Exception):
                 await self.check()
 
