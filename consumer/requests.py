@@ -39,7 +39,7 @@ Tokenize = Callable[[str, bool], Awaitable[list[int]]]
 
 
 def transfer_codec(
-    codecs: Mapping[str, codec_lib.Codec], spec: common_pb2.CodecSpec, default: str = "raw"
+    codecs: Mapping[str, codec_lib.Codec], spec: common_pb2.CodecSpec, default: str = LOCAL_MODE
 ) -> tuple[codec_lib.Codec | None, dict[str, str]]:
     """The codec and resolved options a request names (no name: the consumer's `default` mode);
     (None, {}) for the consumer's own prefill."""
@@ -72,7 +72,7 @@ class JobBuilder:
         tokenize: Tokenize,
     ):
         self.config, self.loaded, self.codecs, self.planner, self.tokenize = config, loaded, codecs, planner, tokenize
-        self.default_mode = lambda: "raw"  # the server's consumer.defaults.DefaultMode sets it
+        self.default_mode: Callable[[], str] = lambda: LOCAL_MODE  # the server sets it (consumer.defaults.DefaultMode)
 
     async def _ids(self, prompt: consumer_pb2.Prompt, field: str, limit: int, special: bool) -> list[int]:
         which = prompt.WhichOneof("input")
