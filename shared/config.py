@@ -50,7 +50,7 @@ def parse_bool(value: str | bool) -> bool:
 class ServerConfig:
     host: str = "127.0.0.1"  # listen address of every port (API, health, metrics)
     port: int = 0  # API port (0: any free port); services set their own default
-    model: str = "tiny-llama"  # local path, hub id, or builtin tiny name
+    model: str = "tiny-llama"  # local directory, builtin tiny name, or hub id in the local cache (HF_HUB_OFFLINE=0 downloads)
     dtype: str = "float32"  # float32, bfloat16 or float16 (the shipped QA pair was trained in bfloat16)
     device: str = "auto"  # auto (cuda:0 when present, else cpu), cpu, cuda or cuda:N
     max_context_tokens: int = 8192  # longest context a request may carry, in tokens
@@ -132,9 +132,8 @@ class ConsumerConfig(ServerConfig):
     max_text_bytes: int = 1 << 20  # context or question text longer than this is refused before tokenizing
     max_inflight: int = 16  # concurrent Generate calls; more get RESOURCE_EXHAUSTED
     audit_threshold: float = 0.05  # cache-audit error counted as divergence when the codec has no calibrated one
-    default_timeout_s: float = 120.0  # used when the caller sets no deadline
-    # mode of a request that names none (consumer.defaults)
-    default_mode: str = ""  # "" = the safest the artifacts allow: scd for a calibrated pair, raw for equal weights, else oracle
+    default_timeout_s: float = 120.0  # deadline in seconds of a call whose caller sets none
+    default_mode: str = ""  # mode of a request naming none; empty: the safest the artifacts allow (consumer.defaults)
     producer_check_interval_s: float = 10.0  # re-check of the producer link (reachable, authenticated, compatible)
 
     def validate(self) -> None:
