@@ -1,10 +1,6 @@
 """`python -m consumer`: run the consumer service until SIGTERM/SIGINT, then drain (flags: --help)."""
 
-import os
 import sys
-
-# gRPC core logs (a rejected TLS handshake, ...) are not JSON lines: errors only, unless asked for
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from consumer.server import ConsumerServer
 from shared.config import ConsumerConfig

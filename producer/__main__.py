@@ -1,10 +1,6 @@
 """`python -m producer`: run the producer service until SIGTERM/SIGINT, then drain (flags: --help)."""
 
-import os
 import sys
-
-# gRPC core logs (a rejected TLS handshake, ...) are not JSON lines: errors only, unless asked for
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from producer.server import ProducerServer
 from shared.config import ProducerConfig

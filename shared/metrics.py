@@ -20,6 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from shared import core_log
+
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 2))  # 1 KiB .. 8 GiB
 # statuses that mean a transfer broke the stream contract (checksum, schema, order, format)
@@ -45,6 +47,13 @@ class _Callback(Collector):
         yield from self.fn()
 
 
+def _handshake_failures():
+    """TLS handshakes gRPC core reported failed (shared.core_log; 0 where it is not installed)."""
+    c = CounterMetricFamily("scd_tls_handshake_failures", "TLS handshakes that failed (rejected client certificates, ...)")
+    c.add_metric([], core_log.CORE_LOG.handshake_failures if core_log.CORE_LOG is not None else 0)
+    yield c
+
+
 class Metrics:
     """Families common to both services, plus the consumer's or the producer's own (by the
     service name: only what that service ever moves is exported)."""
@@ -65,6 +74,7 @@ class Metrics:
             "scd_stream_contract_violations", "calls ended with a stream-contract status, by code", ["method", "code"], registry=r
         )
         self.http: WSGIServer | None = None
+        self.registry.register(_Callback(_handshake_failures))
         if service.endswith("ConsumerService"):
             self._consumer_families()
         elif service.endswith("ProducerService"):

@@ -368,8 +368,9 @@ def main(service: str, config_cls: type[ServerConfig], server_cls: type, argv: l
     start -> load -> serve until SIGTERM/SIGINT -> drain. `server_cls(config)` has async start(),
     load() and stop(). Any start-up failure: one JSON log line, one sentence on stderr, exit 2."""
     from shared import config as config_lib
-    from shared import startup
+    from shared import core_log, startup
 
+    core_log.install(service)  # gRPC core's own stderr lines become JSON lines (failed TLS handshakes counted)
     try:
         cfg = config_lib.load(config_cls, service, argv)
     except ValueError as exc:

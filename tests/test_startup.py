@@ -109,3 +109,53 @@ def test_flags_have_help_and_no_abbreviations(cls, service):
     assert [name for name, text in described.items() if not text or text.startswith(" (env")] == []
     with pytest.raises(SystemExit):
         config_lib.load(cls, service, ["--artifact", "x"], env={})  # not --artifacts
+
+
+async def test_rejected_tls_handshakes_are_counted_and_logged_as_json(tmp_path):
+    """Issue 19, finding 7: a service process's stderr carries JSON lines only; a client the mTLS
+    port refuses is one `tls.handshake_failed` line and one count of scd_tls_handshake_failures."""
+    import asyncio
+    import signal
+    import urllib.request
+
+    import grpc
+
+    from bench.services import free_port
+    from tests.conftest import wait_serving
+
+    ca, rogue_ca = trustme.CA(), trustme.CA()
+    server = ca.issue_cert("localhost", "127.0.0.1")
+    server.private_key_pem.write_to_path(tmp_path / "server.key")
+    (tmp_path / "server.pem").write_bytes(b"".join(blob.bytes() for blob in server.cert_chain_pems))
+    ca.cert_pem.write_to_path(tmp_path / "ca.pem")
+    port, health, metrics = free_port(), free_port(), free_port()
+    args = ["--model", "tiny-llama", "--device", "cpu", "--port", str(port), "--health-port", str(health),
+            "--metrics-port", str(metrics), "--tls-cert", str(tmp_path / "server.pem"), "--tls-key",
+            str(tmp_path / "server.key"), "--tls-client-ca", str(tmp_path / "ca.pem"), "--drain-grace-s", "0"]
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    proc = subprocess.Popen([sys.executable, "-m", "producer", *args], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(240):  # the process imports torch and loads the model first
+            try:
+                await wait_serving(f"127.0.0.1:{health}", timeout_s=60)
+                break
+            except grpc.aio.AioRpcError:
+                assert proc.poll() is None, "the producer exited"
+                await asyncio.sleep(0.5)
+        rogue = rogue_ca.issue_cert("scd-consumer")
+        for key, chain in ((None, None), (rogue.private_key_pem.bytes(), rogue.cert_chain_pems[0].bytes())):
+            credentials = grpc.ssl_channel_credentials(ca.cert_pem.bytes(), private_key=key, certificate_chain=chain)
+            async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await channel.unary_unary("/scd.v1.ProducerService/Describe")(b"", timeout=3)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
+        count = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("scd_tls_handshake_failures_total"))
+        assert count >= 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert [line for line in lines if not line.startswith("{")] == []
+    events = [json.loads(line)["event"] for line in lines]
+    assert events.count("tls.handshake_failed") >= 2 and "server.drained" in events
