@@ -12,6 +12,7 @@ Only the service entry points install it (`shared.serving.main`); tests and tool
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import json
 import os
@@ -54,11 +55,18 @@ class CoreLog:
         self._reader = None
 
     def _pump(self, read: int) -> None:
+        """Drain the pipe until EOF whatever happens to a line: a reader that stopped would block
+        every writer of stderr once the pipe is full."""
         with os.fdopen(read, "rb") as lines:
             for raw in lines:
-                out = self.translate(raw.decode("utf-8", "replace").rstrip("\n"))
-                if out is not None:
-                    os.write(self._saved, out.encode() + b"\n")
+                try:
+                    out = self.translate(raw.decode("utf-8", "replace").rstrip("\n"))
+                    data = b"" if out is None else out.encode() + b"\n"
+                except Exception:
+                    data = raw
+                if data:
+                    with contextlib.suppress(OSError):  # stderr's reader went away: keep draining
+                        os.write(self._saved, data)
 
     def translate(self, line: str) -> str | None:
         """The line to write for one line read from fd 2 (None: drop it)."""

@@ -159,3 +159,17 @@ async def test_rejected_tls_handshakes_are_counted_and_logged_as_json(tmp_path):
     assert [line for line in lines if not line.startswith("{")] == []
     events = [json.loads(line)["event"] for line in lines]
     assert events.count("tls.handshake_failed") >= 2 and "server.drained" in events
+
+
+def test_core_log_lines_become_json_and_other_lines_pass_through():
+    from shared.core_log import CoreLog
+
+    core = CoreLog("producer")
+    line = ("I1201 13:26:17.782330   14341 ssl_transport_security.cc:2563] Handshake failed with error SSL_ERROR_SSL: "
+            "error:100000c0:SSL routines:OPENSSL_internal:PEER_DID_NOT_RETURN_A_CERTIFICATE: Invalid certificate verification context")
+    out = json.loads(core.translate(line))
+    assert out["event"] == "tls.handshake_failed" and out["error"].startswith("PEER_DID_NOT_RETURN_A_CERTIFICATE")
+    assert core.handshake_failures == 1
+    assert core.translate("I1201 13:27:34.926793   15502 chttp2_transport.cc:1403] ipv4:127.0.0.1:1: Got goaway") is None
+    assert json.loads(core.translate("E1201 13:27:34.9 15502 server.cc:10] boom"))["event"] == "grpc.core"
+    assert core.translate('{"event": "server.started"}') == '{"event": "server.started"}'
