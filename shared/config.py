@@ -31,7 +31,7 @@ class Validated(Protocol):
 
 
 C = TypeVar("C", bound=Validated)
-LOCAL_MODE = "oracle"  # the consumer's own prefill (consumer.engine re-exports it)
+LOCAL_MODE = "oracle"  # the consumer's own prefill, as consumer.engine names it (shared never imports consumer)
 LB_POLICIES = ("ring_hash", "round_robin", "pick_first")
 
 
@@ -162,7 +162,8 @@ class ConsumerConfig(ServerConfig):
 
 
 def default_modes() -> list[str]:
-    """What --default-mode may name: every registered codec and the consumer's own prefill."""
+    """What --default-mode may name: every registered codec and the consumer's own prefill (the
+    adaptive `auto` mode joins this list when it lands)."""
     from shared.codecs import registered  # torch-heavy: only when a default mode is set
 
     return sorted([*registered(), LOCAL_MODE])
@@ -176,7 +177,11 @@ def field_help(cls: type) -> dict[str, str]:
     helps: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if dataclasses.is_dataclass(klass):
-            for line in inspect.getsource(klass).splitlines():
+            try:
+                source = inspect.getsource(klass)
+            except (OSError, TypeError):  # no source shipped: flags keep their env and default only
+                continue
+            for line in source.splitlines():
                 m = _FIELD_LINE.match(line)
                 if m:
                     helps[m.group(1)] = m.group(2)
