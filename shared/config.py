@@ -15,7 +15,7 @@ import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, NoReturn, Protocol, TypeVar
 
 from shared.models import DTYPES
 from shared.tracing import TRACE_MODES
@@ -188,18 +188,31 @@ def field_help(cls: type) -> dict[str, str]:
     return helps
 
 
+class FlagError(ValueError):
+    """A command line or environment variable that cannot be read (unknown flag, bad value)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # raise, so the caller reports it in one line
+        raise FlagError(f"{message} ({self.prog} --help lists the flags)")
+
+
 def parser_for(cls: type[C], service: str, env: Mapping[str, str]) -> argparse.ArgumentParser:
-    """Flags of `cls`: no abbreviations (`--artifact` is an error, not `--artifacts`), a help line each."""
-    parser = argparse.ArgumentParser(prog=f"python -m {service}", description=f"SCD {service} service", allow_abbrev=False)
+    """Flags of `cls`: no abbreviations (`--artifact` is an error, not `--artifacts`), a help line
+    each; a bad flag or value raises FlagError instead of printing usage and exiting."""
+    parser = _Parser(prog=f"python -m {service}", description=f"SCD {service} service", allow_abbrev=False)
     helps = field_help(cls)
     for f in fields(cls):
         var = f"SCD_{service.upper()}_{f.name.upper()}"
-        default = env.get(var, f.default)
         kind: Callable[[Any], Any] = parse_bool if isinstance(f.default, bool) else type(f.default)
+        try:
+            default = kind(env.get(var, f.default))
+        except ValueError as exc:
+            raise FlagError(f"{var}={env.get(var)!r}: {exc}") from None
         parser.add_argument(
             f"--{f.name.replace('_', '-')}",
             type=kind,
-            default=kind(default),
+            default=default,
             nargs="?" if kind is parse_bool else None,
             const=True if kind is parse_bool else None,
             help=f"{helps.get(f.name, '')} (env {var}, default {'***' if not f.repr else repr(f.default)})".replace("%", "%%"),

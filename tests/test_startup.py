@@ -44,6 +44,7 @@ def test_a_mistyped_model_path_fails_at_once_naming_the_path():
     proc = run_service("consumer", "--model", "checkpoints/qa-bse")
     assert_one_line_failure(proc, "--model checkpoints/qa-bse: no such local directory")
     assert '"server.started"' not in proc.stderr
+    assert_one_line_failure(run_service("producer", "--artifact", "x"), "unrecognized arguments: --artifact x")
 
 
 def test_an_artifact_of_other_weights_fails_the_start(tmp_path):
@@ -107,8 +108,10 @@ def test_flags_have_help_and_no_abbreviations(cls, service):
     described = {a.dest: a.help for a in parser._actions if a.dest != "help"}
     assert set(described) == {f.name for f in dataclasses.fields(cls)}
     assert [name for name, text in described.items() if not text or text.startswith(" (env")] == []
-    with pytest.raises(SystemExit):
+    with pytest.raises(config_lib.FlagError, match="unrecognized arguments: --artifact x"):
         config_lib.load(cls, service, ["--artifact", "x"], env={})  # not --artifacts
+    with pytest.raises(config_lib.FlagError, match=f"SCD_{service.upper()}_PORT='http'"):
+        config_lib.load(cls, service, [], env={f"SCD_{service.upper()}_PORT": "http"})
 
 
 async def test_rejected_tls_handshakes_are_counted_and_logged_as_json(tmp_path):
