@@ -106,3 +106,22 @@ def test_the_guide_names_the_cache_dir_and_the_readme_runs_the_trained_pair():
     assert "SCD_CACHE_DIR" in guide
     assert "-m producer --model checkpoints/qa-base --dtype bfloat16" in readme
     assert "on_transfer_failure=2" not in readme and "asyncio.run(" in readme
+
+
+def test_the_readme_runs_the_trained_pair_by_hand():
+    """The README's commands for the trained pair, run as written (on free ports): both services
+    start, the consumer becomes SERVING, and the demo's SCD answer equals the oracle's."""
+    import json
+    import subprocess
+
+    from bench.services import free_port
+
+    if not (ROOT / "checkpoints/qa-base/config.json").exists() or not (ROOT / "artifacts/qa-base-to-tuned.safetensors").exists():
+        pytest.skip("the trained pair is not in this checkout")
+    (block,) = [b for b in code_blocks("README.md", "sh") if "-m consumer --model checkpoints/qa-tuned" in b]
+    block = block.replace("50051", str(free_port())).replace("50052", str(free_port()))
+    script = "set -e\ntrap 'kill $(jobs -p) 2>/dev/null; wait' EXIT\n" + block
+    proc = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {row["mode"]: row for row in map(json.loads, proc.stdout.splitlines()) if "mode" in row}
+    assert rows["scd"]["match_oracle"] and rows["scd"]["bytes"] < rows["raw"]["bytes"]
