@@ -72,7 +72,11 @@ def pki(tmp_path_factory):
     cert.private_key_pem.write_to_path(root / "server.key")
     (root / "server.pem").write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
     (root / "token").write_text("producer-secret\n")
-    return {name: str(root / name) for name in ("ca.pem", "other-ca.pem", "server.key", "server.pem", "token")}
+    rogue = other.issue_cert("scd-consumer")  # a client certificate from a CA the producer does not trust
+    rogue.private_key_pem.write_to_path(root / "rogue.key")
+    rogue.cert_chain_pems[0].write_to_path(root / "rogue.pem")
+    names = ("ca.pem", "other-ca.pem", "server.key", "server.pem", "token", "rogue.key", "rogue.pem")
+    return {name: str(root / name) for name in names}
 
 
 async def test_a_rejected_token_is_not_ready_and_named_for_the_caller(pki):
@@ -125,3 +129,15 @@ async def test_a_consumer_whose_default_needs_no_producer_stays_serving_and_repo
         async with ConsumerClient(consumer.address) as client:
             described = await client.describe()
         assert described.default_mode == "oracle" and described.producer_link.state == "unreachable"
+
+
+async def test_a_rogue_client_certificate_is_not_ready_and_hinted(pki):
+    producer_kw = {"tls_cert": pki["server.pem"], "tls_key": pki["server.key"], "tls_client_ca": pki["ca.pem"]}
+    consumer_kw = {"producer_tls_ca": pki["ca.pem"], "producer_tls_cert": pki["rogue.pem"], "producer_tls_key": pki["rogue.key"],
+                   "default_mode": "raw"}
+    async with servers(producer_kw, consumer_kw) as (_, consumer):
+        assert await health(consumer.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        link = await describe_link(consumer)
+        assert link.state != "ok" and "client certificate" in link.reason
+        err = await generate_error(consumer)
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "client certificate" in err.details()
