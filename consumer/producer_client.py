@@ -23,6 +23,7 @@ from collections.abc import AsyncGenerator
 
 import grpc
 
+from consumer.readiness import failure
 from consumer.stream_reader import Event, Expectation, StreamReader
 from shared import logs, security, tracing
 from shared.errors import DataLoss, DeadlineExceeded, FailedPrecondition, ServiceError, Unavailable
@@ -72,11 +73,18 @@ _PASS_DETAILS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECON
 _ADDRESS = re.compile(r"(?:(?:ipv[46]|dns|unix):/*)?\[?[\w.\-:]*[\w\]]:\d{1,5}\b")
 
 
-def upstream_error(exc: grpc.aio.AioRpcError) -> ServiceError:
-    """The consumer's error for a failed producer call (never the producer's address)."""
+def upstream_error(exc: grpc.aio.AioRpcError, transport: str = "plaintext", link_problem: str = "") -> ServiceError:
+    """The consumer's error for a failed producer call (never the producer's address); a rejected
+    token or a failed TLS handshake is named as such (consumer.readiness.failure), and an
+    unavailable producer carries the cause the last link check found, if any."""
     cls, what = _MAPPED.get(exc.code(), (Unavailable, "producer failed"))
     details = (exc.details() or "")[:300]
     log.warning("producer.call_failed", code=exc.code().name, details=details)
+    named = failure(exc.code(), details, transport)
+    if named is not None:
+        return named
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and link_problem:
+        return cls(f"{what} ({exc.code().name}); last producer link check: {link_problem}")
     if exc.code() not in _PASS_DETAILS:
         return cls(f"{what} ({exc.code().name})")
     return cls(f"{what} ({exc.code().name}): {_ADDRESS.sub('<address>', details)}")
@@ -114,8 +122,12 @@ def channel_options(lb: str = "ring_hash", keepalive_s: float = 30.0, server_nam
 
 
 class ProducerClient:
-    def __init__(self, target: str, consumer_digest: str = "", channel: grpc.aio.Channel | None = None):
+    def __init__(
+        self, target: str, consumer_digest: str = "", channel: grpc.aio.Channel | None = None, transport: str = "plaintext"
+    ):
         self.target = target
+        self.transport = transport  # plaintext | tls | mtls: what a failed connection's cause is read against
+        self.link_problem = ""  # the last producer link check's reason when it was not ok (consumer.readiness)
         self.consumer_digest = consumer_digest
         self.channel = channel or grpc.aio.insecure_channel(target, options=channel_options())
         self.stub = producer_pb2_grpc.ProducerServiceStub(self.channel)
@@ -128,7 +140,9 @@ class ProducerClient:
         token = security.load_token(cfg.producer_token, cfg.producer_token_file)
         options = channel_options(cfg.producer_lb, cfg.keepalive_s, cfg.producer_tls_server_name)
         extra = tracer.client_interceptors() if tracer is not None else []
-        return cls(cfg.producer, consumer_digest, security.aio_channel(cfg.producer, options, credentials, token, extra))
+        transport = "mtls" if cfg.producer_tls_cert else ("tls" if cfg.producer_tls_ca else "plaintext")
+        channel = security.aio_channel(cfg.producer, options, credentials, token, extra)
+        return cls(cfg.producer, consumer_digest, channel, transport)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -152,6 +166,6 @@ class ProducerClient:
                     yield event
             reader.end()
         except grpc.aio.AioRpcError as exc:
-            raise upstream_error(exc) from None
+            raise upstream_error(exc, self.transport, self.link_problem) from None
         finally:
             call.cancel()  # a no-op once the call ended; stops the producer on any error here

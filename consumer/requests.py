@@ -39,14 +39,18 @@ Tokenize = Callable[[str, bool], Awaitable[list[int]]]
 
 
 def transfer_codec(
-    codecs: Mapping[str, codec_lib.Codec], spec: common_pb2.CodecSpec
+    codecs: Mapping[str, codec_lib.Codec], spec: common_pb2.CodecSpec, default: str = LOCAL_MODE
 ) -> tuple[codec_lib.Codec | None, dict[str, str]]:
-    """The codec and resolved options a request names; (None, {}) for the consumer's own prefill."""
-    if spec.name == LOCAL_MODE:
+    """The codec and resolved options a request names (no name: the consumer's `default` mode);
+    (None, {}) for the consumer's own prefill."""
+    name = spec.name or default
+    if name == LOCAL_MODE:
         if spec.options:
             raise InvalidArgument(f"transfer.options: mode '{LOCAL_MODE}' takes no options, got {sorted(spec.options)[:8]}")
         return None, {}
-    codec = codec_lib.lookup(codecs, spec.name or "raw")
+    if name not in codecs:
+        raise InvalidArgument(f"transfer.name: unknown codec {name!r}; supported: {sorted([*codecs, LOCAL_MODE])}")
+    codec = codecs[name]
     return codec, codec.resolve(dict(spec.options))
 
 
@@ -68,6 +72,7 @@ class JobBuilder:
         tokenize: Tokenize,
     ):
         self.config, self.loaded, self.codecs, self.planner, self.tokenize = config, loaded, codecs, planner, tokenize
+        self.default_mode: Callable[[], str] = lambda: LOCAL_MODE  # the server sets it (consumer.defaults.DefaultMode)
 
     async def _ids(self, prompt: consumer_pb2.Prompt, field: str, limit: int, special: bool) -> list[int]:
         which = prompt.WhichOneof("input")
@@ -111,7 +116,7 @@ class JobBuilder:
         bad = next((t for t in request.stop_token_ids if t >= vocab), None)
         if bad is not None:
             raise InvalidArgument(f"stop_token_ids: id {bad} >= vocab_size {vocab}")
-        codec, options = transfer_codec(self.codecs, request.transfer)
+        codec, options = transfer_codec(self.codecs, request.transfer, self.default_mode())
         context_ids = await self._ids(request.context, "context", cfg.max_context_tokens, special=True)
         question_ids = await self._ids(request.question, "question", cfg.max_question_tokens, special=False)
         fallback = ""

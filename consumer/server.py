@@ -10,8 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 
 import shared
-from consumer import compat
+from consumer import readiness
 from consumer.batch import BatchEngine
+from consumer.defaults import DefaultMode
 from consumer.engine import LOCAL_MODE, GenerateEngine, GenerateResult, TokenOut
 from consumer.kv_admission import KVAdmission
 from consumer.kv_pool import KVPool, default_pool_bytes
@@ -52,6 +53,9 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         self.engine = GenerateEngine(loaded, batch, kv_admission, client)
         self.planner = TransferPlanner()
         self.jobs = JobBuilder(self.config, loaded, self.codecs, self.planner, self._tokenize)
+        self.default = DefaultMode(self.config.default_mode, self.codecs, loaded.info.weight_digest)
+        self.jobs.default_mode = lambda: self.default.mode
+        self.link: readiness.ProducerLink | None = None  # ConsumerServer sets it
         self.loaded = loaded
 
     def _ready(self) -> LoadedModel:
@@ -136,6 +140,9 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             server_version=shared.__version__,
             api_version=shared.API_VERSION,
             artifacts=describe.artifacts_to_pb(self.codecs),
+            default_mode=self.default.mode,
+            default_mode_reason=self.default.choice.why,
+            producer_link=readiness.link_to_pb(self.link),
             stats=consumer_pb2.ConsumerStats(
                 generates_started=self.outcomes.started,
                 generates_completed=self.outcomes.completed,
@@ -193,6 +200,7 @@ class ConsumerServer:
         self.executor: BatchEngine | None = None  # the batch engine: the device's only executor, once loaded
         handlers.add_servicer(self.server.server, self.servicer, consumer_pb2.DESCRIPTOR.services_by_name["ConsumerService"])
         self.client: ProducerClient | None = None
+        self.link: readiness.ProducerLink | None = None
 
     @property
     def address(self) -> str:
@@ -216,8 +224,16 @@ class ConsumerServer:
         self.server.progress = [batch.progress]  # liveness from the engine's progress, not a place in its queue
         self.client = ProducerClient.from_config(cfg, loaded.info.weight_digest, self.server.tracing)
         self.servicer.attach(loaded, batch, kv_admission, self.client)
-        self.server.not_ready = await compat.check_producer(self.client.stub, self.servicer.codecs)
+        self.link = link = readiness.ProducerLink(
+            self.client.stub, self.servicer.codecs, self.client.transport, cfg.producer_check_interval_s, self._link_changed
+        )
+        self.servicer.link = link
+        self.server.metrics.watch_state(
+            "scd_producer_link", "producer link state (1: current)", readiness.LINK_STATES, lambda: link.state.state
+        )
+        await link.check()  # readiness and the default mode from what the producer says
         await self.server.serving()
+        link.start()
         log.info(
             "server.serving",
             model=loaded.info.model_id,
@@ -228,7 +244,18 @@ class ConsumerServer:
             max_batch=cfg.max_batch,
         )
 
+    async def _link_changed(self, state: readiness.LinkState) -> None:
+        """A new producer link state: the default mode for what is now known, then readiness."""
+        default = self.servicer.default
+        if self.client is not None:
+            self.client.link_problem = "" if state.state in readiness.USABLE else state.reason
+        if state.producer_digest and default.producer_known(state.producer_digest, state.producer_artifacts):
+            log.info("consumer.default_mode", mode=default.mode, reason=default.choice.why)
+        await self.server.set_not_ready(readiness.not_ready(state, default.uses_producer))
+
     async def stop(self, grace_s: float | None = None) -> None:
+        if self.link is not None:
+            await self.link.stop()
         await self.server.drain(self.config.drain_grace_s if grace_s is None else grace_s, self.servicer.admission)
         if self.client is not None:
             await self.client.close()

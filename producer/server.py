@@ -18,6 +18,7 @@ from shared import codecs as codec_lib
 from shared import describe, handlers, liveness, logs, outcomes, serving, wire
 from shared.config import ProducerConfig
 from shared.errors import InvalidArgument, Unavailable
+from shared.metrics import Metrics
 from shared.models import LoadedModel, load_model, warm_up
 from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
 from shared.scd.artifact import discover
@@ -28,6 +29,8 @@ SERVICE_NAME = producer_pb2.DESCRIPTOR.services_by_name["ProducerService"].full_
 
 class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
     """Registered before the port opens; answers UNAVAILABLE until `attach` gives it a model."""
+
+    metrics: Metrics  # the server's, set by ProducerServer right after construction
 
     def __init__(self, config: ProducerConfig, executor: ThreadPoolExecutor):
         self.config = config
@@ -145,6 +148,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                         )
                     )
                     self.store_hits += stored is not None
+                    self.metrics.observe_prefill(codec.name, sent_bytes, item.prefill_ms, item.encode_ms, stored is not None)
                     log.info(
                         "prefill.done",
                         bytes=sent_bytes,
@@ -202,6 +206,7 @@ class ProducerServer:
         self.server = serving.Server([SERVICE_NAME], config)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="producer-compute")
         self.servicer = ProducerServicer(config, self.executor)
+        self.servicer.metrics = self.server.metrics
         self.server.watch(
             admission=self.servicer.admission,
             store=self.servicer.store,

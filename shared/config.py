@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, NoReturn, Protocol, TypeVar
 
 from shared.models import DTYPES
 from shared.tracing import TRACE_MODES
@@ -29,6 +31,7 @@ class Validated(Protocol):
 
 
 C = TypeVar("C", bound=Validated)
+LOCAL_MODE = "oracle"  # the consumer's own prefill, as consumer.engine names it (shared never imports consumer)
 LB_POLICIES = ("ring_hash", "round_robin", "pick_first")
 
 
@@ -45,14 +48,14 @@ def parse_bool(value: str | bool) -> bool:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: pick a free port (tests); services set their own default
-    model: str = "tiny-llama"  # local path, hub id, or builtin tiny name
-    dtype: str = "float32"
-    device: str = "auto"  # "auto": cuda:0 when present, else cpu
-    max_context_tokens: int = 8192
+    host: str = "127.0.0.1"  # listen address of every port (API, health, metrics)
+    port: int = 0  # API port (0: any free port); services set their own default
+    model: str = "tiny-llama"  # local directory, builtin tiny name, or hub id in the local cache (HF_HUB_OFFLINE=0 downloads)
+    dtype: str = "float32"  # float32, bfloat16 or float16 (the shipped QA pair was trained in bfloat16)
+    device: str = "auto"  # auto (cuda:0 when present, else cpu), cpu, cuda or cuda:N
+    max_context_tokens: int = 8192  # longest context a request may carry, in tokens
     drain_grace_s: float = 30.0  # SIGTERM: admitted calls get this long to finish; new ones get UNAVAILABLE
-    log_level: str = "INFO"
+    log_level: str = "INFO"  # DEBUG, INFO, WARNING, ERROR: JSON log lines on stderr
     artifacts: str = ""  # comma-separated SCD artifact files or directories
     # transport security and caller authentication (shared.security)
     tls_cert: str = ""  # PEM server certificate chain; with tls_key the API port speaks TLS
@@ -60,7 +63,7 @@ class ServerConfig:
     tls_client_ca: str = ""  # PEM CA bundle that signs client certificates (mTLS)
     require_client_cert: bool = True  # with tls_client_ca: refuse a client without a certificate from it
     token_file: str = ""  # file holding the bearer token callers must send (health exempt)
-    token: str = field(default="", repr=False)  # the token itself (prefer the env var or token_file)
+    token: str = field(default="", repr=False)  # the bearer token itself (prefer the env var or token_file)
     reflection: bool = False  # gRPC server reflection (v1 and v1alpha)
     # side ports: -1 off, 0 any free port (tests)
     health_port: int = -1  # plaintext port serving only grpc.health.v1 (kubelet gRPC probes)
@@ -102,7 +105,7 @@ class ServerConfig:
 @dataclass(frozen=True)
 class ProducerConfig(ServerConfig):
     port: int = 50051
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES  # payload chunk size on the wire, 1024 .. 4 MiB (announced in the header)
     max_inflight: int = 32  # concurrent Prefill calls; more get RESOURCE_EXHAUSTED
     store_bytes: int = 1 << 30  # context store budget (encoded streams kept for reuse); 0 disables
     max_prefill_batch: int = 8  # cold contexts prefilled together in one forward, at most
@@ -132,16 +135,18 @@ class ConsumerConfig(ServerConfig):
     producer_tls_key: str = ""  # PEM private key of producer_tls_cert
     producer_tls_server_name: str = ""  # expected name in the producer certificate when it differs from the target's
     producer_token_file: str = ""  # bearer token sent to the producers
-    producer_token: str = field(default="", repr=False)
+    producer_token: str = field(default="", repr=False)  # the producers' bearer token itself (prefer the env var or file)
     keepalive_s: float = 30.0  # channel keepalive ping period to the producers
-    max_question_tokens: int = 1024
-    max_new_tokens: int = 512
+    max_question_tokens: int = 1024  # longest question, in tokens
+    max_new_tokens: int = 512  # most tokens generated per request
     max_text_bytes: int = 1 << 20  # context or question text longer than this is refused before tokenizing
     max_inflight: int = 64  # concurrent Generate calls (running or waiting for KV memory); more get RESOURCE_EXHAUSTED
     audit_threshold: float = 0.05  # cache-audit error counted as divergence when the codec has no calibrated one
-    default_timeout_s: float = 120.0  # used when the caller sets no deadline
+    default_timeout_s: float = 120.0  # deadline in seconds of a call whose caller sets none
+    default_mode: str = ""  # mode of a request naming none; empty: the safest the artifacts allow (consumer.defaults)
+    producer_check_interval_s: float = 10.0  # re-check of the producer link (reachable, authenticated, compatible)
     # the batch engine (consumer/batch.py, docs/design.md "The serving engine")
-    max_batch: int = 32  # rows per forward (1: one request per forward, the pre-batching behaviour)
+    max_batch: int = 32  # rows per engine forward (1: one request per forward, the pre-batching behaviour)
     kv_pool_bytes: int = 0  # KV pool size; 0: max_batch requests of 2048 tokens or two of the largest allowed, capped by memory
     kv_block_tokens: int = 16  # tokens per KV pool block
     max_queue: int = 64  # requests waiting for KV memory; more get RESOURCE_EXHAUSTED
@@ -166,29 +171,81 @@ class ConsumerConfig(ServerConfig):
             raise ValueError("producer_tls_cert: needs producer_tls_ca (the client certificate rides on a TLS channel)")
         if self.keepalive_s <= 0:
             raise ValueError("keepalive_s: must be > 0")
+        if self.producer_check_interval_s <= 0:
+            raise ValueError("producer_check_interval_s: must be > 0")
         for name in ("max_batch", "kv_block_tokens", "prefill_chunk", "max_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
         if self.kv_pool_bytes < 0 or self.max_queue < 0:
             raise ValueError("kv_pool_bytes and max_queue: must be >= 0")
+        modes = default_modes()
+        if self.default_mode and self.default_mode not in modes:
+            raise ValueError(f"default_mode: {self.default_mode!r} not in {', '.join(modes)} (empty: the safest available)")
+
+
+def default_modes() -> list[str]:
+    """What --default-mode may name: every registered codec and the consumer's own prefill (the
+    adaptive `auto` mode joins this list when it lands)."""
+    from shared.codecs import registered  # torch-heavy: only when a default mode is set
+
+    return sorted([*registered(), LOCAL_MODE])
+
+
+_FIELD_LINE = re.compile(r"^\s+(\w+): [^=]+=.*?  # (.+)$")
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """Each field's help line: the comment beside it in the class body (a subclass's wins)."""
+    helps: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            try:
+                source = inspect.getsource(klass)
+            except (OSError, TypeError):  # no source shipped: flags keep their env and default only
+                continue
+            for line in source.splitlines():
+                m = _FIELD_LINE.match(line)
+                if m:
+                    helps[m.group(1)] = m.group(2)
+    return helps
+
+
+class FlagError(ValueError):
+    """A command line or environment variable that cannot be read (unknown flag, bad value)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # raise, so the caller reports it in one line
+        raise FlagError(f"{message} ({self.prog} --help lists the flags)")
+
+
+def parser_for(cls: type[C], service: str, env: Mapping[str, str]) -> argparse.ArgumentParser:
+    """Flags of `cls`: no abbreviations (`--artifact` is an error, not `--artifacts`), a help line
+    each; a bad flag or value raises FlagError instead of printing usage and exiting."""
+    parser = _Parser(prog=f"python -m {service}", description=f"SCD {service} service", allow_abbrev=False)
+    helps = field_help(cls)
+    for f in fields(cls):
+        var = f"SCD_{service.upper()}_{f.name.upper()}"
+        kind: Callable[[Any], Any] = parse_bool if isinstance(f.default, bool) else type(f.default)
+        try:
+            default = kind(env.get(var, f.default))
+        except ValueError as exc:
+            raise FlagError(f"{var}={env.get(var)!r}: {exc}") from None
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            type=kind,
+            default=default,
+            nargs="?" if kind is parse_bool else None,
+            const=True if kind is parse_bool else None,
+            help=f"{helps.get(f.name, '')} (env {var}, default {'***' if not f.repr else repr(f.default)})".replace("%", "%%"),
+        )
+    return parser
 
 
 def load(cls: type[C], service: str, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> C:
     """Build `cls` from flags and SCD_<SERVICE>_<FIELD> environment variables, then validate."""
     env = os.environ if env is None else env
-    parser = argparse.ArgumentParser(prog=f"python -m {service}", description=f"SCD {service} service")
-    for f in fields(cls):
-        var = f"SCD_{service.upper()}_{f.name.upper()}"
-        default = env.get(var, f.default)
-        kind: Callable[[Any], Any] = parse_bool if isinstance(f.default, bool) else type(f.default)
-        parser.add_argument(
-            f"--{f.name.replace('_', '-')}",
-            type=kind,
-            default=kind(default),
-            nargs="?" if kind is parse_bool else None,
-            const=True if kind is parse_bool else None,
-            help=f"(env {var}, default {'***' if not f.repr else repr(f.default)})",
-        )
+    parser = parser_for(cls, service, env)
     config = cls(**vars(parser.parse_args(argv)))
     config.validate()
     return config

@@ -61,6 +61,7 @@ def artifacts_to_pb(codecs: Mapping[str, Codec]) -> list[common_pb2.ArtifactInfo
                     for e in art.schedules
                 ],
                 predictor_layers=art.predictor_layers,
+                file_name=art.path.name if art.path is not None else "",
             )
         )
     return out

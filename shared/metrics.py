@@ -16,15 +16,25 @@ from collections.abc import Callable, Iterable
 from wsgiref.simple_server import WSGIServer
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from shared import core_log
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 2))  # 1 KiB .. 8 GiB
 # statuses that mean a transfer broke the stream contract (checksum, schema, order, format)
 CONTRACT_CODES = ("DATA_LOSS", "FAILED_PRECONDITION")
 GENERATE_STAGES = ("queue_wait", "ttft", "transfer", "rebuild", "question_prefill", "decode")
+RATIO_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+HEALTH_PREFIX = "/grpc.health.v1.Health/"  # probes: not requests, kept out of the RPC metrics
+disable_created_metrics()  # no `_created` series: every family here is per process, started with it
+
+
+def short_method(method: str) -> str:
+    """'/scd.v1.ConsumerService/Generate' -> 'Generate' (the label an operator types)."""
+    return method.rsplit("/", 1)[-1] or method
 
 
 class _Callback(Collector):
@@ -45,7 +55,17 @@ def unlabelled(family, *rows: tuple[str, str, float]):
         yield metric
 
 
+def _handshake_failures():
+    """TLS handshakes gRPC core reported failed (shared.core_log; 0 where it is not installed)."""
+    c = CounterMetricFamily("scd_tls_handshake_failures", "TLS handshakes that failed (rejected client certificates, ...)")
+    c.add_metric([], core_log.CORE_LOG.handshake_failures if core_log.CORE_LOG is not None else 0)
+    yield c
+
+
 class Metrics:
+    """Families common to both services, plus the consumer's or the producer's own (by the
+    service name: only what that service ever moves is exported)."""
+
     def __init__(self, service: str):
         self.service = service
         self.registry = CollectorRegistry(auto_describe=True)
@@ -61,6 +81,15 @@ class Metrics:
         self.contract = Counter(
             "scd_stream_contract_violations", "calls ended with a stream-contract status, by code", ["method", "code"], registry=r
         )
+        self.http: WSGIServer | None = None
+        self.registry.register(_Callback(_handshake_failures))
+        if service.endswith("ConsumerService"):
+            self._consumer_families()
+        elif service.endswith("ProducerService"):
+            self._producer_families()
+
+    def _consumer_families(self) -> None:
+        r = self.registry
         self.generate_seconds = Histogram(
             "scd_generate_stage_seconds",
             "consumer Generate stage times by transfer mode (stage: " + ", ".join(GENERATE_STAGES) + ")",
@@ -81,7 +110,48 @@ class Metrics:
             ["reason"],
             registry=r,
         )
-        self.http: WSGIServer | None = None
+        self.raw_kv_bytes = Counter(
+            "scd_raw_kv_bytes", "bytes the producer's full K/V would have taken (the raw baseline), by mode", ["mode"], registry=r
+        )
+        self.compression = Histogram(
+            "scd_compression_ratio",
+            "raw K/V bytes / bytes received, per transfer, by mode",
+            ["mode"],
+            buckets=RATIO_BUCKETS,
+            registry=r,
+        )
+        self.audits = Counter(
+            "scd_audit_decisions",
+            "cache audits by decision (ok, diverged, diverged_prefilled, diverged_upgraded, ...)",
+            ["decision"],
+            registry=r,
+        )
+        self.divergences = Counter(
+            "scd_audit_divergences", "audits that flagged the rebuilt cache, by mode", ["mode"], registry=r
+        )
+
+    def _producer_families(self) -> None:
+        r = self.registry
+        self.sent_bytes = Counter(
+            "scd_prefill_sent_bytes", "payload bytes sent in Prefill streams, by codec", ["codec"], registry=r
+        )
+        self.prefill_seconds = Histogram(
+            "scd_prefill_seconds",
+            "producer forward time per Prefill (store hits are not observed)",
+            ["codec"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.encode_seconds = Histogram(
+            "scd_encode_seconds", "producer encode time per Prefill, by codec", ["codec"], buckets=LATENCY_BUCKETS_S, registry=r
+        )
+
+    def observe_prefill(self, codec: str, sent_bytes: int, prefill_ms: float, encode_ms: float, store_hit: bool) -> None:
+        """One finished Prefill stream (the producer's trailer figures)."""
+        self.sent_bytes.labels(codec).inc(sent_bytes)
+        if not store_hit:
+            self.prefill_seconds.labels(codec).observe(prefill_ms / 1e3)
+            self.encode_seconds.labels(codec).observe(encode_ms / 1e3)
 
     # -- exposition --------------------------------------------------------------------------
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
@@ -186,6 +256,18 @@ class Metrics:
 
         self.registry.register(_Callback(families))
 
+    def watch_state(self, name: str, help_: str, states, read: Callable[[], str]) -> None:
+        """A state gauge: one series per state, 1 on the current one (`read()` at scrape time)."""
+
+        def families():
+            g = GaugeMetricFamily(name, help_, labels=["state"])
+            current = read()
+            for state in states:
+                g.add_metric([state], float(state == current))
+            yield g
+
+        self.registry.register(_Callback(families))
+
     # -- the consumer's per-request figures --------------------------------------------------
     def observe_generate(self, result) -> None:
         """One finished Generate (consumer.engine.GenerateResult)."""
@@ -197,12 +279,22 @@ class Metrics:
         self.generate_bytes_per_request.labels(mode).observe(result.bytes_received)
         if result.transfer_failure:
             self.fallbacks.labels(result.transfer_failure.split(":", 1)[0][:40]).inc()
+        self.raw_kv_bytes.labels(mode).inc(result.raw_kv_bytes)
+        if result.bytes_received > 0 and result.raw_kv_bytes > 0:
+            self.compression.labels(mode).observe(result.raw_kv_bytes / result.bytes_received)
+        if result.audit_decision:
+            # "diverged: upgraded to s3: ok" -> "diverged_upgraded": bounded label values
+            words = [w.split()[0] for w in result.audit_decision.split(": ")[:2] if w.split()]
+            self.audits.labels("_".join(words)[:40]).inc()
+            if result.audit_decision.startswith("diverged"):
+                self.divergences.labels(mode).inc()
 
     # -- gRPC --------------------------------------------------------------------------------
     def interceptor(self) -> grpc.aio.ServerInterceptor:
         return RpcMetrics(self)
 
     def record(self, method: str, code: str, seconds: float) -> None:
+        """One finished call; `method` is the short RPC name (short_method)."""
         self.rpcs.labels(method, code).inc()
         self.rpc_seconds.labels(method).observe(seconds)
         if code in CONTRACT_CODES:
@@ -251,17 +343,17 @@ def _timed_generator(inner, method: str, record):
 
 
 class RpcMetrics(grpc.aio.ServerInterceptor):
-    """Counts and times every unary-request call by method and final status (health included;
-    streaming-request calls such as reflection are not counted)."""
+    """Counts and times every unary-request call by short method name and final status (health
+    probes and streaming-request calls such as reflection are not counted)."""
 
     def __init__(self, metrics: Metrics):
         self.metrics = metrics
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
-        if handler is None:
-            return None
-        method, record = details.method, self.metrics.record
+        if handler is None or details.method.startswith(HEALTH_PREFIX):
+            return handler
+        method, record = short_method(details.method), self.metrics.record
         if handler.unary_unary:
             return handler._replace(unary_unary=_timed_coroutine(handler.unary_unary, method, record))
         if handler.unary_stream:

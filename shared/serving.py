@@ -216,6 +216,7 @@ class Server:
         self._stopping = False  # the heartbeat loop's exit condition (a cancel alone can be lost, see drain)
         self.alive = True
         self.not_ready: str = ""  # why readiness is NOT_SERVING though the model is loaded
+        self._ready_phase = False  # serving() ran and drain() did not: readiness follows not_ready
 
     def _enable_reflection(self) -> None:
         """Reflection under both v1alpha and v1 (their messages are the same on the wire)."""
@@ -267,9 +268,23 @@ class Server:
         if self.not_ready:
             log.warning("server.not_ready", reason=self.not_ready)
         await self._set(health_pb2.HealthCheckResponse.NOT_SERVING if self.not_ready else health_pb2.HealthCheckResponse.SERVING)
+        self._ready_phase = True
         if self._liveness_task is None:
             if self.progress:
                 self._liveness_task = asyncio.create_task(self._watchdog(self.progress))
+
+    async def set_not_ready(self, reason: str) -> None:
+        """Readiness from now on: NOT_SERVING with `reason` logged, or SERVING for "" (only between
+        serving() and drain(): loading and draining keep NOT_SERVING)."""
+        if reason == self.not_ready:
+            return
+        self.not_ready = reason
+        if self._ready_phase:
+            if reason:
+                log.warning("server.not_ready", reason=reason)
+            else:
+                log.info("server.ready")
+            await self._set(health_pb2.HealthCheckResponse.NOT_SERVING if reason else health_pb2.HealthCheckResponse.SERVING)
 
     async def _watchdog(self, progress: list[liveness.Progress]) -> None:
         """Every liveness_interval_s: "liveness" NOT_SERVING while an iteration of one of the
@@ -296,6 +311,7 @@ class Server:
         grace_s, then stop, cancelling what is left (health watches included, so an open Watch
         never holds the process once the work is done)."""
         started = time.perf_counter()
+        self._ready_phase = False
         await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
         inflight = 0
         if admission is not None:
@@ -342,18 +358,42 @@ def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
 
 
 def main(service: str, config_cls: type[ServerConfig], server_cls: type, argv: list[str] | None) -> None:
-    """`python -m <service>`: config from flags/env, logs, then start -> load -> serve until
-    SIGTERM/SIGINT -> drain. `server_cls(config)` has async start(), load() and stop()."""
+    """`python -m <service>`: config from flags/env, logs, start-up checks (shared.startup), then
+    start -> load -> serve until SIGTERM/SIGINT -> drain. `server_cls(config)` has async start(),
+    load() and stop(). Any start-up failure: one JSON log line, one sentence on stderr, exit 2."""
     from shared import config as config_lib
+    from shared import core_log, startup
 
-    cfg = config_lib.load(config_cls, service, argv)
+    core_log.install(service)  # gRPC core's own stderr lines become JSON lines (failed TLS handshakes counted)
+    try:
+        cfg = config_lib.load(config_cls, service, argv)
+    except ValueError as exc:
+        logs.configure(service, "INFO")
+        startup.fail(service, f"configuration: {exc}")
     logs.configure(service, cfg.log_level)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # stderr carries JSON log lines only
+    try:
+        startup.check(cfg)
+    except startup.StartupError as exc:
+        startup.fail(service, str(exc))
+    failed: list[str] = []
 
     async def serve(stop: asyncio.Event) -> None:
         server = server_cls(cfg)
-        await server.start()
-        await server.load()
+        try:
+            await server.start()
+            await server.load()
+            startup.loaded_artifacts(service, server.servicer)
+        except Exception as exc:  # one line, not a traceback: the message says what to fix
+            failed.append(str(exc) if isinstance(exc, startup.StartupError) else f"{type(exc).__name__}: {exc}")
+            with contextlib.suppress(Exception):
+                await server.stop(0)
+            return
         await stop.wait()
         await server.stop()
 
     run(serve)
+    if failed:
+        startup.fail(service, failed[0])

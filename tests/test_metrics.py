@@ -49,7 +49,7 @@ async def test_counts_move_after_real_requests(pair):
         await pair.generate(max_new_tokens=100000, context=prompt("a"), question=prompt("b"))
 
     c = scrape(consumer_port)
-    generate = "/scd.v1.ConsumerService/Generate"
+    generate = "Generate"
     assert value(c, "scd_rpc_total", method=generate, code="OK") == 3
     assert value(c, "scd_rpc_total", method=generate, code="INVALID_ARGUMENT") == 1
     assert value(c, "scd_rpc_duration_seconds_count", method=generate) == 4
@@ -62,7 +62,7 @@ async def test_counts_move_after_real_requests(pair):
     assert (("scd_admission_rejected_total", (("reason", "limit"),))) in c
 
     p = scrape(producer_port)
-    assert value(p, "scd_rpc_total", method="/scd.v1.ProducerService/Prefill", code="OK") == 2
+    assert value(p, "scd_rpc_total", method="Prefill", code="OK") == 2
     assert value(p, "scd_store_hits_total") == 1 and value(p, "scd_store_misses_total") == 1
     assert value(p, "scd_store_bytes") > 0 and value(p, "scd_store_entries") == 1
     assert ("scd_rpc_total", (("code", "OK"), ("method", generate))) not in p  # registries are per server
@@ -98,9 +98,9 @@ async def test_stream_contract_statuses_and_fallbacks_are_counted(pair):
             pass
     code = err.value.code().name
     p = scrape(pair.producer.server.metrics_port)
-    assert value(p, "scd_rpc_total", method="/scd.v1.ProducerService/Prefill", code=code) == 1
+    assert value(p, "scd_rpc_total", method="Prefill", code=code) == 1
     if code in ("DATA_LOSS", "FAILED_PRECONDITION"):
-        assert value(p, "scd_stream_contract_violations_total", method="/scd.v1.ProducerService/Prefill", code=code) == 1
+        assert value(p, "scd_stream_contract_violations_total", method="Prefill", code=code) == 1
 
     await pair.producer.stop(0)
     spec = common_pb2.CodecSpec(name="raw")
@@ -114,9 +114,47 @@ async def test_stream_contract_statuses_and_fallbacks_are_counted(pair):
 
 def test_contract_codes_from_the_interceptor_record():
     metrics = Metrics("test")
-    metrics.record("/scd.v1.ConsumerService/Generate", "DATA_LOSS", 0.01)
-    metrics.record("/scd.v1.ConsumerService/Generate", "OK", 0.01)
+    metrics.record("Generate", "DATA_LOSS", 0.01)
+    metrics.record("Generate", "OK", 0.01)
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in metrics.registry.collect() for s in f.samples}
     assert (
-        value(samples, "scd_stream_contract_violations_total", method="/scd.v1.ConsumerService/Generate", code="DATA_LOSS") == 1
+        value(samples, "scd_stream_contract_violations_total", method="Generate", code="DATA_LOSS") == 1
     )
+
+
+async def test_each_service_exports_its_own_families_without_created_series_or_health():
+    """Issue 19, finding 7: short method names, no health probes in the request metrics, no
+    `_created` series, the consumer's and the producer's own families only, and the figures an
+    operator looks for (raw-KV bytes, compression ratio, producer bytes sent, prefill/encode
+    times, the producer link)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with running_pair("tiny-llama", producer_kw=dict(metrics_port=0), consumer_kw=dict(metrics_port=0)) as pair:
+        async with grpc.aio.insecure_channel(pair.consumer.address) as channel:
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        await pair.generate(transfer=common_pb2.CodecSpec(name="raw"), **CONTEXT)
+        c, p = scrape(pair.consumer.server.metrics_port), scrape(pair.producer.server.metrics_port)
+    for samples in (c, p):
+        assert not [name for name, _ in samples if name.endswith("_created")]
+        assert not [labels for name, labels in samples if name == "scd_rpc_total" and "/" in dict(labels)["method"]]
+        assert not [labels for name, labels in samples if name == "scd_rpc_total" and dict(labels)["method"] == "Check"]
+    assert value(c, "scd_raw_kv_bytes_total", mode="raw") > 0 and value(c, "scd_compression_ratio_count", mode="raw") >= 1
+    assert value(c, "scd_producer_link", state="ok") == 1
+    assert value(p, "scd_prefill_sent_bytes_total", codec="raw") > 0
+    assert value(p, "scd_prefill_seconds_count", codec="raw") + value(p, "scd_store_hits_total") >= 1
+    assert not [name for name, _ in p if name.startswith(("scd_generate", "scd_transfer", "scd_audit", "scd_producer_link"))]
+    assert not [name for name, _ in c if name.startswith(("scd_store", "scd_prefill"))]
+
+
+def test_audit_decisions_and_divergences_are_counted():
+    from types import SimpleNamespace
+
+    metrics = Metrics("scd.v1.ConsumerService")
+    base = dict(codec="scd", bytes_received=100, raw_kv_bytes=1000, transfer_failure="", **{f"{s}_ms": 1.0 for s in
+                ("ttft", "transfer", "rebuild", "question_prefill", "decode")})
+    for decision in ("ok", "diverged", "diverged: prefilled locally"):
+        metrics.observe_generate(SimpleNamespace(audit_decision=decision, **base))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in metrics.registry.collect() for s in f.samples}
+    assert value(samples, "scd_audit_decisions_total", decision="diverged_prefilled") == 1
+    assert value(samples, "scd_audit_divergences_total", mode="scd") == 2
+    assert value(samples, "scd_compression_ratio_sum", mode="scd") == 30.0

@@ -93,3 +93,33 @@ async def test_artifact_for_other_consumer_weights_is_refused(artifact_dir, tmp_
                                 transfer=common_pb2.CodecSpec(name="scd", options={"artifact": art_id}))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "consumer weight digest" in err.value.details()
+
+
+async def test_default_mode_is_scd_for_a_calibrated_pair_and_budgets_are_constraints(artifact_dir):
+    """Issue 19: no mode -> the artifact's default schedule; a schedule named with a budget it
+    misses is INVALID_ARGUMENT naming both; an unknown artifact option is INVALID_ARGUMENT; Describe
+    gives each artifact's file name."""
+    from shared.pb import consumer_pb2
+
+    path, art = artifact_dir
+    async with running_pair("tiny-llama", producer_kw={"artifacts": str(path)}, consumer_kw={"artifacts": str(path)}) as pair:
+        described = await pair.stub.Describe(consumer_pb2.ConsumerServiceDescribeRequest())
+        assert described.default_mode == "scd" and described.artifacts[0].file_name == "tiny-llama-homogeneous.safetensors"
+        fields = dict(context=prompt(CONTEXT), question=prompt(" q"), max_new_tokens=2)
+        _, _, stats = await pair.generate(**fields)
+        best = min(art.schedules, key=lambda e: e.loss)
+        assert stats.transfer.name == "scd" and stats.transfer.options["schedule"] == best.schedule
+        worst = max(art.schedules, key=lambda e: e.loss)
+        cheap = min(art.schedules, key=lambda e: e.bytes_per_token)
+        for options, named in (
+            ({"schedule": worst.name, "max_loss": str(worst.loss / 2)}, "max_loss"),
+            ({"schedule": best.schedule, "max_bytes_per_token": str(cheap.bytes_per_token / 2)}, "max_bytes_per_token"),
+            ({"artifact": "0123456789abcdef"}, "is not loaded here"),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await pair.generate(transfer=common_pb2.CodecSpec(name="scd", options=options), **fields)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, options
+            assert named in err.value.details() and (named == "is not loaded here" or "schedule" in err.value.details())
+        options = {"schedule": best.name, "max_loss": f"{best.loss * 1.01 + 1e-9:.9g}"}
+        _, _, stats = await pair.generate(transfer=common_pb2.CodecSpec(name="scd", options=options), **fields)
+        assert stats.transfer.options["max_loss"] == options["max_loss"]  # the stats echo the budget that was enforced

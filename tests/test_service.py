@@ -147,7 +147,10 @@ async def test_corrupt_chunk_fails_with_data_loss_and_no_partial_answer():
                 stub = consumer_pb2_grpc.ConsumerServiceStub(ch)
                 received = []
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    async for msg in stub.Generate(consumer_pb2.GenerateRequest(context=prompt(CONTEXT), question=prompt("q")),
+                    # raw by name: a proxy without Describe leaves the producer's weights unknown (default oracle)
+                    request = consumer_pb2.GenerateRequest(context=prompt(CONTEXT), question=prompt("q"),
+                                                           transfer=common_pb2.CodecSpec(name="raw"))
+                    async for msg in stub.Generate(request,
                                                    timeout=30):
                         received.append(msg)
             assert err.value.code() == grpc.StatusCode.DATA_LOSS

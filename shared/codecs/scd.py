@@ -114,6 +114,9 @@ class ScdCodec(Codec):
         """Also checks the schedule and budgets against an artifact of this model (either side),
         so a bad rank or an unmeetable budget is INVALID_ARGUMENT before any transfer."""
         resolved = super().resolve(options)
+        known = [a.artifact_id for a in self.artifacts]
+        if resolved["artifact"] and resolved["artifact"] not in known:
+            raise InvalidArgument(f"transfer.options['artifact']: {resolved['artifact']!r} is not loaded here; loaded: {known}")
         digest = self.model.info.weight_digest
         mine = [
             a

@@ -121,17 +121,7 @@ class Artifact:
         best loss within max_bytes, or (no budget) the lowest-loss schedule."""
         entries = self.schedules
         if schedule:
-            for e in entries:
-                if schedule in (e.name, e.schedule):
-                    return e
-            if "." not in schedule and self.num_layers > 1:
-                raise InvalidArgument(
-                    f"transfer.options['schedule']: {schedule!r} is not a schedule of artifact "
-                    f"{self.artifact_id}: {[e.name for e in entries]}, nor a per-layer schedule text"
-                )
-            parsed = Schedule.parse(schedule, self.num_layers)  # a caller's own schedule: loss not calibrated
-            parsed.check_ranks(self.geometry)
-            return ScheduleEntry("custom", str(parsed), float("nan"), parsed.bytes_per_token(self.geometry))
+            return _within(self._named(schedule), max_loss, max_bytes)
         fits = [
             e
             for e in entries
@@ -139,12 +129,51 @@ class Artifact:
         ]
         if not fits:
             raise InvalidArgument(
-                f"transfer.options: no schedule with loss <= {max_loss} and bytes_per_token <= {max_bytes}; "
+                f"transfer.options: no schedule with {_budget_text(max_loss, max_bytes)}; "
                 f"available (loss, bytes/token): {[(round(e.loss, 4), e.bytes_per_token) for e in entries]}"
             )
         if max_loss is not None:
             return min(fits, key=lambda e: (e.bytes_per_token, e.loss))
         return min(fits, key=lambda e: (e.loss, e.bytes_per_token))
+
+    def _named(self, schedule: str) -> ScheduleEntry:
+        """A schedule of this artifact by name or text, or a caller's own per-layer text (loss not calibrated)."""
+        entries = self.schedules
+        for e in entries:
+            if schedule in (e.name, e.schedule):
+                return e
+        if "." not in schedule and self.num_layers > 1:
+            raise InvalidArgument(
+                f"transfer.options['schedule']: {schedule!r} is not a schedule of artifact {self.artifact_id} "
+                f"({[e.name for e in entries]}) nor a per-layer schedule text: that needs {self.num_layers} actions "
+                f"joined by '.', one per layer (e.g. {'.'.join(['R8'] * self.num_layers)!r})"
+            )
+        parsed = Schedule.parse(schedule, self.num_layers)
+        parsed.check_ranks(self.geometry)
+        return ScheduleEntry("custom", str(parsed), float("nan"), parsed.bytes_per_token(self.geometry))
+
+
+def _budget_text(max_loss: float | None, max_bytes: float | None) -> str:
+    parts = ([f"loss <= {max_loss:g}"] if max_loss is not None else []) + (
+        [f"bytes_per_token <= {max_bytes:g}"] if max_bytes is not None else []
+    )
+    return " and ".join(parts)
+
+
+def _within(entry: ScheduleEntry, max_loss: float | None, max_bytes: float | None) -> ScheduleEntry:
+    """A schedule named together with a budget must meet it (a budget is a constraint, never
+    ignored); an uncalibrated custom schedule cannot be shown to meet a loss budget."""
+    over = []
+    if max_loss is not None and not entry.loss <= max_loss:
+        loss = "not calibrated (a custom schedule)" if entry.loss != entry.loss else f"{entry.loss:.4g}"
+        over.append(f"calibrated loss {loss} > max_loss {max_loss:g}")
+    if max_bytes is not None and entry.bytes_per_token > max_bytes:
+        over.append(f"{entry.bytes_per_token:g} bytes/token > max_bytes_per_token {max_bytes:g}")
+    if over:
+        raise InvalidArgument(
+            f"transfer.options: schedule {entry.name!r} ({entry.schedule}) does not meet the budget: {'; '.join(over)}"
+        )
+    return entry
 
 
 def _content_id(tensors: dict[str, torch.Tensor], meta: dict) -> str:

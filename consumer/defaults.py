@@ -1,0 +1,77 @@
+"""The consumer's default transfer mode: what a request that names no mode gets.
+
+`--default-mode` names it; left empty, the consumer takes the safest mode its loaded artifacts
+allow, given what it knows of its producer's weights:
+- `scd` (the artifact's lowest-loss schedule) when an SCD artifact calibrated for this consumer's
+  weights, and for the producer's as far as they are known, is loaded;
+- `raw` only when the producer's weights are known to equal the consumer's (raw K/V is then
+  exact);
+- otherwise `oracle` (the consumer prefills the context itself: right by construction).
+Naive reuse of another model's K/V (`raw` across different weights) is served only when a
+request names it. The choice is made again whenever the producer link learns the producer's
+weight digest (consumer.readiness). Knows nothing about grpc.
+
+Hook for the adaptive mode (issue 22): a `DefaultMode` whose `configured` is `auto` resolves to
+`auto` as any other configured name, and the request path treats it as a mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from shared import codecs as codec_lib
+from shared.codecs.scd import ScdCodec
+from shared.config import LOCAL_MODE
+
+
+@dataclass(frozen=True)
+class Choice:
+    mode: str
+    why: str
+
+
+def safest(
+    codecs: Mapping[str, codec_lib.Codec],
+    consumer_digest: str,
+    producer_digest: str = "",
+    producer_artifacts: tuple[str, ...] | None = None,
+) -> Choice:
+    """The safest mode for this consumer and its codecs' artifacts, given the producer's digest
+    ("" unknown) and the artifact ids the producer loaded (None unknown)."""
+    scd = codecs.get("scd")
+    for art in scd.artifacts if isinstance(scd, ScdCodec) else []:
+        mine = art.meta["consumer"]["weight_digest"] == consumer_digest
+        theirs = art.meta["producer"]["weight_digest"]
+        loaded_there = producer_artifacts is None or art.artifact_id in producer_artifacts
+        if mine and loaded_there and (not producer_digest or theirs == producer_digest):
+            return Choice("scd", f"artifact {art.artifact_id} is calibrated for this pair")
+    if producer_digest and producer_digest == consumer_digest:
+        return Choice("raw", "the producer's weights equal the consumer's")
+    if producer_digest:
+        return Choice(LOCAL_MODE, "the producer's weights differ from the consumer's and no SCD artifact covers the pair")
+    return Choice(LOCAL_MODE, "the producer's weights are not known yet and no SCD artifact covers this consumer")
+
+
+class DefaultMode:
+    """The default mode now: the configured one, or the safest one for what is known."""
+
+    def __init__(self, configured: str, codecs: Mapping[str, codec_lib.Codec], consumer_digest: str):
+        self.configured, self.codecs, self.consumer_digest = configured, codecs, consumer_digest
+        self.choice = Choice(configured, "--default-mode") if configured else safest(codecs, consumer_digest)
+
+    @property
+    def mode(self) -> str:
+        return self.choice.mode
+
+    def producer_known(self, producer_digest: str, producer_artifacts: tuple[str, ...] | None = None) -> bool:
+        """Learn the producer's weights and artifacts; True when the default changed."""
+        if self.configured:
+            return False
+        before = self.choice
+        self.choice = safest(self.codecs, self.consumer_digest, producer_digest, producer_artifacts)
+        return before.mode != self.choice.mode
+
+    @property
+    def uses_producer(self) -> bool:
+        return self.mode != LOCAL_MODE

@@ -1,0 +1,193 @@
+"""Start-up checks of a service's configuration, run before the server binds or logs
+`server.started`, and the one way a start-up failure is reported.
+
+Checks (each failure is one plain sentence naming the flag and what to fix):
+- `--model`: a builtin tiny name, an existing local directory holding a saved model, or a hub id
+  already in the local Hugging Face cache. The services run with the Hub offline unless
+  `HF_HUB_OFFLINE=0` is set, so a mistyped path fails at once instead of retrying the Hub.
+- `--device`: a device this torch build has (`cuda` without a CUDA device is refused here).
+- `--artifacts`: every path exists and holds artifacts this build reads (which weights they were
+  calibrated for is checked once the model is loaded: `artifacts_for`).
+- TLS and tokens: every PEM and token file exists; each certificate matches its key; CA files parse.
+- Ports: the API, health and metrics ports are free (and distinct), each named by its flag.
+
+`fail` reports a failure as one JSON log line (`startup.failed`) plus one plain sentence on
+stderr and exits with status 2: no traceback. Knows no servicer.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+from shared import logs, tiny
+from shared.config import ConsumerConfig, ServerConfig
+
+log = logs.get("startup")
+EXIT_CODE = 2
+
+
+class StartupError(Exception):
+    """A configuration the service cannot start with; the message is the sentence shown."""
+
+
+def hub_offline() -> bool:
+    """The Hub stays offline unless HF_HUB_OFFLINE is set to a false value (0/false/no/off)."""
+    import huggingface_hub.constants as hub
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "1").strip().lower() not in ("0", "false", "no", "off")
+    hub.HF_HUB_OFFLINE = offline  # read by huggingface_hub and transformers at call time
+    return offline
+
+
+def check_model(model: str) -> None:
+    if model in tiny.BUILTIN and not Path(model).exists():
+        return
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise StartupError(f"--model {model}: the directory has no config.json (not a saved Hugging Face model)")
+        return
+    if path.exists():
+        raise StartupError(f"--model {model}: is a file; give the directory of a saved model")
+    looks_local = model.startswith(("/", ".", "~")) or model.count("/") > 1
+    if looks_local:
+        raise StartupError(f"--model {model}: no such local directory ({path.resolve()})")
+    offline = hub_offline()
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = isinstance(try_to_load_from_cache(model, "config.json"), str)
+    if not cached and offline:
+        builtin = ", ".join(sorted(tiny.BUILTIN))
+        raise StartupError(
+            f"--model {model}: no such local directory ({path.resolve()}), and no hub model of that id in the "
+            f"local Hugging Face cache; check the path, or download it first (huggingface-cli download {model}), "
+            f"or set HF_HUB_OFFLINE=0 to let the service download it (builtin names: {builtin})"
+        )
+
+
+def check_device(name: str) -> None:
+    import torch
+
+    if name == "auto":
+        return
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise StartupError(f"--device {name}: not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise StartupError(f"--device {name}: this torch build sees no CUDA device; use --device cpu (or auto)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise StartupError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    elif device.type != "cpu":
+        raise StartupError(f"--device {name}: not supported here; use auto, cpu, cuda or cuda:N")
+
+
+def check_artifacts(paths: Iterable[str]) -> None:
+    from shared.scd.artifact import discover
+
+    for p in paths:
+        if not Path(p).exists():
+            raise StartupError(f"--artifacts {p}: no such file or directory")
+    try:
+        discover(paths)
+    except Exception as exc:
+        raise StartupError(f"--artifacts: {exc}") from None
+
+
+def _need_file(flag: str, path: str) -> None:
+    if path and not Path(path).is_file():
+        raise StartupError(f"{flag} {path}: no such file")
+
+
+def _cert_and_key(cert_flag: str, cert: str, key_flag: str, key: str) -> None:
+    _need_file(cert_flag, cert)
+    _need_file(key_flag, key)
+    if not cert:
+        return
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        why = "the key does not match the certificate" if "KEY_VALUES_MISMATCH" in str(exc) else f"unreadable ({exc.reason})"
+        raise StartupError(f"{cert_flag} {cert} and {key_flag} {key}: {why}") from None
+
+
+def _ca(flag: str, path: str) -> None:
+    _need_file(flag, path)
+    if path:
+        try:
+            ssl.create_default_context(cafile=path)
+        except ssl.SSLError as exc:
+            raise StartupError(f"{flag} {path}: not a PEM CA certificate ({exc.reason})") from None
+
+
+def _token(flag: str, path: str) -> None:
+    _need_file(flag, path)
+    if path and not Path(path).read_text().strip():
+        raise StartupError(f"{flag} {path}: the file is empty")
+
+
+def check_security(cfg: ServerConfig) -> None:
+    _cert_and_key("--tls-cert", cfg.tls_cert, "--tls-key", cfg.tls_key)
+    _ca("--tls-client-ca", cfg.tls_client_ca)
+    _token("--token-file", cfg.token_file)
+    if isinstance(cfg, ConsumerConfig):
+        _ca("--producer-tls-ca", cfg.producer_tls_ca)
+        _cert_and_key("--producer-tls-cert", cfg.producer_tls_cert, "--producer-tls-key", cfg.producer_tls_key)
+        _token("--producer-token-file", cfg.producer_token_file)
+
+
+def check_ports(cfg: ServerConfig) -> None:
+    """Every port this service will listen on is free now; two flags never name the same port."""
+    ports = [("--port", cfg.port), ("--health-port", cfg.health_port), ("--metrics-port", cfg.metrics_port)]
+    named = [(flag, p) for flag, p in ports if p > 0]
+    seen: dict[int, str] = {}
+    for flag, port in named:
+        if port in seen:
+            raise StartupError(f"{flag} {port}: the same port as {seen[port]}")
+        seen[port] = flag
+        try:
+            with socket.create_server((cfg.host, port)):
+                pass
+        except OSError as exc:
+            raise StartupError(f"{flag} {port}: cannot listen on {cfg.host}:{port} ({exc.strerror or exc})") from None
+
+
+def check(cfg: ServerConfig) -> None:
+    """Every check that needs no loaded model, cheapest first."""
+    check_device(cfg.device)
+    check_model(cfg.model)
+    check_security(cfg)
+    check_ports(cfg)
+    check_artifacts(cfg.artifact_paths)
+
+
+def loaded_artifacts(role: str, servicer) -> None:
+    """Every SCD artifact a started service (role producer|consumer) loaded is for its weights."""
+    codec = servicer.codecs.get("scd")
+    info = servicer.loaded.info
+    artifacts_for(role, info.weight_digest, info.model_id, getattr(codec, "artifacts", []))
+
+
+def artifacts_for(role: str, digest: str, model_id: str, artifacts) -> None:
+    """Every loaded artifact was calibrated with these weights in this role (producer|consumer)."""
+    for art in artifacts:
+        want = art.meta[role]["weight_digest"]
+        if want != digest:
+            name = art.path.name if art.path is not None else art.artifact_id
+            raise StartupError(
+                f"--artifacts {name}: calibrated for {role} {art.meta[role]['model_id']} (digest {want[:16]}...), "
+                f"not for the loaded --model {model_id} (digest {digest[:16]}...)"
+            )
+
+
+def fail(service: str, reason: str) -> None:
+    """One JSON log line, one plain sentence on stderr, exit status 2."""
+    log.error("startup.failed", service=service, reason=reason)
+    print(f"{service}: cannot start: {reason}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_CODE)

@@ -1,0 +1,178 @@
+"""Fail fast, in one line (issue 19, findings 4 and 5): start-up checks name the flag and what to
+fix before the server starts; a failure is one JSON log line, one sentence on stderr, exit 2."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import trustme
+from safetensors.torch import save_file
+
+from shared import config as config_lib
+from shared import startup
+from shared.config import ConsumerConfig, ProducerConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_service(service: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", service, "--port", "0", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def assert_one_line_failure(proc: subprocess.CompletedProcess, named: str) -> None:
+    assert proc.returncode == startup.EXIT_CODE, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    failed = [json.loads(line) for line in lines if line.startswith("{") and '"startup.failed"' in line]
+    assert len(failed) == 1 and named in failed[0]["reason"]
+    plain = [line for line in lines if not line.startswith("{")]
+    assert len(plain) == 1 and "cannot start" in plain[0] and named in plain[0], lines
+    assert "Traceback" not in proc.stderr and "Event loop is closed" not in proc.stderr
+
+
+def test_a_mistyped_model_path_fails_at_once_naming_the_path():
+    proc = run_service("consumer", "--model", "checkpoints/qa-bse")
+    assert_one_line_failure(proc, "--model checkpoints/qa-bse: no such local directory")
+    assert '"server.started"' not in proc.stderr
+    assert_one_line_failure(run_service("producer", "--artifact", "x"), "unrecognized arguments: --artifact x")
+
+
+def test_an_artifact_of_other_weights_fails_the_start(tmp_path):
+    meta = {
+        "artifact_id": "0123456789abcdef",
+        "format_version": 2,
+        "producer": {"model_id": "other-base", "weight_digest": "a" * 64},
+        "consumer": {"model_id": "other-tuned", "weight_digest": "b" * 64},
+        "geometry": {"num_layers": 4, "hidden": 64, "kv_width": 64, "kv_element_bytes": 4},
+        "schedules": [],
+    }
+    path = tmp_path / "other-pair.safetensors"
+    save_file({"unused": torch.zeros(1)}, str(path), metadata={"scd": json.dumps(meta)})
+    proc = run_service("producer", "--model", "tiny-llama", "--device", "cpu", "--artifacts", str(path))
+    assert_one_line_failure(proc, "--artifacts other-pair.safetensors: calibrated for producer other-base")
+
+
+def test_devices_this_build_lacks_are_refused_before_start():
+    with pytest.raises(startup.StartupError, match="--device gpu: not a device"):
+        startup.check_device("gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(startup.StartupError, match="--device cuda: this torch build sees no CUDA device"):
+            startup.check_device("cuda")
+    startup.check_device("cpu")
+
+
+def test_model_paths_are_checked_offline(tmp_path):
+    with pytest.raises(startup.StartupError, match="no such local directory"):
+        startup.check_model(str(tmp_path / "missing"))
+    with pytest.raises(startup.StartupError, match="has no config.json"):
+        startup.check_model(str(tmp_path))
+    startup.check_model("tiny-llama")
+
+
+def test_busy_and_clashing_ports_are_named():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(startup.StartupError, match=f"--metrics-port {port}: cannot listen"):
+            startup.check_ports(ProducerConfig(port=0, metrics_port=port))
+    with pytest.raises(startup.StartupError, match="--health-port 50999: the same port as --port"):
+        startup.check_ports(ProducerConfig(port=50999, health_port=50999))
+
+
+def test_a_certificate_that_does_not_match_its_key_is_named(tmp_path):
+    ca = trustme.CA()
+    one, two = ca.issue_cert("localhost"), ca.issue_cert("localhost")
+    one.cert_chain_pems[0].write_to_path(tmp_path / "cert.pem")
+    two.private_key_pem.write_to_path(tmp_path / "key.pem")
+    cfg = ProducerConfig(tls_cert=str(tmp_path / "cert.pem"), tls_key=str(tmp_path / "key.pem"))
+    with pytest.raises(startup.StartupError, match="the key does not match the certificate"):
+        startup.check_security(cfg)
+    with pytest.raises(startup.StartupError, match="--producer-tls-ca .*: no such file"):
+        startup.check_security(ConsumerConfig(producer_tls_ca=str(tmp_path / "missing.pem")))
+
+
+@pytest.mark.parametrize("cls, service", [(ProducerConfig, "producer"), (ConsumerConfig, "consumer")])
+def test_flags_have_help_and_no_abbreviations(cls, service):
+    parser = config_lib.parser_for(cls, service, {})
+    described = {a.dest: a.help for a in parser._actions if a.dest != "help"}
+    assert set(described) == {f.name for f in dataclasses.fields(cls)}
+    assert [name for name, text in described.items() if not text or text.startswith(" (env")] == []
+    with pytest.raises(config_lib.FlagError, match="unrecognized arguments: --artifact x"):
+        config_lib.load(cls, service, ["--artifact", "x"], env={})  # not --artifacts
+    with pytest.raises(config_lib.FlagError, match=f"SCD_{service.upper()}_PORT='http'"):
+        config_lib.load(cls, service, [], env={f"SCD_{service.upper()}_PORT": "http"})
+
+
+async def test_rejected_tls_handshakes_are_counted_and_logged_as_json(tmp_path):
+    """Issue 19, finding 7: a service process's stderr carries JSON lines only; a client the mTLS
+    port refuses is one `tls.handshake_failed` line and one count of scd_tls_handshake_failures."""
+    import asyncio
+    import signal
+    import urllib.request
+
+    import grpc
+
+    from bench.services import free_port
+    from tests.conftest import wait_serving
+
+    ca, rogue_ca = trustme.CA(), trustme.CA()
+    server = ca.issue_cert("localhost", "127.0.0.1")
+    server.private_key_pem.write_to_path(tmp_path / "server.key")
+    (tmp_path / "server.pem").write_bytes(b"".join(blob.bytes() for blob in server.cert_chain_pems))
+    ca.cert_pem.write_to_path(tmp_path / "ca.pem")
+    port, health, metrics = free_port(), free_port(), free_port()
+    args = ["--model", "tiny-llama", "--device", "cpu", "--port", str(port), "--health-port", str(health),
+            "--metrics-port", str(metrics), "--tls-cert", str(tmp_path / "server.pem"), "--tls-key",
+            str(tmp_path / "server.key"), "--tls-client-ca", str(tmp_path / "ca.pem"), "--drain-grace-s", "0"]
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    proc = subprocess.Popen([sys.executable, "-m", "producer", *args], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(240):  # the process imports torch and loads the model first
+            try:
+                await wait_serving(f"127.0.0.1:{health}", timeout_s=60)
+                break
+            except grpc.aio.AioRpcError:
+                assert proc.poll() is None, "the producer exited"
+                await asyncio.sleep(0.5)
+        rogue = rogue_ca.issue_cert("scd-consumer")
+        for key, chain in ((None, None), (rogue.private_key_pem.bytes(), rogue.cert_chain_pems[0].bytes())):
+            credentials = grpc.ssl_channel_credentials(ca.cert_pem.bytes(), private_key=key, certificate_chain=chain)
+            async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await channel.unary_unary("/scd.v1.ProducerService/Describe")(b"", timeout=3)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
+        count = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("scd_tls_handshake_failures_total"))
+        assert count >= 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert [line for line in lines if not line.startswith("{")] == []
+    events = [json.loads(line)["event"] for line in lines]
+    assert events.count("tls.handshake_failed") >= 2 and "server.drained" in events
+
+
+def test_core_log_lines_become_json_and_other_lines_pass_through():
+    from shared.core_log import CoreLog
+
+    core = CoreLog("producer")
+    line = ("I1201 13:26:17.782330   14341 ssl_transport_security.cc:2563] Handshake failed with error SSL_ERROR_SSL: "
+            "error:100000c0:SSL routines:OPENSSL_internal:PEER_DID_NOT_RETURN_A_CERTIFICATE: Invalid certificate verification context")
+    out = json.loads(core.translate(line))
+    assert out["event"] == "tls.handshake_failed" and out["error"].startswith("PEER_DID_NOT_RETURN_A_CERTIFICATE")
+    assert core.handshake_failures == 1
+    assert core.translate("I1201 13:27:34.926793   15502 chttp2_transport.cc:1403] ipv4:127.0.0.1:1: Got goaway") is None
+    assert json.loads(core.translate("E1201 13:27:34.9 15502 server.cc:10] boom"))["event"] == "grpc.core"
+    assert core.translate('{"event": "server.started"}') == '{"event": "server.started"}'
