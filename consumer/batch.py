@@ -134,6 +134,8 @@ class BatchEngine(concurrent.futures.Executor):
         return future
 
     def add(self, task: Task) -> Task:
+        if not task.pending:
+            raise ValueError("a task needs tokens to feed")
         with self._cv:
             self._incoming.append(task)
             self._cv.notify()

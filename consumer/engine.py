@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,8 +35,9 @@ from consumer.batch import BatchEngine, Finished, Task
 from consumer.decoding import Detokenizer, Sampler, Sampling
 from consumer.kv_admission import KVAdmission
 from consumer.kv_pool import SequenceKV
+from consumer.prefix_cache import Hit, PrefixCache
 from consumer.stream_reader import Event, Expectation, LayerPayloads, StreamHeader, StreamTrailer
-from shared import audit, logs
+from shared import audit, chunks, logs
 from shared.codecs import CacheDecoder, Codec
 from shared.errors import Cancelled, DataLoss, DeadlineExceeded, ServiceError
 from shared.models import LoadedModel
@@ -109,14 +110,25 @@ class GenerateResult:
     audit_decision: str = ""
     audit_ms: float = 0.0
     queue_wait_ms: float = 0.0  # waiting for KV memory before any work
+    prefix_reused_tokens: int = 0  # context tokens whose KV came from the prefix cache
 
 
 class GenerateEngine:
-    def __init__(self, loaded: LoadedModel, engine: BatchEngine, admission: KVAdmission, source: TransferSource | None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        engine: BatchEngine,
+        admission: KVAdmission,
+        source: TransferSource | None,
+        prefix: PrefixCache | None = None,
+        producer_digest: Callable[[], str] = lambda: "",
+    ):
         self.loaded = loaded
         self.engine = engine  # the device's only executor: jobs and batched forwards
         self.admission = admission
         self.source = source
+        self.prefix = prefix  # rebuilt KV kept per context chunk (consumer.prefix_cache); None: off
+        self.producer_digest = producer_digest  # the producer's weight digest as last seen, "" unknown
 
     def _left(self, job: GenerateJob, what: str) -> float:
         left = job.deadline - time.monotonic()
@@ -158,12 +170,18 @@ class GenerateEngine:
             if not finished:
                 self.engine.cancel(task)
 
-    async def _local_prefill(self, job: GenerateJob, result: GenerateResult, seq: SequenceKV) -> SequenceKV:
-        """The consumer's own prefill of the context into seq, in chunks inside the engine's batches."""
+    async def _local_prefill(self, job: GenerateJob, result: GenerateResult, seq: SequenceKV, start: int = 0) -> SequenceKV:
+        """The consumer's own prefill of context tokens [start, T) into seq (tokens before start:
+        a cached prefix of the consumer's own KV), in chunks inside the engine's batches."""
         self._left(job, "context prefill")
+        if start < seq.shared_blocks * self.engine.pool.block_tokens:
+            # a cached prefix rebuilt by a codec cannot be overwritten in place (other requests share it)
+            raise DataLoss("the cached prefix this request shares cannot be replaced by a local prefill")
+        seq.length = start  # a failed or flagged transfer's layers are overwritten
+        if start == len(job.context_ids):
+            return seq  # the whole context was cached
         started = time.perf_counter()
-        seq.length = 0  # a failed or flagged transfer's layers are overwritten
-        task = Task(seq, list(job.context_ids), sink=lambda _: None)
+        task = Task(seq, list(job.context_ids[start:]), sink=lambda _: None)
         async with contextlib.aclosing(self._engine_task(job, task)) as events:
             async for _ in events:
                 pass
@@ -182,9 +200,14 @@ class GenerateEngine:
         result.raw_kv_bytes = self.loaded.info.kv_bytes(len(job.context_ids))
         return True
 
-    async def _cache(self, job: GenerateJob, result: GenerateResult, seq: SequenceKV) -> None:
+    async def _cache(self, job: GenerateJob, result: GenerateResult, seq: SequenceKV, cached: int) -> None:
+        """The context's KV into seq; its first `cached` tokens are there already (prefix cache)."""
         if job.codec is None:
-            await self._local_prefill(job, result, seq)
+            await self._local_prefill(job, result, seq, cached)
+            return
+        if cached == len(job.context_ids):  # the same context rebuilt the same way before: no transfer
+            if job.audit != AUDIT_OFF:
+                result.audit_decision = "cached: audited when it was rebuilt"
             return
         try:
             decoder = await self._remote(job, result, seq)
@@ -252,15 +275,51 @@ class GenerateEngine:
             )
         return diverged
 
+    def _root(self, job: GenerateJob, local: bool) -> str | None:
+        """The prefix cache's root for KV made the way this request's is: the consumer's own
+        prefill, or a codec (format, resolved options) over the producer's weights; None when it
+        cannot be named (the producer's weights are not known yet, or no prefix cache)."""
+        if self.prefix is None:
+            return None
+        own = self.loaded.info.weight_digest
+        if local or job.codec is None:
+            return chunks.model_root(own)
+        producer = self.producer_digest()
+        if not producer:
+            return None
+        return chunks.codec_root(f"{own}|{producer}", job.codec.name, job.codec.format_version, job.options, {})
+
+    def _refs(self, job: GenerateJob, local: bool) -> list[chunks.ChunkRef]:
+        root = self._root(job, local)
+        if root is None or self.prefix is None:
+            return []
+        return chunks.chain(root, job.context_ids, self.prefix.chunk_tokens)
+
     async def run(self, job: GenerateJob) -> AsyncGenerator[TokenOut | GenerateResult, None]:
         result = GenerateResult(job.request_id, job.mode, dict(job.options), len(job.context_ids), len(job.question_ids))
         result.raw_kv_bytes = self.loaded.info.kv_bytes(len(job.context_ids))
+        refs = self._refs(job, local=False)
+        hit = self.prefix.lookup(refs) if (self.prefix is not None and refs) else Hit([])
+        if job.codec is not None and hit.tokens < len(job.context_ids):
+            hit = Hit([])  # a codec's stream covers the whole context: only a whole-context hit saves it
+        pool = self.engine.pool
+        tail = hit.tail.blocks if hit.tail is not None else []
+        pool.hold(hit.shared_blocks + tail)  # pinned: the cache may evict them meanwhile
         # the request's worst case: the last sampled token is never fed back
         need = len(job.context_ids) + len(job.question_ids) + job.max_new_tokens
-        seq, waited = await self.admission.acquire(need, job.deadline)
-        result.queue_wait_ms = waited * 1e3
         try:
-            await self._cache(job, result, seq)
+            seq, waited = await self.admission.acquire(need, job.deadline, shared=hit.shared_blocks)
+            if tail:
+                await logs.run_in(self.engine, self.engine.pool.copy_blocks, tail, seq.blocks[len(hit.shared_blocks) :])
+        finally:
+            pool.drop(tail)
+        result.queue_wait_ms = waited * 1e3
+        result.prefix_reused_tokens = hit.tokens
+        try:
+            await self._cache(job, result, seq, hit.tokens)
+            if self.prefix is not None and not result.audit_decision.startswith("diverged"):
+                local = result.codec == LOCAL_MODE
+                self.prefix.insert(self._refs(job, local) if local != (job.codec is None) else refs, seq)
             async with contextlib.aclosing(self._answer(job, result, seq)) as items:
                 async for item in items:
                     yield item

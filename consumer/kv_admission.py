@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from consumer.kv_pool import KVPool, SequenceKV
 from shared.errors import DeadlineExceeded, ResourceExhausted
@@ -23,11 +24,13 @@ from shared.errors import DeadlineExceeded, ResourceExhausted
 class _Waiter:
     tokens: int
     future: asyncio.Future
+    shared: list[int] = field(default_factory=list)
 
 
 class KVAdmission:
-    def __init__(self, pool: KVPool, max_queue: int):
+    def __init__(self, pool: KVPool, max_queue: int, make_room: Callable[[int], None] | None = None):
         self.pool, self.max_queue = pool, max_queue
+        self.make_room = make_room  # frees cached blocks (the prefix cache) for a waiting request
         self.waiters: collections.deque[_Waiter] = collections.deque()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.rejected = {"never_fits": 0, "queue_full": 0}
@@ -36,9 +39,28 @@ class KVAdmission:
     def queued(self) -> int:
         return len(self.waiters)
 
-    async def acquire(self, tokens: int, deadline: float) -> tuple[SequenceKV, float]:
+    def _allocate(self, tokens: int, shared: list[int]) -> SequenceKV | None:
+        seq = self.pool.allocate(tokens, shared)
+        if seq is None and self.make_room is not None:
+            self.make_room(self.pool.blocks_for(tokens) - len(shared))
+            seq = self.pool.allocate(tokens, shared)
+        return seq
+
+    async def acquire(self, tokens: int, deadline: float, shared: list[int] | None = None) -> tuple[SequenceKV, float]:
         """Blocks for `tokens` tokens and the seconds waited for them; waits at most until
-        `deadline` (time.monotonic())."""
+        `deadline` (time.monotonic()). `shared`: a cached prefix's blocks the caller holds
+        (`KVPool.hold`); the hold passes to the sequence, or is dropped here when none comes."""
+        shared = list(shared or ())
+        granted = False
+        try:
+            seq, waited = await self._acquire(tokens, deadline, shared)
+            granted = True
+            return seq, waited
+        finally:
+            if not granted and shared:
+                self.pool.drop(shared)
+
+    async def _acquire(self, tokens: int, deadline: float, shared: list[int]) -> tuple[SequenceKV, float]:
         self.loop = asyncio.get_running_loop()
         pool = self.pool
         if not pool.fits_ever(tokens):
@@ -49,14 +71,14 @@ class KVAdmission:
                 f" {pool.capacity_bytes} (the consumer's whole KV pool); shorten the context or max_new_tokens"
             )
         if not self.waiters:
-            ready = pool.allocate(tokens)
+            ready = self._allocate(tokens, shared)
             if ready is not None:
                 return ready, 0.0
         if len(self.waiters) >= self.max_queue:
             self.rejected["queue_full"] += 1
             raise ResourceExhausted(f"KV memory queue full: {len(self.waiters)} requests waiting >= max_queue {self.max_queue}")
         started = time.monotonic()
-        waiter = _Waiter(tokens, self.loop.create_future())
+        waiter = _Waiter(tokens, self.loop.create_future(), shared)
         self.waiters.append(waiter)
         try:
             seq: SequenceKV = await asyncio.wait_for(asyncio.shield(waiter.future), max(0.0, deadline - time.monotonic()))
@@ -64,7 +86,9 @@ class KVAdmission:
             if waiter in self.waiters:
                 self.waiters.remove(waiter)
             if waiter.future.done() and not waiter.future.cancelled():
-                pool.release(waiter.future.result())  # never touched by the engine: safe from this thread
+                seq = waiter.future.result()  # never touched by the engine: safe from this thread
+                seq.released = True
+                pool.drop(seq.blocks[seq.shared_blocks :])  # its own blocks; acquire's finally drops the shared
             waiter.future.cancel()
             self._grant()
             if isinstance(exc, TimeoutError):
@@ -83,7 +107,7 @@ class KVAdmission:
             if head.future.done():
                 self.waiters.popleft()
                 continue
-            seq = self.pool.allocate(head.tokens)
+            seq = self._allocate(head.tokens, head.shared)
             if seq is None:
                 return
             self.waiters.popleft()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -66,6 +66,7 @@ class KVPool:
         self.k = torch.zeros(shape, dtype=self.dtype, device=device)  # [L, NB + 1, Bt, n_kv, hd]
         self.v = torch.zeros(shape, dtype=self.dtype, device=device)
         self._free = list(range(self.num_blocks, 0, -1))  # a stack; NULL_BLOCK is never handed out
+        self._refs = [0] * (self.num_blocks + 1)  # holders of each block: requests and the prefix cache
         self._lock = threading.Lock()
 
     @property
@@ -86,25 +87,61 @@ class KVPool:
     def fits_ever(self, tokens: int) -> bool:
         return self.blocks_for(tokens) <= self.num_blocks
 
-    def allocate(self, tokens: int) -> SequenceKV | None:
-        """Blocks for `tokens` tokens, or None when they are not free now."""
-        need = self.blocks_for(tokens)
+    def allocate(self, tokens: int, shared: list[int] | None = None) -> SequenceKV | None:
+        """Blocks for `tokens` tokens, or None when they are not free now. `shared`: blocks of a
+        cached prefix the sequence starts with (read-only for it: it writes only after them),
+        already held for it by the caller (`hold`); they count toward `tokens`."""
+        shared = list(shared or ())
+        need = self.blocks_for(tokens) - len(shared)
         with self._lock:
             if need > len(self._free):
                 return None
-            blocks = [self._free.pop() for _ in range(need)]
+            own = [self._free.pop() for _ in range(max(0, need))]
+            for block in own:
+                self._refs[block] += 1
+        blocks = shared + own
         table = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        return SequenceKV(self, blocks, table, need * self.block_tokens)
+        return SequenceKV(self, blocks, table, len(blocks) * self.block_tokens, shared_blocks=len(shared))
+
+    def hold(self, blocks: list[int]) -> None:
+        """One more holder of `blocks` (the prefix cache keeping a request's chunk)."""
+        with self._lock:
+            for block in blocks:
+                assert self._refs[block] > 0, f"block {block} is not held"
+                self._refs[block] += 1
+
+    def drop(self, blocks: list[int]) -> None:
+        """One holder fewer; blocks nobody holds any more are zeroed and freed."""
+        with self._lock:
+            freed = []
+            for block in blocks:
+                self._refs[block] -= 1
+                if self._refs[block] == 0:
+                    freed.append(block)
+        if freed:
+            index = torch.tensor(freed, dtype=torch.long, device=self.device)
+            self.k[:, index] = 0
+            self.v[:, index] = 0
+            with self._lock:
+                self._free.extend(freed)
+
+    def copy_blocks(self, source: list[int], target: list[int]) -> None:
+        """Copy blocks' K/V (every layer) into others, pairwise (a cached tail into a request's own
+        blocks). Engine thread."""
+        n = min(len(source), len(target))
+        if n:
+            src = torch.tensor(source[:n], dtype=torch.long, device=self.device)
+            dst = torch.tensor(target[:n], dtype=torch.long, device=self.device)
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]
 
     def release(self, seq: SequenceKV) -> None:
-        """Zero the sequence's blocks and return them; a second release is a no-op."""
+        """The sequence lets go of its blocks (zeroed and freed unless the prefix cache still holds
+        them); a second release is a no-op."""
         if seq.released:
             return
         seq.released = True
-        self.k[:, seq.table] = 0
-        self.v[:, seq.table] = 0
-        with self._lock:
-            self._free.extend(seq.blocks)
+        self.drop(seq.blocks)
 
     def slots(self, positions: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, offset) index tensors of token positions under a block table."""
@@ -121,21 +158,23 @@ class SequenceKV:
     capacity: int  # tokens the blocks hold
     length: int = 0
     released: bool = False
-    _written: set[int] = field(default_factory=set)
+    shared_blocks: int = 0  # leading blocks shared with the prefix cache: never written by this request
+
+    first_write: int = 0  # where a codec decoder's layers start (tokens before it are a cached prefix)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int, kwargs=None) -> None:
         """A codec decoder's write of one whole layer over the context (the DynamicCache surface
-        shared.kv.put_layer uses): keys/values [1, n_kv, T, hd], post-RoPE, at positions 0..T-1."""
-        T = keys.shape[2]
-        if T > self.capacity:
-            raise ValueError(f"layer {layer}: {T} tokens > the {self.capacity} this request reserved")
-        blk, off = self.pool.slots(torch.arange(T, device=self.pool.device), self.table)
+        shared.kv.put_layer uses): keys/values [1, n_kv, n, hd], post-RoPE, at positions
+        first_write .. first_write + n - 1."""
+        start = self.first_write
+        end = start + keys.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"layer {layer}: {end} tokens > the {self.capacity} this request reserved")
+        if start < self.shared_blocks * self.pool.block_tokens:
+            raise ValueError(f"layer {layer}: write at {start} inside the shared prefix")
+        blk, off = self.pool.slots(torch.arange(start, end, device=self.pool.device), self.table)
         self.pool.k[layer, blk, off] = keys[0].transpose(0, 1).to(self.pool.dtype)  # [T, n_kv, hd]
         self.pool.v[layer, blk, off] = values[0].transpose(0, 1).to(self.pool.dtype)
-        self._written.add(layer)
-
-    def layers_written(self) -> set[int]:
-        return set(self._written)
 
     def to_dynamic(self, tokens: int | None = None) -> DynamicCache:
         """A copy of the first `tokens` (default: length) positions as a DynamicCache (batch 1):

@@ -17,6 +17,7 @@ from consumer.engine import LOCAL_MODE, GenerateEngine, GenerateResult, TokenOut
 from consumer.kv_admission import KVAdmission
 from consumer.kv_pool import KVPool, default_pool_bytes
 from consumer.planner import Observation, TransferPlanner
+from consumer.prefix_cache import PrefixCache
 from consumer.producer_client import ProducerClient
 from consumer.requests import JobBuilder
 from shared import codecs as codec_lib
@@ -47,16 +48,28 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         self.outcomes = outcomes.Outcomes()
         self.transfer_fallbacks = 0
 
-    def attach(self, loaded: LoadedModel, batch: BatchEngine, kv_admission: KVAdmission, client: ProducerClient) -> None:
+    def attach(
+        self,
+        loaded: LoadedModel,
+        batch: BatchEngine,
+        kv_admission: KVAdmission,
+        prefix: PrefixCache | None,
+        client: ProducerClient,
+    ) -> None:
         self.codecs = codec_lib.create_codecs(loaded, artifacts=discover(self.config.artifact_paths))
-        self.batch, self.kv_admission = batch, kv_admission
-        self.engine = GenerateEngine(loaded, batch, kv_admission, client)
+        self.batch, self.kv_admission, self.prefix = batch, kv_admission, prefix
+        self.engine = GenerateEngine(loaded, batch, kv_admission, client, prefix, self._producer_digest)
         self.planner = TransferPlanner()
         self.jobs = JobBuilder(self.config, loaded, self.codecs, self.planner, self._tokenize)
         self.default = DefaultMode(self.config.default_mode, self.codecs, loaded.info.weight_digest)
         self.jobs.default_mode = lambda: self.default.mode
         self.link: readiness.ProducerLink | None = None  # ConsumerServer sets it
         self.loaded = loaded
+
+    def _producer_digest(self) -> str:
+        """The producer's weight digest as the link last saw it ("" before it answered)."""
+        link = getattr(self, "link", None)
+        return link.state.producer_digest if link is not None else ""
 
     def _ready(self) -> LoadedModel:
         if self.loaded is None:
@@ -156,8 +169,22 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
                 last_batch_rows=self.batch.stats.last_batch,
                 max_batch=self.batch.max_batch,
                 nonfinite_rows=self.batch.stats.failed_rows,
+                **prefix_stats(self.prefix),
             ),
         )
+
+
+def prefix_stats(prefix: PrefixCache | None) -> dict[str, int]:
+    if prefix is None:
+        return {}
+    return dict(
+        prefix_cache_bytes=prefix.nbytes,
+        prefix_cache_chunks=len(prefix.entries),
+        prefix_hits=prefix.hits,
+        prefix_partial_hits=prefix.partial_hits,
+        prefix_misses=prefix.misses,
+        prefix_evictions=prefix.evictions,
+    )
 
 
 def result_to_pb(r: GenerateResult) -> consumer_pb2.GenerateStats:
@@ -185,6 +212,7 @@ def result_to_pb(r: GenerateResult) -> consumer_pb2.GenerateStats:
         audit_decision=r.audit_decision,
         audit_ms=r.audit_ms,
         queue_wait_ms=r.queue_wait_ms,
+        prefix_reused_tokens=r.prefix_reused_tokens,
     )
 
 
@@ -219,11 +247,13 @@ class ConsumerServer:
         batch = BatchEngine(loaded, pool, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens)
         self.executor = batch
         await logs.run_in(batch, warm_up, loaded)
-        kv_admission = KVAdmission(pool, cfg.max_queue)
-        self.server.metrics.watch_engine(batch, pool, kv_admission)
+        budget = pool.capacity_bytes // 2 if cfg.prefix_cache_bytes < 0 else cfg.prefix_cache_bytes
+        prefix = PrefixCache(pool, budget, cfg.chunk_tokens) if budget > 0 else None
+        kv_admission = KVAdmission(pool, cfg.max_queue, prefix.make_room if prefix is not None else None)
+        self.server.metrics.watch_engine(batch, pool, kv_admission, prefix)
         self.server.progress = [batch.progress]  # liveness from the engine's progress, not a place in its queue
         self.client = ProducerClient.from_config(cfg, loaded.info.weight_digest, self.server.tracing)
-        self.servicer.attach(loaded, batch, kv_admission, self.client)
+        self.servicer.attach(loaded, batch, kv_admission, prefix, self.client)
         self.link = link = readiness.ProducerLink(
             self.client.stub, self.servicer.codecs, self.client.transport, cfg.producer_check_interval_s, self._link_changed
         )

@@ -152,6 +152,8 @@ class ConsumerConfig(ServerConfig):
     max_queue: int = 64  # requests waiting for KV memory; more get RESOURCE_EXHAUSTED
     prefill_chunk: int = 512  # tokens one request prefills per engine iteration (chunked prefill)
     max_batch_tokens: int = 2048  # prefill tokens per engine iteration, all requests together
+    chunk_tokens: int = 256  # context chunk size of the prefix cache (a multiple of kv_block_tokens)
+    prefix_cache_bytes: int = -1  # KV pool bytes the prefix cache may keep; -1: half the pool, 0: off
 
     def validate(self) -> None:
         super().validate()
@@ -178,6 +180,12 @@ class ConsumerConfig(ServerConfig):
                 raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
         if self.kv_pool_bytes < 0 or self.max_queue < 0:
             raise ValueError("kv_pool_bytes and max_queue: must be >= 0")
+        if self.chunk_tokens < 1 or self.chunk_tokens % self.kv_block_tokens:
+            raise ValueError(
+                f"chunk_tokens: {self.chunk_tokens} must be a positive multiple of kv_block_tokens {self.kv_block_tokens}"
+            )
+        if self.prefix_cache_bytes < -1:
+            raise ValueError("prefix_cache_bytes: must be >= -1 (-1: half the KV pool, 0: off)")
         modes = default_modes()
         if self.default_mode and self.default_mode not in modes:
             raise ValueError(f"default_mode: {self.default_mode!r} not in {', '.join(modes)} (empty: the safest available)")

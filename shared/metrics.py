@@ -206,10 +206,24 @@ class Metrics:
 
         self.registry.register(_Callback(families))
 
-    def watch_engine(self, engine, pool, admission) -> None:
-        """The consumer's batch engine (consumer.batch), its KV pool and KV admission queue."""
+    def watch_engine(self, engine, pool, admission, prefix=None) -> None:
+        """The consumer's batch engine (consumer.batch), its KV pool, KV admission queue and
+        prefix cache (consumer.prefix_cache, when on)."""
 
         def families():
+            if prefix is not None:
+                yield from unlabelled(
+                    GaugeMetricFamily,
+                    ("scd_prefix_cache_bytes", "KV pool bytes the prefix cache holds", prefix.nbytes),
+                    ("scd_prefix_cache_chunks", "context chunks the prefix cache holds", len(prefix.entries)),
+                )
+                yield from unlabelled(
+                    CounterMetricFamily,
+                    ("scd_prefix_hits", "prefix cache lookups that found the whole context", prefix.hits),
+                    ("scd_prefix_partial_hits", "prefix cache lookups that found a part of the context", prefix.partial_hits),
+                    ("scd_prefix_misses", "prefix cache lookups that found nothing", prefix.misses),
+                    ("scd_prefix_evictions", "chunks evicted from the prefix cache", prefix.evictions),
+                )
             yield from unlabelled(
                 GaugeMetricFamily,
                 ("scd_kv_pool_bytes", "KV pool size (--kv-pool-bytes)", pool.capacity_bytes),
