@@ -7,7 +7,8 @@ One producer and two consumers run as real processes (bench.services), identical
 requests back to back until the cell's request count is reached, first against the max-batch-1
 consumer, then against the batched one. Request i of a cell is the same in both runs (example i of
 a fixed set whose contexts are warm in the producer's store after a warm-up pass, so the cells
-measure the consumer), which gives `identical_to_batch1_rate`: the share of requests whose greedy
+measure the consumer; its prefix cache is off, so every request is transferred and rebuilt), which
+gives `identical_to_batch1_rate`: the share of requests whose greedy
 tokens are the same under batching. Outputs: `answer` (the task's own stop token, a few tokens:
 TTFT-heavy; random-weight models stop at 8 tokens) and `long` (64 tokens, no stop: decode-heavy).
 
@@ -189,7 +190,8 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
         services.wait_healthy(producer, 300)
         for mb in (1, max_batch):
             cport = services.free_port()
-            args = ["--port", str(cport), "--producer", f"127.0.0.1:{pport}", "--max-batch", str(mb),
+            # the prefix cache off: the cells repeat 16 contexts, and this measures the engine and the transfer
+            args = ["--port", str(cport), "--producer", f"127.0.0.1:{pport}", "--max-batch", str(mb), "--prefix-cache-bytes", "0",
                     *[a.replace("{m}", model.consumer) for a in common]]
             consumers[mb] = services.spawn("consumer", args, f"127.0.0.1:{cport}", log_dir / f"max-batch-{mb}")
         for service in consumers.values():
