@@ -317,12 +317,13 @@ class GenerateEngine:
         result.prefix_reused_tokens = hit.tokens
         try:
             await self._cache(job, result, seq, hit.tokens)
-            if self.prefix is not None and not result.audit_decision.startswith("diverged"):
-                local = result.codec == LOCAL_MODE
-                self.prefix.insert(self._refs(job, local) if local != (job.codec is None) else refs, seq)
             async with contextlib.aclosing(self._answer(job, result, seq)) as items:
                 async for item in items:
                     yield item
+            # kept only once it answered (finite logits, no contract error), and never a flagged cache
+            if self.prefix is not None and not result.audit_decision.startswith("diverged"):
+                local = result.codec == LOCAL_MODE
+                self.prefix.insert(self._refs(job, local) if local != (job.codec is None) else refs, seq)
         finally:
             self._release(seq)
 

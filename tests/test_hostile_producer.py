@@ -451,6 +451,18 @@ async def test_absurd_values_inside_a_batch_fail_alone(world, hostile):
     alone, err = await ask(client, **fields)
     assert err is None
     alone_ids = [m.token.ids for m in alone[:-1]]
+    # the prefix cache on for raw (it needs the producer's weights, which a hostile producer does
+    # not describe): a hostile stream's KV must never be kept for the next request of its context
+    engine = consumer.servicer.engine
+    engine.producer_digest = lambda: "hostile-producer"
+    consumer.servicer.prefix.clear()
+    received, err = await ask(client, request_id="hostile-first", **fields)
+    assert err is not None and err.code() == DL
+    received, err = await ask(client, request_id="good-after", **fields)
+    assert err is None and received[-1].stats.prefix_reused_tokens == 0
+    assert [m.token.ids for m in received[:-1]] == alone_ids
+    engine.producer_digest = lambda: ""
+    consumer.servicer.prefix.clear()
     failed_before = consumer.servicer.batch.stats.failed_rows
     results = await asyncio.gather(
         *(ask(client, request_id=f"{'hostile' if i % 3 == 1 else 'good'}-{i}", **fields) for i in range(9))
