@@ -185,3 +185,39 @@ def audit(root: Path = ROOT) -> dict:
             "shifted_bytes": statistics.median(sets[s]["upgrade_bytes_ratio"] for s in CONTEXT_SHIFTS),
         }
     return out
+
+
+# ---- the batch engine ----------------------------------------------------------------------------
+
+
+def throughput(root: Path = ROOT) -> dict:
+    """bench.throughput's rows: per cell (model, mode, output, concurrency) the batched run beside
+    its --max-batch 1 run, the ratios between them and the batched run's share of the bare
+    forward's ceiling."""
+    rows = rows_of(root / "bench/results/throughput.jsonl")
+    cells: dict[tuple, dict[int, dict]] = {}
+    for r in rows:
+        cells.setdefault((r["model"], r["weights"], r["dtype"], r["mode"], r["output"], r["concurrency"]), {})[r["max_batch"]] = r
+    table = [
+        "| model (weights, dtype) | mode | output | streams | tok/s batched / max-batch 1 | req/s ratio"
+        " | TTFT p50 ms batched / 1 | TTFT p95 ms batched / 1 | batched / forward ceiling | identical | load |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    summary = {}
+    for key, by_batch in sorted(cells.items()):
+        one = by_batch.get(1)
+        many = next((r for mb, r in sorted(by_batch.items()) if mb > 1), None)
+        if one is None or many is None:
+            continue
+        model, weights, dtype, mode, output, conc = key
+        tok = many["output_tokens_per_s"] / one["output_tokens_per_s"]
+        req = many["requests_per_s"] / one["requests_per_s"]
+        ceiling = many["output_tokens_per_s"] / many["forward_ceiling_tokens_per_s"]
+        load = span([one["load_avg_1m"], many["load_avg_1m"]], "{:.1f}")
+        table.append(
+            f"| {model} ({weights}, {dtype}) | {mode} | {output} | {conc} | {many['output_tokens_per_s']:.0f} / "
+            f"{one['output_tokens_per_s']:.0f} = **{tok:.1f}x** | {req:.1f}x | {many['ttft_p50_ms']:.0f} / {one['ttft_p50_ms']:.0f}"
+            f" | {many['ttft_p95_ms']:.0f} / {one['ttft_p95_ms']:.0f} | {ceiling:.2f} | {many['identical_to_batch1_rate']} | {load} |"
+        )
+        summary[f"{model}|{mode}|{output}|{conc}"] = {"tok": tok, "req": req, "ceiling": ceiling, "identical": many["identical_to_batch1_rate"]}
+    return {"table": "\n".join(table), "cells": summary, "rows": len(rows)}
