@@ -220,4 +220,11 @@ def throughput(root: Path = ROOT) -> dict:
             f" | {many['ttft_p95_ms']:.0f} / {one['ttft_p95_ms']:.0f} | {ceiling:.2f} | {many['identical_to_batch1_rate']} | {load} |"
         )
         summary[f"{model}|{mode}|{output}|{conc}"] = {"tok": tok, "req": req, "ceiling": ceiling, "identical": many["identical_to_batch1_rate"]}
-    return {"table": "\n".join(table), "cells": summary, "rows": len(rows)}
+    f32 = [r["identical_to_batch1_rate"] for r in rows if r["dtype"] == "float32" and r["identical_to_batch1_rate"] is not None]
+    worst = min(f32, default=0.0)
+    return {
+        "table": "\n".join(table),
+        "cells": summary,
+        "rows": len(rows),
+        "identical_f32": "every request" if worst == 1.0 else f"at least {worst:.1%} of requests",
+    }
