@@ -48,12 +48,20 @@ class ScdEncoder(LayerEncoder):
         self.captures = (Capture.NORMED if ops.needs_normed(schedule.actions) else Capture.NONE) | (
             Capture.KV if ops.needs_kv(schedule.actions) else Capture.NONE
         )
+        # per token unless a Reuse or Patch layer reads earlier tokens (a window, a learned
+        # predictor): then still causal, so its payloads cut along tokens, but a continued
+        # prefill could not encode the new tokens without the prefix's states
+        coded = [i for i, a in enumerate(schedule.actions) if a.kind in ("reuse", "reuse_fp16", "patch")]
+        self.per_token = art.window == 1 and not any(art.predictor(i) is not None for i in coded)
 
     def encode(self, state: LayerState) -> dict[str, torch.Tensor]:
         return ops.encode_layer(self.art, state.index, self.schedule.actions[state.index], state, self.art.geometry.quant_group)
 
     def metadata(self) -> dict[str, str]:
         return self.entry_meta
+
+    def token_layout(self, layer: int) -> dict[str, tuple[int, int]] | None:
+        return ops.token_layout(self.schedule.actions[layer], self.art.geometry.quant_group)
 
 
 class ScdDecoder(KVDecoder):

@@ -1,0 +1,112 @@
+"""Chunked content addressing: what both services use to name a prefix of a context.
+
+A context's token ids are cut into fixed chunks of `chunk_tokens` tokens (the last one may be
+shorter: the tail). A chunk's key chains its parent's key (the previous chunk's, or the root's
+for the first chunk), its token ids and, through the root, what the stored state depends on:
+- `model_root(digest)`: the model's weight digest; chunks under it name the model's own KV;
+- `codec_root(digest, codec, format_version, options, metadata)`: also the codec, its payload
+  format, its resolved options and its metadata (for SCD: the artifact and the schedule); chunks
+  under it name encoded payloads.
+Equal keys mean equal prefixes under the same model (and codec), so the longest stored prefix is
+one lookup per chunk (`longest`), as vLLM's and nano-vllm's chained block hashes. Keys are hex
+sha256 strings, safe as file names.
+
+Routing (`route_key`) hashes only the first chunk(s) of token ids: the turns of one conversation
+and the questions of one document share it, whatever comes later.
+
+Knows nothing about stores, models or the wire.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from array import array
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+DEFAULT_CHUNK_TOKENS = 256
+ROUTE_CHUNKS = 1  # chunks of a context its ring_hash routing key covers
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """One chunk of a context: tokens [start, end), its key and its parent's key."""
+
+    key: str
+    parent: str  # the previous chunk's key, or the root for the first chunk
+    start: int
+    end: int
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    packed = array("I", token_ids)  # uint32 each
+    if sys.byteorder == "big":
+        packed.byteswap()  # keys are the same on every machine: little-endian
+    return packed.tobytes()
+
+
+def _digest(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()
+
+
+def model_root(weight_digest: str) -> str:
+    """The root of chunks that hold a model's own KV."""
+    return _digest(b"scd.chunks.model.v1", weight_digest.encode())
+
+
+def codec_root(
+    weight_digest: str, codec: str, format_version: int, options: Mapping[str, str], metadata: Mapping[str, str]
+) -> str:
+    """The root of chunks that hold one codec's encoded payloads under one model, options and
+    metadata (an SCD artifact id and schedule are in the metadata)."""
+    spec = json.dumps([codec, format_version, sorted(options.items()), sorted(metadata.items())])
+    return _digest(b"scd.chunks.codec.v1", model_root(weight_digest).encode(), spec.encode())
+
+
+def chunk_key(parent: str, token_ids: Sequence[int]) -> str:
+    return _digest(b"scd.chunks.chunk.v1", parent.encode(), _token_bytes(token_ids))
+
+
+def chain(root: str, token_ids: Sequence[int], chunk_tokens: int) -> list[ChunkRef]:
+    """Every chunk of the context in order, the tail (shorter than chunk_tokens) included."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    refs: list[ChunkRef] = []
+    parent = root
+    for start in range(0, len(token_ids), chunk_tokens):
+        end = min(start + chunk_tokens, len(token_ids))
+        key = chunk_key(parent, token_ids[start:end])
+        refs.append(ChunkRef(key, parent, start, end))
+        parent = key
+    return refs
+
+
+def prefix_key(root: str, token_ids: Sequence[int], upto: int, chunk_tokens: int) -> str:
+    """The key naming token_ids[:upto] (upto a multiple of chunk_tokens, or len(token_ids)):
+    the key of the chunk that ends there; the root for upto = 0."""
+    if upto == 0:
+        return root
+    refs = chain(root, token_ids[:upto], chunk_tokens)
+    return refs[-1].key
+
+
+def longest(refs: Sequence[ChunkRef], has: Callable[[str], bool]) -> int:
+    """How many leading chunks of refs `has` holds (a chunk without its parent is no prefix)."""
+    n = 0
+    for ref in refs:
+        if not has(ref.key):
+            break
+        n += 1
+    return n
+
+
+def route_key(token_ids: Sequence[int], chunk_tokens: int = DEFAULT_CHUNK_TOKENS, chunks: int = ROUTE_CHUNKS) -> str:
+    """The ring_hash key of a context: a hash of its first `chunks` chunks of token ids (all of a
+    shorter context), so contexts that share that opening land on the same producer."""
+    return _digest(b"scd.route.v1", _token_bytes(token_ids[: chunk_tokens * chunks]))
