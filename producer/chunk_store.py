@@ -104,12 +104,12 @@ class Index:
                 del self.children[slot.parent]
         return slot
 
-    def victim(self, keep: str = "") -> str | None:
-        """The next entry to evict (never `keep`), or None when nothing else is held."""
+    def victim(self, keep: tuple[str, ...] = ()) -> str | None:
+        """The next entry to evict (never one of `keep`), or None when no other can go."""
         best: tuple[float, int] | None = None
         chosen = None
         for key, slot in self.slots.items():
-            if key == keep:
+            if key in keep:
                 continue
             if self.policy == "lru":
                 score: tuple[float, int] = (0.0, slot.used)
@@ -121,13 +121,21 @@ class Index:
                 best, chosen = score, key
         return chosen
 
-    def make_room(self, key: str, nbytes: int) -> list[str]:
-        """Evict until nbytes more fit (never `key` itself); the keys evicted."""
+    def make_room(self, key: str, parent: str, nbytes: int) -> list[str] | None:
+        """Evict until nbytes more fit; the keys evicted, or None (nothing evicted) when they
+        cannot: "cost" never evicts the new entry's ancestors for it (that would orphan it), so
+        a chain that outgrows the budget keeps its prefix."""
+        keep = [key]
+        while self.policy == "cost" and parent in self.slots and parent not in keep:  # the held ancestors
+            keep.append(parent)
+            parent = self.slots[parent].parent
+        if sum(self.slots[k].nbytes for k in keep if k in self.slots) + nbytes > self.budget_bytes:
+            return None
         evicted = []
         while self.nbytes + nbytes > self.budget_bytes:
-            victim = self.victim(keep=key)
-            if victim is None:
-                break
+            victim = self.victim(tuple(keep))
+            if victim is None:  # cannot happen: what is not kept holds a leaf
+                return None
             self.drop(victim)
             self.evictions += 1
             evicted.append(victim)
@@ -184,7 +192,10 @@ class ChunkStore:
         if nbytes > self.index.budget_bytes:
             return False
         with self._lock:
-            for key in self.index.make_room(entry.key, nbytes):
+            evicted = self.index.make_room(entry.key, entry.parent, nbytes)
+            if evicted is None:
+                return False
+            for key in evicted:
                 del self.entries[key]
             self.entries[entry.key] = entry
             self.index.add(entry.key, Slot(nbytes, entry.parent, entry.end))

@@ -106,7 +106,10 @@ class DiskTier:
             with self._lock:
                 if nbytes > self.index.budget_bytes:
                     return
-                for key in self.index.make_room(entry.key, nbytes):
+                evicted = self.index.make_room(entry.key, entry.parent, nbytes)
+                if evicted is None:
+                    return
+                for key in evicted:
                     self.path(key).unlink(missing_ok=True)
                 os.replace(tmp, final)
                 self.index.add(entry.key, Slot(nbytes, entry.parent, entry.end))
