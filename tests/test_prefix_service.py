@@ -5,33 +5,24 @@ never serves flipped or truncated bytes; a prefix of another model is never serv
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 
 import grpc
 import pytest
 
 from producer.server import ProducerServer
 from shared import chunks, wire
-from shared.config import ProducerConfig
 from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
 from tests.conftest import perturbed_model, prompt, running_pair
+from tests import test_single_flight as single_flight
 from tests.test_prefill_engine import contexts
 
 C = 64
 QUANT = common_pb2.CodecSpec(name="quant", options={"bits": "8"})
 
 
-@contextlib.asynccontextmanager
-async def producer(model: str = "tiny-llama", **kw) -> AsyncIterator[tuple[ProducerServer, producer_pb2_grpc.ProducerServiceStub]]:
-    server = ProducerServer(ProducerConfig(**{"port": 0, "model": model, "device": "cpu", "drain_grace_s": 0.2, "chunk_tokens": C, **kw}))
-    await server.start()
-    await server.load()
-    try:
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            yield server, producer_pb2_grpc.ProducerServiceStub(channel)
-    finally:
-        await server.stop(0)
+def producer(model: str = "tiny-llama", **kw) -> AbstractAsyncContextManager[tuple[ProducerServer, producer_pb2_grpc.ProducerServiceStub]]:
+    return single_flight.producer(**{"model": model, "chunk_tokens": C, **kw})
 
 
 async def prefill(stub, ids, spec=QUANT, **fields) -> tuple[producer_pb2.PrefillHeader, dict, producer_pb2.PrefillTrailer]:

@@ -26,7 +26,7 @@ REQUEST = producer_pb2.PrefillRequest(token_ids=IDS, codec=common_pb2.CodecSpec(
 
 @contextlib.asynccontextmanager
 async def producer(**kw) -> AsyncIterator[tuple[ProducerServer, producer_pb2_grpc.ProducerServiceStub]]:
-    server = ProducerServer(ProducerConfig(port=0, model="tiny-llama", device="cpu", drain_grace_s=0.2, **kw))
+    server = ProducerServer(ProducerConfig(**{"port": 0, "model": "tiny-llama", "device": "cpu", "drain_grace_s": 0.2, **kw}))
     await server.start()
     await server.load()
     try:
