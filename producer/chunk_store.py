@@ -22,12 +22,9 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from producer.disk_tier import DiskTier
 
 POLICIES = ("cost", "lru")
 
@@ -142,8 +139,23 @@ class Index:
         return evicted
 
 
+class LowerTier(Protocol):
+    """What the store needs of a tier below RAM (producer.disk_tier.DiskTier)."""
+
+    index: Index
+    corrupt: int
+
+    def has(self, key: str) -> bool: ...
+
+    def read(self, key: str) -> ChunkEntry | None: ...
+
+    def write(self, entry: ChunkEntry) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class ChunkStore:
-    def __init__(self, budget_bytes: int, policy: str = "cost", disk: DiskTier | None = None):
+    def __init__(self, budget_bytes: int, policy: str = "cost", disk: LowerTier | None = None):
         self.index = Index(budget_bytes, policy)
         self.entries: dict[str, ChunkEntry] = {}
         self.disk = disk

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from calibration.predictor_training import model_config
+from consumer.producer_client import context_hash
 from producer.chunk_store import ChunkEntry, ChunkStore, Index, Slot
 from producer.encode import EncodePool
 from producer.prefill import EncodedLayer, PrefillDone, PrefillEngine
@@ -44,6 +45,8 @@ def test_chunk_keys_chain_the_prefix_the_model_and_the_codec():
     assert chunks.prefix_key(root, ids, 128, C) == refs[1].key and chunks.prefix_key(root, ids, 0, C) == root
     assert chunks.longest(refs, {refs[0].key, refs[2].key}.__contains__) == 1  # a chunk without its parent is no prefix
     assert chunks.route_key(ids) == chunks.route_key([*ids, 1, 2, 3]) != chunks.route_key([9, *ids])
+    # the consumer routes on it: a conversation's next turn goes where its first turn went
+    assert context_hash(ids) == context_hash([*ids, 1, 2]) and context_hash([1, 2]) != context_hash([1, 3])
 
 
 # -- eviction ------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ never serves flipped or truncated bytes; a prefix of another model is never serv
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import AbstractAsyncContextManager
 
 import grpc
@@ -15,6 +16,7 @@ from shared import chunks, wire
 from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
 from tests.conftest import perturbed_model, prompt, running_pair
 from tests import test_single_flight as single_flight
+from tests.test_metrics import scrape, value
 from tests.test_prefill_engine import contexts
 
 C = 64
@@ -58,13 +60,18 @@ async def test_the_next_turn_continues_the_stored_prefix_and_answers_as_cold(spe
         turns.append(turns[-1] + contexts(extra, seed=len(turns))[0])
     question = prompt(ids=[17, 42, 99])
     answers = {}
-    for kw in ({"chunk_tokens": 0, "store_bytes": 0}, {"chunk_tokens": C}):
+    for kw in ({"chunk_tokens": 0, "store_bytes": 0}, {"chunk_tokens": C, "metrics_port": 0}):
         async with running_pair("tiny-llama", producer_kw=kw) as pair:
             answers[kw["chunk_tokens"]] = [
                 (await pair.generate(context=prompt(ids=ids), question=question, max_new_tokens=6, transfer=spec))[0]
                 for ids in turns
             ]
             stats = (await pair.producer_stub.Describe(producer_pb2.ProducerServiceDescribeRequest(), timeout=5)).stats
+            if kw["chunk_tokens"]:
+                samples = await asyncio.to_thread(scrape, pair.producer.server.metrics_port)
+                assert value(samples, "scd_prefill_tokens_reused_total") == 64 + 128
+                assert value(samples, "scd_prefill_partial_hits_total") == 2
+                assert value(samples, "scd_store_tier_entries", tier="ram") == stats.store_tiers[0].entries
     assert answers[C] == answers[0]  # token-identical to a cold run
     # turn 2 reused chunk 0 (64 of 144 tokens), turn 3 chunks 0-1 (128 of 214)
     assert stats.store_partial_hits == 2 and stats.prefill_tokens_reused == 64 + 128
