@@ -14,6 +14,12 @@ Each layer sent = stored payload chunks over [F, P) then the new payloads over [
 joined along each payload's token axis (LayerEncoder.token_layout). The new tokens' full chunks
 of K/V and every new chunk of payloads (the tail too: an exact repeat replays it) are kept.
 
+Encoders that read only K/V (raw, quant, SCD schedules of raw/quant layers only) keep no payload
+chunks at all: their stored chunks' payloads are encoded again from the stored K/V when sent
+(`derived`; raw costs nothing, quant one pass over the chunk), so one K/V chain serves every such
+codec and option, and a RAM budget holds twice the context for raw. Their tail K/V is kept too
+(an exact repeat replays it).
+
 Knows nothing about gRPC; the engine calls `assemble` on a request's encode lane.
 """
 
@@ -28,7 +34,7 @@ from producer.chunk_store import ChunkEntry, ChunkStore
 from shared import chunks
 from shared.codecs import LayerEncoder
 from shared.codecs.base import chunk_layouts
-from shared.kv import LayerState
+from shared.kv import Capture, LayerState
 
 Layout = dict[str, tuple[int, int]]
 
@@ -59,6 +65,8 @@ class Continuation:
     kv_refs: list[chunks.ChunkRef]
     payload_refs: list[chunks.ChunkRef]
     layouts: list[Layout] | None  # None: payloads do not cut along tokens (sent and kept whole only)
+    encoder: LayerEncoder | None = None  # set when `derived`
+    derived: bool = False  # stored payloads are encoded from stored K/V (K/V-only encoders)
     send_from: int = 0  # F
     start: int = 0  # P: tokens whose K/V (and payloads from F) come from the store
     replay: bool = False  # every payload chunk from F on is stored: no forward
@@ -104,32 +112,43 @@ class Continuation:
             keys, values = state.kv()  # [n_kv, T - P, hd]
             for j in range(first_new, len(self.kv_refs)):
                 ref = self.kv_refs[j]
-                if ref.end - ref.start < self.chunk_tokens:
-                    continue  # a tail's K/V never continues a prefill: only full chunks do
+                if ref.end - ref.start < self.chunk_tokens and not self.derived:
+                    continue  # a tail's K/V never continues a prefill (only full chunks do); derived: replayed
                 kept = self._new_kv.setdefault(j, {})
                 kept[f"{layer}.k"] = keys[:, ref.start - P : ref.end - P].to("cpu").clone()
                 kept[f"{layer}.v"] = values[:, ref.start - P : ref.end - P].to("cpu").clone()
         if self.layouts is None:
             return new  # P = F = 0: the whole context, as encoded
         layout = self.layouts[layer]
-        if self.keep:
+        if self.keep and not self.derived:
             for j in range(first_new, len(refs)):
                 kept = self._new_payloads.setdefault(j, {})
                 for name, t in new.items():
                     axis, group = layout[name]
                     kept[f"{layer}.{name}"] = _cut(t, axis, group, refs[j].start, refs[j].end, P).clone()
         out = {}
+        pieces = [self._stored(e, layer) for e in self.payload_entries]
         for name, t in new.items():
             axis, group = layout[name]
-            stored = [e.layer(layer)[name] for e in self.payload_entries]
+            stored = [p[name] for p in pieces]
             tail = _cut(t, axis, group, max(F, P), self.num_tokens, P)
             out[name] = torch.cat([*stored, tail], dim=axis) if stored else tail
         return out
 
+    def _stored(self, entry: ChunkEntry, layer: int) -> dict[str, torch.Tensor]:
+        """A stored chunk's payloads of one layer: as kept, or encoded from its kept K/V."""
+        if not self.derived:
+            return entry.layer(layer)
+        assert self.encoder is not None
+        kv = entry.layer(layer)
+        state = LayerState(layer, keys=kv["k"], values=kv["v"])  # [n_kv, chunk, hd] each
+        with torch.inference_mode():
+            return {name: t.to("cpu").contiguous() for name, t in self.encoder.encode(state).items()}
+
     def replay_layer(self, layer: int) -> dict[str, torch.Tensor]:
         """A replayed layer's payloads over tokens [F, T), joined from the stored chunks."""
         assert self.layouts is not None
-        pieces = [e.layer(layer) for e in self.payload_entries]
+        pieces = [self._stored(e, layer) for e in self.payload_entries]
         return {name: torch.cat([p[name] for p in pieces], dim=axis) for name, (axis, _) in self.layouts[layer].items()}
 
     def kept(self) -> list[ChunkEntry]:
@@ -167,6 +186,8 @@ def plan(
         keep=store.budget_bytes > 0,
     )
     s = send_from // C
+    if plan.layouts is not None and encoder.per_token and encoder.captures == Capture.KV:
+        plan.derived, plan.encoder, plan.payload_refs = True, encoder, plan.kv_refs  # payloads come from stored K/V
     if plan.layouts is not None:
         tail = plan.payload_refs[s:]
         if all(store.has(r.key) for r in tail):
@@ -187,8 +208,8 @@ def plan(
             break
         kv_entries.append(entry)
     k = len(kv_entries)
-    payload_entries: list[ChunkEntry] = []
-    for ref in plan.payload_refs[s:k]:
+    payload_entries: list[ChunkEntry] = kv_entries[s:k] if plan.derived else []
+    for ref in [] if plan.derived else plan.payload_refs[s:k]:
         entry = store.get(ref.key)
         if entry is None:
             break

@@ -161,7 +161,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             shared = False
             store_hit = stored is not None
             if stored is not None:
-                source = self._replay(stored)
+                source = self._replay(stored, len(request.token_ids))
             else:  # a prefill already running for the same key is joined, not repeated
                 source, shared = self.flights.join(
                     key,
@@ -289,11 +289,11 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             for name, index, corrupt in self.chunks.tiers()
         ]
 
-    async def _replay(self, stored: StoredPrefill):
+    async def _replay(self, stored: StoredPrefill, num_tokens: int):
         """A store hit: the stored layers, no forward, no encode."""
         for layer in stored.layers:
             yield layer
-        yield PrefillDone(prefill_ms=0.0, encode_ms=0.0, layers=len(stored.layers), batch_size=0)
+        yield PrefillDone(prefill_ms=0.0, encode_ms=0.0, layers=len(stored.layers), batch_size=0, reused_tokens=num_tokens)
 
     def _keep(self, key: str, items: list) -> None:
         """A completed prefill's layers go to the store (called once per run, however many share it)."""

@@ -166,6 +166,7 @@ async def test_continued_and_replayed_streams_equal_a_cold_encode(llama, scd_cod
         encoder, roots = _encoder(scd_codecs, name, options, len(full))
         continued, reuse = await _run(engine, store, full, encoder, roots, num_layers)
         assert not reuse.replay and reuse.start == C and reuse.computed_tokens == len(full) - C
+        assert reuse.derived == (name in ("raw", "quant"))  # K/V-only encoders: payloads re-encoded from stored K/V
         _assert_same(continued, cold)
         forwards = engine.forwards
         replayed, again = await _run(engine, store, full, encoder, roots, num_layers)
