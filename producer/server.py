@@ -14,7 +14,7 @@ import shared
 from producer.chunk_store import ChunkStore
 from producer.disk_tier import DiskTier
 from producer.encode import EncodePool
-from producer.flight import Flights
+from producer.flight import Flight, Flights
 from producer.prefill import EncodedLayer, PrefillDone, PrefillEngine
 from producer.reuse import Continuation, Roots, plan
 from producer.store import ContextStore, StoredPrefill, store_key
@@ -49,6 +49,8 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                 disk = DiskTier(config.store_disk_dir, config.store_disk_bytes, config.store_eviction)
             self.chunks = ChunkStore(config.store_bytes, config.store_eviction, disk)
         self.tokens_reused = self.tokens_computed = 0
+        self.prefix_flights: dict[str, Flight] = {}  # K/V chunk key -> the running flight that will store it
+        self.prefix_waits = 0  # calls that waited for a running flight computing their prefix
         self.flights = Flights()  # single flight: concurrent identical prefills share one run
         self.encode = EncodePool(config.encode_threads)
         self.compute_progress = liveness.Progress("producer-compute")  # the watchdog reads it from the start
@@ -213,11 +215,21 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
 
     async def _chunked_source(self, request, encoder, roots: Roots, pack):
         """(stream, joined a running flight, replayed from the chunk store): a running flight for
-        the same chain and first token is joined; else the store's plan (producer.reuse) decides
-        between a replay of stored chunks and a forward over the tokens it does not hold."""
+        the same chain and first token is joined; a running flight that computes a prefix of
+        this context is waited for (single flight per chunk chain: the next turn arriving while
+        the previous one prefills continues it rather than computing it again); then the store's
+        plan (producer.reuse) decides between a replay of stored chunks and a forward over the
+        tokens it does not hold."""
         assert self.chunks is not None
         size, ids = self.config.chunk_tokens, list(request.token_ids)
         key = f"{chunks.prefix_key(roots.codec, ids, len(ids), size)}@{request.first_token}"
+        if key not in self.flights.running:
+            for ref in reversed(chunks.chain(roots.model, ids[: len(ids) - 1], size)):
+                flight = self.prefix_flights.get(ref.key)
+                if flight is not None and ref.end - ref.start == size:
+                    self.prefix_waits += 1
+                    await asyncio.wait({flight.task})  # it stores the prefix's K/V as it completes
+                    break
         if key not in self.flights.running:
             num_layers = self._ready().info.num_layers
             reuse = await asyncio.to_thread(plan, self.chunks, ids, size, roots, encoder, num_layers, request.first_token)
@@ -234,7 +246,18 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             is_last=lambda item: isinstance(item, PrefillDone),
             on_complete=self._keep_chunks,
         )
+        if not shared and reuse is not None and reuse.keep:  # the full chunks of K/V this flight will store
+            flight = source.flight
+            mine = [r.key for r in reuse.kv_refs[reuse.start // size :] if r.end - r.start == size]
+            for chunk in mine:
+                self.prefix_flights.setdefault(chunk, flight)
+            flight.task.add_done_callback(lambda _: self._prefix_flight_done(mine, flight))
         return source, shared, False
+
+    def _prefix_flight_done(self, keys: list[str], flight) -> None:
+        for chunk in keys:
+            if self.prefix_flights.get(chunk) is flight:
+                del self.prefix_flights[chunk]
 
     async def _replay_chunks(self, reuse: Continuation, pack, num_layers: int):
         """Every payload chunk from first_token on is stored: joined and packed per layer on the

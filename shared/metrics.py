@@ -284,6 +284,7 @@ def _store_tiers(servicer):
         ),
         ("scd_prefill_tokens_reused", "context tokens whose prefill the store saved", servicer.tokens_reused),
         ("scd_prefill_tokens_computed", "context tokens the prefill forward ran over", servicer.tokens_computed),
+        ("scd_prefill_prefix_waits", "Prefill calls that waited for a running prefill of their prefix", servicer.prefix_waits),
     )
     tiers = servicer.store_tiers()
     for kind, name, help_ in (

@@ -18,7 +18,7 @@ from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
 from tests.conftest import perturbed_model, prompt, running_pair
 from tests import test_single_flight as single_flight
 from tests.test_metrics import scrape, value
-from tests.test_prefill_engine import contexts
+from tests.test_prefill_engine import contexts, held
 
 C = 64
 QUANT = common_pb2.CodecSpec(name="quant", options={"bits": "8"})
@@ -169,3 +169,20 @@ async def test_a_prefix_of_another_model_is_never_served(tmp_path):
         assert not trailer.store_hit and trailer.reused_tokens == 0 and same(got, cold_other)
         _, got, trailer = await prefill(stub, ids + [5] * 10)  # a longer context: no prefix of the first model either
         assert trailer.reused_tokens == 2 * C  # only its own chunks, stored by the call above
+
+
+async def test_a_turn_arriving_while_its_prefix_prefills_waits_and_continues_it():
+    first = contexts(2 * C + 10, seed=51)[0]
+    second = first + contexts(40, seed=52)[0]
+    async with producer() as (server, stub):
+        with held(server.executor):  # the first turn's prefill waits for the compute thread
+            a = asyncio.ensure_future(prefill(stub, first))
+            await single_flight.until(lambda: len(server.servicer.flights.running) == 1)
+            b = asyncio.ensure_future(prefill(stub, second))
+            await single_flight.until(lambda: server.servicer.prefix_waits == 1)
+        (_, _, ta), (_, waited, tb) = await asyncio.gather(a, b)
+        assert ta.computed_tokens == len(first) and tb.reused_tokens == 2 * C and tb.computed_tokens == len(second) - 2 * C
+        assert not server.servicer.prefix_flights  # forgotten once the flights ended
+    async with producer(store_bytes=0) as (_, stub):
+        _, cold, _ = await prefill(stub, second)
+    assert same(waited, cold)
