@@ -248,7 +248,8 @@ class PrefillEngine:
         def run() -> None:
             started = time.perf_counter()
             with torch.inference_mode():
-                payloads = {name: t.detach().to("cpu").contiguous() for name, t in job.encoder.encode(state).items()}
+                encoded = job.reuse.encode_new(state) if job.reuse is not None else job.encoder.encode(state)
+                payloads = {name: t.detach().to("cpu").contiguous() for name, t in encoded.items()}
                 if job.reuse is not None:  # stored chunks before the new tokens; new chunks recorded
                     payloads = job.reuse.assemble(state.index, payloads, state)
             packed = job.pack(state.index, payloads)

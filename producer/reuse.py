@@ -5,10 +5,13 @@ encoded tokens, and which new chunks to keep.
 For a request over T tokens, chunk size C, sending payloads from token F (a multiple of C; 0
 unless the consumer already holds the prefix):
 - replay: every payload chunk from F on is stored (codec-rooted keys): no forward at all;
-- continuation (per-token encoders only, codecs.base.LayerEncoder.per_token): the forward runs
-  over tokens [P, T) on top of the stored K/V of the first P = k·C tokens (model-rooted keys),
-  k the most full chunks whose K/V are stored, whose payloads from F on are stored too, and that
-  leave at least one token to compute;
+- continuation: the forward runs over tokens [P, T) on top of the stored K/V of the first
+  P = k·C tokens (model-rooted keys), k the most full chunks whose K/V are stored, whose
+  payloads from F on are stored too, and that leave at least one token to compute. Per-token
+  encoders (codecs.base.LayerEncoder.per_token) encode the new tokens' states alone; an encoder
+  with causal layers (SCD with a learned predictor or a window) encodes those layers over the
+  prefix's normalized input, kept with its K/V chunks, joined with the new tokens', and cuts the
+  new tokens' payloads out (chunks kept without it do not continue such an encoder);
 - otherwise the forward runs over the whole context (P = 0).
 Each layer sent = stored payload chunks over [F, P) then the new payloads over [max(F, P), T),
 joined along each payload's token axis (LayerEncoder.token_layout). The new tokens' full chunks
@@ -65,7 +68,7 @@ class Continuation:
     kv_refs: list[chunks.ChunkRef]
     payload_refs: list[chunks.ChunkRef]
     layouts: list[Layout] | None  # None: payloads do not cut along tokens (sent and kept whole only)
-    encoder: LayerEncoder | None = None  # set when `derived`
+    encoder: LayerEncoder | None = None
     derived: bool = False  # stored payloads are encoded from stored K/V (K/V-only encoders)
     send_from: int = 0  # F
     start: int = 0  # P: tokens whose K/V (and payloads from F) come from the store
@@ -103,6 +106,23 @@ class Continuation:
             for layer in range(layers)
         ]
 
+    @property
+    def causal(self) -> frozenset[int]:
+        return self.encoder.causal_layers if self.encoder is not None else frozenset()
+
+    def encode_new(self, state: LayerState) -> dict[str, torch.Tensor]:
+        """On the encode lane: the new tokens' payloads of one layer (tokens [P, T)); a causal
+        layer is encoded over the stored prefix's normalized input joined with the new tokens'."""
+        assert self.encoder is not None
+        if not self.start or state.index not in self.causal:
+            return self.encoder.encode(state)
+        assert state.normed is not None and self.layouts is not None
+        stored = torch.cat([e.tensors[f"{state.index}.normed"] for e in self.prefix_kv_entries])  # [P, d]
+        normed = torch.cat([stored.to(state.normed.device, state.normed.dtype), state.normed])  # [T, d]
+        wide = LayerState(state.index, keys=state.keys, values=state.values, normed=normed, hidden=state.hidden)
+        layout = self.layouts[state.index]
+        return {name: _cut(t, *layout[name], self.start, self.num_tokens, 0) for name, t in self.encoder.encode(wide).items()}
+
     def assemble(self, layer: int, new: dict[str, torch.Tensor], state: LayerState) -> dict[str, torch.Tensor]:
         """On the encode lane: layer `layer`'s payloads to send (tokens [F, T)) from the stored
         chunks and `new` (CPU payloads over tokens [P, T)); records the new chunks to keep."""
@@ -117,6 +137,8 @@ class Continuation:
                 kept = self._new_kv.setdefault(j, {})
                 kept[f"{layer}.k"] = keys[:, ref.start - P : ref.end - P].to("cpu").clone()
                 kept[f"{layer}.v"] = values[:, ref.start - P : ref.end - P].to("cpu").clone()
+                if layer in self.causal and state.normed is not None:  # what continues a causal layer
+                    kept[f"{layer}.normed"] = state.normed[ref.start - P : ref.end - P].to("cpu").clone()
         if self.layouts is None:
             return new  # P = F = 0: the whole context, as encoded
         layout = self.layouts[layer]
@@ -183,11 +205,12 @@ def plan(
         chunks.chain(roots.codec, ids, C),
         chunk_layouts(encoder, num_layers, C),
         send_from=send_from,
+        encoder=encoder,
         keep=store.budget_bytes > 0,
     )
     s = send_from // C
     if plan.layouts is not None and encoder.per_token and encoder.captures == Capture.KV:
-        plan.derived, plan.encoder, plan.payload_refs = True, encoder, plan.kv_refs  # payloads come from stored K/V
+        plan.derived, plan.payload_refs = True, plan.kv_refs  # payloads come from stored K/V
     if plan.layouts is not None:
         tail = plan.payload_refs[s:]
         if all(store.has(r.key) for r in tail):
@@ -195,7 +218,7 @@ def plan(
             if all(e is not None for e in entries):
                 plan.replay, plan.payload_entries, plan.start = True, [e for e in entries if e is not None], T
                 return plan
-    if not encoder.per_token:
+    if not (encoder.per_token or (encoder.causal_layers and plan.layouts is not None)):
         return plan
     k = min(chunks.longest(plan.kv_refs, store.has), (T - 1) // C)
     if k > s:
@@ -204,7 +227,7 @@ def plan(
     kv_entries: list[ChunkEntry] = []
     for ref in plan.kv_refs[:k]:
         entry = store.get(ref.key)
-        if entry is None:
+        if entry is None or any(f"{layer}.normed" not in entry.tensors for layer in encoder.causal_layers):
             break
         kv_entries.append(entry)
     k = len(kv_entries)

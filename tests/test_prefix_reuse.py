@@ -1,7 +1,7 @@
 """Chunked prefix reuse on the producer, without gRPC: chunk keys, eviction, and for every codec
 the payloads of a continued prefill (stored prefix, new tokens computed) and of a replay equal a
-whole-context cold encode in float32; causal encoders (a learned predictor) are stored and
-replayed but never continued."""
+whole-context cold encode in float32, a causal encoder (a learned predictor) included: it
+continues from the prefix's stored normalized input."""
 
 from __future__ import annotations
 
@@ -211,7 +211,7 @@ def _with_predictor(art: Artifact, loaded, layer: int) -> Artifact:
     return Artifact(tensors, meta)
 
 
-async def test_a_causal_predictor_is_replayed_but_never_continued(llama, scd_codecs):  # noqa: F811
+async def test_a_causal_predictor_continues_from_the_stored_normalized_input(llama, scd_codecs):  # noqa: F811
     scd = scd_codecs["scd"]
     original = scd.artifacts
     scd.artifacts = [_with_predictor(a, llama, 0) for a in original]
@@ -221,15 +221,23 @@ async def test_a_causal_predictor_is_replayed_but_never_continued(llama, scd_cod
         with ThreadPoolExecutor(1) as compute:
             engine = PrefillEngine(llama, compute, EncodePool(1))
             encoder, roots = _encoder(scd_codecs, "scd", {"schedule": "R4.P.W.Q8"}, len(full))
-            assert not encoder.per_token
+            assert not encoder.per_token and encoder.causal_layers == {0}
             cold, _ = await _run(engine, ChunkStore(0), full, encoder, roots, num_layers)
             encoder_layout[:] = [encoder.token_layout(layer) for layer in range(num_layers)]
+
+            raw, raw_roots = _encoder(scd_codecs, "raw", {}, C + 20)  # K/V chunks kept without the normed input
+            store = ChunkStore(1 << 30)
+            await _run(engine, store, full[: C + 20], raw, raw_roots, num_layers)
+            again, reuse = await _run(engine, store, full, encoder, roots, num_layers)
+            assert reuse.start == 0 and not reuse.replay  # they cannot continue the predictor: a cold forward
+            _assert_same(again, cold)
+
             store = ChunkStore(1 << 30)
             head, _ = await _run(engine, store, full[: C + 20], encoder, roots, num_layers)
             _assert_same(_first(head, C), _first(cold, C))  # causal: a prefix's payloads are the longer context's
-            again, reuse = await _run(engine, store, full, encoder, roots, num_layers)
-            assert reuse.start == 0 and not reuse.replay  # the predictor needs the prefix's states: a cold forward
-            _assert_same(again, cold)
+            continued, reuse = await _run(engine, store, full, encoder, roots, num_layers)
+            assert reuse.start == C and not reuse.replay  # the predictor ran over the stored prefix's input
+            _assert_same(continued, cold)
             replayed, reuse = await _run(engine, store, full, encoder, roots, num_layers)
             assert reuse.replay
             _assert_same(replayed, cold)

@@ -91,6 +91,11 @@ class LayerEncoder(ABC):
     # on top of a stored prefix, then encodes them exactly as a whole-context encode would.
     # Causal encoders (a window over earlier tokens, a learned predictor) are not per token.
     per_token: bool = False
+    # Layers whose payloads read earlier tokens' normalized input (a window, a learned predictor)
+    # in an encoder that is otherwise per token: a continued prefill encodes them over the stored
+    # prefix's normalized input joined with the new tokens' (producer.reuse), then cuts the new
+    # tokens' payloads out.
+    causal_layers: frozenset[int] = frozenset()
 
     def token_layout(self, layer: int) -> dict[str, tuple[int, int]] | None:
         """How layer `layer`'s payloads cut along tokens: name -> (token axis, tokens per element

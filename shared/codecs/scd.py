@@ -49,10 +49,11 @@ class ScdEncoder(LayerEncoder):
             Capture.KV if ops.needs_kv(schedule.actions) else Capture.NONE
         )
         # per token unless a Reuse or Patch layer reads earlier tokens (a window, a learned
-        # predictor): then still causal, so its payloads cut along tokens, but a continued
-        # prefill could not encode the new tokens without the prefix's states
+        # predictor): still causal, so its payloads cut along tokens, and a continued prefill
+        # encodes those layers over the prefix's stored normalized input joined with the new
         coded = [i for i, a in enumerate(schedule.actions) if a.kind in ("reuse", "reuse_fp16", "patch")]
-        self.per_token = art.window == 1 and not any(art.predictor(i) is not None for i in coded)
+        self.causal_layers = frozenset(i for i in coded if art.window > 1 or art.predictor(i) is not None)
+        self.per_token = not self.causal_layers
 
     def encode(self, state: LayerState) -> dict[str, torch.Tensor]:
         return ops.encode_layer(self.art, state.index, self.schedule.actions[state.index], state, self.art.geometry.quant_group)
