@@ -128,7 +128,7 @@ TTFT_GRID_05B := --model-scale qwen05b --artifacts .cache/artifacts --contexts 5
 	--bandwidths 10 100 1000 --stores cold warm --warmup 1 --runs 5 \
 	--modes oracle raw quant:bits=8 quant:bits=4 scd
 
-.PHONY: bench-transport gpu-check pool-test load-test bench-throughput results-doc
+.PHONY: bench-transport gpu-check pool-test load-test bench-throughput results-doc bench-prefix
 
 # The consumer's batch engine vs --max-batch 1, same run, interleaved: QA pair and the
 # 0.5B-shaped model, modes oracle/raw/scd, concurrency 1-64 -> bench/results/throughput.{jsonl,png}.
@@ -141,6 +141,14 @@ bench-throughput: $(PB_GEN)
 # bench/figures.py); tests/test_results_doc.py fails when they differ from what this writes.
 results-doc: $(PB_GEN)
 	$(PYTHON) -m bench.report
+
+# Prefix reuse: workloads multi-turn / one document many questions / shared preamble; variants
+# no store, whole-context store, producer chunks (+ consumer chunks once the consumer has them);
+# eviction LRU vs cost-aware at ~30% of the working set -> bench/results/prefix.jsonl.
+# PREFIX_ARGS="--quick": multi-turn on the QA pair in float32 (a few minutes).
+PREFIX_ARGS ?=
+bench-prefix: $(PB_GEN)
+	$(PYTHON) -m bench.prefix $(PREFIX_ARGS)
 
 # Rounds of 32 concurrent Generate streams over every mode with random cancels and tiny deadlines,
 # at the services' shipped --max-inflight (refusals counted by status) with the head-of-line check

@@ -110,7 +110,8 @@ async def one(stub, req) -> dict:
     done = time.perf_counter()
     ttft = ((first or done) - started) * 1e3
     tpot = (done - (first or done)) * 1e3 / max(1, len(ids) - 1)
-    return {"ids": ids, "ttft": ttft, "tpot": tpot, "queue": stats.queue_wait_ms if stats else 0.0}
+    return {"ids": ids, "ttft": ttft, "tpot": tpot, "queue": stats.queue_wait_ms if stats else 0.0,
+            "bytes": stats.bytes_received if stats else 0}
 
 
 async def closed_loop(address: str, reqs: list, concurrency: int) -> tuple[list[dict], float]:

@@ -2,9 +2,10 @@
 
 The channel (`ProducerClient.from_config`) takes any gRPC target (`host:port`,
 `dns:///producer:50051`, `ipv4:10.0.0.1:50051,10.0.0.2:50051`) and leaves the choice of producer
-to gRPC's own load balancing: `ring_hash` keyed by the `x-context-hash` header (sha256 of the
-context token ids), so one context always lands on the same producer and its context store
-hits survive scale-out, or `round_robin` / `pick_first`. TLS / mTLS and a bearer token come
+to gRPC's own load balancing: `ring_hash` keyed by the `x-context-hash` header (a hash of the
+context's first chunk of token ids, shared.chunks.route_key), so a context, the next turns of its
+conversation and other questions about its document land on the same producer and its chunk
+store hits survive scale-out, or `round_robin` / `pick_first`. TLS / mTLS and a bearer token come
 from shared.security; keepalive pings find a dead producer between calls.
 
 Feeds every message to a `StreamReader` (the stream contract, consumer.stream_reader) and yields
@@ -15,7 +16,6 @@ before the first response (gRPC's own retry policy: nothing was received, so it 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -25,7 +25,7 @@ import grpc
 
 from consumer.readiness import failure
 from consumer.stream_reader import Event, Expectation, StreamReader
-from shared import logs, security, tracing
+from shared import chunks, logs, security, tracing
 from shared.errors import DataLoss, DeadlineExceeded, FailedPrecondition, ServiceError, Unavailable
 from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
 from shared.serving import GRPC_OPTIONS
@@ -91,8 +91,10 @@ def upstream_error(exc: grpc.aio.AioRpcError, transport: str = "plaintext", link
 
 
 def context_hash(token_ids) -> str:
-    """The ring_hash key of a context: sha256 of its token ids (hex)."""
-    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()
+    """The ring_hash key of a context: a hash of its first chunk (shared.chunks.route_key: the
+    first 256 token ids, all of a shorter context), so contexts sharing that opening share a
+    producer."""
+    return chunks.route_key(list(token_ids))
 
 
 def service_config(lb: str = "ring_hash") -> dict:

@@ -19,6 +19,12 @@ fewer as the encode keeps pace. A request's buffer holds at most its own encoded
 a slow or stalled reader delays only its own stream (no head-of-line blocking of the forward
 or of other requests).
 
+Prefix reuse (producer.reuse): a request may come with a `Continuation`. A replay never reaches
+the engine (the servicer joins stored chunks). A continuation with stored prefix K/V (start > 0)
+runs as a forward of its own (shared.kv.continue_capture: the new tokens on top of the prefix,
+positions continuing), never batched with others; its lane assembles each layer from the stored
+chunks and the new payloads and records the new chunks, handed over with PrefillDone.
+
 Closing a stream early (caller cancelled, deadline passed, error) takes the request's row out
 of the batch at the next layer boundary; its pending encodes are skipped. An encode error fails
 that request alone; a forward error fails the batch's requests. Knows nothing about gRPC: the
@@ -40,6 +46,7 @@ from typing import Any
 import torch
 
 from producer.encode import EncodePool, Lane
+from producer.reuse import Continuation
 from shared import kv, liveness, logs
 from shared.codecs import LayerEncoder
 from shared.models import LoadedModel
@@ -62,6 +69,9 @@ class PrefillDone:
     encode_ms: float  # encode-thread time spent on this context's layers (encode, copy, CRC, packing)
     layers: int
     batch_size: int = 1  # contexts in the forward that prefilled this one
+    reused_tokens: int = 0  # context tokens whose prefill the chunk store saved
+    computed_tokens: int = 0  # context tokens the forward ran over
+    kept: list = field(default_factory=list)  # new chunk entries to store (producer.chunk_store.ChunkEntry)
 
 
 @dataclass
@@ -78,9 +88,20 @@ class _Job:
     pack: Callable[[int, dict[str, torch.Tensor]], Any]
     emit: Callable[[object], None]  # thread-safe: into the request's buffer
     lane: Lane
+    reuse: Continuation | None = None
     closed: threading.Event = field(default_factory=threading.Event)
     encode_ms: float = 0.0  # written by the lane only (one task at a time)
     layers_done: int = 0
+
+    @property
+    def start(self) -> int:
+        """Tokens the stored prefix covers (the forward runs over token_ids[start:])."""
+        return self.reuse.start if self.reuse is not None else 0
+
+    @property
+    def captures(self) -> kv.Capture:
+        keep = self.reuse is not None and self.reuse.keep
+        return self.encoder.captures | (kv.Capture.KV if keep else kv.Capture.NONE)
 
 
 class PrefillEngine:
@@ -108,6 +129,7 @@ class PrefillEngine:
         token_ids: list[int],
         encoder: LayerEncoder,
         pack: Callable[[int, dict[str, torch.Tensor]], Any],
+        reuse: Continuation | None = None,
     ) -> AsyncIterator[EncodedLayer | PrefillDone]:
         """Yields one EncodedLayer per layer in order, then PrefillDone. Use with aclosing()."""
         loop = asyncio.get_running_loop()
@@ -117,7 +139,7 @@ class PrefillEngine:
             with contextlib.suppress(RuntimeError):  # the loop is gone (process stopping)
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        job = _Job(list(token_ids), encoder, pack, emit, self.encode.lane())
+        job = _Job(list(token_ids), encoder, pack, emit, self.encode.lane(), reuse)
         self.waiting.append(job)
         if self._scheduler is None:
             self._scheduler = asyncio.ensure_future(self._schedule())
@@ -144,6 +166,10 @@ class PrefillEngine:
             if job.closed.is_set():  # cancelled while waiting
                 self.waiting.popleft()
                 continue
+            if job.start:  # a continuation runs alone, on top of its stored prefix
+                if not batch:
+                    batch.append(self.waiting.popleft())
+                break
             wider = max(width, len(job.token_ids))
             if batch and (len(batch) >= self.max_batch or wider * (len(batch) + 1) > self.max_batch_tokens):
                 break
@@ -187,13 +213,24 @@ class PrefillEngine:
 
         with self.progress.iteration():
             try:
-                kv.batch_capture(
-                    self.loaded,
-                    [job.token_ids for job in batch],
-                    [job.encoder.captures for job in batch],
-                    on_layer,
-                    active=lambda row: not batch[row].closed.is_set(),
-                )
+                if batch[0].start:  # a continuation: alone, on top of its stored prefix's K/V
+                    job = batch[0]
+                    kv.continue_capture(
+                        self.loaded,
+                        job.reuse.prefix_kv() if job.reuse is not None else [],
+                        job.token_ids[job.start :],
+                        job.captures,
+                        lambda state: on_layer(0, state),
+                        active=lambda: not job.closed.is_set(),
+                    )
+                else:
+                    kv.batch_capture(
+                        self.loaded,
+                        [job.token_ids for job in batch],
+                        [job.captures for job in batch],
+                        on_layer,
+                        active=lambda row: not batch[row].closed.is_set(),
+                    )
             except BaseException as exc:  # the whole batch fails; each request alone reports it
                 for job in batch:
                     if not job.closed.is_set():
@@ -211,7 +248,10 @@ class PrefillEngine:
         def run() -> None:
             started = time.perf_counter()
             with torch.inference_mode():
-                payloads = {name: t.detach().to("cpu").contiguous() for name, t in job.encoder.encode(state).items()}
+                encoded = job.reuse.encode_new(state) if job.reuse is not None else job.encoder.encode(state)
+                payloads = {name: t.detach().to("cpu").contiguous() for name, t in encoded.items()}
+                if job.reuse is not None:  # stored chunks before the new tokens; new chunks recorded
+                    payloads = job.reuse.assemble(state.index, payloads, state)
             packed = job.pack(state.index, payloads)
             took = (time.perf_counter() - started) * 1e3
             job.encode_ms += took
@@ -227,4 +267,8 @@ class PrefillEngine:
     def _finish(self, job: _Job, done: PrefillDone) -> None:
         if not job.closed.is_set():
             done.encode_ms = job.encode_ms
+            done.computed_tokens = len(job.token_ids) - job.start
+            done.reused_tokens = job.start
+            if job.reuse is not None:
+                done.kept = job.reuse.kept()
             job.emit(done)

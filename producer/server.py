@@ -3,6 +3,7 @@ process wiring (config, model load, health, drain)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -10,14 +11,18 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 
 import shared
+from producer.chunk_store import ChunkStore
+from producer.disk_tier import DiskTier
 from producer.encode import EncodePool
-from producer.flight import Flights
+from producer.flight import Flight, Flights
 from producer.prefill import EncodedLayer, PrefillDone, PrefillEngine
+from producer.reuse import Continuation, Roots, plan
 from producer.store import ContextStore, StoredPrefill, store_key
+from shared import chunks, describe, handlers, liveness, logs, outcomes, serving, wire
 from shared import codecs as codec_lib
-from shared import describe, handlers, liveness, logs, outcomes, serving, wire
+from shared.codecs.base import chunk_layouts
 from shared.config import ProducerConfig
-from shared.errors import InvalidArgument, Unavailable
+from shared.errors import FailedPrecondition, InvalidArgument, Unavailable
 from shared.metrics import Metrics
 from shared.models import LoadedModel, load_model, warm_up
 from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
@@ -39,7 +44,16 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         self.store_hits = 0
         self.admission = serving.Admission("max_inflight", config.max_inflight)
         self.outcomes = outcomes.Outcomes()
-        self.store = ContextStore(config.store_bytes)
+        self.store = ContextStore(config.store_bytes)  # whole contexts (chunk_tokens = 0)
+        self.chunks: ChunkStore | None = None  # per chunk (chunk_tokens > 0): prefix reuse
+        if config.chunk_tokens:
+            disk = None
+            if config.store_disk_dir and config.store_disk_bytes:
+                disk = DiskTier(config.store_disk_dir, config.store_disk_bytes, config.store_eviction)
+            self.chunks = ChunkStore(config.store_bytes, config.store_eviction, disk)
+        self.tokens_reused = self.tokens_computed = 0
+        self.prefix_flights: dict[str, Flight] = {}  # K/V chunk key -> the running flight that will store it
+        self.prefix_waits = 0  # calls that waited for a running flight computing their prefix
         self.flights = Flights()  # single flight: concurrent identical prefills share one run
         self.encode = EncodePool(config.encode_threads)
         self.compute_progress = liveness.Progress("producer-compute")  # the watchdog reads it from the start
@@ -85,11 +99,41 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             ):
                 yield message
 
+    def _roots(self, codec, options, encoder) -> Roots:
+        digest = self._ready().info.weight_digest
+        meta = encoder.metadata()
+        return Roots(chunks.model_root(digest), chunks.codec_root(digest, codec.name, codec.format_version, options, meta))
+
+    def _check_prefix(self, request, codec, encoder, roots: Roots | None) -> None:
+        """PrefillRequest.first_token / prefix_key (see the proto)."""
+        first, n = request.first_token, len(request.token_ids)
+        if not first:
+            if request.prefix_key:
+                raise InvalidArgument("prefix_key: set without first_token")
+            return
+        if roots is None:
+            raise InvalidArgument("first_token: chunked prefix reuse is off on this producer (chunk_tokens=0)")
+        size = self.config.chunk_tokens
+        if first >= n or first % size:
+            raise InvalidArgument(f"first_token: {first} must be a multiple of chunk_tokens={size} and < {n} (context tokens)")
+        if chunk_layouts(encoder, self._ready().info.num_layers, size) is None:
+            raise InvalidArgument(
+                f"first_token: codec '{codec.name}' with these options cannot send from a chunk boundary"
+                f" (its payloads do not cut at multiples of {size} tokens)"
+            )
+        if request.prefix_key != chunks.prefix_key(roots.codec, list(request.token_ids), first, size):
+            raise FailedPrecondition(
+                "prefix_key: does not name tokens [0, first_token) under this producer's model, codec, options"
+                " and codec metadata (the caller's prefix was built from another stream)"
+            )
+
     async def _prefill(self, request, request_id: str, context, started: float):
         self._validate(request)
         codec = codec_lib.lookup(self.codecs, request.codec.name or "raw")
         options = codec.resolve(dict(request.codec.options))
         encoder = codec.encoder(options, codec_lib.EncodeRequest(len(request.token_ids), request.consumer_weight_digest))
+        roots = self._roots(codec, options, encoder) if self.chunks is not None else None
+        self._check_prefix(request, codec, encoder, roots)
         log.info("prefill.start", tokens=len(request.token_ids), codec=codec.name, deadline_s=context.time_remaining())
         info = self._ready().info
         max_chunk = self.config.max_chunk_bytes
@@ -104,25 +148,32 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                 kv_dtype=info.dtype,
                 codec_metadata=encoder.metadata(),
                 max_chunk_bytes=max_chunk,
+                first_token=request.first_token,
+                prefix_key=request.prefix_key,
+                chunk_tokens=self.config.chunk_tokens if self.chunks is not None else 0,
             )
         )
 
         def pack(layer, payloads):
             return [r for kind, t in payloads.items() for r in wire.payload_to_responses(layer, kind, t, max_chunk)]
 
-        key = store_key(request.token_ids, codec.name, options, encoder.metadata())
-        # a running flight first: its caller already missed the store, a follower is no second miss
-        stored = None if key in self.flights.running else self.store.get(key)
-        shared = False
-        if stored:
-            source = self._replay(stored)
-        else:  # a prefill already running for the same key is joined, not repeated
-            source, shared = self.flights.join(
-                key,
-                lambda: self.engine.stream(list(request.token_ids), encoder, pack),
-                is_last=lambda item: isinstance(item, PrefillDone),
-                on_complete=lambda items: self._keep(key, items),
-            )
+        if roots is not None:
+            source, shared, store_hit = await self._chunked_source(request, encoder, roots, pack)
+        else:
+            key = store_key(request.token_ids, codec.name, options, encoder.metadata())
+            # a running flight first: its caller already missed the store, a follower is no second miss
+            stored = None if key in self.flights.running else self.store.get(key)
+            shared = False
+            store_hit = stored is not None
+            if stored is not None:
+                source = self._replay(stored, len(request.token_ids))
+            else:  # a prefill already running for the same key is joined, not repeated
+                source, shared = self.flights.join(
+                    key,
+                    lambda: self.engine.stream(list(request.token_ids), encoder, pack),
+                    is_last=lambda item: isinstance(item, PrefillDone),
+                    on_complete=lambda items: self._keep(key, items),
+                )
         sent_chunks = sent_payloads = sent_bytes = 0
         async with contextlib.aclosing(source) as layers:
             async for item in layers:
@@ -142,13 +193,17 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                             prefill_ms=item.prefill_ms,
                             encode_ms=item.encode_ms,
                             total_ms=total_ms,
-                            store_hit=stored is not None,
+                            store_hit=store_hit,
                             prefill_shared=shared,
                             prefill_batch_size=item.batch_size,
+                            reused_tokens=item.reused_tokens,
+                            computed_tokens=item.computed_tokens,
                         )
                     )
-                    self.store_hits += stored is not None
-                    self.metrics.observe_prefill(codec.name, sent_bytes, item.prefill_ms, item.encode_ms, stored is not None)
+                    self.store_hits += store_hit
+                    self.tokens_reused += item.reused_tokens
+                    self.tokens_computed += item.computed_tokens
+                    self.metrics.observe_prefill(codec.name, sent_bytes, item.prefill_ms, item.encode_ms, store_hit)
                     log.info(
                         "prefill.done",
                         bytes=sent_bytes,
@@ -156,16 +211,116 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                         prefill_ms=round(item.prefill_ms, 2),
                         encode_ms=round(item.encode_ms, 2),
                         total_ms=round(total_ms, 2),
-                        store_hit=stored is not None,
+                        store_hit=store_hit,
                         shared=shared,
                         batch=item.batch_size,
+                        reused_tokens=item.reused_tokens,
                     )
 
-    async def _replay(self, stored: StoredPrefill):
+    async def _chunked_source(self, request, encoder, roots: Roots, pack):
+        """(stream, joined a running flight, replayed from the chunk store): a running flight for
+        the same chain and first token is joined; a running flight that computes a prefix of
+        this context is waited for (single flight per chunk chain: the next turn arriving while
+        the previous one prefills continues it rather than computing it again); then the store's
+        plan (producer.reuse) decides between a replay of stored chunks and a forward over the
+        tokens it does not hold."""
+        assert self.chunks is not None
+        size, ids = self.config.chunk_tokens, list(request.token_ids)
+        key = f"{chunks.prefix_key(roots.codec, ids, len(ids), size)}@{request.first_token}"
+        if key not in self.flights.running:
+            for ref in reversed(chunks.chain(roots.model, ids[: len(ids) - 1], size)):
+                flight = self.prefix_flights.get(ref.key)
+                if flight is not None and ref.end - ref.start == size:
+                    self.prefix_waits += 1
+                    await asyncio.wait({flight.task})  # it stores the prefix's K/V as it completes
+                    break
+        if key not in self.flights.running:
+            num_layers = self._ready().info.num_layers
+            reuse = await asyncio.to_thread(plan, self.chunks, ids, size, roots, encoder, num_layers, request.first_token)
+            if reuse.replay:
+                self.chunks.hits += 1
+                return self._replay_chunks(reuse, pack, num_layers), False, True
+            self.chunks.misses += 1
+            self.chunks.partial_hits += reuse.start > 0
+        else:
+            reuse = None  # joined below, the plan is the flight's
+        source, shared = self.flights.join(
+            key,
+            lambda: self.engine.stream(ids, encoder, pack, reuse),
+            is_last=lambda item: isinstance(item, PrefillDone),
+            on_complete=self._keep_chunks,
+        )
+        if not shared and reuse is not None and reuse.keep:  # the full chunks of K/V this flight will store
+            flight = source.flight
+            mine = [r.key for r in reuse.kv_refs[reuse.start // size :] if r.end - r.start == size]
+            for chunk in mine:
+                self.prefix_flights.setdefault(chunk, flight)
+            flight.task.add_done_callback(lambda _: self._prefix_flight_done(mine, flight))
+        return source, shared, False
+
+    def _prefix_flight_done(self, keys: list[str], flight) -> None:
+        for chunk in keys:
+            if self.prefix_flights.get(chunk) is flight:
+                del self.prefix_flights[chunk]
+
+    async def _replay_chunks(self, reuse: Continuation, pack, num_layers: int):
+        """Every payload chunk from first_token on is stored: joined and packed per layer on the
+        encode threads, no forward."""
+        loop = asyncio.get_running_loop()
+        encode_ms = 0.0
+
+        def build(layer: int) -> EncodedLayer:
+            began = time.perf_counter()
+            payloads = reuse.replay_layer(layer)
+            packed = pack(layer, payloads)
+            took = (time.perf_counter() - began) * 1e3
+            return EncodedLayer(layer, packed, sum(t.numel() * t.element_size() for t in payloads.values()), took)
+
+        for layer in range(num_layers):
+            item = await loop.run_in_executor(self.encode.executor, build, layer)
+            encode_ms += item.encode_ms
+            yield item
+        yield PrefillDone(0.0, encode_ms, num_layers, batch_size=0, reused_tokens=reuse.reused_tokens, computed_tokens=0)
+
+    def _keep_chunks(self, items: list) -> None:
+        """A completed forward's new chunks go to the chunk store (once per run)."""
+        assert self.chunks is not None
+        for entry in items[-1].kept:
+            self.chunks.put(entry)
+        items[-1].kept = []  # the flight keeps its items until it ends: let the store own these
+
+    def store_tiers(self) -> list[producer_pb2.StoreTier]:
+        """Per tier: bytes, budget, entries, hits, evictions, corrupt entries dropped."""
+        if self.chunks is None:
+            s = self.store
+            return [
+                producer_pb2.StoreTier(
+                    name="whole",
+                    bytes=s.nbytes,
+                    budget_bytes=s.budget_bytes,
+                    entries=len(s.entries),
+                    hits=s.hits,
+                    evictions=s.evictions,
+                )
+            ]
+        return [
+            producer_pb2.StoreTier(
+                name=name,
+                bytes=index.nbytes,
+                budget_bytes=index.budget_bytes,
+                entries=len(index.slots),
+                hits=index.hits,
+                evictions=index.evictions,
+                corrupt_dropped=corrupt,
+            )
+            for name, index, corrupt in self.chunks.tiers()
+        ]
+
+    async def _replay(self, stored: StoredPrefill, num_tokens: int):
         """A store hit: the stored layers, no forward, no encode."""
         for layer in stored.layers:
             yield layer
-        yield PrefillDone(prefill_ms=0.0, encode_ms=0.0, layers=len(stored.layers), batch_size=0)
+        yield PrefillDone(prefill_ms=0.0, encode_ms=0.0, layers=len(stored.layers), batch_size=0, reused_tokens=num_tokens)
 
     def _keep(self, key: str, items: list) -> None:
         """A completed prefill's layers go to the store (called once per run, however many share it)."""
@@ -194,7 +349,12 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                 prefills_shared=self.flights.shared,
                 prefill_forwards=self.engine.forwards,
                 prefill_forward_contexts=self.engine.forward_rows,
+                store_partial_hits=self.chunks.partial_hits if self.chunks is not None else 0,
+                prefill_tokens_reused=self.tokens_reused,
+                prefill_tokens_computed=self.tokens_computed,
+                store_tiers=self.store_tiers(),
             ),
+            chunk_tokens=self.config.chunk_tokens if self.chunks is not None else 0,
         )
 
 
@@ -209,7 +369,7 @@ class ProducerServer:
         self.servicer.metrics = self.server.metrics
         self.server.watch(
             admission=self.servicer.admission,
-            store=self.servicer.store,
+            store=self.servicer.chunks if self.servicer.chunks is not None else self.servicer.store,
             progress=[self.servicer.compute_progress, self.servicer.encode.progress],
         )
         self.server.metrics.watch_prefill(self.servicer)
@@ -242,3 +402,5 @@ class ProducerServer:
         await self.server.drain(self.config.drain_grace_s if grace_s is None else grace_s, self.servicer.admission)
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.servicer.encode.shutdown()
+        if self.servicer.chunks is not None and self.servicer.chunks.disk is not None:
+            self.servicer.chunks.disk.close()  # queued disk writes finish (atomic: none is half-done)

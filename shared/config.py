@@ -111,6 +111,12 @@ class ProducerConfig(ServerConfig):
     max_prefill_batch: int = 8  # cold contexts prefilled together in one forward, at most
     max_prefill_batch_tokens: int = 8192  # padded tokens (contexts x longest) of one batched forward; a longer context runs alone
     encode_threads: int = 1  # threads encoding, copying to the host and packing layers beside the forward
+    # prefix reuse (shared.chunks, producer.chunk_store): contexts cut into chunks of this many
+    # tokens, K/V and encoded payloads kept per chunk within store_bytes; 0: the whole-context store
+    chunk_tokens: int = 256
+    store_eviction: str = "cost"  # cost (value per byte from hits and position, leaves first) | lru
+    store_disk_dir: str = ""  # chunk store's disk tier (safetensors files); "" off
+    store_disk_bytes: int = 8 << 30  # disk tier budget
 
     def validate(self) -> None:
         super().validate()
@@ -121,6 +127,10 @@ class ProducerConfig(ServerConfig):
             raise ValueError(f"max_chunk_bytes: {self.max_chunk_bytes} not in 1024..{DEFAULT_MAX_CHUNK_BYTES}")
         if self.store_bytes < 0:
             raise ValueError(f"store_bytes: {self.store_bytes} must be >= 0")
+        if self.chunk_tokens < 0 or self.store_disk_bytes < 0:
+            raise ValueError("chunk_tokens and store_disk_bytes: must be >= 0")
+        if self.store_eviction not in ("cost", "lru"):
+            raise ValueError(f"store_eviction: {self.store_eviction!r} not in cost, lru")
         if self.max_inflight < 1:
             raise ValueError("max_inflight: must be >= 1")
 

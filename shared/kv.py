@@ -3,7 +3,8 @@ prefill, and building a consumer cache layer by layer.
 
 Owns the per-layer capture (forward hooks at batch 1 for offline tools and tests,
 `layer_capture`/`capture_states`; the hook-free batched forward the producer serves with,
-`batch_capture`) and `DynamicCache` assembly. Knows nothing about codecs' payload formats,
+`batch_capture`, and its continuation on top of a stored prefix's K/V, `continue_capture`) and
+`DynamicCache` assembly. Knows nothing about codecs' payload formats,
 wire types or gRPC.
 """
 
@@ -145,21 +146,60 @@ class _LayerTap:
         return keys, values
 
 
-def _layer_masks(loaded: LoadedModel, h: torch.Tensor, pos: torch.Tensor) -> list[object]:
+def _layer_masks(loaded: LoadedModel, h: torch.Tensor, pos: torch.Tensor, cache: DynamicCache | None = None) -> list[object]:
     """Each layer's causal mask as the model's own forward builds it with no padding mask (None
-    where sdpa's is_causal suffices)."""
+    where sdpa's is_causal suffices); over cache's past tokens too when given."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     config = loaded.model.config
     kinds = getattr(config, "layer_types", None) or ["full_attention"] * len(loaded.layers)
     made = {
-        "full_attention": create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
+        "full_attention": create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, cache=cache, position_ids=pos)
     }
     if "sliding_attention" in kinds:
         made["sliding_attention"] = create_sliding_window_causal_mask(
-            config=config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos
+            config=config, inputs_embeds=h, attention_mask=None, cache=cache, position_ids=pos
         )
     return [made[kind] for kind in kinds]
+
+
+@torch.inference_mode()
+def continue_capture(
+    loaded: LoadedModel,
+    prefix: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    ids: Sequence[int],
+    needs: Capture,
+    on_layer: Callable[[LayerState], None],
+    active: Callable[[], bool] = lambda: True,
+) -> None:
+    """A batch-1 forward over ids continuing a context whose first P tokens' K/V are `prefix`
+    (per layer (keys, values), [n_kv, P, hd] each, post-RoPE, as a forward over them stored
+    them): positions P..P+N-1, attention over the prefix and the new tokens, as the model's own
+    forward with a filled cache runs it. on_layer gets each layer's states over the new tokens
+    only (keys/values [n_kv, N, hd], hidden/normed [N, d]). Stops before a layer when active()
+    is false. Float32: the new tokens' states equal a whole-context forward's up to rounding."""
+    model = loaded.model.model
+    cache = empty_cache(loaded)
+    for index, (keys, values) in enumerate(prefix):
+        cache.update(keys[None].to(loaded.device, loaded.dtype), values[None].to(loaded.device, loaded.dtype), index)
+    past = prefix[0][0].shape[1] if prefix else 0
+    h = model.embed_tokens(torch.tensor([list(ids)], dtype=torch.long, device=loaded.device))  # [1, N, d]
+    pos = torch.arange(past, past + len(ids), device=h.device)[None]  # [1, N]
+    emb = model.rotary_emb(h, position_ids=pos)
+    masks = _layer_masks(loaded, h, pos, cache)
+    for index, layer in enumerate(loaded.layers):
+        if not active():
+            return
+        state = LayerState(index)
+        if Capture.HIDDEN in needs:
+            state.hidden = h[0]  # [N, d]
+        if Capture.NORMED in needs:
+            state.normed = cast(Any, layer).input_layernorm(h)[0]  # [N, d]
+        h = layer(h, attention_mask=masks[index], position_ids=pos, cache=cache, use_cache=True, position_embeddings=emb)
+        if Capture.KV in needs:
+            keys, values = layer_kv(cache, index)  # [1, n_kv, P + N, hd]
+            state.keys, state.values = keys[0, :, past:], values[0, :, past:]  # [n_kv, N, hd]
+        on_layer(state)
 
 
 @torch.inference_mode()

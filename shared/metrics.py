@@ -267,6 +267,7 @@ class Metrics:
             g = GaugeMetricFamily("scd_prefill_waiting", "cold prefills waiting for the compute thread")
             g.add_metric([], len(engine.waiting) if engine else 0)
             yield g
+            yield from _store_tiers(servicer)
 
         self.registry.register(_Callback(families))
 
@@ -375,3 +376,32 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
             wrap = _timed_generator if inspect.isasyncgenfunction(inner) else _timed_coroutine
             return handler._replace(unary_stream=wrap(inner, method, record))
         return handler
+
+
+def _store_tiers(servicer):
+    """Per tier of the producer's store (ProducerServicer.store_tiers) and its prefix reuse."""
+    chunk_store = getattr(servicer, "chunks", None)
+    yield from unlabelled(
+        CounterMetricFamily,
+        (
+            "scd_prefill_partial_hits",
+            "Prefill calls that continued a stored prefix",
+            chunk_store.partial_hits if chunk_store else 0,
+        ),
+        ("scd_prefill_tokens_reused", "context tokens whose prefill the store saved", servicer.tokens_reused),
+        ("scd_prefill_tokens_computed", "context tokens the prefill forward ran over", servicer.tokens_computed),
+        ("scd_prefill_prefix_waits", "Prefill calls that waited for a running prefill of their prefix", servicer.prefix_waits),
+    )
+    tiers = servicer.store_tiers()
+    for kind, name, help_ in (
+        (GaugeMetricFamily, "bytes", "bytes held by the store tier"),
+        (GaugeMetricFamily, "budget_bytes", "byte budget of the store tier"),
+        (GaugeMetricFamily, "entries", "entries held by the store tier"),
+        (CounterMetricFamily, "hits", "entry lookups served by the store tier"),
+        (CounterMetricFamily, "evictions", "entries evicted from the store tier"),
+        (CounterMetricFamily, "corrupt", "entries dropped for bad bytes (disk: unparsable, truncated, checksum)"),
+    ):
+        family = kind(f"scd_store_tier_{name}", help_, labels=["tier"])
+        for tier in tiers:
+            family.add_metric([tier.name], getattr(tier, "corrupt_dropped" if name == "corrupt" else name))
+        yield family

@@ -28,6 +28,9 @@ async def test_repeated_context_is_served_from_the_store():
         cold_ids, _, cold = await pair.generate(transfer=common_pb2.CodecSpec(name="quant", options={"bits": "4"}), **fields)
         warm_ids, _, warm = await pair.generate(transfer=common_pb2.CodecSpec(name="quant", options={"bits": "4"}), **fields)
         other_ids, _, other = await pair.generate(transfer=common_pb2.CodecSpec(name="quant", options={"bits": "8"}), **fields)
-    assert not cold.producer_store_hit and warm.producer_store_hit and not other.producer_store_hit
+    assert not cold.producer_store_hit and warm.producer_store_hit
+    # quant reads only K/V: the chunk store keeps the producer's K/V, and another option re-encodes it
+    # (no forward); the whole-context store (--chunk-tokens 0) keys by codec options and misses
+    assert other.producer_store_hit and other.bytes_received > cold.bytes_received
     assert warm_ids == cold_ids and warm.bytes_received == cold.bytes_received
     assert warm.producer_prefill_ms == 0 and cold.producer_prefill_ms > 0

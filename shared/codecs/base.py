@@ -86,6 +86,36 @@ class LayerEncoder(ABC):
         """Codec metadata for the stream header."""
         return {}
 
+    # Chunked reuse (shared.chunks, producer.reuse). True when a token's payloads depend on that
+    # token's layer state alone: a continued prefill, which captures only the new tokens' states
+    # on top of a stored prefix, then encodes them exactly as a whole-context encode would.
+    # Causal encoders (a window over earlier tokens, a learned predictor) are not per token.
+    per_token: bool = False
+    # Layers whose payloads read earlier tokens' normalized input (a window, a learned predictor)
+    # in an encoder that is otherwise per token: a continued prefill encodes them over the stored
+    # prefix's normalized input joined with the new tokens' (producer.reuse), then cuts the new
+    # tokens' payloads out.
+    causal_layers: frozenset[int] = frozenset()
+
+    def token_layout(self, layer: int) -> dict[str, tuple[int, int]] | None:
+        """How layer `layer`'s payloads cut along tokens: name -> (token axis, tokens per element
+        along it: 1, or the quantization group). Given only for causal encoders, whose payloads
+        over tokens [0, b) are the first tokens' payloads of any longer context. None (default):
+        they cannot be cut, so they are only ever stored and sent whole."""
+        return None
+
+
+def chunk_layouts(encoder: LayerEncoder, num_layers: int, chunk_tokens: int) -> list[dict[str, tuple[int, int]]] | None:
+    """Every layer's token layout when all of them cut at multiples of chunk_tokens (each
+    group divides it), else None."""
+    layouts = []
+    for layer in range(num_layers):
+        layout = encoder.token_layout(layer)
+        if layout is None or any(chunk_tokens % group for _, group in layout.values()):
+            return None
+        layouts.append(layout)
+    return layouts
+
 
 class CacheDecoder(ABC):
     """Consumer side, one per request. add_layer and finish run on the consumer's compute thread."""

@@ -69,8 +69,22 @@ def decode_quant(
     return quantize.decode_kv(on_device, bits, group_size, kv_shape)
 
 
+def quant_layout(group_size: int) -> dict[str, tuple[int, int]]:
+    """Token axes of the quantized payloads: codes and value scales per token, key scales per
+    group of group_size tokens (chunks cut only at multiples of group_size)."""
+    return {
+        "k_codes": (1, 1),
+        "k_scale": (1, group_size),
+        "k_min": (1, group_size),
+        "v_codes": (1, 1),
+        "v_scale": (1, 1),
+        "v_min": (1, 1),
+    }
+
+
 class QuantEncoder(LayerEncoder):
     captures = Capture.KV
+    per_token = True  # per token within a key group: chunks cut at group multiples (chunk_layouts)
 
     def __init__(self, bits: int, group_size: int):
         self.bits = bits
@@ -78,6 +92,9 @@ class QuantEncoder(LayerEncoder):
 
     def encode(self, state: LayerState) -> dict[str, torch.Tensor]:
         return quantize.encode_kv(*state.kv(), self.bits, self.group_size)  # see shared.quantize
+
+    def token_layout(self, layer: int) -> dict[str, tuple[int, int]] | None:
+        return quant_layout(self.group_size)
 
 
 class QuantDecoder(KVDecoder):

@@ -41,11 +41,18 @@ def kv_schema(model: LoadedModel, stream: StreamInfo) -> Schema:
     return {"k": spec, "v": spec}
 
 
+KV_LAYOUT = {"k": (1, 1), "v": (1, 1)}  # [n_kv, T, hd]: tokens on axis 1
+
+
 class RawEncoder(LayerEncoder):
     captures = Capture.KV
+    per_token = True
 
     def encode(self, state: LayerState) -> dict[str, torch.Tensor]:
         return kv_payloads(state)
+
+    def token_layout(self, layer: int) -> dict[str, tuple[int, int]] | None:
+        return dict(KV_LAYOUT)
 
 
 class KVDecoder(CacheDecoder):

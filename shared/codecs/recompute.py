@@ -35,7 +35,7 @@ from shared.codecs.base import (
     StreamInfo,
     register,
 )
-from shared.codecs.raw import KVDecoder, kv_payloads, kv_schema
+from shared.codecs.raw import KV_LAYOUT, KVDecoder, kv_payloads, kv_schema
 from shared.errors import InvalidArgument
 
 
@@ -92,6 +92,7 @@ def span(options: Mapping[str, str], num_layers: int, model_id: str) -> tuple[in
 
 class RecomputeEncoder(LayerEncoder):
     captures = Capture.KV | Capture.HIDDEN
+    per_token = True  # the hidden state entering a layer is the token's own (the forward made it causal)
 
     def __init__(self, start: int, end: int):
         self.start, self.end = start, end
@@ -103,6 +104,13 @@ class RecomputeEncoder(LayerEncoder):
         if self.start < state.index < self.end:
             return {}  # the consumer recomputes it
         return kv_payloads(state)
+
+    def token_layout(self, layer: int) -> dict[str, tuple[int, int]] | None:
+        if layer == self.start:
+            return {"hidden": (0, 1)}  # [T, d]
+        if self.start < layer < self.end:
+            return {}
+        return dict(KV_LAYOUT)
 
 
 class RecomputeDecoder(KVDecoder):

@@ -48,12 +48,21 @@ class ScdEncoder(LayerEncoder):
         self.captures = (Capture.NORMED if ops.needs_normed(schedule.actions) else Capture.NONE) | (
             Capture.KV if ops.needs_kv(schedule.actions) else Capture.NONE
         )
+        # per token unless a Reuse or Patch layer reads earlier tokens (a window, a learned
+        # predictor): still causal, so its payloads cut along tokens, and a continued prefill
+        # encodes those layers over the prefix's stored normalized input joined with the new
+        coded = [i for i, a in enumerate(schedule.actions) if a.kind in ("reuse", "reuse_fp16", "patch")]
+        self.causal_layers = frozenset(i for i in coded if art.window > 1 or art.predictor(i) is not None)
+        self.per_token = not self.causal_layers
 
     def encode(self, state: LayerState) -> dict[str, torch.Tensor]:
         return ops.encode_layer(self.art, state.index, self.schedule.actions[state.index], state, self.art.geometry.quant_group)
 
     def metadata(self) -> dict[str, str]:
         return self.entry_meta
+
+    def token_layout(self, layer: int) -> dict[str, tuple[int, int]] | None:
+        return ops.token_layout(self.schedule.actions[layer], self.art.geometry.quant_group)
 
 
 class ScdDecoder(KVDecoder):

@@ -19,8 +19,8 @@ import torch
 
 from shared import layers, quantize
 from shared.codecs.base import PayloadSpec, Schema
-from shared.codecs.quant import decode_quant, quant_schema
-from shared.codecs.raw import kv_payloads
+from shared.codecs.quant import decode_quant, quant_layout, quant_schema
+from shared.codecs.raw import KV_LAYOUT, kv_payloads
 from shared.kv import LayerState
 from shared.models import LoadedModel
 from shared.scd.artifact import Artifact
@@ -109,6 +109,22 @@ def layer_schema(action: Action, consumer: LoadedModel, num_tokens: int, kv_dtyp
         return {"z": PayloadSpec(torch.float16, (num_tokens, action.param))}
     if action.kind == "patch":
         return {"x": PayloadSpec(torch.float16, (num_tokens, info.hidden_size))}
+    raise ValueError(action)
+
+
+def token_layout(action: Action, group_size: int = 32) -> dict[str, tuple[int, int]]:
+    """The token axis (and tokens per element) of every payload `encode_layer` sends under
+    `action` (codecs.base.LayerEncoder.token_layout)."""
+    if action.kind == "raw":
+        return dict(KV_LAYOUT)
+    if action.kind == "quant":
+        return quant_layout(group_size)
+    if action.kind == "reuse":
+        return {"z": (0, 1), "z_scale": (0, 1)}  # [T, r], [T]
+    if action.kind == "reuse_fp16":
+        return {"z": (0, 1)}
+    if action.kind == "patch":
+        return {"x": (0, 1)}  # [T, d]
     raise ValueError(action)
 
 

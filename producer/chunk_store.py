@@ -1,0 +1,222 @@
+"""The producer's chunk store: state kept per context chunk (shared.chunks), in RAM and, when
+configured, on local disk (producer.disk_tier), each tier within its own byte budget.
+
+An entry is one chunk's tensors: the producer model's own K/V over the chunk's tokens (under a
+model-rooted key: what a continued prefill attends to) or one codec's encoded payloads for them
+(under a codec-rooted key: what is replayed). `get` looks in RAM, then on disk (a disk hit is
+promoted to RAM); `put` writes RAM and, write-through, the disk tier, so a restarted producer
+still serves what it had written.
+
+Eviction (`Index.victim`), per tier:
+- "cost" (AsymCache's idea): among the tier's leaves (entries none of whose children it holds:
+  a chunk is worthless without its parent, so leaves go before their prefixes), the lowest value
+  per byte, value = (hits + 1) x end position (the prefill the chunk saves grows with every token
+  up to its end); ties by least recent use;
+- "lru": the least recently used entry, whatever its place in the chain (kept for comparison).
+
+Thread-safe (one lock): lookups run on a worker thread, stores on the event loop. Knows nothing
+about gRPC, models or codecs: entries are named CPU tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+POLICIES = ("cost", "lru")
+
+
+@dataclass
+class ChunkEntry:
+    key: str
+    parent: str  # the previous chunk's key, or the chain's root
+    end: int  # token position where the chunk ends: the prefill it saves
+    tensors: dict[str, torch.Tensor]  # "<layer>.<name>" -> CPU tensor over the chunk's tokens
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def layer(self, index: int) -> dict[str, torch.Tensor]:
+        """One layer's tensors, by name (without the layer prefix)."""
+        head = f"{index}."
+        return {name[len(head) :]: t for name, t in self.tensors.items() if name.startswith(head)}
+
+
+@dataclass
+class Slot:
+    """What eviction knows of an entry."""
+
+    nbytes: int
+    parent: str
+    end: int
+    hits: int = 0
+    used: int = 0  # the index's clock at the last use
+
+
+@dataclass
+class Index:
+    """One tier's bookkeeping: slots by key, bytes held, children per parent, and the eviction
+    choice. The tier itself holds the data."""
+
+    budget_bytes: int
+    policy: str = "cost"
+    slots: dict[str, Slot] = field(default_factory=dict)
+    children: dict[str, int] = field(default_factory=dict)  # parent key -> its children held here
+    nbytes: int = 0
+    clock: int = 0
+    hits: int = 0
+    evictions: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"eviction policy {self.policy!r} not in {POLICIES}")
+
+    def touch(self, key: str) -> None:
+        self.clock += 1
+        slot = self.slots[key]
+        slot.hits += 1
+        slot.used = self.clock
+        self.hits += 1
+
+    def add(self, key: str, slot: Slot) -> None:
+        self.drop(key)
+        self.clock += 1
+        slot.used = slot.used or self.clock
+        self.slots[key] = slot
+        self.nbytes += slot.nbytes
+        self.children[slot.parent] = self.children.get(slot.parent, 0) + 1
+
+    def drop(self, key: str) -> Slot | None:
+        slot = self.slots.pop(key, None)
+        if slot is not None:
+            self.nbytes -= slot.nbytes
+            left = self.children[slot.parent] - 1
+            if left:
+                self.children[slot.parent] = left
+            else:
+                del self.children[slot.parent]
+        return slot
+
+    def victim(self, keep: tuple[str, ...] = ()) -> str | None:
+        """The next entry to evict (never one of `keep`), or None when no other can go."""
+        best: tuple[float, int] | None = None
+        chosen = None
+        for key, slot in self.slots.items():
+            if key in keep:
+                continue
+            if self.policy == "lru":
+                score: tuple[float, int] = (0.0, slot.used)
+            else:
+                if self.children.get(key):
+                    continue  # a prefix of something held here: its leaves go first
+                score = ((slot.hits + 1) * slot.end / max(slot.nbytes, 1), slot.used)
+            if best is None or score < best:
+                best, chosen = score, key
+        return chosen
+
+    def make_room(self, key: str, parent: str, nbytes: int) -> list[str] | None:
+        """Evict until nbytes more fit; the keys evicted, or None (nothing evicted) when they
+        cannot: "cost" never evicts the new entry's ancestors for it (that would orphan it), so
+        a chain that outgrows the budget keeps its prefix."""
+        keep = [key]
+        while self.policy == "cost" and parent in self.slots and parent not in keep:  # the held ancestors
+            keep.append(parent)
+            parent = self.slots[parent].parent
+        if sum(self.slots[k].nbytes for k in keep if k in self.slots) + nbytes > self.budget_bytes:
+            return None
+        evicted = []
+        while self.nbytes + nbytes > self.budget_bytes:
+            victim = self.victim(tuple(keep))
+            if victim is None:  # cannot happen: what is not kept holds a leaf
+                return None
+            self.drop(victim)
+            self.evictions += 1
+            evicted.append(victim)
+        return evicted
+
+
+class LowerTier(Protocol):
+    """What the store needs of a tier below RAM (producer.disk_tier.DiskTier)."""
+
+    index: Index
+    corrupt: int
+
+    def has(self, key: str) -> bool: ...
+
+    def read(self, key: str) -> ChunkEntry | None: ...
+
+    def write(self, entry: ChunkEntry) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ChunkStore:
+    def __init__(self, budget_bytes: int, policy: str = "cost", disk: LowerTier | None = None):
+        self.index = Index(budget_bytes, policy)
+        self.entries: dict[str, ChunkEntry] = {}
+        self.disk = disk
+        self._lock = threading.RLock()
+        # per request (the servicer counts them; the whole-context store's metric names):
+        self.hits = 0  # whole contexts replayed, no forward
+        self.misses = 0  # requests that ran a forward (partial_hits of them on a stored prefix)
+        self.partial_hits = 0
+
+    @property
+    def evictions(self) -> int:
+        return self.index.evictions
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.index.budget_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.index.nbytes
+
+    def has(self, key: str) -> bool:
+        with self._lock:
+            return key in self.entries or (self.disk is not None and self.disk.has(key))
+
+    def get(self, key: str) -> ChunkEntry | None:
+        """The entry from RAM, else from disk (checksum verified, promoted to RAM), else None."""
+        with self._lock:
+            entry = self.entries.get(key)
+            if entry is not None:
+                self.index.touch(key)
+                return entry
+        if self.disk is None:
+            return None
+        entry = self.disk.read(key)  # outside the lock: file I/O
+        if entry is not None:
+            self.put(entry, write_through=False)
+        return entry
+
+    def put(self, entry: ChunkEntry, write_through: bool = True) -> bool:
+        """Keep an entry (RAM, evicting by policy; disk write-through); False when it can never
+        fit in RAM."""
+        nbytes = entry.nbytes
+        if write_through and self.disk is not None:
+            self.disk.write(entry)
+        if nbytes > self.index.budget_bytes:
+            return False
+        with self._lock:
+            evicted = self.index.make_room(entry.key, entry.parent, nbytes)
+            if evicted is None:
+                return False
+            for key in evicted:
+                del self.entries[key]
+            self.entries[entry.key] = entry
+            self.index.add(entry.key, Slot(nbytes, entry.parent, entry.end))
+        return True
+
+    def tiers(self) -> list[tuple[str, Index, int]]:
+        """(tier name, its index, entries dropped as corrupt) for Describe and metrics."""
+        with self._lock:
+            out = [("ram", self.index, 0)]
+        if self.disk is not None:
+            out.append(("disk", self.disk.index, self.disk.corrupt))
+        return out
