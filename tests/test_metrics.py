@@ -36,7 +36,7 @@ def value(samples, name: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 async def pair():
-    async with running_pair("tiny-llama", producer_kw=dict(metrics_port=0), consumer_kw=dict(metrics_port=0)) as pair:
+    async with running_pair("tiny-llama", producer_kw=dict(metrics_port=0), consumer_kw=dict(metrics_port=0, prefix_cache_bytes=0)) as pair:
         yield pair
 
 
@@ -150,8 +150,10 @@ def test_audit_decisions_and_divergences_are_counted():
     from types import SimpleNamespace
 
     metrics = Metrics("scd.v1.ConsumerService")
-    base = dict(codec="scd", bytes_received=100, raw_kv_bytes=1000, transfer_failure="", **{f"{s}_ms": 1.0 for s in
-                ("ttft", "transfer", "rebuild", "question_prefill", "decode")})
+    from shared.metrics import GENERATE_STAGES
+
+    base = dict(codec="scd", bytes_received=100, raw_kv_bytes=1000, transfer_failure="",
+                **{f"{s}_ms": 1.0 for s in GENERATE_STAGES})
     for decision in ("ok", "diverged", "diverged: prefilled locally"):
         metrics.observe_generate(SimpleNamespace(audit_decision=decision, **base))
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in metrics.registry.collect() for s in f.samples}

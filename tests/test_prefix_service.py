@@ -62,7 +62,7 @@ async def test_the_next_turn_continues_the_stored_prefix_and_answers_as_cold(spe
     question = prompt(ids=[17, 42, 99])
     answers = {}
     for kw in ({"chunk_tokens": 0, "store_bytes": 0}, {"chunk_tokens": C, "metrics_port": 0}):
-        async with running_pair("tiny-llama", producer_kw=kw) as pair:
+        async with running_pair("tiny-llama", producer_kw=kw, consumer_kw={"prefix_cache_bytes": 0}) as pair:
             answers[kw["chunk_tokens"]] = [
                 (await pair.generate(context=prompt(ids=ids), question=question, max_new_tokens=6, transfer=spec))[0]
                 for ids in turns

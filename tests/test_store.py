@@ -23,7 +23,7 @@ def test_key_separates_tokens_codecs_and_options():
 
 
 async def test_repeated_context_is_served_from_the_store():
-    async with running_pair("tiny-llama") as pair:
+    async with running_pair("tiny-llama", consumer_kw={"prefix_cache_bytes": 0}) as pair:  # the producer store, not the consumer cache
         fields = dict(context=prompt("alpha beta gamma delta " * 40), question=prompt(" zeta"), max_new_tokens=6)
         cold_ids, _, cold = await pair.generate(transfer=common_pb2.CodecSpec(name="quant", options={"bits": "4"}), **fields)
         warm_ids, _, warm = await pair.generate(transfer=common_pb2.CodecSpec(name="quant", options={"bits": "4"}), **fields)
