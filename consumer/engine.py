@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
@@ -38,7 +39,8 @@ from consumer.kv_pool import SequenceKV
 from consumer.prefix_cache import Hit, PrefixCache
 from consumer.stream_reader import Event, Expectation, LayerPayloads, StreamHeader, StreamTrailer
 from shared import audit, chunks, logs
-from shared.codecs import CacheDecoder, Codec
+from shared.codecs import CacheDecoder, Codec, EncodeRequest
+from shared.codecs.base import chunk_layouts
 from shared.errors import Cancelled, DataLoss, DeadlineExceeded, ServiceError
 from shared.models import LoadedModel
 
@@ -113,6 +115,20 @@ class GenerateResult:
     prefix_reused_tokens: int = 0  # context tokens whose KV came from the prefix cache
 
 
+@dataclass(frozen=True)
+class StreamRoot:
+    """What a stream header said that names the producer's chunks of a codec's payloads."""
+
+    producer_digest: str
+    metadata: dict[str, str]
+    chunk_tokens: int
+
+
+def stream_key(job: GenerateJob) -> str:
+    assert job.codec is not None
+    return json.dumps([job.codec.name, sorted(job.options.items())])
+
+
 class GenerateEngine:
     def __init__(
         self,
@@ -129,6 +145,7 @@ class GenerateEngine:
         self.source = source
         self.prefix = prefix  # rebuilt KV kept per context chunk (consumer.prefix_cache); None: off
         self.producer_digest = producer_digest  # the producer's weight digest as last seen, "" unknown
+        self.stream_roots: dict[str, StreamRoot] = {}  # per codec and options: what the last header said
 
     def _left(self, job: GenerateJob, what: str) -> float:
         left = job.deadline - time.monotonic()
@@ -200,20 +217,21 @@ class GenerateEngine:
         result.raw_kv_bytes = self.loaded.info.kv_bytes(len(job.context_ids))
         return True
 
-    async def _cache(self, job: GenerateJob, result: GenerateResult, seq: SequenceKV, cached: int) -> None:
-        """The context's KV into seq; its first `cached` tokens are there already (prefix cache)."""
+    async def _cache(
+        self, job: GenerateJob, result: GenerateResult, seq: SequenceKV, cached: int, partial: tuple[int, str] | None
+    ) -> None:
+        """The context's KV into seq; its first `cached` tokens are there already (prefix cache);
+        `partial`: ask the producer only for the tokens after them."""
         if job.codec is None:
             await self._local_prefill(job, result, seq, cached)
             return
         if cached == len(job.context_ids):  # the same context rebuilt the same way before: no transfer
-            if job.audit != AUDIT_OFF:
-                result.audit_decision = "cached: audited when it was rebuilt"
             return
         try:
-            decoder = await self._remote(job, result, seq)
+            decoder = await self._remote(job, result, seq, partial)
         except ServiceError as exc:
-            if not self._replaced_by_local(job, result, exc):
-                raise
+            if partial is not None or not self._replaced_by_local(job, result, exc):
+                raise  # a partial transfer's failure: run() retries the whole context first
             await self._local_prefill(job, result, seq)
             return
         if job.audit != AUDIT_OFF:
@@ -238,7 +256,7 @@ class GenerateEngine:
                 first = result.audit_decision
                 try:
                     upgraded = dataclasses.replace(job, options=job.codec.resolve(richer))
-                    decoder = await self._remote(upgraded, result, seq)
+                    decoder = await self._remote(upgraded, result, seq)  # the whole context again
                 except ServiceError as exc:
                     if isinstance(exc, Cancelled) or job.deadline - time.monotonic() <= 0:
                         raise
@@ -295,28 +313,43 @@ class GenerateEngine:
             return []
         return chunks.chain(root, job.context_ids, self.prefix.chunk_tokens)
 
+    def _partial(self, job: GenerateJob, hit: Hit) -> tuple[int, str] | None:
+        """(first_token, prefix_key) asking the producer for the context after the cached full
+        chunks of `hit`, when it can: the producer cuts its chunks as we do, this codec's payloads
+        cut along tokens there, and an earlier stream of this codec and options told us the
+        producer's weights and codec metadata (its prefix key is computed from them)."""
+        assert job.codec is not None and self.prefix is not None
+        seen = self.stream_roots.get(stream_key(job))
+        size = self.prefix.chunk_tokens
+        if not hit.shared or seen is None or seen.chunk_tokens != size or seen.producer_digest != self.producer_digest():
+            return None
+        try:
+            encoder = job.codec.encoder(job.options, EncodeRequest(len(job.context_ids), self.loaded.info.weight_digest))
+        except ServiceError:
+            return None
+        if chunk_layouts(encoder, self.loaded.info.num_layers, size) is None:
+            return None
+        first = len(hit.shared) * size
+        root = chunks.codec_root(seen.producer_digest, job.codec.name, job.codec.format_version, job.options, seen.metadata)
+        return first, chunks.prefix_key(root, job.context_ids, first, size)
+
     async def run(self, job: GenerateJob) -> AsyncGenerator[TokenOut | GenerateResult, None]:
         result = GenerateResult(job.request_id, job.mode, dict(job.options), len(job.context_ids), len(job.question_ids))
         result.raw_kv_bytes = self.loaded.info.kv_bytes(len(job.context_ids))
         refs = self._refs(job, local=False)
-        hit = self.prefix.lookup(refs) if (self.prefix is not None and refs) else Hit([])
-        if job.codec is not None and hit.tokens < len(job.context_ids):
-            hit = Hit([])  # a codec's stream covers the whole context: only a whole-context hit saves it
-        pool = self.engine.pool
-        tail = hit.tail.blocks if hit.tail is not None else []
-        pool.hold(hit.shared_blocks + tail)  # pinned: the cache may evict them meanwhile
-        # the request's worst case: the last sampled token is never fed back
-        need = len(job.context_ids) + len(job.question_ids) + job.max_new_tokens
+        seq, partial = await self._admit(job, result, refs, reuse=True)
         try:
-            seq, waited = await self.admission.acquire(need, job.deadline, shared=hit.shared_blocks)
-            if tail:
-                await logs.run_in(self.engine, self.engine.pool.copy_blocks, tail, seq.blocks[len(hit.shared_blocks) :])
-        finally:
-            pool.drop(tail)
-        result.queue_wait_ms = waited * 1e3
-        result.prefix_reused_tokens = hit.tokens
-        try:
-            await self._cache(job, result, seq, hit.tokens)
+            try:
+                await self._cache(job, result, seq, result.prefix_reused_tokens, partial)
+            except ServiceError as exc:
+                if partial is None or isinstance(exc, Cancelled) or job.deadline - time.monotonic() <= 0:
+                    raise
+                # the producer no longer holds what our prefix key names (or refused): whole context
+                log.warning("generate.partial_transfer_failed", code=exc.code, reason=str(exc)[:300], first_token=partial[0])
+                self._release(seq)
+                result.bytes_received = 0
+                seq, partial = await self._admit(job, result, refs, reuse=False)
+                await self._cache(job, result, seq, 0, None)
             async with contextlib.aclosing(self._answer(job, result, seq)) as items:
                 async for item in items:
                     yield item
@@ -326,6 +359,35 @@ class GenerateEngine:
                 self.prefix.insert(self._refs(job, local) if local != (job.codec is None) else refs, seq)
         finally:
             self._release(seq)
+
+    async def _admit(
+        self, job: GenerateJob, result: GenerateResult, refs: list[chunks.ChunkRef], reuse: bool
+    ) -> tuple[SequenceKV, tuple[int, str] | None]:
+        """KV blocks for the request, starting with what the prefix cache holds of its context:
+        the whole context, or (own prefill, or a codec that can send from a chunk boundary) its
+        cached full chunks; and the (first_token, prefix_key) to ask the producer with."""
+        T = len(job.context_ids)
+        # an audited transfer audits its own stream (and its policy may rewrite the whole cache)
+        reuse = reuse and (job.codec is None or job.audit == AUDIT_OFF)
+        hit = self.prefix.lookup(refs) if (reuse and self.prefix is not None and refs) else Hit([])
+        partial = None
+        if job.codec is not None and hit.tokens < T:
+            partial = self._partial(job, hit) if self.prefix is not None else None
+            hit = Hit(hit.shared) if partial is not None else Hit([])  # a tail is re-sent with the rest
+        pool = self.engine.pool
+        tail = hit.tail.blocks if hit.tail is not None else []
+        pool.hold(hit.shared_blocks + tail)  # pinned: the cache may evict them meanwhile
+        # the request's worst case: the last sampled token is never fed back
+        need = T + len(job.question_ids) + job.max_new_tokens
+        try:
+            seq, waited = await self.admission.acquire(need, job.deadline, shared=hit.shared_blocks)
+            if tail:
+                await logs.run_in(self.engine, self.engine.pool.copy_blocks, tail, seq.blocks[len(hit.shared_blocks) :])
+        finally:
+            pool.drop(tail)
+        result.queue_wait_ms += waited * 1e3
+        result.prefix_reused_tokens = hit.tokens
+        return seq, partial
 
     def _release(self, seq: SequenceKV) -> None:
         """seq's blocks back to the pool, on the engine thread after anything still using them."""
@@ -382,13 +444,18 @@ class GenerateEngine:
         result.total_ms = (done - job.received_at) * 1e3
         yield result
 
-    async def _remote(self, job: GenerateJob, result: GenerateResult, seq: SequenceKV) -> CacheDecoder:
+    async def _remote(
+        self, job: GenerateJob, result: GenerateResult, seq: SequenceKV, partial: tuple[int, str] | None = None
+    ) -> CacheDecoder:
         """Pull the producer stream and rebuild each layer into seq on the engine thread while
-        later ones arrive; the first failure of either side cancels the other."""
+        later ones arrive (from `partial`'s first token on, when given); the first failure of
+        either side cancels the other."""
         assert job.codec is not None and self.source is not None
         source = self.source
         started = time.perf_counter()
-        expect = Expectation(len(job.context_ids), job.codec, job.options, self.loaded.info)
+        first, key = partial or (0, "")
+        seq.first_write = first
+        expect = Expectation(len(job.context_ids), job.codec, job.options, self.loaded.info, first, key)
         budget = self._left(job, "transfer")
         if job.transfer_budget_s is not None:
             budget = min(budget, job.transfer_budget_s)
@@ -402,6 +469,10 @@ class GenerateEngine:
                     if isinstance(event, StreamHeader):
                         event.decoder.bind(seq)  # rebuilt layers go straight into the request's blocks
                         state["decoder"] = event.decoder
+                        info = event.stream
+                        self.stream_roots[stream_key(job)] = StreamRoot(
+                            info.producer_digest, dict(info.metadata), event.chunk_tokens
+                        )
                         result.options = {**event.stream.options, **event.stream.metadata}
                         producer_kv = dataclasses.replace(self.loaded.info, dtype=event.stream.kv_dtype)
                         result.raw_kv_bytes = producer_kv.kv_bytes(event.stream.num_tokens)

@@ -157,6 +157,8 @@ class ProducerClient:
             token_ids=context_ids,
             codec=common_pb2.CodecSpec(name=expect.codec.name, options=dict(expect.options)),
             consumer_weight_digest=self.consumer_digest,
+            first_token=expect.first_token,
+            prefix_key=expect.prefix_key,
         )
         reader = StreamReader(expect)
         call = self.stub.Prefill(

@@ -3,8 +3,9 @@ Prefill stream's messages in order, turning them into engine events or failing a
 message that breaks the contract.
 
 Contract (protos/scd/v1/producer.proto, README "Stream contract"):
-- exactly one header, first, that agrees with the request: token count, codec name and resolved
-  options, codec format version, layer count, a whitelisted kv dtype, a chunk size within the
+- exactly one header, first, that agrees with the request: token count, the first token sent and
+  the prefix key (when the consumer holds a prefix), codec name and resolved options, codec format
+  version, layer count, a whitelisted kv dtype, a chunk size within the
   wire ceiling, bounded metadata; the codec's decoder accepts it (artifact of this pair, ...);
 - then layers in strictly increasing order, each complete before the next; a layer carries
   exactly the payloads its decoder's schema (`CacheDecoder.expected`) names, one after the
@@ -44,12 +45,15 @@ class Expectation:
     codec: Codec
     options: Mapping[str, str]  # resolved by the consumer
     consumer: ModelInfo
+    first_token: int = 0  # asked for payloads from this token on (the consumer holds the prefix)
+    prefix_key: str = ""  # the key naming that prefix, sent with first_token
 
 
 @dataclass(frozen=True)
 class StreamHeader:
     stream: StreamInfo
     decoder: CacheDecoder
+    chunk_tokens: int = 0  # the producer's chunk size (0: no chunked reuse there)
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,11 @@ class StreamReader:
                 f"header.codec.options={dict(list(h.codec.options.items())[:8])} differ from the request's "
                 f"resolved options {dict(e.options)}"
             )
+        if (h.first_token, h.prefix_key) != (e.first_token, e.prefix_key):
+            raise DataLoss(
+                f"header.first_token={h.first_token} / prefix_key={h.prefix_key[:16]!r}: the request asked for "
+                f"first_token={e.first_token} / prefix_key={e.prefix_key[:16]!r}"
+            )
         if h.codec_format_version != e.codec.format_version:
             raise FailedPrecondition(
                 f"header.codec_format_version={h.codec_format_version}: codec '{e.codec.name}' here "
@@ -173,10 +182,11 @@ class StreamReader:
             metadata,
             h.codec_format_version,
             h.producer.weight_digest,
+            h.first_token,
         )
         self.decoder = e.codec.decoder(stream)
         self.num_layers, self.max_chunk, self.state = h.num_layers, max_chunk, "layers"
-        return StreamHeader(stream, self.decoder)
+        return StreamHeader(stream, self.decoder, h.chunk_tokens)
 
     # --- chunks ---------------------------------------------------------------------------
     def _start_layer(self, index: int) -> _Layer:

@@ -125,3 +125,31 @@ async def test_reuse_through_the_services_is_token_identical_to_no_cache():
     assert reused[3] == 0 and reused[4] == T and reused[5] == 0
     assert cached[4][2].bytes_received == 0 and cold[4][2].bytes_received > 0  # no transfer at all
     assert all(stats.prefix_reused_tokens == 0 for _, _, stats in cold)
+
+
+async def test_the_next_turn_asks_the_producer_only_for_the_new_tokens():
+    """A codec whose payloads cut along tokens (raw, quant with chunk-aligned groups): the next
+    turn of a conversation reuses the cached chunks and asks the producer (PrefillRequest
+    first_token + prefix_key) for the rest only; answers equal a consumer and producer without
+    any cache, bytes fall with the reused share."""
+    turns = [DOC, DOC + TURN, DOC + TURN + TURN]
+    specs = [("raw", {}), ("quant", {"bits": "8", "group_size": "32"})]
+    fields = [ask(t, " Which layers?", mode, options) for mode, options in specs for t in turns]
+    answers = {}
+    for name, ckw, pkw in (
+        ("cold", {"prefix_cache_bytes": 0}, {"chunk_tokens": 0, "store_bytes": 0}),
+        ("cached", {}, {"chunk_tokens": CHUNK}),
+    ):
+        async with running_pair("tiny-llama", producer_kw=pkw, consumer_kw={"chunk_tokens": CHUNK, **ckw}) as pair:
+            answers[name] = [await pair.generate(**f) for f in fields]
+    cold, cached = answers["cold"], answers["cached"]
+    assert [ids for ids, _, _ in cached] == [ids for ids, _, _ in cold]  # token-identical (float32)
+    for k in range(len(specs)):
+        first, *later = cached[3 * k : 3 * k + 3]
+        assert first[2].prefix_reused_tokens == 0
+        for (_, _, stats), (_, _, cold_stats) in zip(later, cold[3 * k + 1 : 3 * k + 3]):
+            reused = stats.prefix_reused_tokens
+            assert reused > 0 and reused % CHUNK == 0 and reused < stats.context_tokens
+            sent = stats.context_tokens - reused
+            assert stats.bytes_received < cold_stats.bytes_received
+            assert abs(stats.bytes_received / cold_stats.bytes_received - sent / stats.context_tokens) < 0.1

@@ -44,6 +44,12 @@ class StreamInfo:
     metadata: Mapping[str, str] = field(default_factory=dict)
     format_version: int = 1
     producer_digest: str = ""  # the producer's weight digest, as its header states it
+    first_token: int = 0  # payloads cover tokens [first_token, num_tokens) (a consumer holding the prefix)
+
+    @property
+    def sent_tokens(self) -> int:
+        """Tokens along the payloads' token axis."""
+        return self.num_tokens - self.first_token
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:

@@ -37,7 +37,7 @@ def kv_payloads(state: LayerState) -> dict[str, torch.Tensor]:
 
 def kv_schema(model: LoadedModel, stream: StreamInfo) -> Schema:
     info = model.info
-    spec = PayloadSpec(stream.kv_torch_dtype, (info.num_kv_heads, stream.num_tokens, info.head_dim))
+    spec = PayloadSpec(stream.kv_torch_dtype, (info.num_kv_heads, stream.sent_tokens, info.head_dim))
     return {"k": spec, "v": spec}
 
 
@@ -68,7 +68,7 @@ class KVDecoder(CacheDecoder):
             raise FailedPrecondition(
                 f"producer stream has {stream.num_layers} layers, consumer model {info.model_id} has {info.num_layers}"
             )
-        self.kv_shape = (info.num_kv_heads, stream.num_tokens, info.head_dim)
+        self.kv_shape = (info.num_kv_heads, stream.sent_tokens, info.head_dim)
 
     def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keep one layer's rebuilt K/V ([n_kv, T, hd] each) in the consumer's dtype; DataLoss

@@ -36,7 +36,7 @@ from shared.codecs.base import (
     register,
 )
 from shared.codecs.raw import KV_LAYOUT, KVDecoder, kv_payloads, kv_schema
-from shared.errors import InvalidArgument
+from shared.errors import DataLoss, InvalidArgument
 
 
 def parse_layer(value: str) -> str:
@@ -116,6 +116,8 @@ class RecomputeEncoder(LayerEncoder):
 class RecomputeDecoder(KVDecoder):
     def __init__(self, codec: Codec, stream: StreamInfo):
         super().__init__(codec, stream)
+        if stream.first_token:
+            raise DataLoss(f"header.first_token={stream.first_token}: recompute streams are sent whole")
         info = codec.model.info
         self.start, self.end = span(stream.options, info.num_layers, info.model_id)
 

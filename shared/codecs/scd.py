@@ -69,13 +69,13 @@ class ScdDecoder(KVDecoder):
     def __init__(self, codec: ScdCodec, art: Artifact, schedule: Schedule, stream: StreamInfo):
         super().__init__(codec, stream)
         self.art, self.schedule = art, schedule
-        self.pos = layers.positions(codec.model, stream.num_tokens)
+        self.pos = layers.positions(codec.model, stream.sent_tokens, start=stream.first_token)
 
     def expected(self, layer: int) -> Schema:
         return ops.layer_schema(
             self.schedule.actions[layer],
             self.loaded,
-            self.stream.num_tokens,
+            self.stream.sent_tokens,
             self.stream.kv_torch_dtype,
             self.art.geometry.quant_group,
         )
