@@ -68,13 +68,9 @@ class ServerConfig:
     # side ports: -1 off, 0 any free port (tests)
     health_port: int = -1  # plaintext port serving only grpc.health.v1 (kubelet gRPC probes)
     metrics_port: int = -1  # Prometheus text exposition over HTTP (shared.metrics)
-    liveness_interval_s: float = (
-        5.0  # liveness check period (producer: progress watchdog; consumer: a no-op to the compute thread)
-    )
+    liveness_interval_s: float = 5.0  # how often the progress watchdog looks (liveness)
     trace: str = "off"  # OpenTelemetry spans: off | console (JSON on stderr) | memory (tests) | otlp; shared.tracing
-    liveness_timeout_s: float = (
-        30.0  # an iteration without progress (or a heartbeat unanswered) this long: "liveness" NOT_SERVING
-    )
+    liveness_timeout_s: float = 30.0  # an iteration without progress this long: liveness NOT_SERVING
 
     @property
     def artifact_paths(self) -> list[str]:
@@ -113,7 +109,7 @@ class ProducerConfig(ServerConfig):
     encode_threads: int = 1  # threads encoding, copying to the host and packing layers beside the forward
     # prefix reuse (shared.chunks, producer.chunk_store): contexts cut into chunks of this many
     # tokens, K/V and encoded payloads kept per chunk within store_bytes; 0: the whole-context store
-    chunk_tokens: int = 256
+    chunk_tokens: int = 256  # store chunk size in tokens (prefix reuse); 0: whole-context store
     store_eviction: str = "cost"  # cost (value per byte from hits and position, leaves first) | lru
     store_disk_dir: str = ""  # chunk store's disk tier (safetensors files); "" off
     store_disk_bytes: int = 8 << 30  # disk tier budget
