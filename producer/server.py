@@ -281,8 +281,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
     def _keep_chunks(self, items: list) -> None:
         """A completed forward's new chunks go to the chunk store (once per run)."""
         assert self.chunks is not None
-        for entry in items[-1].kept:
-            self.chunks.put(entry)
+        self.chunks.put_many(items[-1].kept)
         items[-1].kept = []  # the flight keeps its items until it ends: let the store own these
 
     def store_tiers(self) -> list[producer_pb2.StoreTier]:
