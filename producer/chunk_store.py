@@ -229,6 +229,13 @@ class ChunkStore:
             self.index.add(entry.key, Slot(nbytes, entry.parent, entry.end))
         return True
 
+    def clear(self) -> None:
+        """Forget every RAM entry (counters stay; the disk tier keeps its files)."""
+        with self._lock:
+            self.entries.clear()
+            for key in list(self.index.slots):
+                self.index.drop(key)
+
     def tiers(self) -> list[tuple[str, Index, int]]:
         """(tier name, its index, entries dropped as corrupt) for Describe and metrics."""
         with self._lock:
