@@ -76,9 +76,7 @@ async def run_phase(client: ConsumerClient, passes: list[list[str]], concurrency
 
 def clear_stores(producers: list[ProducerServer]) -> None:
     for p in producers:
-        store = p.servicer.store
-        store.entries.clear()
-        store.nbytes = 0
+        p.servicer.store.clear()
 
 
 async def pool_test(args) -> dict:

@@ -21,6 +21,7 @@ about gRPC, models or codecs: entries are named CPU tensors.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -118,11 +119,12 @@ class Index:
                 best, chosen = score, key
         return chosen
 
-    def make_room(self, key: str, parent: str, nbytes: int) -> list[str] | None:
-        """Evict until nbytes more fit; the keys evicted, or None (nothing evicted) when they
-        cannot: "cost" never evicts the new entry's ancestors for it (that would orphan it), so
-        a chain that outgrows the budget keeps its prefix."""
-        keep = [key]
+    def make_room(self, key: str, parent: str, nbytes: int, protect: Sequence[str] = ()) -> list[str] | None:
+        """Evict until nbytes more fit, never `protect` (what the same request just stored);
+        the keys evicted, or None (nothing evicted) when they cannot: "cost" never evicts the
+        new entry's ancestors for it (that would orphan it), so a chain that outgrows the budget
+        keeps its prefix."""
+        keep = [key, *protect]
         while self.policy == "cost" and parent in self.slots and parent not in keep:  # the held ancestors
             keep.append(parent)
             parent = self.slots[parent].parent
@@ -195,16 +197,30 @@ class ChunkStore:
             self.put(entry, write_through=False)
         return entry
 
-    def put(self, entry: ChunkEntry, write_through: bool = True) -> bool:
-        """Keep an entry (RAM, evicting by policy; disk write-through); False when it can never
-        fit in RAM."""
+    def put_many(self, entries: Sequence[ChunkEntry]) -> int:
+        """Keep one request's new chunks, in order (chunk by chunk: its K/V, then its payloads),
+        none evicting another of them; RAM stops at the first that does not fit (what follows
+        would not extend a stored prefix), the disk tier takes them all. How many RAM kept."""
+        if self.disk is not None:
+            for entry in entries:
+                self.disk.write(entry)
+        kept: list[str] = []
+        for entry in entries:
+            if not self.put(entry, write_through=False, protect=kept):
+                break
+            kept.append(entry.key)
+        return len(kept)
+
+    def put(self, entry: ChunkEntry, write_through: bool = True, protect: Sequence[str] = ()) -> bool:
+        """Keep an entry (RAM, evicting by policy but never `protect`; disk write-through);
+        False when it does not fit in RAM."""
         nbytes = entry.nbytes
         if write_through and self.disk is not None:
             self.disk.write(entry)
         if nbytes > self.index.budget_bytes:
             return False
         with self._lock:
-            evicted = self.index.make_room(entry.key, entry.parent, nbytes)
+            evicted = self.index.make_room(entry.key, entry.parent, nbytes, protect)
             if evicted is None:
                 return False
             for key in evicted:
@@ -212,6 +228,13 @@ class ChunkStore:
             self.entries[entry.key] = entry
             self.index.add(entry.key, Slot(nbytes, entry.parent, entry.end))
         return True
+
+    def clear(self) -> None:
+        """Forget every RAM entry (counters stay; the disk tier keeps its files)."""
+        with self._lock:
+            self.entries.clear()
+            for key in list(self.index.slots):
+                self.index.drop(key)
 
     def tiers(self) -> list[tuple[str, Index, int]]:
         """(tier name, its index, entries dropped as corrupt) for Describe and metrics."""

@@ -174,13 +174,16 @@ class Continuation:
         return {name: torch.cat([p[name] for p in pieces], dim=axis) for name, (axis, _) in self.layouts[layer].items()}
 
     def kept(self) -> list[ChunkEntry]:
-        """The new chunks to store, K/V first (a continuation needs them), in chain order."""
-        out = [ChunkEntry(r.key, r.parent, r.end, self._new_kv[j]) for j, r in enumerate(self.kv_refs) if j in self._new_kv]
-        out += [
-            ChunkEntry(r.key, r.parent, r.end, self._new_payloads[j])
-            for j, r in enumerate(self.payload_refs)
-            if j in self._new_payloads
-        ]
+        """The new chunks to store in chain order, chunk by chunk its K/V then its payloads (a
+        continuation needs both: a store that cannot keep them all keeps a usable prefix)."""
+        out = []
+        for j in sorted(set(self._new_kv) | set(self._new_payloads)):
+            if j in self._new_kv:
+                r = self.kv_refs[j]
+                out.append(ChunkEntry(r.key, r.parent, r.end, self._new_kv[j]))
+            if j in self._new_payloads:
+                r = self.payload_refs[j]
+                out.append(ChunkEntry(r.key, r.parent, r.end, self._new_payloads[j]))
         return out
 
 

@@ -44,13 +44,16 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         self.store_hits = 0
         self.admission = serving.Admission("max_inflight", config.max_inflight)
         self.outcomes = outcomes.Outcomes()
-        self.store = ContextStore(config.store_bytes)  # whole contexts (chunk_tokens = 0)
+        self.whole = ContextStore(config.store_bytes)  # whole contexts (chunk_tokens = 0)
         self.chunks: ChunkStore | None = None  # per chunk (chunk_tokens > 0): prefix reuse
         if config.chunk_tokens:
             disk = None
             if config.store_disk_dir and config.store_disk_bytes:
                 disk = DiskTier(config.store_disk_dir, config.store_disk_bytes, config.store_eviction)
             self.chunks = ChunkStore(config.store_bytes, config.store_eviction, disk)
+        # the store in use: its counters (hits: whole contexts replayed; misses: calls that ran a
+        # forward), bytes and entries are the scd_store_* metrics
+        self.store: ContextStore | ChunkStore = self.chunks if self.chunks is not None else self.whole
         self.tokens_reused = self.tokens_computed = 0
         self.prefix_flights: dict[str, Flight] = {}  # K/V chunk key -> the running flight that will store it
         self.prefix_waits = 0  # calls that waited for a running flight computing their prefix
@@ -162,7 +165,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         else:
             key = store_key(request.token_ids, codec.name, options, encoder.metadata())
             # a running flight first: its caller already missed the store, a follower is no second miss
-            stored = None if key in self.flights.running else self.store.get(key)
+            stored = None if key in self.flights.running else self.whole.get(key)
             shared = False
             store_hit = stored is not None
             if stored is not None:
@@ -285,14 +288,13 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
     def _keep_chunks(self, items: list) -> None:
         """A completed forward's new chunks go to the chunk store (once per run)."""
         assert self.chunks is not None
-        for entry in items[-1].kept:
-            self.chunks.put(entry)
+        self.chunks.put_many(items[-1].kept)
         items[-1].kept = []  # the flight keeps its items until it ends: let the store own these
 
     def store_tiers(self) -> list[producer_pb2.StoreTier]:
         """Per tier: bytes, budget, entries, hits, evictions, corrupt entries dropped."""
         if self.chunks is None:
-            s = self.store
+            s = self.whole
             return [
                 producer_pb2.StoreTier(
                     name="whole",
@@ -325,7 +327,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
     def _keep(self, key: str, items: list) -> None:
         """A completed prefill's layers go to the store (called once per run, however many share it)."""
         kept = tuple(x for x in items if isinstance(x, EncodedLayer))
-        self.store.put(key, StoredPrefill(kept, sum(x.payload_bytes for x in kept)))
+        self.whole.put(key, StoredPrefill(kept, sum(x.payload_bytes for x in kept)))
 
     @serving.unary_errors
     async def Describe(self, request, context):
@@ -369,7 +371,7 @@ class ProducerServer:
         self.servicer.metrics = self.server.metrics
         self.server.watch(
             admission=self.servicer.admission,
-            store=self.servicer.chunks if self.servicer.chunks is not None else self.servicer.store,
+            store=self.servicer.store,
             progress=[self.servicer.compute_progress, self.servicer.encode.progress],
         )
         self.server.metrics.watch_prefill(self.servicer)

@@ -57,3 +57,8 @@ class ContextStore:
         self.entries[key] = entry
         self.nbytes += entry.nbytes
         return True
+
+    def clear(self) -> None:
+        """Forget every entry (counters stay)."""
+        self.entries.clear()
+        self.nbytes = 0

@@ -103,6 +103,9 @@ def test_store_budget_and_tiers():
     assert store.put(side) and sorted(store.entries) == ["k0", "k1", "s0"]  # the chain's leaf made room
     assert store.evictions == 1 and store.get("k0") is not None and store.get("k2") is None
     assert not store.put(ChunkEntry("huge", "root", 64, {"0.k": torch.zeros(1000)}))
+    # one request's new chunks never evict each other; RAM stops at the first that does not fit
+    batch = [ChunkEntry(f"n{j}", f"n{j - 1}" if j else "root-n", 64 * (j + 1), {"0.k": torch.zeros(64)}) for j in range(4)]
+    assert store.put_many(batch) == 3 and sorted(store.entries) == ["n0", "n1", "n2"]
     assert [name for name, *_ in store.tiers()] == ["ram"]
 
 

@@ -108,8 +108,7 @@ async def test_the_shared_work_stops_when_every_caller_has_gone():
             await until(lambda: outcomes.cancelled == 2 and not flights.running)
         await until(lambda: not engine.waiting and engine._scheduler is None)
         assert engine.forwards == forwards  # cancelled while it waited: never run
-        store = server.servicer.chunks  # the chunk store (chunk_tokens defaults to 256)
-        assert store is not None and not store.entries and store.misses == 1  # the follower is no miss
+        assert not server.servicer.store.entries and server.servicer.store.misses == 1  # the follower is no miss
 
 
 async def test_a_late_subscriber_gets_the_whole_stream_and_a_failure_reaches_everyone():
