@@ -90,7 +90,10 @@ async def pool_test(args) -> dict:
     consumers = {}
     for lb in ("ring_hash", "round_robin"):
         c = ConsumerServer(
-            ConsumerConfig(port=0, model=args.model, device="cpu", producer=target, producer_lb=lb, drain_grace_s=0.5)
+            # prefix cache off: a repeated context must reach a producer (affinity is what this measures)
+            ConsumerConfig(
+                port=0, model=args.model, device="cpu", producer=target, producer_lb=lb, drain_grace_s=0.5, prefix_cache_bytes=0
+            )
         )
         await c.start()
         await c.load()

@@ -56,12 +56,12 @@ class Variant:
     needs_consumer_flag: str = ""  # skipped (with a note) when `python -m consumer --help` lacks it
 
 
-# The hook for the consumer side: its variant names the consumer flag that keeps rebuilt KV per
-# chunk; the consumer's issue adds the flag (and, if it needs them, more args here).
+# The consumer side: its prefix cache (consumer/prefix_cache.py) at the same budget as the store.
+NO_CONSUMER_CACHE = ("--prefix-cache-bytes", "0")  # the consumer keeps its prefix cache on by default
 VARIANTS = (
-    Variant("no-store", ("--chunk-tokens", "0", "--store-bytes", "0"), evictions=("none",)),
-    Variant("whole", ("--chunk-tokens", "0"), evictions=("lru",)),
-    Variant("producer-chunks", ("--chunk-tokens", str(CHUNK_TOKENS))),
+    Variant("no-store", ("--chunk-tokens", "0", "--store-bytes", "0"), NO_CONSUMER_CACHE, evictions=("none",)),
+    Variant("whole", ("--chunk-tokens", "0"), NO_CONSUMER_CACHE, evictions=("lru",)),
+    Variant("producer-chunks", ("--chunk-tokens", str(CHUNK_TOKENS)), NO_CONSUMER_CACHE),
     Variant(
         "producer+consumer-chunks",
         ("--chunk-tokens", str(CHUNK_TOKENS)),
