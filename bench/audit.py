@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(rows[-1]), flush=True)
 
     with services.running(
-        ["--model", pair.producer, *common], ["--model", pair.consumer, *common], log_dir=ROOT / "bench/runs/audit"
+        ["--model", pair.producer, *common], ["--model", pair.consumer, *common, *services.NO_PREFIX_CACHE], log_dir=ROOT / "bench/runs/audit"
     ) as (
         _,
         c,

@@ -57,7 +57,7 @@ class Variant:
 
 
 # The consumer side: its prefix cache (consumer/prefix_cache.py) at the same budget as the store.
-NO_CONSUMER_CACHE = ("--prefix-cache-bytes", "0")  # the consumer keeps its prefix cache on by default
+NO_CONSUMER_CACHE = services.NO_PREFIX_CACHE  # the consumer keeps its prefix cache on by default
 VARIANTS = (
     Variant("no-store", ("--chunk-tokens", "0", "--store-bytes", "0"), NO_CONSUMER_CACHE, evictions=("none",)),
     Variant("whole", ("--chunk-tokens", "0"), NO_CONSUMER_CACHE, evictions=("lru",)),

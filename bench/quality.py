@@ -290,7 +290,7 @@ def main() -> None:
             config=config,
         )
         with services.running(
-            ["--model", producer, *common], ["--model", consumer, *common], log_dir=ROOT / "bench/runs/quality"
+            ["--model", producer, *common], ["--model", consumer, *common, *services.NO_PREFIX_CACHE], log_dir=ROOT / "bench/runs/quality"
         ) as (_, c):
             chosen = None
             if args.select_on == "validation":  # choose on validation at the pair's first length

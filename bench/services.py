@@ -20,6 +20,11 @@ from shared.healthcheck import check
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# consumer flags of a benchmark that times transfers of repeated contexts: the consumer's prefix
+# cache would answer a repeat with no transfer at all (bench.prefix measures that cache)
+NO_PREFIX_CACHE = ("--prefix-cache-bytes", "0")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -192,7 +192,7 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
         for mb in (1, max_batch):
             cport = services.free_port()
             # the prefix cache off: the cells repeat 16 contexts, and this measures the engine and the transfer
-            args = ["--port", str(cport), "--producer", f"127.0.0.1:{pport}", "--max-batch", str(mb), "--prefix-cache-bytes", "0",
+            args = ["--port", str(cport), "--producer", f"127.0.0.1:{pport}", "--max-batch", str(mb), *services.NO_PREFIX_CACHE,
                     *[a.replace("{m}", model.consumer) for a in common]]
             consumers[mb] = services.spawn("consumer", args, f"127.0.0.1:{cport}", log_dir / f"max-batch-{mb}")
         for service in consumers.values():

@@ -155,7 +155,7 @@ def run_grid(args, link, emit) -> None:
         common = ["--dtype", w.dtype, "--device", args.device, "--log-level", "WARNING",
                   "--max-context-tokens", str(max(8192, max(grid[1]))), "--artifacts", args.artifacts]
         started = time.monotonic()
-        with services.running(["--model", w.producer_model, *common], ["--model", w.consumer_model, *common],
+        with services.running(["--model", w.producer_model, *common], ["--model", w.consumer_model, *common, *services.NO_PREFIX_CACHE],
                               log_dir=services.ROOT / "bench/runs/ttft", producer_host=link.producer_host,
                               consumer_host=link.consumer_host, producer_prefix=link.producer_prefix,
                               consumer_prefix=link.consumer_prefix, timeout_s=args.timeout_s) as (_, consumer):
