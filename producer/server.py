@@ -237,16 +237,17 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                     self.prefix_waits += 1
                     await asyncio.wait({flight.task})  # it stores the prefix's K/V as it completes
                     break
+        reuse = None  # joining a running flight: the plan is the flight's
         if key not in self.flights.running:
             num_layers = self._ready().info.num_layers
-            reuse = await asyncio.to_thread(plan, self.chunks, ids, size, roots, encoder, num_layers, request.first_token)
-            if reuse.replay:
+            planned = await asyncio.to_thread(plan, self.chunks, ids, size, roots, encoder, num_layers, request.first_token)
+            if planned.replay:
                 self.chunks.hits += 1
-                return self._replay_chunks(reuse, pack, num_layers), False, True
-            self.chunks.misses += 1
-            self.chunks.partial_hits += reuse.start > 0
-        else:
-            reuse = None  # joined below, the plan is the flight's
+                return self._replay_chunks(planned, pack, num_layers), False, True
+            if key not in self.flights.running:  # a concurrent call may have started it while we planned
+                reuse = planned
+                self.chunks.misses += 1
+                self.chunks.partial_hits += reuse.start > 0
         source, shared = self.flights.join(
             key,
             lambda: self.engine.stream(ids, encoder, pack, reuse),
