@@ -3,6 +3,7 @@ events to messages) and process wiring (config, model load, producer client, hea
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -289,6 +290,6 @@ class ConsumerServer:
         await self.server.drain(self.config.drain_grace_s if grace_s is None else grace_s, self.servicer.admission)
         if self.client is not None:
             await self.client.close()
-        if self.executor is not None:
-            self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.executor is not None:  # the engine thread ends its iteration and exits before the interpreter does
+            await asyncio.to_thread(self.executor.shutdown, wait=True, cancel_futures=True)
         self.servicer.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
