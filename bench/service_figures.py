@@ -228,3 +228,23 @@ def throughput(root: Path = ROOT) -> dict:
         "rows": len(rows),
         "identical_f32": "every request" if worst == 1.0 else f"at least {worst:.1%} of requests",
     }
+
+
+def prefix(root: Path = ROOT) -> dict:
+    """bench.prefix's rows: per (workload, variant, eviction) the prefill it computed, the bytes it
+    transferred, TTFT and whether answers equal the no-store run's."""
+    rows = rows_of(root / "bench/results/prefix.jsonl")
+    table = [
+        "| model (weights, dtype, mode) | workload | variant | eviction | store budget | prefill tokens computed (saved) |"
+        " transfer MB | TTFT p50 ms (later turns) | identical to cold | load |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        budget = "-" if r["store_budget_bytes"] in (0, 1 << 40) else f"{r['store_budget_bytes'] / 2**20:.1f} MiB"
+        table.append(
+            f"| {r['model']} ({r['weights']}, {r['dtype']}, {r['mode']}) | {r['workload']} | {r['variant']} | {r['eviction']}"
+            f" | {budget} | {r['prefill_tokens_computed']} ({r['prefill_tokens_saved_pct']:.1f}%) | {r['transfer_bytes'] / 1e6:.1f}"
+            f" | {r['ttft_p50_ms']:.1f} ({r['ttft_later_p50_ms']:.1f}) | {r['identical_to_cold_rate']} | {r['load_avg_1m']:.1f} |"
+        )
+    identical = min((r["identical_to_cold_rate"] for r in rows), default=0.0)
+    return {"table": "\n".join(table), "rows": len(rows), "identical_min": identical}
