@@ -47,6 +47,14 @@ class _Callback(Collector):
         yield from self.fn()
 
 
+def by_reason(name: str, help_: str, counts: dict[str, int]):
+    """One counter family with a `reason` label (refusals by reason)."""
+    c = CounterMetricFamily(name, help_, labels=["reason"])
+    for reason, n in sorted(counts.items()):
+        c.add_metric([reason], n)
+    yield c
+
+
 def unlabelled(family, *rows: tuple[str, str, float]):
     """One metric family of `family` (Gauge/CounterMetricFamily) per (name, help, value)."""
     for name, help_, value in rows:
@@ -170,16 +178,12 @@ class Metrics:
         """In-flight calls, the limit and the rejections of a serving.Admission."""
 
         def families():
-            g = GaugeMetricFamily("scd_inflight", "calls in flight (admitted, not finished)")
-            g.add_metric([], admission.inflight)
-            yield g
-            g = GaugeMetricFamily("scd_inflight_limit", f"admission limit ({admission.limit_name})")
-            g.add_metric([], admission.limit)
-            yield g
-            c = CounterMetricFamily("scd_admission_rejected", "calls refused at admission, by reason", labels=["reason"])
-            for reason, n in sorted(admission.rejected.items()):
-                c.add_metric([reason], n)
-            yield c
+            yield from unlabelled(
+                GaugeMetricFamily,
+                ("scd_inflight", "calls in flight (admitted, not finished)", admission.inflight),
+                ("scd_inflight_limit", f"admission limit ({admission.limit_name})", admission.limit),
+            )
+            yield from by_reason("scd_admission_rejected", "calls refused at admission, by reason", admission.rejected)
 
         self.registry.register(_Callback(families))
 
@@ -187,22 +191,18 @@ class Metrics:
         """The producer's context store: hits, misses, evictions, entries and bytes held."""
 
         def families():
-            for name, help_, value in (
+            yield from unlabelled(
+                CounterMetricFamily,
                 ("scd_store_hits", "context store lookups that replayed a stored stream", store.hits),
                 ("scd_store_misses", "context store lookups that ran the prefill", store.misses),
                 ("scd_store_evictions", "entries evicted to stay within the byte budget", store.evictions),
-            ):
-                c = CounterMetricFamily(name, help_)
-                c.add_metric([], value)
-                yield c
-            for name, help_, value in (
+            )
+            yield from unlabelled(
+                GaugeMetricFamily,
                 ("scd_store_bytes", "payload bytes held by the context store", store.nbytes),
                 ("scd_store_entries", "streams held by the context store", len(store.entries)),
                 ("scd_store_budget_bytes", "context store byte budget", store.budget_bytes),
-            ):
-                g = GaugeMetricFamily(name, help_)
-                g.add_metric([], value)
-                yield g
+            )
 
         self.registry.register(_Callback(families))
 
@@ -238,10 +238,7 @@ class Metrics:
                 ("scd_engine_rows", "request rows summed over the engine's forwards", engine.stats.rows),
                 ("scd_engine_nonfinite_rows", "rows failed alone for non-finite logits", engine.stats.failed_rows),
             )
-            c = CounterMetricFamily("scd_kv_rejected", "requests refused for KV memory, by reason", labels=["reason"])
-            for reason, n in sorted(admission.rejected.items()):
-                c.add_metric([reason], n)
-            yield c
+            yield from by_reason("scd_kv_rejected", "requests refused for KV memory, by reason", admission.rejected)
 
         self.registry.register(_Callback(families))
 
@@ -252,7 +249,8 @@ class Metrics:
 
         def families():
             engine = getattr(servicer, "engine", None)
-            for name, help_, value in (
+            yield from unlabelled(
+                CounterMetricFamily,
                 (
                     "scd_prefill_shared",
                     "Prefill calls that joined a prefill already running (single flight)",
@@ -260,13 +258,11 @@ class Metrics:
                 ),
                 ("scd_prefill_forwards", "batched prefill forwards run", engine.forwards if engine else 0),
                 ("scd_prefill_forward_contexts", "contexts prefilled by those forwards", engine.forward_rows if engine else 0),
-            ):
-                c = CounterMetricFamily(name, help_)
-                c.add_metric([], value)
-                yield c
-            g = GaugeMetricFamily("scd_prefill_waiting", "cold prefills waiting for the compute thread")
-            g.add_metric([], len(engine.waiting) if engine else 0)
-            yield g
+            )
+            yield from unlabelled(
+                GaugeMetricFamily,
+                ("scd_prefill_waiting", "cold prefills waiting for the compute thread", len(engine.waiting) if engine else 0),
+            )
             yield from _store_tiers(servicer)
 
         self.registry.register(_Callback(families))
