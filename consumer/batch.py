@@ -29,9 +29,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,8 +62,6 @@ class Task:
     stop_ids: frozenset[int] = frozenset()
     generated: int = 0
     cancelled: bool = False
-    enqueued: float = field(default_factory=time.perf_counter)
-    first_forward: float = 0.0  # when it first joined a forward (queue wait = this - enqueued)
 
     @property
     def decoding(self) -> bool:
@@ -73,7 +70,6 @@ class Task:
 
 @dataclass
 class EngineStats:
-    iterations: int = 0
     forwards: int = 0
     rows: int = 0  # summed over forwards
     last_batch: int = 0
@@ -157,11 +153,6 @@ class BatchEngine(concurrent.futures.Executor):
         if wait:
             self._thread.join(timeout=10)
 
-    @property
-    def queue_length(self) -> int:
-        """Requests admitted to the engine that have not joined a forward yet."""
-        return sum(1 for t in self.tasks if not t.first_forward) + len(self._incoming)
-
     # --- the engine thread -----------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -183,8 +174,6 @@ class BatchEngine(concurrent.futures.Executor):
                 for task in self.tasks:
                     task.sink(exc)
                 self.tasks.clear()
-            finally:
-                self.stats.iterations += 1
         for future, _ in self.jobs:
             future.cancel()
 
@@ -231,11 +220,7 @@ class BatchEngine(concurrent.futures.Executor):
             self._forward([(t, 1) for t in decode])
 
     def _forward(self, chosen: list[tuple[Task, int]]) -> None:
-        now = time.perf_counter()
-        rows = []
-        for task, take in chosen:
-            task.first_forward = task.first_forward or now
-            rows.append(Row(task.seq, task.pending[:take], task.seq.length))
+        rows = [Row(task.seq, task.pending[:take], task.seq.length) for task, take in chosen]
         logits = self.runner.forward(rows)  # [B, vocab]
         self.progress.beat()
         self.stats.forwards += 1

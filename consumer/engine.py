@@ -187,7 +187,7 @@ class GenerateEngine:
             if not finished:
                 self.engine.cancel(task)
 
-    async def _local_prefill(self, job: GenerateJob, result: GenerateResult, seq: SequenceKV, start: int = 0) -> SequenceKV:
+    async def _local_prefill(self, job: GenerateJob, result: GenerateResult, seq: SequenceKV, start: int = 0) -> None:
         """The consumer's own prefill of context tokens [start, T) into seq (tokens before start:
         a cached prefix of the consumer's own KV), in chunks inside the engine's batches."""
         self._left(job, "context prefill")
@@ -196,14 +196,13 @@ class GenerateEngine:
             raise DataLoss("the cached prefix this request shares cannot be replaced by a local prefill")
         seq.length = start  # a failed or flagged transfer's layers are overwritten
         if start == len(job.context_ids):
-            return seq  # the whole context was cached
+            return  # the whole context was cached
         started = time.perf_counter()
         task = Task(seq, list(job.context_ids[start:]), sink=lambda _: None)
         async with contextlib.aclosing(self._engine_task(job, task)) as events:
             async for _ in events:
                 pass
         result.rebuild_ms += (time.perf_counter() - started) * 1e3
-        return seq
 
     def _replaced_by_local(self, job: GenerateJob, result: GenerateResult, exc: ServiceError) -> bool:
         """Whether LOCAL_PREFILL turns this transfer failure into the consumer's own prefill (and
@@ -309,8 +308,9 @@ class GenerateEngine:
 
     def _refs(self, job: GenerateJob, local: bool) -> list[chunks.ChunkRef]:
         root = self._root(job, local)
-        if root is None or self.prefix is None:
+        if root is None:
             return []
+        assert self.prefix is not None  # a root is named only with a prefix cache
         return chunks.chain(root, job.context_ids, self.prefix.chunk_tokens)
 
     def _partial(self, job: GenerateJob, hit: Hit) -> tuple[int, str] | None:
@@ -318,10 +318,12 @@ class GenerateEngine:
         chunks of `hit`, when it can: the producer cuts its chunks as we do, this codec's payloads
         cut along tokens there, and an earlier stream of this codec and options told us the
         producer's weights and codec metadata (its prefix key is computed from them)."""
-        assert job.codec is not None and self.prefix is not None
+        if not hit.shared:
+            return None
+        assert job.codec is not None and self.prefix is not None  # a hit comes from the prefix cache
         seen = self.stream_roots.get(stream_key(job))
         size = self.prefix.chunk_tokens
-        if not hit.shared or seen is None or seen.chunk_tokens != size or seen.producer_digest != self.producer_digest():
+        if seen is None or seen.chunk_tokens != size or seen.producer_digest != self.producer_digest():
             return None
         try:
             encoder = job.codec.encoder(job.options, EncodeRequest(len(job.context_ids), self.loaded.info.weight_digest))
@@ -355,8 +357,8 @@ class GenerateEngine:
                     yield item
             # kept only once it answered (finite logits, no contract error), and never a flagged cache
             if self.prefix is not None and not result.audit_decision.startswith("diverged"):
-                local = result.codec == LOCAL_MODE
-                self.prefix.insert(self._refs(job, local) if local != (job.codec is None) else refs, seq)
+                made_as_asked = result.codec == job.mode  # else a failed transfer became the own prefill
+                self.prefix.insert(refs if made_as_asked else self._refs(job, local=True), seq)
         finally:
             self._release(seq)
 
@@ -372,7 +374,7 @@ class GenerateEngine:
         hit = self.prefix.lookup(refs) if (reuse and self.prefix is not None and refs) else Hit([])
         partial = None
         if job.codec is not None and hit.tokens < T:
-            partial = self._partial(job, hit) if self.prefix is not None else None
+            partial = self._partial(job, hit)
             hit = Hit(hit.shared) if partial is not None else Hit([])  # a tail is re-sent with the rest
         pool = self.engine.pool
         tail = hit.tail.blocks if hit.tail is not None else []
@@ -382,7 +384,11 @@ class GenerateEngine:
         try:
             seq, waited = await self.admission.acquire(need, job.deadline, shared=hit.shared_blocks)
             if tail:
-                await logs.run_in(self.engine, self.engine.pool.copy_blocks, tail, seq.blocks[len(hit.shared_blocks) :])
+                try:
+                    await logs.run_in(self.engine, pool.copy_blocks, tail, seq.blocks[len(hit.shared_blocks) :])
+                except BaseException:  # cancelled or deadline while copying: the blocks go back
+                    self._release(seq)
+                    raise
         finally:
             pool.drop(tail)
         result.queue_wait_ms += waited * 1e3
