@@ -1,7 +1,6 @@
-"""Question prefill, token sampling and incremental detokenization on the consumer model.
+"""Token sampling (per request, on the batch engine's thread) and incremental detokenization.
 
-Pure torch + tokenizer; runs on the consumer's compute thread. Knows nothing about transfer
-codecs or gRPC.
+Pure torch + tokenizer. Knows nothing about transfer codecs, batching or gRPC.
 """
 
 from __future__ import annotations
@@ -9,9 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedTokenizerBase
-
-from shared.models import LoadedModel
+from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -38,14 +35,6 @@ class Sampler:
             keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < self.sampling.top_p  # always keeps the top token
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
         return int(torch.multinomial(probs, 1, generator=self.generator))
-
-
-@torch.inference_mode()
-def forward_logits(loaded: LoadedModel, ids: list[int], cache: DynamicCache) -> torch.Tensor:
-    """Run ids on top of the cache (positions continue after it); last position's logits [vocab]."""
-    tensor = torch.tensor([ids], device=loaded.device)  # [1, n]
-    out = loaded.model(input_ids=tensor, cache=cache, use_cache=True, logits_to_keep=1)
-    return out.logits[0, -1]
 
 
 class Detokenizer:
