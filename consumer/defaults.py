@@ -1,18 +1,20 @@
 """The consumer's default transfer mode: what a request that names no mode gets.
 
-`--default-mode` names it; left empty, the consumer takes the safest mode its loaded artifacts
-allow, given what it knows of its producer's weights:
+`--default-mode` names it; left empty, it is `auto` (consumer.auto): the fastest candidate whose
+calibrated loss meets the budget of the pair's artifact default schedule (lossless candidates
+only without an artifact), so a caller who knows nothing about transfer modes gets the fastest
+answer that stays close to the consumer's own.
+
+`safest` still names the safest fixed mode the loaded artifacts allow, given what the consumer
+knows of its producer's weights; it says whether the default needs the producer (readiness):
 - `scd` (the artifact's lowest-loss schedule) when an SCD artifact calibrated for this consumer's
   weights, and for the producer's as far as they are known, is loaded;
 - `raw` only when the producer's weights are known to equal the consumer's (raw K/V is then
   exact);
 - otherwise `oracle` (the consumer prefills the context itself: right by construction).
 Naive reuse of another model's K/V (`raw` across different weights) is served only when a
-request names it. The choice is made again whenever the producer link learns the producer's
-weight digest (consumer.readiness). Knows nothing about grpc.
-
-Hook for the adaptive mode (issue 22): a `DefaultMode` whose `configured` is `auto` resolves to
-`auto` as any other configured name, and the request path treats it as a mode.
+request names it. It is recomputed whenever the producer link learns the producer's weight
+digest (consumer.readiness). Knows nothing about grpc.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 from shared import codecs as codec_lib
 from shared.codecs.scd import ScdCodec
-from shared.config import LOCAL_MODE
+from shared.config import AUTO_MODE, LOCAL_MODE
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ def safest(
 
 
 class DefaultMode:
-    """The default mode now: the configured one, or the safest one for what is known."""
+    """The default mode now: the configured one, else auto; `choice` is the safest fixed mode for
+    what is known (auto's reason names it)."""
 
     def __init__(self, configured: str, codecs: Mapping[str, codec_lib.Codec], consumer_digest: str):
         self.configured, self.codecs, self.consumer_digest = configured, codecs, consumer_digest
@@ -62,7 +65,16 @@ class DefaultMode:
 
     @property
     def mode(self) -> str:
-        return self.choice.mode
+        return self.configured or AUTO_MODE
+
+    @property
+    def why(self) -> str:
+        if self.configured:
+            return "--default-mode"
+        return (
+            "auto: the fastest candidate within the budget of the pair's artifact default schedule (lossless"
+            f" candidates without one); the safest fixed mode now: {self.choice.mode} ({self.choice.why})"
+        )
 
     def producer_known(self, producer_digest: str, producer_artifacts: tuple[str, ...] | None = None) -> bool:
         """Learn the producer's weights and artifacts; True when the default changed."""
@@ -70,8 +82,9 @@ class DefaultMode:
             return False
         before = self.choice
         self.choice = safest(self.codecs, self.consumer_digest, producer_digest, producer_artifacts)
-        return before.mode != self.choice.mode
+        return before != self.choice
 
     @property
     def uses_producer(self) -> bool:
-        return self.mode != LOCAL_MODE
+        """Whether the default needs the producer to serve well (auto: when its safest fixed mode does)."""
+        return self.choice.mode != LOCAL_MODE

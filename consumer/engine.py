@@ -11,6 +11,11 @@ for the transfer's share of the deadline) fails the request, or, with the LOCAL_
 becomes the consumer's own prefill, recorded in the stats. Either way it is noticed at once: the
 stream pump and the rebuild run as two tasks and the first failure of either cancels the other.
 
+Under LOCAL_PREFILL the stream is also watched as it arrives: when, at the throughput observed
+since its first layer, the rest would take longer than the consumer's own prefill of the whole
+context (consumer.planner's estimate, with a margin), the transfer is abandoned for that prefill
+(GenerateResult.transfer_abandoned).
+
 A local prefill (mode oracle, LOCAL_PREFILL, an audit's fallback) is a chunked prefill inside the
 engine's batches, never a forward that holds the device for its whole length. A request whose
 rebuilt cache gives non-finite logits fails alone: DataLoss, or under LOCAL_PREFILL the
@@ -32,10 +37,12 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from consumer.auto import AutoChoice
 from consumer.batch import BatchEngine, Finished, Task
 from consumer.decoding import Detokenizer, Sampler, Sampling
 from consumer.kv_admission import KVAdmission
 from consumer.kv_pool import SequenceKV
+from consumer.planner import TransferPlanner, mode_key
 from consumer.prefix_cache import Hit, PrefixCache
 from consumer.stream_reader import Event, Expectation, LayerPayloads, StreamHeader, StreamTrailer
 from shared import audit, chunks, logs
@@ -48,6 +55,13 @@ log = logs.get("consumer.engine")
 LOCAL_MODE = "oracle"  # the consumer's own prefill: only token ids cross
 FAIL, LOCAL_PREFILL = "fail", "local_prefill"  # on_transfer_failure policies
 AUDIT_OFF, AUDIT_REPORT, AUDIT_FALLBACK, AUDIT_UPGRADE = "off", "report", "fallback", "upgrade"  # cache audit policies
+ABANDON_MARGIN = 1.25  # abandon a stream when the rest is estimated to take this x the own prefill ...
+ABANDON_SLACK_MS = 20.0  # ... plus this
+ABANDON_MIN_WATCH_S = 0.05  # and only after watching it this long since its first layer
+
+
+class TransferTooSlow(DeadlineExceeded):
+    """The stream's observed throughput makes finishing it slower than the own prefill."""
 
 
 class TransferSource(Protocol):
@@ -74,6 +88,7 @@ class GenerateJob:
     audit: str = AUDIT_OFF  # AUDIT_OFF | AUDIT_REPORT | AUDIT_FALLBACK | AUDIT_UPGRADE
     audit_positions: int = 8
     audit_threshold: float = 0.05  # used when the codec has no calibrated threshold
+    auto: AutoChoice | None = None  # how mode auto (or fallback_to_oracle) chose codec and options
 
     @property
     def mode(self) -> str:
@@ -113,6 +128,12 @@ class GenerateResult:
     audit_ms: float = 0.0
     queue_wait_ms: float = 0.0  # waiting for KV memory before any work
     prefix_reused_tokens: int = 0  # context tokens whose KV came from the prefix cache
+    auto: AutoChoice | None = None
+    transfer_abandoned: bool = False  # the stream was too slow to finish: prefilled locally instead
+    local_tokens: int = 0  # context tokens the consumer prefilled itself
+    sent_tokens: int = 0  # context tokens the last stream's payloads covered
+    trailer: StreamTrailer | None = None  # the last stream's trailer (its timings feed the planner)
+    chunk_tokens: int = 0  # the producer's chunk size as the last stream header gave it
 
 
 @dataclass(frozen=True)
@@ -138,6 +159,7 @@ class GenerateEngine:
         source: TransferSource | None,
         prefix: PrefixCache | None = None,
         producer_digest: Callable[[], str] = lambda: "",
+        planner: TransferPlanner | None = None,
     ):
         self.loaded = loaded
         self.engine = engine  # the device's only executor: jobs and batched forwards
@@ -146,6 +168,8 @@ class GenerateEngine:
         self.prefix = prefix  # rebuilt KV kept per context chunk (consumer.prefix_cache); None: off
         self.producer_digest = producer_digest  # the producer's weight digest as last seen, "" unknown
         self.stream_roots: dict[str, StreamRoot] = {}  # per codec and options: what the last header said
+        self.planner = planner  # running estimates: the mid-stream watch under LOCAL_PREFILL
+        self.abandoned = 0  # transfers abandoned mid-stream
 
     def _left(self, job: GenerateJob, what: str) -> float:
         left = job.deadline - time.monotonic()
@@ -198,6 +222,7 @@ class GenerateEngine:
         if start == len(job.context_ids):
             return  # the whole context was cached
         started = time.perf_counter()
+        result.local_tokens += len(job.context_ids) - start
         task = Task(seq, list(job.context_ids[start:]), sink=lambda _: None)
         async with contextlib.aclosing(self._engine_task(job, task)) as events:
             async for _ in events:
@@ -210,6 +235,8 @@ class GenerateEngine:
         if job.on_failure != LOCAL_PREFILL or isinstance(exc, Cancelled) or job.deadline - time.monotonic() <= 0:
             return False
         result.transfer_failure = f"{exc.code}: {str(exc)[:300]}"
+        result.transfer_abandoned = isinstance(exc, TransferTooSlow)
+        self.abandoned += result.transfer_abandoned
         log.warning("generate.transfer_failed", mode=job.mode, code=exc.code, reason=str(exc)[:300], policy=LOCAL_PREFILL)
         result.codec, result.options = LOCAL_MODE, {}
         result.bytes_received = result.rebuild_ms = 0
@@ -296,15 +323,26 @@ class GenerateEngine:
         """The prefix cache's root for KV made the way this request's is: the consumer's own
         prefill, or a codec (format, resolved options) over the producer's weights; None when it
         cannot be named (the producer's weights are not known yet, or no prefix cache)."""
+        return self._root_of(None if local else job.codec, job.options)
+
+    def _root_of(self, codec: Codec | None, options: dict[str, str]) -> str | None:
         if self.prefix is None:
             return None
         own = self.loaded.info.weight_digest
-        if local or job.codec is None:
+        if codec is None:
             return chunks.model_root(own)
         producer = self.producer_digest()
         if not producer:
             return None
-        return chunks.codec_root(f"{own}|{producer}", job.codec.name, job.codec.format_version, job.options, {})
+        return chunks.codec_root(f"{own}|{producer}", codec.name, codec.format_version, options, {})
+
+    def cached_tokens(self, codec: Codec | None, options: dict[str, str], context_ids: list[int]) -> int:
+        """Context tokens the prefix cache holds made by `codec` (None: the own prefill), without
+        touching its counters: the whole context, or its cached full chunks."""
+        root = self._root_of(codec, options)
+        if root is None or self.prefix is None:
+            return 0
+        return self.prefix.peek(chunks.chain(root, context_ids, self.prefix.chunk_tokens))
 
     def _refs(self, job: GenerateJob, local: bool) -> list[chunks.ChunkRef]:
         root = self._root(job, local)
@@ -337,6 +375,7 @@ class GenerateEngine:
 
     async def run(self, job: GenerateJob) -> AsyncGenerator[TokenOut | GenerateResult, None]:
         result = GenerateResult(job.request_id, job.mode, dict(job.options), len(job.context_ids), len(job.question_ids))
+        result.auto = job.auto
         result.raw_kv_bytes = self.loaded.info.kv_bytes(len(job.context_ids))
         refs = self._refs(job, local=False)
         seq, partial = await self._admit(job, result, refs, reuse=True)
@@ -450,6 +489,40 @@ class GenerateEngine:
         result.total_ms = (done - job.received_at) * 1e3
         yield result
 
+    def _watch(self, job: GenerateJob, sent_tokens: int) -> Callable[[int], None] | None:
+        """Under LOCAL_PREFILL, a check to call with the bytes received after each layer: it raises
+        TransferTooSlow when, at the throughput since the first layer, the rest of the stream would
+        take longer than the own prefill of the whole context (ABANDON_MARGIN, ABANDON_SLACK_MS).
+        None when not allowed or not estimable (no byte or own-prefill estimate yet)."""
+        if job.on_failure != LOCAL_PREFILL or self.planner is None or job.codec is None:
+            return None
+        local = self.planner.estimate_local(len(job.context_ids)).ms
+        per_token = self.planner.bytes_per_token.get(mode_key(job.codec.name, job.options))
+        prior = job.auto.chosen.bytes_per_token if job.auto is not None else None
+        bpt = per_token.value if per_token is not None and per_token.value is not None else prior
+        if local is None or not bpt:
+            return None
+        expected = bpt * sent_tokens
+        start: list[float] = []
+
+        def check(received: int) -> None:
+            now = time.perf_counter()
+            if not start:
+                start.extend((now, received))
+                return
+            watched_s = now - start[0]
+            if watched_s < ABANDON_MIN_WATCH_S or received <= start[1]:
+                return
+            rate = (received - start[1]) / (watched_s * 1e3)  # bytes per ms
+            rest_ms = max(expected - received, 0.0) / rate
+            if rest_ms > ABANDON_MARGIN * local + ABANDON_SLACK_MS:
+                raise TransferTooSlow(
+                    f"transfer abandoned mid-stream: at {rate * 8e-3:.2f} Mbit/s the remaining"
+                    f" ~{max(expected - received, 0) / 1e6:.2f} MB take ~{rest_ms:.0f} ms > own prefill ~{local:.0f} ms"
+                )
+
+        return check
+
     async def _remote(
         self, job: GenerateJob, result: GenerateResult, seq: SequenceKV, partial: tuple[int, str] | None = None
     ) -> CacheDecoder:
@@ -461,6 +534,8 @@ class GenerateEngine:
         started = time.perf_counter()
         first, key = partial or (0, "")
         seq.first_write = first
+        result.sent_tokens = len(job.context_ids) - first
+        watch = self._watch(job, result.sent_tokens) if partial is None else None
         expect = Expectation(len(job.context_ids), job.codec, job.options, self.loaded.info, first, key)
         budget = self._left(job, "transfer")
         if job.transfer_budget_s is not None:
@@ -479,12 +554,15 @@ class GenerateEngine:
                         self.stream_roots[stream_key(job)] = StreamRoot(
                             info.producer_digest, dict(info.metadata), event.chunk_tokens
                         )
+                        result.chunk_tokens = event.chunk_tokens
                         result.options = {**event.stream.options, **event.stream.metadata}
                         producer_kv = dataclasses.replace(self.loaded.info, dtype=event.stream.kv_dtype)
                         result.raw_kv_bytes = producer_kv.kv_bytes(event.stream.num_tokens)
                     elif isinstance(event, LayerPayloads):
                         result.bytes_received += event.nbytes
                         layers.put_nowait(event)
+                        if watch is not None:
+                            watch(result.bytes_received)
                     elif isinstance(event, StreamTrailer):
                         state["trailer"] = event
             finally:
@@ -519,6 +597,7 @@ class GenerateEngine:
         result.producer_prefill_ms = trailer.prefill_ms
         result.producer_encode_ms = trailer.encode_ms
         result.producer_store_hit = trailer.store_hit
+        result.trailer = trailer
         decoder: CacheDecoder = state["decoder"]
         _, took = await self._timed(decoder.finish)
         result.rebuild_ms += took

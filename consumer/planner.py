@@ -1,25 +1,40 @@
-"""Transfer-or-prefill choice for requests that allow a fallback (GenerateRequest.fallback_to_oracle).
+"""What each way of getting a context's KV costs on this consumer: running estimates learned from
+its own finished requests, and the time estimate of one candidate for one request.
 
-Keeps running estimates (exponentially weighted) from this consumer's own finished requests:
-- local ms per context token: its own context prefill (mode oracle, `rebuild_ms`);
-- producer ms per context token: producer prefill + encode, on requests that missed its store;
-- link bytes per ms: payload bytes / (transfer time - producer prefill - encode);
-- bytes per context token of each (mode, options) it has seen.
-For a request of n context tokens it compares n * local against n * (producer + bytes/link) and
-picks the smaller. Remote is assumed cold (a producer store hit would make it cheaper), so
-the fallback errs toward the consumer's own prefill only when that is clearly estimated faster.
-Until every estimate it needs has a sample it keeps the requested mode and says which is missing.
-Knows nothing about grpc or torch.
+Learned (exponentially weighted; the link with alpha 0.5 so a rate change shows within 2-3
+transfers; the rest 0.3):
+- own prefill ms per context token it computed (mode oracle, a local fallback); until it has
+  one, the question prefill's ms per token stands in (every request measures one);
+- producer prefill ms per token its forward computed (trailer prefill_ms / computed_tokens) and
+  the time a computed context waited for that forward (trailer queue_ms);
+- producer encode ms per encoded token, per mode;
+- the link, from the stream itself: bytes over the time between the first and the last payload
+  chunk; a sample more than RATE_JUMP x off the estimate replaces it (a step change, not noise). A span the link set (a store replay, or a producer whose forward took under half the
+  span) is a sample; a span the producer's forward paced is only a lower bound on the link (it
+  raises the estimate, never lowers it). Transfers under MIN_WIRE_BYTES say nothing;
+- the round trip: the smallest of the last RTT_WINDOW times from call start to the header (the
+  producer sends it on admission, before any forward);
+- consumer rebuild ms per received token and bytes per token, per mode.
+
+A candidate's time (`estimate`): remote = rtt + producer queue (when it computes) + the three
+pipelined stages (producer compute, wire, rebuild; they overlap layer by layer, so the longest
+plus the others' share of one layer); local = own ms/token x tokens to prefill. A mode never
+seen yet borrows the cheapest encode and rebuild rates seen (optimistic, so it gets tried and
+measured) and its calibrated bytes per token. Knows nothing about grpc or torch.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from shared.labels import mode_label, options_label
 
 MIN_WIRE_BYTES = 16 * 1024  # smaller transfers say more about latency than about bandwidth
+RTT_WINDOW = 16
+RATE_JUMP = 2.0  # a link sample this far off the estimate (either way) replaces it
+LINK_BOUND_SHARE = 0.5  # a span counts as link-bound when the producer's forward took less than this share of it
 
 
 @dataclass
@@ -31,66 +46,166 @@ class Ewma:
         self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
 
 
+def mode_key(mode: str, options: Mapping[str, str]) -> str:
+    return mode_label(mode, options_label(options))
+
+
 @dataclass(frozen=True)
 class Observation:
-    """What a finished request measured (GenerateResult fields the planner reads)."""
+    """What a finished request measured (GenerateResult and stream fields the planner reads)."""
 
     mode: str
     options: Mapping[str, str]
     context_tokens: int
     bytes_received: int
-    transfer_ms: float
     rebuild_ms: float
-    producer_prefill_ms: float
-    producer_encode_ms: float
-    producer_store_hit: bool
+    local_tokens: int = 0  # context tokens the consumer prefilled itself (oracle, a local fallback)
+    sent_tokens: int = 0  # context tokens the stream's payloads covered (T - first_token)
+    producer_prefill_ms: float = 0.0
+    producer_encode_ms: float = 0.0
+    producer_store_hit: bool = False
+    computed_tokens: int = 0  # the producer's forward ran over these
+    queue_ms: float = 0.0  # the producer's wait for that forward
+    header_ms: float | None = None  # call start to the stream's header
+    span_ms: float = 0.0  # the stream's first to last payload chunk
+    span_bytes: int = 0  # payload bytes that arrived in that span (after the first chunk)
+    question_tokens: int = 0
+    question_prefill_ms: float = 0.0
 
 
 @dataclass(frozen=True)
-class Decision:
-    local: bool  # True: prefill locally (oracle)
-    reason: str
+class Estimate:
+    ms: float | None  # None: an estimate it needs has no sample yet
+    detail: str  # the parts, or what is missing
 
 
-def mode_key(mode: str, options: Mapping[str, str]) -> str:
-    return mode_label(mode, options_label(options))
+def pipelined(stages: list[float], layers: int) -> float:
+    """Stages that overlap layer by layer: the longest, plus one layer's share of the others."""
+    longest = max(stages)
+    return longest + (sum(stages) - longest) / max(layers, 1)
 
 
 @dataclass
 class TransferPlanner:
     local_ms_per_token: Ewma = field(default_factory=Ewma)
-    producer_ms_per_token: Ewma = field(default_factory=Ewma)
-    link_bytes_per_ms: Ewma = field(default_factory=Ewma)
+    question_ms_per_token: Ewma = field(default_factory=Ewma)
+    producer_ms_per_token: Ewma = field(default_factory=Ewma)  # prefill, per computed token
+    producer_queue_ms: Ewma = field(default_factory=Ewma)
+    link_bytes_per_ms: Ewma = field(default_factory=lambda: Ewma(alpha=0.5))
+    encode_ms_per_token: dict[str, Ewma] = field(default_factory=dict)
+    rebuild_ms_per_token: dict[str, Ewma] = field(default_factory=dict)
     bytes_per_token: dict[str, Ewma] = field(default_factory=dict)
+    header_ms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RTT_WINDOW))
 
+    # -- learning ---------------------------------------------------------------------------
     def observe(self, o: Observation) -> None:
-        n = max(o.context_tokens, 1)
-        if o.mode == "oracle":
-            self.local_ms_per_token.add(o.rebuild_ms / n)
+        if o.question_tokens and o.question_prefill_ms > 0:
+            self.question_ms_per_token.add(o.question_prefill_ms / o.question_tokens)
+        if o.local_tokens:
+            self.local_ms_per_token.add(o.rebuild_ms / o.local_tokens)
+        if o.mode == "oracle" or not o.sent_tokens:
             return
-        self.bytes_per_token.setdefault(mode_key(o.mode, o.options), Ewma()).add(o.bytes_received / n)
-        producer_ms = o.producer_prefill_ms + o.producer_encode_ms
-        if not o.producer_store_hit:
-            self.producer_ms_per_token.add(producer_ms / n)
-        wire_ms = o.transfer_ms - (0.0 if o.producer_store_hit else producer_ms)
-        if o.bytes_received >= MIN_WIRE_BYTES and wire_ms > 0.1:
-            self.link_bytes_per_ms.add(o.bytes_received / wire_ms)
+        key = mode_key(o.mode, o.options)
+        sent = o.sent_tokens
+        self.bytes_per_token.setdefault(key, Ewma()).add(o.bytes_received / sent)
+        self.rebuild_ms_per_token.setdefault(key, Ewma()).add(o.rebuild_ms / sent)
+        if o.computed_tokens:
+            self.producer_ms_per_token.add(o.producer_prefill_ms / o.computed_tokens)
+            self.producer_queue_ms.add(o.queue_ms)
+            self.encode_ms_per_token.setdefault(key, Ewma()).add(o.producer_encode_ms / o.computed_tokens)
+        if o.header_ms is not None:
+            self.header_ms.append(o.header_ms)
+        self._observe_link(o)
 
-    def decide(self, mode: str, options: Mapping[str, str], context_tokens: int) -> Decision:
-        per_token = self.bytes_per_token.get(mode_key(mode, options), Ewma()).value
-        local_ms = self.local_ms_per_token.value
-        producer_ms = self.producer_ms_per_token.value
+    def _observe_link(self, o: Observation) -> None:
+        if o.span_bytes < MIN_WIRE_BYTES or o.span_ms <= 0.1:
+            return
+        rate = o.span_bytes / o.span_ms
+        link_bound = o.producer_store_hit or o.computed_tokens == 0 or o.producer_prefill_ms < LINK_BOUND_SHARE * o.span_ms
+        current = self.link_bytes_per_ms.value
+        if link_bound and current is not None and not current / RATE_JUMP <= rate <= current * RATE_JUMP:
+            self.link_bytes_per_ms.value = rate  # a step change (the link was reshaped): start over from it
+        elif link_bound:
+            self.link_bytes_per_ms.add(rate)
+        elif self.link_bytes_per_ms.value is None or rate > self.link_bytes_per_ms.value:
+            self.link_bytes_per_ms.value = rate  # a lower bound above the estimate: the link is at least this fast
+
+    # -- estimates --------------------------------------------------------------------------
+    @property
+    def rtt_ms(self) -> float:
+        return min(self.header_ms) if self.header_ms else 0.0
+
+    def local_rate(self) -> tuple[float | None, str]:
+        if self.local_ms_per_token.value is not None:
+            return self.local_ms_per_token.value, "own prefill"
+        if self.question_ms_per_token.value is not None:
+            return self.question_ms_per_token.value, "question prefill (no own context prefill yet)"
+        return None, ""
+
+    def estimate_local(self, tokens: int) -> Estimate:
+        rate, source = self.local_rate()
+        if rate is None:
+            return Estimate(None, "no own prefill rate yet")
+        return Estimate(tokens * rate, f"own prefill {tokens} tokens x {rate:.3f} ms ({source})")
+
+    def _rate(self, table: dict[str, Ewma], key: str) -> tuple[float | None, bool]:
+        """(ms per token, borrowed) of a mode; a mode not seen yet borrows the cheapest seen."""
+        own = table.get(key)
+        if own is not None and own.value is not None:
+            return own.value, False
+        seen = [e.value for e in table.values() if e.value is not None]
+        return (min(seen), True) if seen else (None, True)
+
+    def estimate_remote(
+        self,
+        key: str,
+        layers: int,
+        compute: int,
+        encode: int,
+        send: int,
+        prior_bytes_per_token: float | None = None,
+    ) -> Estimate:
+        """A transfer of mode `key`: the producer prefills `compute` tokens and encodes `encode`,
+        `send` tokens' payloads cross the link and are rebuilt here."""
+        missing = []
+        bpt = self.bytes_per_token.get(key, Ewma()).value
+        bpt = bpt if bpt is not None else prior_bytes_per_token
         link = self.link_bytes_per_ms.value
-        needs = {
-            "local prefill ms/token (an oracle request)": local_ms,
-            "producer ms/token": producer_ms,
-            "link bytes/ms": link,
-            f"bytes/token of {mode_key(mode, options)}": per_token,
+        prefill = self.producer_ms_per_token.value
+        encode_rate, _ = self._rate(self.encode_ms_per_token, key)
+        rebuild_rate, _ = self._rate(self.rebuild_ms_per_token, key)
+        if bpt is None:
+            missing.append("bytes/token")
+        if link is None and send:
+            missing.append("link rate")
+        if prefill is None and compute:
+            missing.append("producer prefill rate")
+        if rebuild_rate is None and send:
+            missing.append("rebuild rate")
+        if missing:
+            return Estimate(None, "no estimate yet of " + ", ".join(missing))
+        producer = max((prefill or 0.0) * compute, (encode_rate or 0.0) * encode)
+        wire = (bpt or 0.0) * send / link if send and link else 0.0
+        rebuild = (rebuild_rate or 0.0) * send
+        queue = (self.producer_queue_ms.value or 0.0) if compute else 0.0
+        ms = self.rtt_ms + queue + pipelined([producer, wire, rebuild], layers)
+        detail = (
+            f"rtt {self.rtt_ms:.1f} + queue {queue:.1f} + pipelined(producer {producer:.1f} [{compute} prefilled,"
+            f" {encode} encoded], wire {wire:.1f} [{send} tokens x {bpt:.0f} B at {(link or 0) * 8e-3:.1f} Mbit/s],"
+            f" rebuild {rebuild:.1f})"
+        )
+        return Estimate(ms, detail)
+
+    def snapshot(self) -> dict[str, float]:
+        """The current estimates, for Describe and logs (absent: no sample yet)."""
+        out = {
+            "rtt_ms": self.rtt_ms,
+            "local_ms_per_token": self.local_ms_per_token.value,
+            "question_ms_per_token": self.question_ms_per_token.value,
+            "producer_prefill_ms_per_token": self.producer_ms_per_token.value,
+            "producer_queue_ms": self.producer_queue_ms.value,
+            "link_mbit_s": None if self.link_bytes_per_ms.value is None else self.link_bytes_per_ms.value * 8e-3,
         }
-        if local_ms is None or producer_ms is None or link is None or per_token is None:
-            missing = [name for name, value in needs.items() if value is None]
-            return Decision(False, f"remote: no estimate yet for {', '.join(missing)}")
-        local = context_tokens * local_ms
-        remote = context_tokens * (producer_ms + per_token / link)
-        where = "local" if local < remote else "remote"
-        return Decision(local < remote, f"{where}: estimated local {local:.1f} ms vs remote {remote:.1f} ms")
+        for name, table in (("bytes_per_token", self.bytes_per_token), ("rebuild_ms_per_token", self.rebuild_ms_per_token)):
+            out.update({f"{name}[{k}]": e.value for k, e in table.items()})
+        return {k: float(v) for k, v in out.items() if v is not None}

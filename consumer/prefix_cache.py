@@ -95,6 +95,18 @@ class PrefixCache:
             self.misses += 1
         return hit
 
+    def peek(self, refs: Sequence[ChunkRef]) -> int:
+        """Tokens of the longest cached prefix (as lookup finds it), touching no counter or entry."""
+        end = 0
+        for ref in refs:
+            entry = self.entries.get(ref.key)
+            if entry is None:
+                break
+            end = entry.ref.end
+            if entry.tail:
+                break
+        return end
+
     def insert(self, refs: Sequence[ChunkRef], seq: SequenceKV) -> int:
         """Keep the chunks of seq's context (its KV complete over every ref) that are not cached
         yet; returns how many were added. Within the byte budget, evicting lesser chunks."""

@@ -7,9 +7,11 @@ Knows nothing about grpc beyond reading the request message.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 
+from consumer.auto import AUTO_MODE, AutoChoice, Budget, Candidate, Chooser
 from consumer.decoding import Sampling
 from consumer.engine import AUDIT_FALLBACK, AUDIT_OFF, AUDIT_REPORT, AUDIT_UPGRADE, FAIL, LOCAL_MODE, LOCAL_PREFILL, GenerateJob
 from consumer.planner import TransferPlanner
@@ -44,12 +46,16 @@ def transfer_codec(
     """The codec and resolved options a request names (no name: the consumer's `default` mode);
     (None, {}) for the consumer's own prefill."""
     name = spec.name or default
+    if name == AUTO_MODE:
+        raise ValueError("mode auto is resolved by JobBuilder (consumer.auto), not here")
     if name == LOCAL_MODE:
         if spec.options:
             raise InvalidArgument(f"transfer.options: mode '{LOCAL_MODE}' takes no options, got {sorted(spec.options)[:8]}")
         return None, {}
     if name not in codecs:
-        raise InvalidArgument(f"transfer.name: unknown codec {name!r}; supported: {sorted([*codecs, LOCAL_MODE])}")
+        raise InvalidArgument(
+            f"transfer.name: unknown codec {name[:64]!r}; supported: {sorted([*codecs, LOCAL_MODE, AUTO_MODE])}"
+        )
     codec = codecs[name]
     return codec, codec.resolve(dict(spec.options))
 
@@ -70,8 +76,10 @@ class JobBuilder:
         codecs: Mapping[str, codec_lib.Codec],
         planner: TransferPlanner,
         tokenize: Tokenize,
+        chooser: Chooser,
     ):
         self.config, self.loaded, self.codecs, self.planner, self.tokenize = config, loaded, codecs, planner, tokenize
+        self.chooser = chooser
         self.default_mode: Callable[[], str] = lambda: LOCAL_MODE  # the server sets it (consumer.defaults.DefaultMode)
 
     async def _ids(self, prompt: consumer_pb2.Prompt, field: str, limit: int, special: bool) -> list[int]:
@@ -116,16 +124,32 @@ class JobBuilder:
         bad = next((t for t in request.stop_token_ids if t >= vocab), None)
         if bad is not None:
             raise InvalidArgument(f"stop_token_ids: id {bad} >= vocab_size {vocab}")
-        codec, options = transfer_codec(self.codecs, request.transfer, self.default_mode())
+        mode = request.transfer.name or self.default_mode()
+        budget: Budget | None = None
+        options: dict[str, str]
+        if mode == AUTO_MODE:
+            budget = self.chooser.budget(dict(request.transfer.options))
+            codec, options = None, {}
+        else:
+            codec, options = transfer_codec(self.codecs, request.transfer, mode)
         context_ids = await self._ids(request.context, "context", cfg.max_context_tokens, special=True)
         question_ids = await self._ids(request.question, "question", cfg.max_question_tokens, special=False)
         fallback = ""
-        if request.fallback_to_oracle and codec is not None:
-            decision = self.planner.decide(codec.name, options, len(context_ids))
-            fallback = decision.reason
-            if decision.local:
-                codec, options = None, {}
+        auto: AutoChoice | None = None
+        if budget is not None:
+            auto = self.chooser.choose(context_ids, budget)
+            codec, options = self._chosen(auto)
+        elif request.fallback_to_oracle and codec is not None:
+            named = Candidate(codec.name, options, math.nan, "named by the request")
+            own = Candidate(LOCAL_MODE, {}, 0.0, "exact", 0.0)
+            either = Budget(math.inf, source="fallback_to_oracle: the named mode or the consumer's own prefill")
+            auto = self.chooser.choose(context_ids, either, only=[named, own])
+            fallback = f"{'local' if auto.chosen.mode == LOCAL_MODE else 'remote'}: {auto.reason}"
+            codec, options = self._chosen(auto)
         policy = POLICIES[request.on_transfer_failure]
+        unspecified = request.on_transfer_failure == consumer_pb2.TRANSFER_FAILURE_POLICY_UNSPECIFIED
+        if budget is not None and unspecified and (budget.modes is None or LOCAL_MODE in budget.modes):
+            policy = LOCAL_PREFILL  # auto may always answer by the own prefill
         eos = self.loaded.tokenizer.eos_token_id
         stop = frozenset(request.stop_token_ids) or (frozenset([eos]) if eos is not None else frozenset())
         return GenerateJob(
@@ -144,4 +168,11 @@ class JobBuilder:
             audit=AUDITS[request.audit],
             audit_positions=request.audit_positions or 8,
             audit_threshold=cfg.audit_threshold,
+            auto=auto,
         )
+
+    def _chosen(self, auto: AutoChoice) -> tuple[codec_lib.Codec | None, dict[str, str]]:
+        chosen = auto.chosen
+        if chosen.mode == LOCAL_MODE:
+            return None, {}
+        return self.codecs[chosen.mode], dict(chosen.options)

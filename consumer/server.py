@@ -12,14 +12,16 @@ import structlog
 
 import shared
 from consumer import readiness
+from consumer.auto import AutoChoice, Candidate, Chooser
 from consumer.batch import BatchEngine
 from consumer.defaults import DefaultMode
 from consumer.engine import LOCAL_MODE, GenerateEngine, GenerateResult, TokenOut
 from consumer.kv_admission import KVAdmission
 from consumer.kv_pool import KVPool, default_pool_bytes
-from consumer.planner import Observation, TransferPlanner
+from consumer.planner import Observation, TransferPlanner, mode_key
 from consumer.prefix_cache import PrefixCache
 from consumer.producer_client import ProducerClient
+from consumer.producer_memory import ProducerMemory
 from consumer.requests import JobBuilder
 from shared import codecs as codec_lib
 from shared import describe, handlers, logs, outcomes, serving
@@ -48,6 +50,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         self.admission = serving.Admission("max_inflight", config.max_inflight)
         self.outcomes = outcomes.Outcomes()
         self.transfer_fallbacks = 0
+        self.auto_choices = 0
 
     def attach(
         self,
@@ -59,9 +62,13 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
     ) -> None:
         self.codecs = codec_lib.create_codecs(loaded, artifacts=discover(self.config.artifact_paths))
         self.batch, self.kv_admission, self.prefix = batch, kv_admission, prefix
-        self.engine = GenerateEngine(loaded, batch, kv_admission, client, prefix, self._producer_digest)
         self.planner = TransferPlanner()
-        self.jobs = JobBuilder(self.config, loaded, self.codecs, self.planner, self._tokenize)
+        self.memory = ProducerMemory()
+        self.engine = GenerateEngine(loaded, batch, kv_admission, client, prefix, self._producer_digest, self.planner)
+        self.chooser = Chooser(
+            loaded, self.codecs, self.planner, self.memory, self._cached_tokens, self._producer_digest, self._producer_usable
+        )
+        self.jobs = JobBuilder(self.config, loaded, self.codecs, self.planner, self._tokenize, self.chooser)
         self.default = DefaultMode(self.config.default_mode, self.codecs, loaded.info.weight_digest)
         self.jobs.default_mode = lambda: self.default.mode
         self.link: readiness.ProducerLink | None = None  # ConsumerServer sets it
@@ -71,6 +78,46 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         """The producer's weight digest as the link last saw it ("" before it answered)."""
         link = getattr(self, "link", None)
         return link.state.producer_digest if link is not None else ""
+
+    def _producer_usable(self) -> bool:
+        """Whether the producer link may be tried (usable, or not checked yet)."""
+        link = getattr(self, "link", None)
+        return link is None or link.state.state in (*readiness.USABLE, "unknown")
+
+    def _cached_tokens(self, c: Candidate, context_ids: list[int]) -> int:
+        codec = self.codecs.get(c.mode) if c.remote else None
+        return self.engine.cached_tokens(codec, dict(c.options), context_ids)
+
+    def _observe(self, job, item: GenerateResult) -> None:
+        """A finished request's measurements into the planner, and what its transfer left in the
+        producer's store into the memory; a flagged cache re-transferred or replaced is no clean sample."""
+        if item.audit_decision.startswith("diverged:"):
+            return
+        t = item.trailer
+        remote = item.codec != LOCAL_MODE and t is not None
+        self.planner.observe(
+            Observation(
+                item.codec,
+                item.options if item.transfer_failure else job.options,
+                item.context_tokens,
+                item.bytes_received,
+                item.rebuild_ms,
+                local_tokens=item.local_tokens,
+                sent_tokens=item.sent_tokens if remote else 0,
+                producer_prefill_ms=item.producer_prefill_ms,
+                producer_encode_ms=item.producer_encode_ms,
+                producer_store_hit=item.producer_store_hit,
+                computed_tokens=t.computed_tokens if remote and t is not None else 0,
+                queue_ms=t.queue_ms if remote and t is not None else 0.0,
+                header_ms=t.header_ms if remote and t is not None else None,
+                span_ms=t.span_ms if remote and t is not None else 0.0,
+                span_bytes=t.span_bytes if remote and t is not None else 0,
+                question_tokens=item.question_tokens,
+                question_prefill_ms=item.question_prefill_ms,
+            )
+        )
+        if remote and job.codec is not None:
+            self.memory.remember(self._producer_digest(), job_key(job), job.context_ids, item.chunk_tokens)
 
     def _ready(self) -> LoadedModel:
         if self.loaded is None:
@@ -109,21 +156,8 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
                 if isinstance(item, TokenOut):
                     yield consumer_pb2.GenerateResponse(token=consumer_pb2.TokenDelta(ids=item.ids, text=item.text))
                 elif isinstance(item, GenerateResult):
-                    # a flagged cache re-transferred or replaced by a local prefill is no clean sample
-                    if not item.audit_decision.startswith("diverged:"):
-                        self.planner.observe(
-                            Observation(
-                                item.codec,
-                                item.options if item.transfer_failure else job.options,
-                                item.context_tokens,
-                                item.bytes_received,
-                                item.transfer_ms,
-                                item.rebuild_ms,
-                                item.producer_prefill_ms,
-                                item.producer_encode_ms,
-                                item.producer_store_hit,
-                            )
-                        )
+                    self._observe(job, item)
+                    self.auto_choices += job.auto is not None and not job.fallback
                     if job.fallback:
                         item.options["fallback"] = job.fallback
                     self.transfer_fallbacks += bool(item.transfer_failure)
@@ -155,8 +189,9 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             api_version=shared.API_VERSION,
             artifacts=describe.artifacts_to_pb(self.codecs),
             default_mode=self.default.mode,
-            default_mode_reason=self.default.choice.why,
+            default_mode_reason=self.default.why,
             producer_link=readiness.link_to_pb(self.link),
+            estimates=self.planner.snapshot(),
             stats=consumer_pb2.ConsumerStats(
                 generates_started=self.outcomes.started,
                 generates_completed=self.outcomes.completed,
@@ -170,6 +205,8 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
                 last_batch_rows=self.batch.stats.last_batch,
                 max_batch=self.batch.max_batch,
                 nonfinite_rows=self.batch.stats.failed_rows,
+                transfers_abandoned=self.engine.abandoned,
+                auto_choices=self.auto_choices,
                 **prefix_stats(self.prefix),
             ),
         )
@@ -214,7 +251,35 @@ def result_to_pb(r: GenerateResult) -> consumer_pb2.GenerateStats:
         audit_ms=r.audit_ms,
         queue_wait_ms=r.queue_wait_ms,
         prefix_reused_tokens=r.prefix_reused_tokens,
+        auto=auto_to_pb(r.auto) if r.auto is not None else None,
+        transfer_abandoned=r.transfer_abandoned,
     )
+
+
+def auto_to_pb(a: AutoChoice) -> consumer_pb2.AutoChoice:
+    return consumer_pb2.AutoChoice(
+        max_loss=a.budget.max_loss if a.budget.max_loss != float("inf") else 0.0,
+        exact=a.budget.exact,
+        budget_source=a.budget.source,
+        reason=a.reason,
+        candidates=[
+            consumer_pb2.CandidateEstimate(
+                mode=s.candidate.mode,
+                options=dict(s.candidate.options),
+                calibrated_loss=s.candidate.loss,
+                how=s.candidate.how,
+                within_budget=s.within,
+                estimated_ms=s.estimate.ms if s.estimate.ms is not None else -1.0,
+                detail=s.estimate.detail,
+                chosen=s.chosen,
+            )
+            for s in a.scored
+        ],
+    )
+
+
+def job_key(job) -> str:
+    return mode_key(job.codec.name, job.options)
 
 
 class ConsumerServer:
@@ -281,7 +346,7 @@ class ConsumerServer:
         if self.client is not None:
             self.client.link_problem = "" if state.state in readiness.USABLE else state.reason
         if state.producer_digest and default.producer_known(state.producer_digest, state.producer_artifacts):
-            log.info("consumer.default_mode", mode=default.mode, reason=default.choice.why)
+            log.info("consumer.default_mode", mode=default.mode, reason=default.why)
         await self.server.set_not_ready(readiness.not_ready(state, default.uses_producer))
 
     async def stop(self, grace_s: float | None = None) -> None:

@@ -20,6 +20,7 @@ and a chunk is checked before it is copied. Knows nothing about grpc: it reads p
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -69,6 +70,13 @@ class StreamTrailer:
     prefill_ms: float
     encode_ms: float
     store_hit: bool
+    reused_tokens: int = 0
+    computed_tokens: int = 0
+    queue_ms: float = 0.0  # the producer's wait for its forward
+    # measured here, on the stream itself (consumer.planner's link and round-trip estimates):
+    header_ms: float = 0.0  # reader created (call start) to the header
+    span_ms: float = 0.0  # first to last payload chunk
+    span_bytes: int = 0  # chunk bytes that arrived after the first chunk
 
 
 Event = StreamHeader | LayerPayloads | StreamTrailer
@@ -111,6 +119,9 @@ class StreamReader:
         self.open: _Open | None = None
         self._next_layer = 0  # the lowest layer index that may start next
         self.totals = {"payload_bytes": 0, "chunk_count": 0, "payload_count": 0}
+        self.opened_at = time.perf_counter()  # the client creates the reader as it starts the call
+        self.header_at = self.first_chunk_at = self.last_chunk_at = 0.0
+        self.span_bytes = 0
 
     # --- one message ----------------------------------------------------------------------
     def feed(self, message: producer_pb2.PrefillResponse) -> list[Event]:
@@ -118,10 +129,17 @@ class StreamReader:
         if self.state == "done":
             raise DataLoss(f"producer sent a {kind or 'empty'} message after the trailer")
         if kind == "header":
+            self.header_at = time.perf_counter()
             return [self._header(message.header)]
         if self.state == "header":
             raise DataLoss(f"producer sent a {kind or 'empty'} message before the header")
         if kind == "chunk":
+            now = time.perf_counter()
+            if self.first_chunk_at:
+                self.span_bytes += len(message.chunk.data)
+            else:
+                self.first_chunk_at = now
+            self.last_chunk_at = now
             return self._chunk(message.chunk)
         if kind == "trailer":
             return self._trailer(message.trailer)
@@ -298,8 +316,22 @@ class StreamReader:
         for name, got in self.totals.items():
             if getattr(t, name) != got:
                 raise DataLoss(f"trailer.{name}={getattr(t, name)}, the stream carried {got}")
+        for name in ("reused_tokens", "computed_tokens"):
+            if getattr(t, name) > self.expect.num_tokens:
+                raise DataLoss(f"trailer.{name}={getattr(t, name)} > the context's {self.expect.num_tokens} tokens")
         self.state = "done"
         events.append(
-            StreamTrailer(t.payload_bytes, _finite(t.prefill_ms, "prefill_ms"), _finite(t.encode_ms, "encode_ms"), t.store_hit)
+            StreamTrailer(
+                t.payload_bytes,
+                _finite(t.prefill_ms, "prefill_ms"),
+                _finite(t.encode_ms, "encode_ms"),
+                t.store_hit,
+                t.reused_tokens,
+                t.computed_tokens,
+                _finite(t.queue_ms, "queue_ms"),
+                (self.header_at - self.opened_at) * 1e3,
+                (self.last_chunk_at - self.first_chunk_at) * 1e3,
+                self.span_bytes,
+            )
         )
         return events

@@ -71,6 +71,7 @@ class PrefillDone:
     batch_size: int = 1  # contexts in the forward that prefilled this one
     reused_tokens: int = 0  # context tokens whose prefill the chunk store saved
     computed_tokens: int = 0  # context tokens the forward ran over
+    queue_ms: float = 0.0  # the context's wait from stream() to the start of its forward
     kept: list = field(default_factory=list)  # new chunk entries to store (producer.chunk_store.ChunkEntry)
 
 
@@ -92,6 +93,7 @@ class _Job:
     closed: threading.Event = field(default_factory=threading.Event)
     encode_ms: float = 0.0  # written by the lane only (one task at a time)
     layers_done: int = 0
+    enqueued: float = field(default_factory=time.perf_counter)
 
     @property
     def start(self) -> int:
@@ -209,6 +211,7 @@ class PrefillEngine:
             job.layers_done += 1
             if job.layers_done == num_layers:  # this row's forward is over; its encodes may not be
                 done = PrefillDone((time.perf_counter() - started) * 1e3, 0.0, num_layers, len(batch))
+                done.queue_ms = (started - job.enqueued) * 1e3
                 job.lane.put(lambda: self._finish(job, done))
 
         with self.progress.iteration():

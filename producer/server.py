@@ -201,6 +201,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                             prefill_batch_size=item.batch_size,
                             reused_tokens=item.reused_tokens,
                             computed_tokens=item.computed_tokens,
+                            queue_ms=item.queue_ms,
                         )
                     )
                     self.store_hits += store_hit

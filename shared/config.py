@@ -32,6 +32,7 @@ class Validated(Protocol):
 
 C = TypeVar("C", bound=Validated)
 LOCAL_MODE = "oracle"  # the consumer's own prefill, as consumer.engine names it (shared never imports consumer)
+AUTO_MODE = "auto"  # the consumer picks the fastest mode within a loss budget (consumer.auto)
 LB_POLICIES = ("ring_hash", "round_robin", "pick_first")
 
 
@@ -149,7 +150,7 @@ class ConsumerConfig(ServerConfig):
     max_inflight: int = 64  # concurrent Generate calls (running or waiting for KV memory); more get RESOURCE_EXHAUSTED
     audit_threshold: float = 0.05  # cache-audit error counted as divergence when the codec has no calibrated one
     default_timeout_s: float = 120.0  # deadline in seconds of a call whose caller sets none
-    default_mode: str = ""  # mode of a request naming none; empty: the safest the artifacts allow (consumer.defaults)
+    default_mode: str = ""  # mode of a request naming none; empty: auto (consumer.defaults)
     producer_check_interval_s: float = 10.0  # re-check of the producer link (reachable, authenticated, compatible)
     # the batch engine (consumer/batch.py, docs/design.md "The serving engine")
     max_batch: int = 32  # rows per engine forward (1: one request per forward, the pre-batching behaviour)
@@ -194,15 +195,14 @@ class ConsumerConfig(ServerConfig):
             raise ValueError("prefix_cache_bytes: must be >= -1 (-1: half the KV pool, 0: off)")
         modes = default_modes()
         if self.default_mode and self.default_mode not in modes:
-            raise ValueError(f"default_mode: {self.default_mode!r} not in {', '.join(modes)} (empty: the safest available)")
+            raise ValueError(f"default_mode: {self.default_mode!r} not in {', '.join(modes)} (empty: auto)")
 
 
 def default_modes() -> list[str]:
-    """What --default-mode may name: every registered codec and the consumer's own prefill (the
-    adaptive `auto` mode joins this list when it lands)."""
+    """What --default-mode may name: every registered codec, the consumer's own prefill and `auto`."""
     from shared.codecs import registered  # torch-heavy: only when a default mode is set
 
-    return sorted([*registered(), LOCAL_MODE])
+    return sorted([*registered(), LOCAL_MODE, AUTO_MODE])
 
 
 _FIELD_LINE = re.compile(r"^\s+(\w+): [^=]+=.*?  # (.+)$")

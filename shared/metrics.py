@@ -118,6 +118,15 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.auto_choices = Counter(
+            "scd_auto_choices",
+            "requests whose mode auto chose (the default included), by the mode chosen and whether it was a cold start",
+            ["mode", "cold_start"],
+            registry=r,
+        )
+        self.abandoned = Counter(
+            "scd_transfers_abandoned", "transfers abandoned mid-stream for the own prefill (too slow to finish)", registry=r
+        )
         self.raw_kv_bytes = Counter(
             "scd_raw_kv_bytes", "bytes the producer's full K/V would have taken (the raw baseline), by mode", ["mode"], registry=r
         )
@@ -290,6 +299,10 @@ class Metrics:
         self.generate_bytes_per_request.labels(mode).observe(result.bytes_received)
         if result.transfer_failure:
             self.fallbacks.labels(result.transfer_failure.split(":", 1)[0][:40]).inc()
+        if getattr(result, "auto", None) is not None:
+            self.auto_choices.labels(result.auto.chosen.mode, str(result.auto.reason.startswith("cold start")).lower()).inc()
+        if getattr(result, "transfer_abandoned", False):
+            self.abandoned.inc()
         self.raw_kv_bytes.labels(mode).inc(result.raw_kv_bytes)
         if result.bytes_received > 0 and result.raw_kv_bytes > 0:
             self.compression.labels(mode).observe(result.raw_kv_bytes / result.bytes_received)

@@ -1,59 +1,106 @@
-"""The consumer's transfer-or-prefill planner: its estimates and decisions, and the real services
-honouring GenerateRequest.fallback_to_oracle."""
+"""The consumer's running estimates (consumer.planner): what each measurement teaches, the link
+measured from the stream's own span (a compute-paced span only a lower bound), the round trip,
+and the pipelined time of a candidate; and the real services honouring fallback_to_oracle."""
 
 from __future__ import annotations
 
 import pytest
 
-from consumer.planner import Decision, Observation, TransferPlanner
+from consumer.planner import Observation, TransferPlanner, pipelined
 from shared.pb import common_pb2
 from tests.conftest import prompt, running_pair
 from tests.test_end_to_end import CONTEXT, QUESTION
 
 
-def remote(bytes_received: int, transfer_ms: float, prefill_ms: float, hit: bool = False, tokens: int = 100) -> Observation:
-    return Observation("raw", {}, tokens, bytes_received, transfer_ms, 1.0, 0.0 if hit else prefill_ms, 0.0, hit)
+def stream(
+    span_bytes: int, span_ms: float, prefill_ms: float = 0.0, hit: bool = False, tokens: int = 100, header_ms: float = 5.0
+) -> Observation:
+    return Observation(
+        "raw",
+        {},
+        tokens,
+        bytes_received=span_bytes + 1000,
+        rebuild_ms=10.0,
+        sent_tokens=tokens,
+        producer_prefill_ms=0.0 if hit else prefill_ms,
+        producer_store_hit=hit,
+        computed_tokens=0 if hit else tokens,
+        header_ms=header_ms,
+        span_ms=span_ms,
+        span_bytes=span_bytes,
+    )
 
 
-def test_estimates_and_decisions():
-    planner = TransferPlanner()
-    first = planner.decide("raw", {}, 100)
-    assert not first.local and "no estimate yet" in first.reason and "oracle request" in first.reason
-    planner.observe(Observation("oracle", {}, 100, 0, 0.0, 50.0, 0.0, 0.0, False))  # 0.5 ms/token locally
-    planner.observe(remote(100_000, 30.0, 10.0))  # 1000 B/token, 20 ms on the wire -> 5000 B/ms
-    assert planner.local_ms_per_token.value == 0.5
-    assert planner.producer_ms_per_token.value == pytest.approx(0.1)
-    assert planner.link_bytes_per_ms.value == pytest.approx(5000.0)
-    # remote: 1000 * (0.1 + 1000 / 5000) = 300 ms vs local 500 ms
-    d = planner.decide("raw", {}, 1000)
-    assert d == Decision(False, "remote: estimated local 500.0 ms vs remote 300.0 ms")
-    for _ in range(20):  # the link slows to 100 B/ms (store hits: the whole transfer is wire time)
-        planner.observe(remote(100_000, 1000.0, 0.0, hit=True))
-    assert planner.link_bytes_per_ms.value == pytest.approx(100.0, rel=0.05)  # EWMA: the old rate has faded
-    assert planner.producer_ms_per_token.value == pytest.approx(0.1)  # hits do not count as prefill
-    assert planner.decide("raw", {}, 1000).local
-    # a mode never seen has no bytes/token estimate: keep it remote and say so
-    other = planner.decide("quant", {"bits": "4"}, 1000)
-    assert not other.local and "bytes/token of quant(bits=4)" in other.reason
+def test_what_each_measurement_teaches():
+    p = TransferPlanner()
+    assert p.estimate_local(100).ms is None and p.estimate_remote("raw", 2, 100, 100, 100).ms is None
+    p.observe(Observation("oracle", {}, 100, 0, 50.0, local_tokens=100, question_tokens=10, question_prefill_ms=2.0))
+    assert p.local_ms_per_token.value == 0.5 and p.question_ms_per_token.value == 0.2
+    p.observe(stream(100_000, 20.0, hit=True))  # a replay: the span is the link's -> 5000 B/ms
+    assert p.link_bytes_per_ms.value == pytest.approx(5000.0)
+    assert p.producer_ms_per_token.value is None  # a hit computed nothing
+    assert p.bytes_per_token["raw"].value == pytest.approx(1010.0) and p.rtt_ms == 5.0
+
+
+def test_a_compute_paced_span_only_raises_the_link_estimate():
+    p = TransferPlanner()
+    p.observe(stream(100_000, 20.0, hit=True))  # 5000 B/ms
+    p.observe(stream(100_000, 100.0, prefill_ms=90.0))  # paced by the forward: 1000 B/ms, a lower bound only
+    assert p.link_bytes_per_ms.value == pytest.approx(5000.0)
+    assert p.producer_ms_per_token.value == pytest.approx(0.9)
+    p.observe(stream(1_000_000, 100.0, prefill_ms=90.0))  # 10000 B/ms even while computing: the link is faster
+    assert p.link_bytes_per_ms.value == pytest.approx(10000.0)
+    p.observe(stream(100_000, 100.0, prefill_ms=10.0))  # the forward took a tenth of the span: a real sample
+    assert p.link_bytes_per_ms.value == pytest.approx(1000.0)  # 10x below the estimate: a step change
+    p.observe(stream(100_000, 80.0, prefill_ms=10.0))  # within 2x: averaged
+    assert p.link_bytes_per_ms.value == pytest.approx(0.5 * 1000 + 0.5 * 1250)
+    p.observe(stream(1000, 100.0, hit=True))  # under MIN_WIRE_BYTES: says nothing about bandwidth
+    assert p.link_bytes_per_ms.value == pytest.approx(1125.0)
+
+
+def test_the_link_estimate_follows_a_rate_change_within_three_transfers():
+    p = TransferPlanner()
+    for _ in range(5):
+        p.observe(stream(1_000_000, 80.0, hit=True))  # 12500 B/ms = 100 Mbit/s
+    p.observe(stream(1_000_000, 800.0, hit=True))  # 10 Mbit/s: a step, not noise
+    assert p.link_bytes_per_ms.value == pytest.approx(1250.0)
+    p.observe(stream(1_000_000, 700.0, hit=True))  # within RATE_JUMP: averaged
+    assert 1250.0 < p.link_bytes_per_ms.value < 1_000_000 / 700.0
+    assert min(p.header_ms) == 5.0
+
+
+def test_remote_estimate_is_pipelined_and_borrows_for_unseen_modes():
+    p = TransferPlanner()
+    p.observe(Observation("oracle", {}, 100, 0, 100.0, local_tokens=100))  # 1 ms/token locally
+    p.observe(stream(100_000, 20.0, prefill_ms=0.0, hit=True, header_ms=4.0))
+    p.producer_ms_per_token.value = 0.5
+    e = p.estimate_remote("raw", 4, compute=100, encode=100, send=100)
+    wire = 1010.0 * 100 / 5000.0
+    assert e.ms == pytest.approx(4.0 + pipelined([50.0, wire, 10.0], 4))
+    unseen = p.estimate_remote("quant(bits=8,group_size=32)", 4, 0, 0, 100, prior_bytes_per_token=300.0)
+    assert unseen.ms == pytest.approx(4.0 + pipelined([0.0, 300.0 * 100 / 5000.0, 10.0], 4))  # raw's rebuild rate borrowed
+    assert "wire" in unseen.detail
+    assert pipelined([10.0, 2.0, 4.0], 2) == 13.0
 
 
 async def test_services_fall_back_to_the_oracle_when_the_estimates_say_so():
     fields = dict(context=prompt(CONTEXT), question=prompt(QUESTION), max_new_tokens=8)
-    async with running_pair("tiny-llama") as pair:
+    async with running_pair("tiny-llama", consumer_kw={"prefix_cache_bytes": 0}) as pair:  # every request rebuilds
         oracle, _, _ = await pair.generate(transfer=common_pb2.CodecSpec(name="oracle"), **fields)
         raw, _, stats = await pair.generate(transfer=common_pb2.CodecSpec(name="raw"), fallback_to_oracle=True, **fields)
         assert stats.transfer.name == "raw" and stats.bytes_received > 0  # first raw request: no link estimate yet
-        assert stats.transfer.options["fallback"].startswith("remote: no estimate yet")
+        assert stats.transfer.options["fallback"].startswith("remote: cold start")
+        assert [c.mode for c in stats.auto.candidates if c.chosen] == ["raw"]
         planner = pair.consumer.servicer.planner
         assert planner.local_ms_per_token.value > 0 and planner.link_bytes_per_ms.value > 0
         planner.link_bytes_per_ms.value = 1e-3  # as if the link had crawled on the last transfers
         ids, _, stats = await pair.generate(transfer=common_pb2.CodecSpec(name="raw"), fallback_to_oracle=True, **fields)
         assert stats.transfer.name == "oracle" and stats.bytes_received == 0 and ids == oracle
-        assert stats.transfer.options["fallback"].startswith("local: estimated local")
+        assert stats.transfer.options["fallback"].startswith("local: fastest")
         planner.link_bytes_per_ms.value = 1e12
         planner.local_ms_per_token.value = 1e6  # as if the consumer's own prefill were very slow
         ids, _, stats = await pair.generate(transfer=common_pb2.CodecSpec(name="raw"), fallback_to_oracle=True, **fields)
         assert stats.transfer.name == "raw" and ids == raw
-        assert stats.transfer.options["fallback"].startswith("remote: estimated local")
+        assert stats.transfer.options["fallback"].startswith("remote: fastest")
         _, _, stats = await pair.generate(transfer=common_pb2.CodecSpec(name="raw"), **fields)
-        assert "fallback" not in stats.transfer.options  # not asked: no planning
+        assert "fallback" not in stats.transfer.options and not stats.HasField("auto")  # not asked: no planning

@@ -128,7 +128,8 @@ async def test_a_consumer_whose_default_needs_no_producer_stays_serving_and_repo
         assert await health(consumer.address) == health_pb2.HealthCheckResponse.SERVING
         async with ConsumerClient(consumer.address) as client:
             described = await client.describe()
-        assert described.default_mode == "oracle" and described.producer_link.state == "unreachable"
+        assert described.default_mode == "auto" and described.producer_link.state == "unreachable"
+        assert "safest fixed mode now: oracle" in described.default_mode_reason
 
 
 async def test_a_rogue_client_certificate_is_not_ready_and_hinted(pki):

@@ -96,13 +96,14 @@ async def test_artifact_for_other_consumer_weights_is_refused(artifact_dir, tmp_
 
 
 async def test_default_mode_is_scd_for_a_calibrated_pair_and_budgets_are_constraints(artifact_dir):
-    """Issue 19: no mode -> the artifact's default schedule; a schedule named with a budget it
+    """Issue 19: with the default mode set to scd, no mode -> the artifact's default schedule; a schedule named with a budget it
     misses is INVALID_ARGUMENT naming both; an unknown artifact option is INVALID_ARGUMENT; Describe
     gives each artifact's file name."""
     from shared.pb import consumer_pb2
 
     path, art = artifact_dir
-    async with running_pair("tiny-llama", producer_kw={"artifacts": str(path)}, consumer_kw={"artifacts": str(path)}) as pair:
+    consumer_kw = {"artifacts": str(path), "default_mode": "scd"}
+    async with running_pair("tiny-llama", producer_kw={"artifacts": str(path)}, consumer_kw=consumer_kw) as pair:
         described = await pair.stub.Describe(consumer_pb2.ConsumerServiceDescribeRequest())
         assert described.default_mode == "scd" and described.artifacts[0].file_name == "tiny-llama-homogeneous.safetensors"
         fields = dict(context=prompt(CONTEXT), question=prompt(" q"), max_new_tokens=2)

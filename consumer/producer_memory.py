@@ -1,0 +1,55 @@
+"""What this consumer's own transfers left in the producer's store, as far as it can know: the
+context chunks whose KV the producer computed, and per mode the chunks whose payloads it encoded.
+`auto` (consumer.auto) reads it to estimate what the producer still has to compute.
+
+A memory, not a view: the producer evicts on its own budget, and other consumers warm it too; the
+estimate it gives errs both ways and the planner's measured times correct the rest. Keys chain
+like the stores' (shared.chunks) at the producer's chunk size as its last stream header gave it
+(a producer without chunked reuse stores whole contexts: one key for the whole context). Bounded:
+the least recently used keys go first. Knows nothing about grpc or torch.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from shared import chunks
+
+CAPACITY = 1 << 16  # chunk keys remembered
+
+
+class ProducerMemory:
+    def __init__(self, capacity: int = CAPACITY):
+        self.capacity = capacity
+        self.keys: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.chunk_tokens = chunks.DEFAULT_CHUNK_TOKENS
+
+    def _chains(self, producer: str, mode_key: str, context_ids: list[int]) -> tuple[list, list]:
+        size = self.chunk_tokens or max(len(context_ids), 1)
+        kv_root = chunks.model_root(producer)
+        payload_root = chunks.codec_root(producer, mode_key, 0, {}, {})
+        return chunks.chain(kv_root, context_ids, size), chunks.chain(payload_root, context_ids, size)
+
+    def remember(self, producer: str, mode_key: str, context_ids: list[int], chunk_tokens: int) -> None:
+        """A transfer of mode_key over context_ids completed: the producer holds its KV and payloads."""
+        if not producer:
+            return
+        self.chunk_tokens = chunk_tokens
+        for refs in self._chains(producer, mode_key, context_ids):
+            for ref in refs:
+                self.keys[ref.key] = None
+                self.keys.move_to_end(ref.key)
+        while len(self.keys) > self.capacity:
+            self.keys.popitem(last=False)
+
+    def held(self, producer: str, mode_key: str, context_ids: list[int]) -> tuple[int, int]:
+        """(tokens of KV, tokens of mode_key's payloads) the producer is believed to hold: the
+        longest remembered prefix of each chain."""
+        if not producer or not context_ids:
+            return 0, 0
+        kv, payloads = self._chains(producer, mode_key, context_ids)
+        held = []
+        for refs in (kv, payloads):
+            n = chunks.longest(refs, self.keys.__contains__)
+            held.append(refs[n - 1].end if n else 0)
+        return held[0], held[1]

@@ -1,0 +1,132 @@
+"""Mode `auto` on real services: the default mode, exact answers within a lossless budget, the
+choice following the estimates, budgets refused with the option named, and a stream too slow to
+finish abandoned mid-way for the consumer's own prefill (a producer that stalls between layers)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from consumer.client import ConsumerClient
+from producer.server import ProducerServer
+from shared.config import ProducerConfig
+from shared.models import load_model
+from shared.pb import common_pb2, consumer_pb2
+from tests.conftest import prompt, running_pair
+from tests.hostile import consumer_of, record
+from tests.test_metrics import scrape, value
+from tests.test_end_to_end import CONTEXT, QUESTION
+
+AUTO = common_pb2.CodecSpec(name="auto")
+
+
+def fields(context: str = CONTEXT, **kw) -> dict:
+    return dict(context=prompt(context), question=prompt(QUESTION), max_new_tokens=8, **kw)
+
+
+async def test_auto_is_the_default_and_lossless_without_an_artifact():
+    async with running_pair("tiny-llama", consumer_kw={"metrics_port": 0}) as pair:
+        described = await pair.client.describe()
+        assert described.default_mode == "auto" and "safest fixed mode now: raw" in described.default_mode_reason
+        oracle, _, _ = await pair.generate(transfer=common_pb2.CodecSpec(name="oracle"), **fields("A " + CONTEXT))
+        ids, _, stats = await pair.generate(**fields("A " + CONTEXT))  # no mode named: auto
+        a = stats.auto
+        assert a.exact and "lossless" in a.budget_source
+        assert a.reason.startswith("fastest within the budget: oracle") and "prefix cache" in a.reason  # cached by the oracle run
+        within = {c.mode for c in a.candidates if c.within_budget}
+        assert within == {"oracle", "raw", "recompute"} and all(c.how == "exact" for c in a.candidates)
+        assert ids == oracle
+        ids, _, stats = await pair.generate(**fields("B " + CONTEXT))  # a new context: a remote one is measured first
+        assert stats.auto.reason.startswith("cold start") and stats.transfer.name in ("raw", "recompute")
+        assert stats.bytes_received > 0
+        oracle, _, _ = await pair.generate(transfer=common_pb2.CodecSpec(name="oracle"), **fields("B " + CONTEXT))
+        assert ids == oracle  # exact candidates only: the same tokens as the consumer's own prefill
+        _, _, stats = await pair.generate(**fields("C " + CONTEXT))
+        assert stats.auto.reason.startswith("fastest within the budget")
+        assert [c.estimated_ms >= 0 for c in stats.auto.candidates if c.within_budget] == [True, True, True]
+        assert sum(c.chosen for c in stats.auto.candidates) == 1
+        described = await pair.client.describe()
+        assert described.stats.auto_choices == 3 and described.estimates["link_mbit_s"] > 0
+        assert described.estimates["local_ms_per_token"] > 0
+        samples = scrape(pair.consumer.server.metrics_port)
+        counted = sum(v for (name, _), v in samples.items() if name == "scd_auto_choices_total")
+        cold = sum(v for (name, labels), v in samples.items() if name == "scd_auto_choices_total" and ("cold_start", "true") in labels)
+        assert counted == 3 and cold == 1 and value(samples, "scd_auto_choices_total", mode="oracle", cold_start="false") >= 1
+
+
+async def test_auto_follows_the_estimates():
+    async with running_pair("tiny-llama", consumer_kw={"prefix_cache_bytes": 0}) as pair:
+        await pair.generate(transfer=common_pb2.CodecSpec(name="oracle"), **fields())
+        await pair.generate(transfer=AUTO, **fields())  # cold start: measures a remote candidate
+        planner = pair.consumer.servicer.planner
+        planner.link_bytes_per_ms.value = 1e-3  # the link crawls
+        _, _, stats = await pair.generate(transfer=AUTO, **fields())
+        assert stats.transfer.name == "oracle" and stats.bytes_received == 0
+        planner.link_bytes_per_ms.value = 1e12
+        planner.local_ms_per_token.value = 1e6  # the own prefill crawls
+        _, _, stats = await pair.generate(transfer=AUTO, **fields())
+        assert stats.transfer.name in ("raw", "recompute") and stats.bytes_received > 0
+        narrowed = common_pb2.CodecSpec(name="auto", options={"candidates": "oracle"})
+        _, _, stats = await pair.generate(transfer=narrowed, **fields())
+        assert stats.transfer.name == "oracle" and [c.mode for c in stats.auto.candidates if c.within_budget] == ["oracle"]
+
+
+@pytest.mark.parametrize(
+    "options, text",
+    [
+        ({"max_loss": "x"}, "transfer.options['max_loss']: 'x' is not a number"),
+        ({"max_loss": "-1"}, "must be a finite number >= 0"),
+        ({"max_loss": "nan"}, "must be a finite number >= 0"),
+        ({"exact": "maybe"}, "transfer.options['exact']"),
+        ({"exact": "true", "max_loss": "0.1"}, "set max_loss or exact, not both"),
+        ({"schedule": "s0"}, "unknown option 'schedule' for mode 'auto'"),
+        ({"candidates": "raw,teleport"}, "transfer.options['candidates']: unknown mode 'teleport'"),
+        ({"candidates": "quant", "exact": "true"}, "no candidate meets exact"),
+    ],
+)
+async def test_bad_budgets_are_refused_naming_the_option(options, text):
+    async with running_pair("tiny-llama") as pair:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pair.generate(transfer=common_pb2.CodecSpec(name="auto", options=options), **fields())
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in err.value.details()
+        _, _, stats = await pair.generate(**fields())  # and it keeps serving
+        assert stats.HasField("auto")
+
+
+async def test_a_stalling_stream_is_abandoned_for_the_own_prefill():
+    model = load_model("tiny-llama", "float32", "cpu")
+    ids = model.tokenizer(CONTEXT)["input_ids"]
+    producer = ProducerServer(ProducerConfig(port=0, model="tiny-llama", device="cpu", max_chunk_bytes=1024, drain_grace_s=0))
+    await producer.start()
+    await producer.load()
+    try:
+        rec = await record(producer.address, ids, "raw")
+    finally:
+        await producer.stop(0)
+    stall = {"s": 0.0}
+
+    def script(request):
+        for i, message in enumerate(rec):
+            if i > 1 and message.WhichOneof("kind") == "chunk" and message.chunk.chunk_index == 0 and message.chunk.kind == "k":
+                yield stall["s"]  # before every layer after the first
+            yield message
+
+    async with consumer_of(script, prefix_cache_bytes=0) as (consumer, fake):
+        client = ConsumerClient(consumer.address)
+        try:
+            local = consumer_pb2.TRANSFER_FAILURE_POLICY_LOCAL_PREFILL
+            raw = common_pb2.CodecSpec(name="raw")
+            oracle = await client.generate(transfer=common_pb2.CodecSpec(name="oracle"), **fields(), timeout=60)
+            fast = await client.generate(transfer=raw, on_transfer_failure=local, **fields(), timeout=60)
+            assert not fast.stats.transfer_abandoned and fast.stats.bytes_received > 0  # bytes/token measured
+            stall["s"] = 0.4
+            slow = await client.generate(transfer=raw, on_transfer_failure=local, **fields(), timeout=60)
+            assert slow.stats.transfer_abandoned and slow.stats.transfer.name == "oracle"
+            assert "abandoned mid-stream" in slow.stats.transfer_failure and slow.ids == oracle.ids
+            calls = fake.calls
+            patient = await client.generate(transfer=raw, **fields(), timeout=60)  # FAIL policy: never abandoned
+            assert not patient.stats.transfer_abandoned and patient.stats.transfer.name == "raw" and fake.calls == calls + 1
+            described = await client.describe()
+            assert described.stats.transfers_abandoned == 1
+        finally:
+            await client.channel.close()
