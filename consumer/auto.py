@@ -17,7 +17,10 @@ whose KV it holds whole needs nothing; a cached prefix is not sent again) and th
 as this consumer's own transfers left it (consumer.producer_memory). The fastest within the budget
 wins, ties to the lower loss. While a remote candidate has no estimate (no transfer measured yet),
 the lowest-loss such candidate is picked to learn it, and the reason says so ("cold start"),
-unless the prefix cache already holds the context made by a candidate within the budget.
+unless the prefix cache already holds the context made by a candidate within the budget. A link
+estimate goes stale while only the own prefill is chosen: after PROBE_EVERY choices without a
+link measurement the fastest remote candidate is tried instead ("probe"; under LOCAL_PREFILL a
+stream too slow to finish is abandoned mid-way, so a probe of a slow link costs little).
 Remote candidates are left out while the producer link is unusable. Knows nothing about grpc.
 """
 
@@ -38,6 +41,7 @@ from shared.scd.artifact import Artifact
 
 OPTIONS = ("max_loss", "exact", "candidates")
 LOSS_SLACK = 1e-9  # a candidate whose loss equals the budget meets it
+PROBE_EVERY = 3  # after this many choices without a link measurement, a remote candidate is tried (a probe)
 TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no", "")
 
 
@@ -233,6 +237,17 @@ class Chooser:
         else:  # only the own prefill, with no rate yet
             pick = live[0]
             reason = f"cold start: {pick.estimate.detail}; picked {pick.candidate.key}, the only candidate"
+        remote_known = [s for s in known if s.candidate.remote]
+        self.planner.choices_since_link_sample += 1
+        stale = self.planner.choices_since_link_sample >= PROBE_EVERY
+        if stale and not pick.candidate.remote and pick.estimate.ms and remote_known and usable:
+            probe = min(remote_known, key=lambda s: (s.estimate.ms, _sort_loss(s.candidate)))
+            reason = (
+                f"probe: the link was last measured {self.planner.choices_since_link_sample} choices ago; trying"
+                f" {probe.candidate.key} (estimated {probe.estimate.ms:.1f} ms) instead of {pick.candidate.key}"
+                f" (estimated {pick.estimate.ms:.1f} ms); a stream too slow to finish is abandoned for the own prefill"
+            )
+            pick = probe
         if not usable:
             reason += "; the producer link is unusable: remote candidates left out"
         marked = [Scored(s.candidate, s.within, s.estimate, s is pick) for s in scored]

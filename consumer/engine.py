@@ -134,6 +134,7 @@ class GenerateResult:
     sent_tokens: int = 0  # context tokens the last stream's payloads covered
     trailer: StreamTrailer | None = None  # the last stream's trailer (its timings feed the planner)
     chunk_tokens: int = 0  # the producer's chunk size as the last stream header gave it
+    abandoned_span: tuple[int, float] | None = None  # (bytes, ms) an abandoned stream delivered after its first layer
 
 
 @dataclass(frozen=True)
@@ -489,7 +490,7 @@ class GenerateEngine:
         result.total_ms = (done - job.received_at) * 1e3
         yield result
 
-    def _watch(self, job: GenerateJob, sent_tokens: int) -> Callable[[int], None] | None:
+    def _watch(self, job: GenerateJob, result: GenerateResult, sent_tokens: int) -> Callable[[int], None] | None:
         """Under LOCAL_PREFILL, a check to call with the bytes received after each layer: it raises
         TransferTooSlow when, at the throughput since the first layer, the rest of the stream would
         take longer than the own prefill of the whole context (ABANDON_MARGIN, ABANDON_SLACK_MS).
@@ -516,6 +517,7 @@ class GenerateEngine:
             rate = (received - start[1]) / (watched_s * 1e3)  # bytes per ms
             rest_ms = max(expected - received, 0.0) / rate
             if rest_ms > ABANDON_MARGIN * local + ABANDON_SLACK_MS:
+                result.abandoned_span = (received - int(start[1]), watched_s * 1e3)
                 raise TransferTooSlow(
                     f"transfer abandoned mid-stream: at {rate * 8e-3:.2f} Mbit/s the remaining"
                     f" ~{max(expected - received, 0) / 1e6:.2f} MB take ~{rest_ms:.0f} ms > own prefill ~{local:.0f} ms"
@@ -535,7 +537,7 @@ class GenerateEngine:
         first, key = partial or (0, "")
         seq.first_write = first
         result.sent_tokens = len(job.context_ids) - first
-        watch = self._watch(job, result.sent_tokens) if partial is None else None
+        watch = self._watch(job, result, result.sent_tokens) if partial is None else None
         expect = Expectation(len(job.context_ids), job.codec, job.options, self.loaded.info, first, key)
         budget = self._left(job, "transfer")
         if job.transfer_budget_s is not None:

@@ -96,6 +96,7 @@ class TransferPlanner:
     rebuild_ms_per_token: dict[str, Ewma] = field(default_factory=dict)
     bytes_per_token: dict[str, Ewma] = field(default_factory=dict)
     header_ms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RTT_WINDOW))
+    choices_since_link_sample: int = 0  # auto choices made since the link was last measured (consumer.auto's probes)
 
     # -- learning ---------------------------------------------------------------------------
     def observe(self, o: Observation) -> None:
@@ -117,11 +118,20 @@ class TransferPlanner:
             self.header_ms.append(o.header_ms)
         self._observe_link(o)
 
+    def observe_abandoned(self, span_bytes: int, span_ms: float) -> None:
+        """A stream abandoned mid-way delivered span_bytes in span_ms: what it delivered is what the
+        next choice must expect, whatever held it back (the link or the producer)."""
+        self._link_sample(span_bytes, span_ms, link_bound=True)
+
     def _observe_link(self, o: Observation) -> None:
-        if o.span_bytes < MIN_WIRE_BYTES or o.span_ms <= 0.1:
-            return
-        rate = o.span_bytes / o.span_ms
         link_bound = o.producer_store_hit or o.computed_tokens == 0 or o.producer_prefill_ms < LINK_BOUND_SHARE * o.span_ms
+        self._link_sample(o.span_bytes, o.span_ms, link_bound)
+
+    def _link_sample(self, span_bytes: int, span_ms: float, link_bound: bool) -> None:
+        if span_bytes < MIN_WIRE_BYTES or span_ms <= 0.1:
+            return
+        self.choices_since_link_sample = 0
+        rate = span_bytes / span_ms
         current = self.link_bytes_per_ms.value
         if link_bound and current is not None and not current / RATE_JUMP <= rate <= current * RATE_JUMP:
             self.link_bytes_per_ms.value = rate  # a step change (the link was reshaped): start over from it

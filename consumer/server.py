@@ -93,6 +93,8 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         producer's store into the memory; a flagged cache re-transferred or replaced is no clean sample."""
         if item.audit_decision.startswith("diverged:"):
             return
+        if item.abandoned_span is not None:
+            self.planner.observe_abandoned(*item.abandoned_span)
         t = item.trailer
         remote = item.codec != LOCAL_MODE and t is not None
         self.planner.observe(

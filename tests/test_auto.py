@@ -14,8 +14,8 @@ from shared.models import load_model
 from shared.pb import common_pb2, consumer_pb2
 from tests.conftest import prompt, running_pair
 from tests.hostile import consumer_of, record
-from tests.test_metrics import scrape, value
 from tests.test_end_to_end import CONTEXT, QUESTION
+from tests.test_metrics import scrape, value
 
 AUTO = common_pb2.CodecSpec(name="auto")
 
@@ -130,3 +130,17 @@ async def test_a_stalling_stream_is_abandoned_for_the_own_prefill():
             assert described.stats.transfers_abandoned == 1
         finally:
             await client.channel.close()
+
+
+async def test_a_stale_link_estimate_is_probed():
+    long = dict(context=prompt(CONTEXT * 4), question=prompt(QUESTION), max_new_tokens=4)
+    async with running_pair("tiny-llama", consumer_kw={"prefix_cache_bytes": 0}) as pair:
+        await pair.generate(transfer=common_pb2.CodecSpec(name="oracle"), **long)
+        _, _, stats = await pair.generate(transfer=AUTO, **long)  # cold start: a remote candidate, the link measured
+        assert stats.auto.reason.startswith("cold start") and stats.bytes_received >= 16 * 1024
+        planner = pair.consumer.servicer.planner
+        planner.link_bytes_per_ms.value = 1e-3  # as if the link had crawled: the own prefill wins...
+        picks = [(await pair.generate(transfer=AUTO, **long))[2] for _ in range(3)]
+        assert [s.transfer.name for s in picks[:2]] == ["oracle", "oracle"]
+        assert picks[2].auto.reason.startswith("probe") and picks[2].bytes_received > 0  # ...until it is measured again
+        assert planner.link_bytes_per_ms.value > 1.0 and not picks[2].transfer_abandoned
