@@ -11,7 +11,7 @@ PROTOS  := $(wildcard protos/scd/v1/*.proto)
 PB_GEN  := $(PB_OUT)/scd/v1/.generated
 COMPOSE := .venv-compose/bin/docker-compose
 
-.PHONY: all install proto lint test demo models deep-models eval-pair artifacts deep-artifacts bench-quality bench-audit bench-ttft compose-config compose-smoke clean
+.PHONY: all install proto lint test demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft compose-config compose-smoke clean
 
 all: test
 
@@ -81,29 +81,44 @@ eval-pair: $(STAMP)
 deep-models: $(STAMP)
 	$(PYTHON) -m qa.deep
 
-QA_CORPUS := --corpus qa.corpus:calibration_corpus --corpus-arg task=tuned --corpus-arg ctx=256 --corpus-arg predictor_ctx=512
-# SCD codec artifacts for the trained pair (committed; rebuild after `make models`).
+# The corpus (held-out set included) and dtype each shipped artifact is calibrated on: `python -m
+# calibration` and `python -m calibration.candidates` take the same flags.
+QA_CORPUS := --corpus qa.corpus:calibration_corpus --corpus-arg task=tuned --corpus-arg ctx=256 --corpus-arg predictor_ctx=512 \
+	--dtype bfloat16
+# the deep pairs serve 512-1024-token contexts: calibrate at 512, train predictors at 1024
+DEEP_CORPUS := --corpus qa.corpus:calibration_corpus --corpus-arg task=tuned --corpus-arg ctx=512 \
+	--corpus-arg predictor_ctx=1024 --dtype bfloat16
+# SCD codec artifacts for the trained pair (committed; rebuild after `make models`); each records
+# its schedules and the other transfer modes on the same loss scale (meta["candidates"]).
 artifacts: $(PB_GEN)
 	$(PYTHON) -m calibration --producer checkpoints/qa-base --consumer checkpoints/qa-tuned $(QA_CORPUS) \
-		--dtype bfloat16 --predictor-layers auto --predictor-steps 1500,2000 --predictor-depth 2 --threads 1 \
+		--predictor-layers auto --predictor-steps 1500,2000 --predictor-depth 2 --threads 1 \
 		--out artifacts/qa-base-to-tuned.safetensors
 	$(PYTHON) -m calibration --producer checkpoints/qa-tuned --consumer checkpoints/qa-tuned $(QA_CORPUS) \
-		--dtype bfloat16 --out artifacts/qa-tuned-to-tuned.safetensors
+		--out artifacts/qa-tuned-to-tuned.safetensors
 	$(MAKE) deep-artifacts
 
 # predictor training steps (kv-error stage, KL stage) the shipped deep artifacts were made with, as
 # for the 2-layer pair (600,600 left the deep predictors under-trained: see docs/results.md)
 DEEP_PREDICTOR_STEPS ?= 1500,2000
-# the deep pairs serve 512-1024-token contexts: calibrate at 512, train predictors at 1024;
 # learned predictors on the 2 layers whose linear Patch loses most
-DEEP_CALIBRATION := --corpus qa.corpus:calibration_corpus --corpus-arg task=tuned --corpus-arg ctx=512 \
-	--corpus-arg predictor_ctx=1024 --dtype bfloat16 --predictor-layers auto:2 --predictor-depth 2 --threads 1
+DEEP_CALIBRATION := $(DEEP_CORPUS) --predictor-layers auto:2 --predictor-depth 2 --threads 1
 # SCD artifacts for the two 6-layer heterogeneous pairs (committed; rebuild after `make deep-models`).
 deep-artifacts: $(PB_GEN)
 	$(PYTHON) -m calibration --producer checkpoints/deep/qa-deep-base --consumer checkpoints/deep/qa-deep-tuned \
 		$(DEEP_CALIBRATION) --predictor-steps $(DEEP_PREDICTOR_STEPS) --out artifacts/qa-deep-base-to-tuned.safetensors
 	$(PYTHON) -m calibration --producer checkpoints/deep/qa-deep-base --consumer checkpoints/deep/qa-deep-lora \
 		$(DEEP_CALIBRATION) --predictor-steps $(DEEP_PREDICTOR_STEPS) --out artifacts/qa-deep-base-to-lora.safetensors
+
+# The other transfer modes (raw, quant 8/4 bits, recompute over each recorded span) measured on
+# each shipped artifact's loss scale and written into it in place (meta["candidates"]; ids do not
+# change); refuses an artifact whose schedules re-measure to other losses on the held-out set
+# given here. `artifacts` and `deep-artifacts` record them while calibrating. About a minute.
+artifact-candidates: $(PB_GEN)
+	$(PYTHON) -m calibration.candidates artifacts/qa-base-to-tuned.safetensors $(QA_CORPUS)
+	$(PYTHON) -m calibration.candidates artifacts/qa-tuned-to-tuned.safetensors $(QA_CORPUS)
+	$(PYTHON) -m calibration.candidates artifacts/qa-deep-base-to-tuned.safetensors $(DEEP_CORPUS)
+	$(PYTHON) -m calibration.candidates artifacts/qa-deep-base-to-lora.safetensors $(DEEP_CORPUS)
 
 bench-quality: $(PB_GEN)
 	$(PYTHON) -m bench.quality

@@ -20,29 +20,12 @@ from calibration.predictor_training import TrainConfig
 from shared.models import load_model
 
 
-def corpus_arg(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE")
-    return key, value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m calibration", description=__doc__)
     p.add_argument("--producer", required=True, help="path, hub id or builtin tiny name")
     p.add_argument("--consumer", required=True)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--corpus", required=True, help="a .txt file, a .jsonl file (text or ids), or a provider module:function")
-    p.add_argument(
-        "--corpus-arg",
-        type=corpus_arg,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="argument for a corpus provider (repeatable)",
-    )
-    p.add_argument("--n", type=int, default=64, help="calibration sequences")
-    p.add_argument("--heldout", type=int, default=12, help="held-out question/answer examples for the loss")
+    corpus_lib.add_arguments(p, n=64, heldout=12)
     p.add_argument("--loss-target", type=float, default=0.02)
     p.add_argument("--generations", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)

@@ -10,6 +10,7 @@ provides `qa.corpus:calibration_corpus`. Calibration itself never imports a prov
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 from collections.abc import Iterator, Mapping
@@ -63,3 +64,25 @@ def load(spec: str, tokenizer, n: int, heldout: int, args: Mapping[str, str] | N
     if args:
         raise ValueError(f"corpus args {sorted(args)} are for a provider; {spec} is a file")
     return from_file(Path(spec), n, heldout, tokenizer)
+
+
+def corpus_arg(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE")
+    return key, value
+
+
+def add_arguments(p: argparse.ArgumentParser, n: int | None, heldout: int | None) -> None:
+    """The corpus flags of calibration's command lines: --corpus, --corpus-arg, --n, --heldout."""
+    p.add_argument("--corpus", required=True, help="a .txt file, a .jsonl file (text or ids), or a provider module:function")
+    p.add_argument(
+        "--corpus-arg",
+        type=corpus_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="argument for a corpus provider (repeatable)",
+    )
+    p.add_argument("--n", type=int, default=n, help="calibration sequences")
+    p.add_argument("--heldout", type=int, default=heldout, help="held-out question/answer examples for the loss")

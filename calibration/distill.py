@@ -1,8 +1,9 @@
 """Calibrating an SCD artifact for a (producer, consumer) pair: `distill(...)`.
 
 Fits the linear maps (calibration.moments), trains learned predictors where asked
-(calibration.predictor_training) and refits on them, searches schedules (calibration.search) and
-profiles the recompute baseline's span (calibration.recompute_profile). The corpus is given:
+(calibration.predictor_training) and refits on them, searches schedules (calibration.search),
+profiles the recompute baseline's span (calibration.recompute_profile) and measures the other
+transfer modes on the schedules' loss scale (calibration.candidates). The corpus is given:
 `python -m calibration` (calibration.__main__) builds it from a file or a provider.
 """
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from calibration import audit_thresholds, moments, predictor_training, search
+from calibration import audit_thresholds, candidates, moments, predictor_training, search
 from calibration.predictor_training import TrainConfig, TrainExample
 from calibration.recompute_profile import profile_span
 from shared.codecs.recompute import default_span
@@ -151,6 +152,7 @@ def distill(
         meta["recompute_spans"] = best
         meta["recompute_profile"] = profile
     meta["audit"] = audit_thresholds.thresholds(art, producer, consumer, heldout)  # the cache audit's calibrated thresholds
+    meta["candidates"] = candidates.measure(art, producer, consumer, heldout, ev, log)  # raw, quant, recompute on this scale
     meta["calibration"]["wall_s"] = round(time.perf_counter() - started, 1)
     return art
 

@@ -11,7 +11,7 @@ from the greedy path; the result is the Pareto set (bytes per token vs measured 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,9 +68,15 @@ class LossEvaluator:
     def loss(self, actions: Sequence[Action | None]) -> float:
         """Mean KL over held-out answer tokens; None in a layer means C's own (oracle) K/V."""
         self.evaluations += 1
+        return self.mean_kl(lambda index: [self.layer_kv(index, l, a) for l, a in enumerate(actions)])
+
+    def mean_kl(self, rebuilt: Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]) -> float:
+        """Mean KL(oracle || C on rebuilt(index)) over every held-out answer token, where
+        rebuilt(index) is example index's context cache, per layer (keys, values) [n_kv, T, hd]
+        post-RoPE: the loss of any way of rebuilding the cache (a schedule, another codec)."""
         total, count = 0.0, 0
         for index, ex in enumerate(self.heldout):
-            logp = self._answer_logp(ex, [self.layer_kv(index, l, a) for l, a in enumerate(actions)])
+            logp = self._answer_logp(ex, rebuilt(index))
             total += float(kl_sum(self.oracle_logp[index], logp))
             count += logp.shape[0]
         return max(0.0, total / max(count, 1))  # KL >= 0; float error can dip below

@@ -42,7 +42,7 @@ def local_mode_pb(name: str) -> common_pb2.CodecInfo:
 
 
 def artifacts_to_pb(codecs: Mapping[str, Codec]) -> list[common_pb2.ArtifactInfo]:
-    """The SCD artifacts the service loaded, with their schedules."""
+    """The SCD artifacts the service loaded, with their schedules and every transfer mode's point on their loss scale."""
     codec = codecs.get("scd")
     out = []
     for art in codec.artifacts if isinstance(codec, ScdCodec) else []:
@@ -62,6 +62,12 @@ def artifacts_to_pb(codecs: Mapping[str, Codec]) -> list[common_pb2.ArtifactInfo
                 ],
                 predictor_layers=art.predictor_layers,
                 file_name=art.path.name if art.path is not None else "",
+                transfer_points=[
+                    common_pb2.TransferPoint(
+                        mode=t.mode, options=dict(t.options), calibrated_loss=t.loss, bytes_per_token=t.bytes_per_token, how=t.how
+                    )
+                    for t in art.transfer_points()
+                ],
             )
         )
     return out

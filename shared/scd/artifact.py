@@ -1,8 +1,10 @@
 """The SCD codec artifact: one safetensors file holding the fitted per-layer tensors, with its JSON
 metadata (format version, model ids and weight digests, corpus digest, geometry, the Pareto set
-of schedules with measured loss and bytes per token) stored in the file's header metadata.
+of schedules with measured loss and bytes per token, and the other transfer modes measured on
+the same loss scale, "candidates") stored in the file's header metadata.
 
-Owns saving, loading, discovery, digest checks and schedule choice under budgets.
+Owns saving, loading, discovery, digest checks, schedule choice under budgets and the list of
+every transfer mode's (loss, bytes per token) point; not how any of them is measured (calibration).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from shared.scd.schedule import Geometry, Schedule
 
 FORMAT_VERSION = 2  # written; 2 added optional learned predictors (layer.<l>.predictor.*)
 READABLE_VERSIONS = (1, 2)  # a version-1 artifact is a version-2 artifact without predictors
+MEASURED = ("schedules", "audit", "candidates")  # meta measured on the held-out set, not fitted: not in the id
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,18 @@ class ScheduleEntry:
     schedule: str
     loss: float  # calibrated mean KL(oracle || reconstructed), nats per answer token
     bytes_per_token: float
+
+
+@dataclass(frozen=True)
+class TransferPoint:
+    """One way to move a context, on the artifact's loss scale: an SCD schedule, another transfer
+    mode measured on the same held-out set (meta["candidates"]), or the consumer's own prefill."""
+
+    mode: str  # codec name ("scd", "raw", "quant", "recompute"), or "oracle"
+    options: tuple[tuple[str, str], ...]  # (option, value) pairs as the codec resolves them, sorted
+    loss: float  # mean KL(oracle || this mode), nats per held-out answer token
+    bytes_per_token: float  # payload bytes per context token over all layers (oracle: 0, tokens only)
+    how: str  # "measured" (on the artifact's held-out set) | "exact" (the oracle, by definition)
 
 
 @dataclass
@@ -79,6 +94,19 @@ class Artifact:
     def schedules(self) -> list[ScheduleEntry]:
         return [ScheduleEntry(**s) for s in self.meta.get("schedules", [])]
 
+    def transfer_points(self) -> list[TransferPoint]:
+        """Every schedule, every measured candidate and the oracle, by increasing bytes per token."""
+        points = [
+            TransferPoint("scd", (("artifact", self.artifact_id), ("schedule", e.name)), e.loss, e.bytes_per_token, "measured")
+            for e in self.schedules
+        ]
+        points += [
+            TransferPoint(c["mode"], tuple(sorted(c["options"].items())), c["loss"], c["bytes_per_token"], c["how"])
+            for c in self.meta.get("candidates", [])
+        ]
+        points.append(TransferPoint("oracle", (), 0.0, 0.0, "exact"))
+        return sorted(points, key=lambda p: (p.bytes_per_token, p.loss))
+
     def audit_thresholds(self, schedule: str) -> tuple[float, ...] | None:
         """The calibrated per-layer cache-audit thresholds of a schedule (text form), if calibrated."""
         value = self.meta.get("audit", {}).get("thresholds", {}).get(schedule)
@@ -91,6 +119,19 @@ class Artifact:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.meta["format_version"] = FORMAT_VERSION
         self.meta["artifact_id"] = _content_id(self.tensors, self.meta)
+        self._write(path)
+
+    def rewrite(self) -> None:
+        """Write this loaded artifact back to its file (and .json) with its measurements as they
+        are now (MEASURED); the fitted content, hence the id and format version, stay as loaded."""
+        if self.path is None:
+            raise ValueError("artifact was not loaded from a file")
+        now = _content_id(self.tensors, self.meta)
+        if now != self.artifact_id:
+            raise ValueError(f"artifact {self.artifact_id}: fitted content changed (id now {now}); save it as a new artifact")
+        self._write(self.path)
+
+    def _write(self, path: Path) -> None:
         save_file({k: v.contiguous() for k, v in self.tensors.items()}, str(path), metadata={"scd": json.dumps(self.meta)})
         path.with_suffix(".json").write_text(json.dumps(self.meta, indent=2) + "\n")
         self.path = path
@@ -181,7 +222,7 @@ def _content_id(tensors: dict[str, torch.Tensor], meta: dict) -> str:
     for name in sorted(tensors):
         digest.update(name.encode())
         digest.update(tensors[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    body = {k: v for k, v in meta.items() if k not in ("artifact_id", "schedules", "audit")}  # measured, not fitted
+    body = {k: v for k, v in meta.items() if k != "artifact_id" and k not in MEASURED}
     digest.update(json.dumps(body, sort_keys=True).encode())
     return digest.hexdigest()[:16]
 

@@ -1,0 +1,179 @@
+"""Every transfer mode on an SCD artifact's loss scale: calibration.candidates on the shipped
+artifacts and the trained checkpoints, Artifact.transfer_points, and Describe's transfer_points."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from calibration import candidates
+from calibration import corpus as corpus_lib
+from calibration.distill import distill
+from calibration.search import LossEvaluator
+from shared import kv
+from shared.codecs import EncodeRequest, create_codecs
+from shared.models import load_model
+from shared.pb import consumer_pb2, producer_pb2
+from shared.scd import ops
+from shared.scd.artifact import Artifact, TransferPoint, _content_id
+from shared.scd.schedule import Action, Schedule
+from tests.conftest import running_pair
+from tests.test_scd import heldout, random_corpus
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = sorted((ROOT / "artifacts").glob("*.safetensors"))
+QA_CORPUS = ["--corpus", "qa.corpus:calibration_corpus", "--corpus-arg", "task=tuned", "--corpus-arg", "ctx=256"]
+
+
+def copy_artifact(name: str, into: Path) -> Path:
+    for suffix in (".safetensors", ".json"):
+        shutil.copy(ROOT / "artifacts" / f"{name}{suffix}", into / f"{name}{suffix}")
+    return into / f"{name}.safetensors"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_transfer_points_are_the_schedules_the_candidates_and_the_oracle_by_bytes(path):
+    art = Artifact.load(path)
+    points = art.transfer_points()
+    assert points[0] == TransferPoint("oracle", (), 0.0, 0.0, "exact")
+    assert [p.bytes_per_token for p in points] == sorted(p.bytes_per_token for p in points)
+    scd = sorted((dict(p.options)["schedule"], p.loss, p.bytes_per_token) for p in points if p.mode == "scd")
+    assert scd == sorted((e.name, e.loss, e.bytes_per_token) for e in art.schedules)
+    assert all(dict(p.options)["artifact"] == art.artifact_id and p.how == "measured" for p in points if p.mode == "scd")
+    others = [p for p in points if p.mode not in ("scd", "oracle")]
+    assert all(p.how == "measured" and p.options == tuple(sorted(p.options)) for p in others)
+    options = {(p.mode, p.options) for p in others}
+    spans = candidates.recorded_spans(art.meta)
+    assert options == {("raw", ()), *(("quant", (("bits", b), ("group_size", "32"))) for b in ("8", "4"))} | {
+        ("recompute", (("end", str(e)), ("start", str(s)))) for s, e in spans
+    }
+    n, g = art.num_layers, art.geometry
+    costs = {(p.mode, p.options): p.bytes_per_token for p in others}
+    assert costs["raw", ()] == Schedule((Action("raw"),) * n).bytes_per_token(g) == n * g.kv_width * 2  # bf16 K and V
+    assert costs["quant", (("bits", "8"), ("group_size", "32"))] == Schedule((Action("quant", 8),) * n).bytes_per_token(g)
+    for s, e in spans:  # raw K/V outside the span, the bf16 hidden state entering it
+        assert costs["recompute", (("end", str(e)), ("start", str(s)))] == (n - (e - s)) * g.kv_width * 2 + g.hidden * 2
+    bare = Artifact(art.tensors, {k: v for k, v in art.meta.items() if k != "candidates"})
+    assert [p.mode for p in bare.transfer_points()] == ["oracle"] + ["scd"] * len(art.schedules)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_candidates_are_measured_not_fitted_so_the_id_keeps(path):
+    art = Artifact.load(path)
+    assert art.meta["candidates"] and _content_id(art.tensors, art.meta) == art.artifact_id
+    without = {k: v for k, v in art.meta.items() if k != "candidates"}
+    assert _content_id(art.tensors, without) == art.artifact_id
+    assert json.loads(path.with_suffix(".json").read_text()) == art.meta  # the readable copy is the header's
+
+
+def test_rewrite_keeps_the_id_and_refuses_a_fitted_change(tmp_path):
+    art = Artifact.load(copy_artifact("qa-tuned-to-tuned", tmp_path))
+    art.meta["candidates"] = art.meta["candidates"][:1]
+    art.rewrite()
+    back = Artifact.load(art.path)
+    assert back.artifact_id == art.artifact_id and back.meta["candidates"] == art.meta["candidates"]
+    assert json.loads(art.path.with_suffix(".json").read_text()) == back.meta
+    back.meta["calibration"]["ridge_rel"] = 1.0
+    with pytest.raises(ValueError, match="fitted content changed"):
+        back.rewrite()
+
+
+@pytest.fixture(scope="module")
+def base_to_tuned():
+    """The 2-layer heterogeneous artifact, its checkpoints (bf16, as calibrated) and held-out set."""
+    art = Artifact.load(ROOT / "artifacts/qa-base-to-tuned.safetensors")
+    producer = load_model(str(ROOT / "checkpoints/qa-base"), "bfloat16", "cpu")
+    consumer = load_model(str(ROOT / "checkpoints/qa-tuned"), "bfloat16", "cpu")
+    held = corpus_lib.load("qa.corpus:calibration_corpus", consumer.tokenizer, 0, 12, {"task": "tuned", "ctx": "256"}).heldout
+    return art, producer, consumer, LossEvaluator(art, producer, consumer, held)
+
+
+def test_the_codecs_measure_what_the_schedule_actions_measure(base_to_tuned):
+    """raw and quant through their codecs give exactly the loss of the same action on every layer
+    in a schedule (ops' quant action is the codec's encoding byte for byte), and a re-run
+    reproduces the committed candidates."""
+    art, producer, consumer, ev = base_to_tuned
+    measured = candidates.measure(art, producer, consumer, ev.heldout, ev)
+    n = art.num_layers
+    by_mode = {(c["mode"], c["options"].get("bits")): c["loss"] for c in measured}
+    assert by_mode["raw", None] == ev.loss([Action("raw")] * n)
+    for bits in (8, 4):
+        assert by_mode["quant", str(bits)] == ev.loss([Action("quant", bits)] * n)
+    assert measured == art.meta["candidates"]
+    profiled = {(r["start"], r["end"]): r["kl"] for r in art.meta["recompute_profile"]}
+    for c in measured:
+        if c["mode"] == "recompute":  # the profile's loss of that span, up to float noise
+            assert c["loss"] == pytest.approx(profiled[int(c["options"]["start"]), int(c["options"]["end"])], abs=1e-5)
+    states, _ = kv.capture_states(producer, ev.heldout[0].context_ids, kv.Capture.KV)
+    codec = create_codecs(producer, ["quant"])["quant"]
+    for bits in ("8", "4"):
+        encoder = codec.encoder(codec.resolve({"bits": bits}), EncodeRequest(len(ev.heldout[0].context_ids)))
+        for layer in range(n):
+            ours, theirs = ops.encode_layer(art, layer, Action("quant", int(bits)), states[layer]), encoder.encode(states[layer])
+            assert ours.keys() == theirs.keys()
+            assert all(ours[k].dtype == theirs[k].dtype and ours[k].numpy().tobytes() == theirs[k].numpy().tobytes() for k in ours)
+
+
+def test_distill_records_the_candidates_of_a_new_artifact(tmp_path):
+    model = load_model("tiny-llama", "float32", "cpu")
+    art = distill(
+        model, model, random_corpus(6, 64, 0), heldout(2, 1), corpus_name="r", schedules=["R8.R8.R8.R8"], log=lambda m: None
+    )
+    assert [(c["mode"], c["options"]) for c in art.meta["candidates"]] == [
+        ("raw", {}),
+        ("quant", {"bits": "8", "group_size": "32"}),
+        ("quant", {"bits": "4", "group_size": "32"}),
+        ("recompute", {"start": "1", "end": "2"}),  # the default span of 4 layers, exact for P == C
+    ]
+    assert {c["mode"]: c["loss"] for c in art.meta["candidates"]}["recompute"] == pytest.approx(0.0, abs=1e-6)
+    art.save(tmp_path / "tiny.safetensors")
+    modes = [p.mode for p in Artifact.load(art.path).transfer_points()]
+    assert modes == ["oracle", "scd", "quant", "quant", "raw", "recompute"]  # tiny-llama's hidden is wider than its K/V
+
+
+def test_the_command_adds_candidates_in_place(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)  # the artifact names its checkpoints relative to the repository
+    path = copy_artifact("qa-tuned-to-tuned", tmp_path)
+    art = Artifact.load(path)
+    committed = art.meta.pop("candidates")
+    art.rewrite()
+    candidates.main([str(path), *QA_CORPUS, "--dtype", "bfloat16"])
+    back = Artifact.load(path)
+    assert back.artifact_id == art.artifact_id and back.meta["candidates"] == committed
+    assert json.loads(path.with_suffix(".json").read_text()) == back.meta
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [{k: v for k, v in row.items() if k != "artifact"} for row in printed] == committed
+
+
+def test_the_command_refuses_another_heldout_set_or_dtype(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    path = copy_artifact("qa-tuned-to-tuned", tmp_path)
+    before = path.read_bytes()
+    with pytest.raises(SystemExit) as refused:  # 11 of the 12 held-out examples: other losses
+        candidates.main([str(path), *QA_CORPUS, "--dtype", "bfloat16", "--heldout", "11"])
+    message = str(refused.value.code)
+    assert "refused" in message and "re-measure to another loss" in message and "s1 (R2.R16)" in message
+    with pytest.raises(SystemExit, match="2-byte K/V elements; --dtype float32 has 4"):
+        candidates.main([str(path), *QA_CORPUS, "--dtype", "float32"])
+    assert path.read_bytes() == before
+
+
+async def test_describe_lists_every_transfer_point():
+    path = ROOT / "artifacts/qa-base-to-tuned.safetensors"
+    art = Artifact.load(path)
+    want = [(p.mode, dict(p.options), p.loss, p.bytes_per_token, p.how) for p in art.transfer_points()]
+    kw = {"artifacts": str(path)}
+    async with running_pair(
+        str(ROOT / "checkpoints/qa-base"), str(ROOT / "checkpoints/qa-tuned"), "bfloat16", producer_kw=kw, consumer_kw=kw
+    ) as pair:
+        for reply in (
+            await pair.stub.Describe(consumer_pb2.ConsumerServiceDescribeRequest()),
+            await pair.producer_stub.Describe(producer_pb2.ProducerServiceDescribeRequest()),
+        ):
+            (listed,) = reply.artifacts
+            got = [(t.mode, dict(t.options), t.calibrated_loss, t.bytes_per_token, t.how) for t in listed.transfer_points]
+            assert got == want
+            assert {t.mode for t in listed.transfer_points} == {"oracle", "scd", "raw", "quant", "recompute"}
