@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -78,8 +79,10 @@ def _exit_on_sigterm(signum, frame) -> None:
 def running(producer_args: Sequence[str], consumer_args: Sequence[str], log_dir: Path,
             producer_host: str = "127.0.0.1", consumer_host: str = "127.0.0.1",
             producer_prefix: Sequence[str] = (), consumer_prefix: Sequence[str] = (),
-            timeout_s: float = 300.0) -> Iterator[tuple[Service, Service]]:
-    """Producer then consumer (pointed at it), both SERVING; both stopped on exit, also when this
+            timeout_s: float = 300.0,
+            producer_target: Callable[[str], str] = lambda address: address) -> Iterator[tuple[Service, Service]]:
+    """Producer then consumer (pointed at it, or at what `producer_target` makes of its address: a
+    relay on the path), both SERVING; both stopped on exit, also when this
     process gets SIGTERM (turned into SystemExit so the cleanup runs; no orphaned services). Python
     runs the handler in the main thread at its next bytecode: a main thread blocked in one long C
     call (a long sleep) notices a SIGTERM the kernel delivered to another thread only afterwards."""
@@ -92,7 +95,7 @@ def running(producer_args: Sequence[str], consumer_args: Sequence[str], log_dir:
     try:
         wait_healthy(producer, timeout_s)  # first: the consumer checks its producer when it starts
         consumer = spawn("consumer", ["--host", consumer_host, "--port", str(cport), "--producer",
-                                      f"{producer_host}:{pport}", *consumer_args],
+                                      producer_target(f"{producer_host}:{pport}"), *consumer_args],
                          f"{consumer_host}:{cport}", log_dir, consumer_prefix)
         wait_healthy(consumer, timeout_s)
         yield producer, consumer

@@ -18,8 +18,8 @@ as this consumer's own transfers left it (consumer.producer_memory). The fastest
 wins, ties to the lower loss. While a remote candidate has no estimate (no transfer measured yet),
 the lowest-loss such candidate is picked to learn it, and the reason says so ("cold start"),
 unless the prefix cache already holds the context made by a candidate within the budget. A link
-estimate goes stale while only the own prefill is chosen: after PROBE_EVERY choices without a
-link measurement the fastest remote candidate is tried instead ("probe"; under LOCAL_PREFILL a
+estimate goes stale while only the own prefill is chosen: after PROBE_EVERY choices and
+PROBE_AFTER_S seconds without a link measurement the fastest remote candidate is tried instead ("probe"; under LOCAL_PREFILL a
 stream too slow to finish is abandoned mid-way, so a probe of a slow link costs little).
 Remote candidates are left out while the producer link is unusable. Knows nothing about grpc.
 """
@@ -27,6 +27,7 @@ Remote candidates are left out while the producer link is unusable. Knows nothin
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -41,7 +42,8 @@ from shared.scd.artifact import Artifact
 
 OPTIONS = ("max_loss", "exact", "candidates")
 LOSS_SLACK = 1e-9  # a candidate whose loss equals the budget meets it
-PROBE_EVERY = 3  # after this many choices without a link measurement, a remote candidate is tried (a probe)
+PROBE_EVERY = 3  # after this many choices without a link measurement ...
+PROBE_AFTER_S = 5.0  # ... and this long, a remote candidate is tried (a probe)
 TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no", "")
 
 
@@ -119,6 +121,7 @@ class Chooser:
         self.loaded, self.codecs, self.planner, self.memory = loaded, codecs, planner, memory
         self.cached_tokens = cached_tokens  # tokens of the context the prefix cache holds made as a candidate makes them
         self.producer_digest, self.producer_usable = producer_digest, producer_usable
+        self._cached: tuple[str, list[Candidate]] | None = None  # (producer digest, candidates) last built
 
     # -- the candidate set ------------------------------------------------------------------
     def _artifacts(self) -> list[Artifact]:
@@ -131,6 +134,13 @@ class Chooser:
         ]
 
     def candidates(self) -> list[Candidate]:
+        """The candidate set for what is known of the producer now (built again when that changes)."""
+        producer = self.producer_digest()
+        if self._cached is None or self._cached[0] != producer:
+            self._cached = (producer, self._build())
+        return self._cached[1]
+
+    def _build(self) -> list[Candidate]:
         found: dict[tuple, Candidate] = {}
 
         def add(c: Candidate) -> None:
@@ -201,7 +211,7 @@ class Chooser:
             return Estimate(0.0, "the consumer's prefix cache holds the whole context")
         if not c.remote:
             local = self.planner.estimate_local(T - cached)
-            return local if not cached else Estimate(local.ms, f"{local.detail}; {cached} cached")
+            return local if not cached else Estimate(local.ms, f"{local.detail}; {cached} cached", local.base_ms)
         kv_held, payload_held = self.memory.held(self.producer_digest(), c.key, context_ids)
         compute = 0 if payload_held >= T else T - kv_held
         encode = max(0, T - max(payload_held, cached))
@@ -239,7 +249,8 @@ class Chooser:
             reason = f"cold start: {pick.estimate.detail}; picked {pick.candidate.key}, the only candidate"
         remote_known = [s for s in known if s.candidate.remote]
         self.planner.choices_since_link_sample += 1
-        stale = self.planner.choices_since_link_sample >= PROBE_EVERY
+        age_s = time.monotonic() - self.planner.link_sampled_at
+        stale = self.planner.choices_since_link_sample >= PROBE_EVERY and age_s >= PROBE_AFTER_S
         if stale and not pick.candidate.remote and pick.estimate.ms and remote_known and usable:
             probe = min(remote_known, key=lambda s: (s.estimate.ms, _sort_loss(s.candidate)))
             reason = (

@@ -18,7 +18,9 @@ transfers; the rest 0.3):
 
 A candidate's time (`estimate`): remote = rtt + producer queue (when it computes) + the three
 pipelined stages (producer compute, wire, rebuild; they overlap layer by layer, so the longest
-plus the others' share of one layer); local = own ms/token x tokens to prefill. A mode never
+plus the others' share of one layer); local = own ms/token x tokens to prefill; each plus the
+overhead learned for its kind from auto's own choices (what the KV actually took, TTFT minus the
+question prefill, minus what the model said). A mode never
 seen yet borrows the cheapest encode and rebuild rates seen (optimistic, so it gets tried and
 measured) and its calibrated bytes per token. Knows nothing about grpc or torch.
 """
@@ -26,6 +28,7 @@ measured) and its calibrated bytes per token. Knows nothing about grpc or torch.
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -77,6 +80,7 @@ class Observation:
 class Estimate:
     ms: float | None  # None: an estimate it needs has no sample yet
     detail: str  # the parts, or what is missing
+    base_ms: float | None = None  # ms before the learned overhead of its kind (remote / local) was added
 
 
 def pipelined(stages: list[float], layers: int) -> float:
@@ -96,7 +100,9 @@ class TransferPlanner:
     rebuild_ms_per_token: dict[str, Ewma] = field(default_factory=dict)
     bytes_per_token: dict[str, Ewma] = field(default_factory=dict)
     header_ms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RTT_WINDOW))
+    overhead_ms: dict[str, Ewma] = field(default_factory=lambda: {"remote": Ewma(), "local": Ewma()})
     choices_since_link_sample: int = 0  # auto choices made since the link was last measured (consumer.auto's probes)
+    link_sampled_at: float = 0.0  # time.monotonic() of the last link measurement
 
     # -- learning ---------------------------------------------------------------------------
     def observe(self, o: Observation) -> None:
@@ -131,6 +137,7 @@ class TransferPlanner:
         if span_bytes < MIN_WIRE_BYTES or span_ms <= 0.1:
             return
         self.choices_since_link_sample = 0
+        self.link_sampled_at = time.monotonic()
         rate = span_bytes / span_ms
         current = self.link_bytes_per_ms.value
         if link_bound and current is not None and not current / RATE_JUMP <= rate <= current * RATE_JUMP:
@@ -152,11 +159,23 @@ class TransferPlanner:
             return self.question_ms_per_token.value, "question prefill (no own context prefill yet)"
         return None, ""
 
+    def observe_overhead(self, remote: bool, actual_ms: float, base_ms: float) -> None:
+        """An auto choice came true: its KV was ready actual_ms after receipt (TTFT minus the
+        question prefill) where the model said base_ms; the difference, learned per kind, is what
+        the model leaves out (call setup, queueing, decode of the last layer, ...)."""
+        self.overhead_ms["remote" if remote else "local"].add(actual_ms - base_ms)
+
+    def _with_overhead(self, kind: str, base: float, detail: str) -> Estimate:
+        extra = self.overhead_ms[kind].value
+        if extra is None:
+            return Estimate(base, detail, base)
+        return Estimate(max(base + extra, 0.0), f"{detail} + learned overhead {extra:.1f}", base)
+
     def estimate_local(self, tokens: int) -> Estimate:
         rate, source = self.local_rate()
         if rate is None:
             return Estimate(None, "no own prefill rate yet")
-        return Estimate(tokens * rate, f"own prefill {tokens} tokens x {rate:.3f} ms ({source})")
+        return self._with_overhead("local", tokens * rate, f"own prefill {tokens} tokens x {rate:.3f} ms ({source})")
 
     def _rate(self, table: dict[str, Ewma], key: str) -> tuple[float | None, bool]:
         """(ms per token, borrowed) of a mode; a mode not seen yet borrows the cheapest seen."""
@@ -198,13 +217,13 @@ class TransferPlanner:
         wire = (bpt or 0.0) * send / link if send and link else 0.0
         rebuild = (rebuild_rate or 0.0) * send
         queue = (self.producer_queue_ms.value or 0.0) if compute else 0.0
-        ms = self.rtt_ms + queue + pipelined([producer, wire, rebuild], layers)
+        base = self.rtt_ms + queue + pipelined([producer, wire, rebuild], layers)
         detail = (
             f"rtt {self.rtt_ms:.1f} + queue {queue:.1f} + pipelined(producer {producer:.1f} [{compute} prefilled,"
             f" {encode} encoded], wire {wire:.1f} [{send} tokens x {bpt:.0f} B at {(link or 0) * 8e-3:.1f} Mbit/s],"
             f" rebuild {rebuild:.1f})"
         )
-        return Estimate(ms, detail)
+        return self._with_overhead("remote", base, detail)
 
     def snapshot(self) -> dict[str, float]:
         """The current estimates, for Describe and logs (absent: no sample yet)."""
@@ -215,6 +234,8 @@ class TransferPlanner:
             "producer_prefill_ms_per_token": self.producer_ms_per_token.value,
             "producer_queue_ms": self.producer_queue_ms.value,
             "link_mbit_s": None if self.link_bytes_per_ms.value is None else self.link_bytes_per_ms.value * 8e-3,
+            "remote_overhead_ms": self.overhead_ms["remote"].value,
+            "local_overhead_ms": self.overhead_ms["local"].value,
         }
         for name, table in (("bytes_per_token", self.bytes_per_token), ("rebuild_ms_per_token", self.rebuild_ms_per_token)):
             out.update({f"{name}[{k}]": e.value for k, e in table.items()})

@@ -95,6 +95,11 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             return
         if item.abandoned_span is not None:
             self.planner.observe_abandoned(*item.abandoned_span)
+        chosen = next((s for s in job.auto.scored if s.chosen), None) if job.auto is not None else None
+        if chosen is not None and chosen.estimate.base_ms is not None and not item.transfer_failure and item.generated_tokens:
+            self.planner.observe_overhead(
+                chosen.candidate.remote, item.ttft_ms - item.question_prefill_ms, chosen.estimate.base_ms
+            )
         t = item.trailer
         remote = item.codec != LOCAL_MODE and t is not None
         self.planner.observe(

@@ -4,10 +4,13 @@ finish abandoned mid-way for the consumer's own prefill (a producer that stalls 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import pytest
 
 from consumer.client import ConsumerClient
+from qa.task import make_example
 from producer.server import ProducerServer
 from shared.config import ProducerConfig
 from shared.models import load_model
@@ -140,7 +143,38 @@ async def test_a_stale_link_estimate_is_probed():
         assert stats.auto.reason.startswith("cold start") and stats.bytes_received >= 16 * 1024
         planner = pair.consumer.servicer.planner
         planner.link_bytes_per_ms.value = 1e-3  # as if the link had crawled: the own prefill wins...
+        planner.link_sampled_at -= 60  # ...measured a minute ago...
         picks = [(await pair.generate(transfer=AUTO, **long))[2] for _ in range(3)]
         assert [s.transfer.name for s in picks[:2]] == ["oracle", "oracle"]
-        assert picks[2].auto.reason.startswith("probe") and picks[2].bytes_received > 0  # ...until it is measured again
+        assert picks[2].auto.reason.startswith("probe") and picks[2].bytes_received > 0  # ...so it is measured again
         assert planner.link_bytes_per_ms.value > 1.0 and not picks[2].transfer_abandoned
+
+
+async def test_auto_on_the_trained_pair_keeps_to_the_calibrated_budget():
+    """The shipped heterogeneous pair: raw / quant / recompute are measured at ~9 nats (naive reuse
+    of another model's cache) and never meet a budget; the default budget is the artifact's
+    default schedule's loss; a wider budget admits the cheaper schedule."""
+    root = Path(__file__).resolve().parents[1]
+    art = str(root / "artifacts" / "qa-base-to-tuned.safetensors")
+    base, tuned = str(root / "checkpoints" / "qa-base"), str(root / "checkpoints" / "qa-tuned")
+    ex = make_example(seed=5, split="test", ctx_tokens=256, task="tuned")
+    async with running_pair(base, tuned, producer_kw={"artifacts": art}, consumer_kw={"artifacts": art}) as pair:
+        oracle, _, _ = await pair.generate(transfer=common_pb2.CodecSpec(name="oracle"), context=prompt(ex.context),
+                                           question=prompt(ex.question), max_new_tokens=4)
+        _, _, stats = await pair.generate(context=prompt(ex.context), question=prompt(ex.question), max_new_tokens=4)
+        a = stats.auto
+        points = {(c.mode, tuple(sorted(c.options.items()))): c for c in a.candidates}
+        raw = points[("raw", ())]
+        assert raw.how == "measured" and raw.calibrated_loss > 5 and not raw.within_budget
+        best = min(c.calibrated_loss for c in a.candidates if c.mode == "scd")
+        assert a.max_loss == pytest.approx(best) and "default schedule" in a.budget_source
+        assert {c.mode for c in a.candidates if c.within_budget} == {"scd", "oracle"}
+        wider = common_pb2.CodecSpec(name="auto", options={"max_loss": "0.002"})
+        ids, _, stats = await pair.generate(transfer=wider, context=prompt(ex.context), question=prompt(ex.question),
+                                            max_new_tokens=4)
+        within = [c for c in stats.auto.candidates if c.within_budget]
+        assert len([c for c in within if c.mode == "scd"]) == 2 and all(c.calibrated_loss <= 0.002 for c in within)
+        chosen = next(c for c in stats.auto.candidates if c.chosen)
+        assert chosen.within_budget and stats.transfer.name == chosen.mode
+        if chosen.mode == "oracle":
+            assert ids == oracle
