@@ -143,7 +143,7 @@ TTFT_GRID_05B := --model-scale qwen05b --artifacts .cache/artifacts --contexts 5
 	--bandwidths 10 100 1000 --stores cold warm --warmup 1 --runs 5 \
 	--modes oracle raw quant:bits=8 quant:bits=4 scd
 
-.PHONY: bench-transport gpu-check pool-test load-test bench-throughput results-doc bench-prefix
+.PHONY: bench-transport gpu-check pool-test load-test bench-throughput results-doc bench-prefix bench-adaptive
 
 # The consumer's batch engine vs --max-batch 1, same run, interleaved: QA pair and the
 # 0.5B-shaped model, modes oracle/raw/scd, concurrency 1-64 -> bench/results/throughput.{jsonl,png}.
@@ -164,6 +164,12 @@ results-doc: $(PB_GEN)
 PREFIX_ARGS ?=
 bench-prefix: $(PB_GEN)
 	$(PYTHON) -m bench.prefix $(PREFIX_ARGS)
+
+# Mode auto against every fixed candidate within the budget, per rate (10/50/100/1000 Mbit,
+# unshaped), delay (0/20 ms) and store (cold/warm), and a run whose rate steps 100 -> 10 -> 100
+# Mbit (needs root for the shaped link; ADAPTIVE_ARGS=--quick: the QA pair at two rates).
+bench-adaptive: $(PB_GEN)
+	$(PYTHON) -m bench.adaptive $(ADAPTIVE_ARGS)
 
 # Rounds of 32 concurrent Generate streams over every mode with random cancels and tiny deadlines,
 # at the services' shipped --max-inflight (refusals counted by status) with the head-of-line check

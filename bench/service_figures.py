@@ -12,6 +12,7 @@ from pathlib import Path
 from bench.audit import table as audit_table
 from bench.pairs import PAIRS
 from bench.rows import ROOT, artifact_meta, json_line, rows_of, span, span_words
+from shared.labels import mode_label
 
 # ---- transport, pool, compose, load, contract ----------------------------------------------------
 
@@ -248,3 +249,54 @@ def prefix(root: Path = ROOT) -> dict:
         )
     identical = min((r["identical_to_cold_rate"] for r in rows), default=0.0)
     return {"table": "\n".join(table), "rows": len(rows), "identical_min": identical}
+
+
+def adaptive(root: Path = ROOT) -> dict:
+    """bench.adaptive's rows: per cell every fixed candidate and auto, auto's ratio to the fastest
+    fixed candidate within the budget, and the step run."""
+    rows = rows_of(root / "bench/results/adaptive.jsonl")
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if "phase" not in r:
+            cells.setdefault((r["model"], r["ctx_tokens"], r["bandwidth_mbit"], r["delay_ms"], r["store"]), []).append(r)
+    table = [
+        "| model (weights, dtype) | ctx | Mbit/s | delay ms | shaping | store | auto picked | auto TTFT p50 ms"
+        " | fastest fixed within budget (p50 ms) | auto / fastest | budget | auto's loss | F1 auto / oracle | load |",
+        "|---|---:|---|---:|---|---|---|---:|---|---:|---:|---:|---|---:|",
+    ]
+    ratios = []
+    for key, rs in cells.items():
+        auto = next((r for r in rs if r["mode"] == "auto"), None)
+        fixed = [r for r in rs if r["mode"] != "auto" and r["loss"] is not None and r["loss"] <= r["max_loss"] + 1e-9]
+        if auto is None or not fixed:
+            continue
+        best = min(fixed, key=lambda r: r["ttft_ms_median"])
+        ratio = auto["ttft_ms_median"] / best["ttft_ms_median"]
+        ratios.append(ratio)
+        oracle = next((r for r in rs if r["mode"] == "oracle"), None)
+        f1 = "-" if auto["f1"] is None else f"{auto['f1']:.2f} / {oracle['f1']:.2f}" if oracle and oracle["f1"] is not None else f"{auto['f1']:.2f}"
+        picked = ", ".join(f"{k} x{v}" for k, v in auto["chosen"].items())
+        best_label = mode_label(best["mode"], ",".join(f"{k}={v}" for k, v in sorted(best["options"].items()) if k != "artifact"))
+        loss = "-" if auto["loss"] is None else f"{auto['loss']:.4g}"
+        table.append(
+            f"| {auto['model']} ({auto['weights']}, {auto['dtype']}) | {auto['ctx_tokens']} | {auto['bandwidth_mbit'] or 'unshaped'}"
+            f" | {auto['delay_ms']:g} | {auto['shaping']} | {auto['store']} | {picked} | {auto['ttft_ms_median']:.1f}"
+            f" | {best_label} ({best['ttft_ms_median']:.1f}) | {ratio:.2f} | {auto['max_loss']:.4g} | {loss} | {f1}"
+            f" | {auto['load_avg_1m']:.1f} |"
+        )
+    steps = [r for r in rows if "phase" in r]
+    step_lines = [
+        f"phase {r['phase']} ({r['bandwidth_mbit']} Mbit/s, {r['model']}, {r['store']}): picks {' '.join(r['picks'])};"
+        f" settled on {r['settled_on']} after {r['requests_to_adapt']} request(s); TTFT p50 {r['ttft_ms_median']:.0f} ms"
+        for r in steps
+    ]
+    met = sum(x <= 1.1 for x in ratios)
+    return {
+        "rows": len(rows),
+        "table": "\n".join(table),
+        "cells": len(ratios),
+        "met": met,
+        "worst": f"{max(ratios):.2f}" if ratios else "-",
+        "median": f"{sorted(ratios)[len(ratios) // 2]:.2f}" if ratios else "-",
+        "steps": "\n".join(f"- {line}" for line in step_lines) or "- (no step run in the rows)",
+    }
