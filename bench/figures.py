@@ -19,7 +19,7 @@ from bench import plot, projection
 from bench import quality as quality_bench
 from bench.pairs import PAIRS
 from bench.rows import RESULTS, ROOT, artifact_meta, em_f1, rows_of, span, span_words  # noqa: F401 (RESULTS: re-exported)
-from bench.service_figures import adaptive, audit, compose, contract, load, pool, prefix, throughput, transport
+from bench.service_figures import adaptive, audit, compose, contract, link, load, pool, prefix, throughput, transport
 from shared.labels import mode_label
 
 # ---- the trained pairs (qa.evaluate pair) -------------------------------------------------------
@@ -282,4 +282,5 @@ def figures(root: Path = ROOT) -> dict:
         "throughput": throughput(root),
         "prefix": prefix(root),
         "adaptive": adaptive(root),
+        "link": link(root),
     }

@@ -254,7 +254,8 @@ def prefix(root: Path = ROOT) -> dict:
 def adaptive(root: Path = ROOT) -> dict:
     """bench.adaptive's rows: per cell every fixed candidate and auto, auto's ratio to the fastest
     fixed candidate within the budget, and the step run."""
-    rows = rows_of(root / "bench/results/adaptive.jsonl")
+    path = root / "bench/results/adaptive.jsonl"
+    rows = rows_of(path) if path.exists() else []
     cells: dict[tuple, list[dict]] = {}
     for r in rows:
         if "phase" not in r:
@@ -300,3 +301,20 @@ def adaptive(root: Path = ROOT) -> dict:
         "median": f"{sorted(ratios)[len(ratios) // 2]:.2f}" if ratios else "-",
         "steps": "\n".join(f"- {line}" for line in step_lines) or "- (no step run in the rows)",
     }
+
+
+def link(root: Path = ROOT) -> dict:
+    """`python -m bench.netns` sample rows (bench/results/link.jsonl): what each link asked for, its
+    measured rate and RTT as a client sees it."""
+    rows = rows_of(root / "bench/results/link.jsonl")
+    table = ["| link asked for | shaping | measured rate (Mbit/s) | RTT median (min-max), ms |", "|---|---|---|---|"]
+    for r in rows:
+        asked = f"{r['rate_mbit']:g} Mbit" if r["rate_mbit"] is not None else "unshaped"
+        asked += f", {r['delay_ms']:g}" + (f" +/- {r['jitter_ms']:g}" if r["jitter_ms"] else "") + " ms each way"
+        if r["loss_pct"]:
+            asked += f", {r['loss_pct']:g}% loss"
+        lost = f" ({r['loss_pct_measured']:g}% of datagrams lost)" if r.get("loss_pct_measured") is not None else ""
+        table.append(
+            f"| {asked} | {r['shaping']} | {r['measured_mbit']:.1f}{lost} | {r['rtt_ms']:.1f} ({r['rtt_ms_min']:.1f}-{r['rtt_ms_max']:.1f}) |"
+        )
+    return {"table": "\n".join(table), "rows": len(rows)}
