@@ -9,7 +9,8 @@ path). Every row says which (`shaping`). `--no-shaping`: loopback only (no root;
 Grid: scales (trained: the QA pair qa-base -> qa-tuned, quality; qwen05b: the Qwen2.5-0.5B shape,
 random weights, speed only) x delays x bandwidths x stores (cold: a context the producer never
 saw; warm: the same context again). Per cell the candidates are measured interleaved (warm-up,
-then --runs repetitions, every candidate once each in rotating order): every fixed candidate the
+then --runs repetitions, every candidate once each in a seeded shuffled order, so no candidate
+always runs right after the same other one, and --gap-ms apart): every fixed candidate the
 pair offers within the budget (as the consumer's auto lists them), the extra fixed modes named
 by --extra-modes, and `auto` at the budget. The budget: --max-loss, else the calibrated loss of
 --budget-schedule (the trained pair's headline schedule), else the pair's default (auto with no
@@ -38,6 +39,7 @@ import collections
 import contextlib
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -49,7 +51,7 @@ from pathlib import Path
 import grpc
 
 from bench import netns, services
-from bench.ttft.grid import Mode, parse_bandwidth, parse_mode, rotation
+from bench.ttft.grid import Mode, parse_bandwidth, parse_mode
 from bench.workloads import Workload, note, workload_for
 from consumer.client import ConsumerClient, prompt
 
@@ -103,7 +105,10 @@ async def measure_cell(client, w: Workload, modes: list[Mode], ctx: int, store: 
     samples: dict[Mode, list[Sample]] = {m: [] for m in modes}
     active = list(modes)
     for rep in range(-args.warmup, args.runs):
-        for mode in rotation(list(active), rep):
+        order = list(active)
+        random.Random(f"{ctx}/{store}/{rep}").shuffle(order)  # no candidate always follows the same one
+        for mode in order:
+            await asyncio.sleep(args.gap_ms / 1e3)  # the last request's leftover work (store writes) settles
             try:
                 answer, gold, reference = await ask(client, w, mode, ctx, warm, budget, args.timeout_s)
             except grpc.aio.AioRpcError as err:
@@ -369,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stores", nargs="+", choices=["cold", "warm"], default=["cold", "warm"])
     p.add_argument("--runs", type=int, default=3, help="measured repetitions per cell, every candidate once each")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--gap-ms", type=float, default=100.0, help="pause before each request (the last one's leftover work settles)")
     p.add_argument("--contexts", type=lambda t: dict(kv.split("=") for kv in t.split(",")), default=None,
                    help="context tokens per scale, e.g. trained=256,qwen05b=2048")
     p.add_argument("--max-loss", type=float, help="auto's budget (default: --budget-schedule's loss, else the pair's default)")

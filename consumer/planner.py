@@ -36,6 +36,7 @@ from shared.labels import mode_label, options_label
 
 MIN_WIRE_BYTES = 16 * 1024  # smaller transfers say more about latency than about bandwidth
 RTT_WINDOW = 16
+OVERHEAD_RATIO = 2.0  # an estimate this far off the actual time is not a lesson in overhead
 RATE_JUMP = 2.0  # a link sample this far off the estimate (either way) replaces it
 LINK_BOUND_SHARE = 0.5  # a span counts as link-bound when the producer's forward took less than this share of it
 
@@ -162,8 +163,12 @@ class TransferPlanner:
     def observe_overhead(self, remote: bool, actual_ms: float, base_ms: float) -> None:
         """An auto choice came true: its KV was ready actual_ms after receipt (TTFT minus the
         question prefill) where the model said base_ms; the difference, learned per kind, is what
-        the model leaves out (call setup, queueing, decode of the last layer, ...)."""
-        self.overhead_ms["remote" if remote else "local"].add(actual_ms - base_ms)
+        the model leaves out (call setup, queueing, decode of the last layer, ...). Only a model
+        that was roughly right (within OVERHEAD_RATIO either way) teaches it: a far-off one had a
+        stale input (a link reshaped since it was measured), which the request's own measurements
+        correct, and learning it as overhead would bias every later choice of its kind."""
+        if base_ms > 0 and 1 / OVERHEAD_RATIO <= actual_ms / base_ms <= OVERHEAD_RATIO:
+            self.overhead_ms["remote" if remote else "local"].add(actual_ms - base_ms)
 
     def _with_overhead(self, kind: str, base: float, detail: str) -> Estimate:
         extra = self.overhead_ms[kind].value

@@ -121,3 +121,12 @@ def test_producer_memory_remembers_prefixes_per_mode_and_stays_bounded():
     for n in range(20):
         m.remember("p" * 64, "raw", [n] * 300, chunk_tokens=256)
     assert len(m.keys) == 16
+
+
+def test_overhead_is_learned_only_from_roughly_right_estimates():
+    p = TransferPlanner()
+    p.observe_overhead(True, 12.0, 8.0)  # 4 ms the model leaves out
+    assert p.overhead_ms["remote"].value == 4.0
+    p.observe_overhead(True, 21000.0, 5000.0)  # a stale link, not an overhead: ignored
+    p.observe_overhead(False, 1.0, 5000.0)
+    assert p.overhead_ms["remote"].value == 4.0 and p.overhead_ms["local"].value is None

@@ -1,0 +1,51 @@
+"""A consumer that asks only for the tail of a context it holds a prefix of (first_token, prefix_key)
+and is refused by its producer (the producer no longer holds that prefix, or names it otherwise)
+retries the whole context at once and answers as from a cold transfer: no cached token is reused,
+the bytes are the whole stream's, the answer is the consumer's own prefill's."""
+
+from __future__ import annotations
+
+import grpc
+
+from consumer.client import ConsumerClient
+from producer.server import ProducerServer
+from shared.config import ProducerConfig
+from tests.conftest import prompt
+from tests.hostile import consumer_of, record
+
+C = 64  # the chunk size of both sides
+
+
+async def test_a_refused_prefix_key_is_retried_with_the_whole_context():
+    first = list(range(10, 10 + 100))  # one full chunk and a tail
+    longer = first + list(range(200, 280))  # the next turn: extends the first context
+    producer = ProducerServer(ProducerConfig(port=0, model="tiny-llama", device="cpu", chunk_tokens=C, drain_grace_s=0))
+    await producer.start()
+    await producer.load()
+    try:
+        recorded = {len(first): await record(producer.address, first, "raw"), len(longer): await record(producer.address, longer, "raw")}
+    finally:
+        await producer.stop(0)
+    asked: list[tuple[int, int]] = []
+
+    def script(request):
+        asked.append((len(request.token_ids), request.first_token))
+        if request.first_token:
+            yield grpc.StatusCode.FAILED_PRECONDITION  # "prefix_key: does not name tokens [0, first_token) ..."
+            return
+        yield from recorded[len(request.token_ids)]
+
+    question = prompt(ids=[5, 6, 7])
+    async with consumer_of(script, chunk_tokens=C) as (consumer, _):
+        client = ConsumerClient(consumer.address)
+        try:
+            await client.generate(mode="raw", context=prompt(ids=first), question=question, max_new_tokens=4)
+            answer = await client.generate(mode="raw", context=prompt(ids=longer), question=question, max_new_tokens=4)
+            own = await client.generate(mode="oracle", context=prompt(ids=longer), question=question, max_new_tokens=4)
+        finally:
+            await client.channel.close()
+    assert asked == [(len(first), 0), (len(longer), C), (len(longer), 0)]  # the tail, refused; then the whole context
+    whole = sum(len(m.chunk.data) for m in recorded[len(longer)] if m.WhichOneof("kind") == "chunk")
+    s = answer.stats
+    assert s.transfer.name == "raw" and s.prefix_reused_tokens == 0 and s.bytes_received == whole
+    assert not s.transfer_failure and answer.ids == own.ids
