@@ -18,7 +18,10 @@ option). Services run with the consumer's prefix cache off (a repeated context i
 store hit, not a consumer cache hit).
 
 Then the step run (--step-scale, warm, no delay): --step-requests auto requests at each rate of
---step-rates (100 -> 10 -> 100 Mbit), the rate changed with `tc qdisc change` between phases.
+--step-rates (100 -> 10 -> 100 Mbit), the rate changed with `tc qdisc change` between phases;
+requests_to_adapt counts a phase's requests until every later pick but the probes (auto's
+deliberate tries of a remote candidate on a stale link estimate, listed in `probes`) is the one
+it settled on.
 
 One JSON line per cell to OUT_DIR/adaptive.jsonl: model, weights, dtype, ctx_tokens,
 bandwidth_mbit, delay_ms, shaping, link_mbit (measured), store, mode, options, chosen (auto: the
@@ -192,7 +195,7 @@ async def bench_delay(w: Workload, address: str, link, delay_ms: float, args, em
         fixed = [mode_of(c) for c in cands if c.within_budget]
         fixed += [m for m in args.extra_modes if m not in fixed]
         modes = [*fixed, Mode(AUTO)]
-        for bw in args.bandwidths:
+        for bw in [] if args.no_grid else args.bandwidths:
             applied = link.set_rate(bw)
             for store in args.stores:
                 note(f"[{w.name}] {bw or 'unshaped'} Mbit, delay {delay_ms} ms, {store}: {[m.label for m in modes]}")
@@ -201,26 +204,41 @@ async def bench_delay(w: Workload, address: str, link, delay_ms: float, args, em
                     emit(row(w, {"bandwidth_mbit": bw, "delay_ms": delay_ms, **applied}, ctx, store, mode, samples,
                              max_loss, losses))
         if args.step_scale == args.scale_of[w.name] and delay_ms == 0:
-            await step_run(client, w, link, ctx, budget, max_loss, losses, args, emit)
+            await step_run(client, w, link, ctx, budget, max_loss, losses, fixed, args, emit)
 
 
-async def step_run(client, w: Workload, link, ctx: int, budget: dict, max_loss: float, losses: dict, args, emit) -> None:
-    """Auto requests (warm) while the rate steps: --step-rates, --step-requests each."""
+async def step_run(client, w: Workload, link, ctx: int, budget: dict, max_loss: float, losses: dict, fixed: list[Mode],
+                   args, emit) -> None:
+    """Auto requests (warm) while the rate steps: --step-rates, --step-requests each. First every
+    fixed remote candidate once on the warm context (unmeasured), so the producer holds it."""
+    for mode in fixed:
+        if mode.name != "oracle":
+            await ask(client, w, mode, ctx, True, budget, args.timeout_s)
     for phase, bw in enumerate(args.step_rates):
         applied = link.set_rate(bw, change=phase > 0)
-        picks, ttfts = [], []
+        picks, ttfts, probes, abandoned = [], [], [], []
         for i in range(args.step_requests):
+            await asyncio.sleep(args.gap_ms / 1e3)
             answer, _, _ = await ask(client, w, Mode(AUTO), ctx, True, budget, args.timeout_s)
             s = answer.stats
             picks.append(mode_of_stats(s).label)
             ttfts.append(s.ttft_ms)
+            if s.auto.reason.startswith("probe"):
+                probes.append(i + 1)
+            if s.transfer_abandoned:
+                abandoned.append(i + 1)
             note(f"  step phase {phase} ({bw} Mbit) request {i + 1}: {picks[-1]}, ttft {s.ttft_ms:.1f} ms, "
                  f"{s.auto.reason[:120]}")
-        settled = picks[-1]
-        adapt = next((i + 1 for i in range(len(picks)) if all(p == settled for p in picks[i:])), None)
+        # a probe (a deliberate try of a remote candidate on a stale link estimate) is not the choice
+        # auto settled on: requests_to_adapt counts to the first request from which every other
+        # pick is the last non-probe one
+        own = [(i + 1, p) for i, p in enumerate(picks) if i + 1 not in probes]
+        settled = own[-1][1] if own else picks[-1]
+        adapt = next((n for k, (n, _) in enumerate(own) if all(p == settled for _, p in own[k:])), None)
         emit({"model": w.name, "weights": w.weights, "dtype": w.dtype, "ctx_tokens": ctx, "bandwidth_mbit": bw,
               "delay_ms": 0.0, **applied, "store": "warm", "mode": AUTO, "options": budget, "phase": phase,
-              "picks": picks, "chosen": dict(collections.Counter(picks).most_common()), "settled_on": settled,
+              "picks": picks, "probes": probes, "abandoned": abandoned,
+              "chosen": dict(collections.Counter(picks).most_common()), "settled_on": settled,
               "requests_to_adapt": adapt, "max_loss": max_loss, "loss": loss_of(settled, losses),
               "ttft_ms": [round(t, 1) for t in ttfts], "ttft_ms_median": round(statistics.median(ttfts), 2),
               "load_avg_1m": round(os.getloadavg()[0], 2)})
@@ -276,7 +294,8 @@ class InsideLink(contextlib.AbstractContextManager):
     where the kernel has it, else by a relay (bench.relay) this process starts in its namespace on
     the consumer's path to the producer, only for delay > 0."""
 
-    def __init__(self, netem: bool, delay_ms: float, names: netns.LinkNames = netns.LinkNames()):
+    def __init__(self, netem: bool, delay_ms: float, names: netns.LinkNames | None = None):
+        names = names or netns.LinkNames()
         self.names, self.netem, self.delay_ms = names, netem, delay_ms
         self.producer_host, self.consumer_host = names.producer_ip, names.consumer_ip
         self.producer_prefix = names.exec_prefix(names.producer_ns)
@@ -306,7 +325,9 @@ class InsideLink(contextlib.AbstractContextManager):
     def __exit__(self, *exc) -> None:
         if self.relay is not None:
             self.relay.close()
-        netns.change_qdisc(self.names, __import__("bench.shaping", fromlist=["LinkSpec"]).LinkSpec(), self.netem)
+        from bench.shaping import LinkSpec
+
+        netns.change_qdisc(self.names, LinkSpec(), self.netem)
 
 
 def run_scale(scale: str, args, emit) -> None:
@@ -345,11 +366,11 @@ def plot(rows: list[dict], png: Path) -> None:
     for ax, (model, store, delay) in zip(axes[0], panels):
         cell = [r for r in rows if "phase" not in r and (r["model"], r["store"], r["delay_ms"]) == (model, store, delay)]
         top = max((r["bandwidth_mbit"] or 0) for r in cell) or 100.0
-        x_of = lambda bw: bw if bw is not None else top * 4  # unshaped drawn right of the fastest rate
         lines = collections.defaultdict(list)
         for r in cell:
+            x = r["bandwidth_mbit"] if r["bandwidth_mbit"] is not None else top * 4  # unshaped: right of the fastest
             label = r["mode"] if not r["options"] or r["mode"] == AUTO else f"{r['mode']} {Mode(r['mode'], tuple(sorted(r['options'].items()))).schedule}"
-            lines[label].append((x_of(r["bandwidth_mbit"]), r["ttft_ms_median"]))
+            lines[label].append((x, r["ttft_ms_median"]))
         for label, pts in sorted(lines.items(), key=lambda kv: kv[0] == AUTO):
             pts.sort()
             style = dict(color="black", linewidth=2.5, marker="o", zorder=5) if label == AUTO else dict(marker=".", alpha=0.8)
@@ -385,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-scale", default="qwen05b", help="the scale of the step run ('' : none)")
     p.add_argument("--step-rates", nargs="+", type=parse_bandwidth, default=[100.0, 10.0, 100.0])
     p.add_argument("--step-requests", type=int, default=6)
+    p.add_argument("--no-grid", action="store_true", help="only the step run")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", help="override the scale's dtype")
     p.add_argument("--threads", type=int, help=argparse.SUPPRESS)

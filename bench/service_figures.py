@@ -266,7 +266,8 @@ def adaptive(root: Path = ROOT) -> dict:
         "|---|---:|---|---:|---|---|---|---:|---|---:|---:|---:|---|---:|",
     ]
     ratios = []
-    for key, rs in cells.items():
+    by_model: dict[str, list[float]] = {}
+    for rs in cells.values():
         auto = next((r for r in rs if r["mode"] == "auto"), None)
         fixed = [r for r in rs if r["mode"] != "auto" and r["loss"] is not None and r["loss"] <= r["max_loss"] + 1e-9]
         if auto is None or not fixed:
@@ -274,6 +275,7 @@ def adaptive(root: Path = ROOT) -> dict:
         best = min(fixed, key=lambda r: r["ttft_ms_median"])
         ratio = auto["ttft_ms_median"] / best["ttft_ms_median"]
         ratios.append(ratio)
+        by_model.setdefault(f"{auto['model']} ({auto['weights']}, {auto['dtype']}, {auto['ctx_tokens']} tokens)", []).append(ratio)
         oracle = next((r for r in rs if r["mode"] == "oracle"), None)
         f1 = "-" if auto["f1"] is None else f"{auto['f1']:.2f} / {oracle['f1']:.2f}" if oracle and oracle["f1"] is not None else f"{auto['f1']:.2f}"
         picked = ", ".join(f"{k} x{v}" for k, v in auto["chosen"].items())
@@ -287,12 +289,20 @@ def adaptive(root: Path = ROOT) -> dict:
         )
     steps = [r for r in rows if "phase" in r]
     step_lines = [
-        f"phase {r['phase']} ({r['bandwidth_mbit']} Mbit/s, {r['model']}, {r['store']}): picks {' '.join(r['picks'])};"
-        f" settled on {r['settled_on']} after {r['requests_to_adapt']} request(s); TTFT p50 {r['ttft_ms_median']:.0f} ms"
+        f"phase {r['phase']} ({r['bandwidth_mbit']:g} Mbit/s, {r['model']}, {r['weights']} weights, {r['store']}): picks"
+        f" {', '.join(r['picks'])} (probes: requests {r.get('probes') or '-'}; abandoned mid-stream: {r.get('abandoned') or '-'});"
+        f" settled on {r['settled_on']} after {r['requests_to_adapt']} request(s); TTFT ms {', '.join(f'{t:.0f}' for t in r['ttft_ms'])}"
         for r in steps
     ]
     met = sum(x <= 1.1 for x in ratios)
+    models = "; ".join(
+        f"{m}: {sum(x <= 1.1 for x in xs)} of {len(xs)} cells (median {sorted(xs)[len(xs) // 2]:.2f}x, worst {max(xs):.2f}x)"
+        for m, xs in by_model.items()
+    )
+    adapted = [r["requests_to_adapt"] for r in steps if r["phase"] > 0]
     return {
+        "by_model": models or "-",
+        "adapted": ", ".join(str(a) for a in adapted) or "-",
         "rows": len(rows),
         "table": "\n".join(table),
         "cells": len(ratios),

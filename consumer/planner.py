@@ -4,7 +4,8 @@ its own finished requests, and the time estimate of one candidate for one reques
 Learned (exponentially weighted; the link with alpha 0.5 so a rate change shows within 2-3
 transfers; the rest 0.3):
 - own prefill ms per context token it computed (mode oracle, a local fallback); until it has
-  one, the question prefill's ms per token stands in (every request measures one);
+  one, the producer's prefill rate stands in, else the question prefill's (every request
+  measures one);
 - producer prefill ms per token its forward computed (trailer prefill_ms / computed_tokens) and
   the time a computed context waited for that forward (trailer queue_ms);
 - producer encode ms per encoded token, per mode;
@@ -154,8 +155,13 @@ class TransferPlanner:
         return min(self.header_ms) if self.header_ms else 0.0
 
     def local_rate(self) -> tuple[float | None, str]:
+        """Own prefill ms per token; until one is measured, the producer's (the same architecture:
+        a fine-tuned variant of its base), else the question prefill's (a few tokens per forward:
+        an overestimate)."""
         if self.local_ms_per_token.value is not None:
             return self.local_ms_per_token.value, "own prefill"
+        if self.producer_ms_per_token.value is not None:
+            return self.producer_ms_per_token.value, "the producer's prefill rate (no own context prefill yet)"
         if self.question_ms_per_token.value is not None:
             return self.question_ms_per_token.value, "question prefill (no own context prefill yet)"
         return None, ""

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from consumer.client import ConsumerClient
-from qa.task import make_example
 from producer.server import ProducerServer
+from qa.task import make_example
 from shared.config import ProducerConfig
 from shared.models import load_model
 from shared.pb import common_pb2, consumer_pb2
