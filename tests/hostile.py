@@ -59,9 +59,15 @@ def poke(message, dtype: torch.dtype, index: int, value: float) -> None:
 
 
 class HostileProducer(producer_pb2_grpc.ProducerServiceServicer):
-    def __init__(self, script: Script):
+    def __init__(self, script: Script, describe: producer_pb2.ProducerServiceDescribeResponse | None = None):
         self.script = script
         self.calls = 0
+        self.describe = describe  # what Describe answers (a real producer's, recorded); None: UNIMPLEMENTED
+
+    async def Describe(self, request, context):
+        if self.describe is None:
+            return super().Describe(request, context)
+        return self.describe
 
     async def Prefill(self, request, context) -> AsyncIterator[producer_pb2.PrefillResponse]:
         self.calls += 1
@@ -75,10 +81,11 @@ class HostileProducer(producer_pb2_grpc.ProducerServiceServicer):
 
 
 @contextlib.asynccontextmanager
-async def consumer_of(script: Script, model: str = "tiny-llama", **consumer_kw):
-    """A real consumer whose producer is a HostileProducer running `script`."""
+async def consumer_of(script: Script, model: str = "tiny-llama", describe=None, **consumer_kw):
+    """A real consumer whose producer is a HostileProducer running `script` (and answering
+    Describe with `describe`, when given)."""
     server = grpc.aio.server()
-    hostile = HostileProducer(script)
+    hostile = HostileProducer(script, describe)
     producer_pb2_grpc.add_ProducerServiceServicer_to_server(hostile, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -10,6 +10,7 @@ import grpc
 from consumer.client import ConsumerClient
 from producer.server import ProducerServer
 from shared.config import ProducerConfig
+from shared.pb import producer_pb2, producer_pb2_grpc
 from tests.conftest import prompt
 from tests.hostile import consumer_of, record
 
@@ -24,6 +25,8 @@ async def test_a_refused_prefix_key_is_retried_with_the_whole_context():
     await producer.load()
     try:
         recorded = {len(first): await record(producer.address, first, "raw"), len(longer): await record(producer.address, longer, "raw")}
+        async with grpc.aio.insecure_channel(producer.address) as channel:  # the consumer learns its weights from it
+            described = await producer_pb2_grpc.ProducerServiceStub(channel).Describe(producer_pb2.ProducerServiceDescribeRequest())
     finally:
         await producer.stop(0)
     asked: list[tuple[int, int]] = []
@@ -36,7 +39,7 @@ async def test_a_refused_prefix_key_is_retried_with_the_whole_context():
         yield from recorded[len(request.token_ids)]
 
     question = prompt(ids=[5, 6, 7])
-    async with consumer_of(script, chunk_tokens=C) as (consumer, _):
+    async with consumer_of(script, describe=described, chunk_tokens=C) as (consumer, _):
         client = ConsumerClient(consumer.address)
         try:
             await client.generate(mode="raw", context=prompt(ids=first), question=question, max_new_tokens=4)
