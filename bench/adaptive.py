@@ -55,6 +55,7 @@ import grpc
 
 from bench import netns, services
 from bench.ttft.grid import Mode, parse_bandwidth, parse_mode
+from bench.ttft.links import Shaped
 from bench.workloads import Workload, note, workload_for
 from consumer.client import ConsumerClient, prompt
 
@@ -288,27 +289,11 @@ class LoopbackLink(contextlib.AbstractContextManager):
         return None
 
 
-class InsideLink(contextlib.AbstractContextManager):
+class InsideLink(Shaped, contextlib.AbstractContextManager):
     """This process runs in the consumer's namespace; the outer process built the veth
     (bench.netns.Link). Rates by tc on both egresses (`tc qdisc change` mid-run); a delay by netem
     where the kernel has it, else by a relay (bench.relay) this process starts in its namespace on
-    the consumer's path to the producer, only for delay > 0."""
-
-    def __init__(self, netem: bool, delay_ms: float, names: netns.LinkNames | None = None):
-        names = names or netns.LinkNames()
-        self.names, self.netem, self.delay_ms = names, netem, delay_ms
-        self.producer_host, self.consumer_host = names.producer_ip, names.consumer_ip
-        self.producer_prefix = names.exec_prefix(names.producer_ns)
-        self.consumer_prefix = names.exec_prefix(names.consumer_ns)
-        self.relay = None
-
-    def producer_target(self, address: str) -> str:
-        if self.netem or self.delay_ms <= 0:
-            return address
-        from bench.relay import Delay, RelayProcess
-
-        self.relay = RelayProcess(f"{self.names.consumer_ip}:0", address, Delay(self.delay_ms, 0.0))
-        return self.relay.address
+    the consumer's path to the producer, only for delay > 0 (bench.ttft.links.Shaped)."""
 
     def set_rate(self, rate_mbit: float | None, change: bool = False) -> dict:
         from bench.shaping import LinkSpec, label
@@ -323,8 +308,7 @@ class InsideLink(contextlib.AbstractContextManager):
         return applied
 
     def __exit__(self, *exc) -> None:
-        if self.relay is not None:
-            self.relay.close()
+        self.close()
         from bench.shaping import LinkSpec
 
         netns.change_qdisc(self.names, LinkSpec(), self.netem)
@@ -411,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", help="override the scale's dtype")
     p.add_argument("--threads", type=int, help=argparse.SUPPRESS)
     p.add_argument("--timeout-s", type=float, default=600.0)
-    p.add_argument("--quick", action="store_true", help=f"the QA pair at two rates, a few minutes: {QUICK}")
+    p.add_argument("--quick", action="store_true", help=f"the QA pair at two rates, a few minutes: {QUICK} (explicit flags win)")
     p.add_argument("--no-shaping", action="store_true", help="loopback, no namespaces (no root)")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--append", action="store_true")
@@ -420,9 +404,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve(args) -> argparse.Namespace:
-    if args.quick:
+    if args.quick:  # the preset fills what the command line left at its default
+        defaults = build_parser().parse_args([])
         for key, value in QUICK.items():
-            setattr(args, key, value)
+            if getattr(args, key) == getattr(defaults, key):
+                setattr(args, key, value)
     contexts = dict(CONTEXTS)
     contexts.update({k: int(v) for k, v in (args.contexts or {}).items()})
     args.contexts = contexts

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, help="unmeasured repetitions per cell first (default 1)")
     p.add_argument("--quick", action="store_true", help=f"smoke preset: {QUICK} (explicit flags win)")
     p.add_argument("--no-shaping", action="store_true", help="loopback, no namespaces (no root needed)")
-    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay (netem kernels only)")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay each way: netem where the kernel has it, else a userspace relay on the consumer's path")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per request and for service start")
     p.add_argument("--out", type=Path, default=RESULTS / "ttft.jsonl")
     p.add_argument("--append", action="store_true", help="append to --out instead of replacing it")

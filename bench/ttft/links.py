@@ -23,6 +23,7 @@ SUSTAINED_PROBE_S = 4.0
 class Loopback:
     """No shaping: services and client on 127.0.0.1."""
     kind = "loopback"
+    relay = None
     producer_host = consumer_host = "127.0.0.1"
     producer_prefix: list[str] = []
     consumer_prefix: list[str] = []
@@ -37,11 +38,18 @@ class Loopback:
     def burst_bytes(self, rate_mbit: float | None) -> int:
         return 0
 
+    def producer_target(self, address: str) -> str:
+        return address
+
+    def close(self) -> None:
+        return None
+
 
 class Shaped:
     """The link built by the outer process; this process runs in the consumer's namespace."""
 
-    def __init__(self, netem: bool, delay_ms: float, names: netns.LinkNames = netns.LinkNames()):
+    def __init__(self, netem: bool, delay_ms: float, names: netns.LinkNames | None = None):
+        names = names or netns.LinkNames()
         self.names, self.netem, self.delay_ms = names, netem, delay_ms
         self.kind = "netem" if netem else "tbf"
         self.producer_host, self.consumer_host = names.producer_ip, names.consumer_ip
@@ -58,6 +66,24 @@ class Shaped:
     def burst_bytes(self, rate_mbit: float | None) -> int:
         """Bytes the shaper lets through above the rate at once (tbf bucket; netem has none)."""
         return netns.tbf_burst_bytes(rate_mbit) if rate_mbit is not None and not self.netem else 0
+
+    relay = None  # bench.relay.RelayProcess on the consumer's path, when it delays the link
+
+    def producer_target(self, address: str) -> str:
+        """What the consumer dials for a producer at `address`: the producer itself, or (a delay on
+        a kernel without netem) a relay started here, in the consumer's namespace, that holds each
+        direction's bytes for delay_ms (bench.relay)."""
+        if self.netem or self.delay_ms <= 0:
+            return address
+        from bench.relay import Delay, RelayProcess
+
+        self.relay = RelayProcess(f"{self.names.consumer_ip}:0", address, Delay(self.delay_ms, 0.0))
+        return self.relay.address
+
+    def close(self) -> None:
+        if self.relay is not None:
+            self.relay.close()
+            self.relay = None
 
 
 def run_inside_link(argv: list[str], delay_ms: float) -> int:

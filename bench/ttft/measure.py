@@ -112,6 +112,8 @@ async def bench_scale(w: Workload, consumer_address: str, link, args, grid, emit
             link_mbit = link.measure(bw)
             burst = link.burst_bytes(bw)
             shaping = qdisc["kind"] if bw is not None or link.kind == "loopback" else "none"
+            if link.relay is not None:  # the delay on a kernel without netem
+                shaping = f"{shaping} + userspace relay delay {link.delay_ms:g} ms (no netem)"
             note(f"[{w.name}] link {bw or 'unshaped'} Mbit: qdisc {qdisc}, sustained {link_mbit:.1f} Mbit/s, "
                  f"burst {burst} B")
             for ctx in contexts:
@@ -158,6 +160,10 @@ def run_grid(args, link, emit) -> None:
         with services.running(["--model", w.producer_model, *common], ["--model", w.consumer_model, *common, *services.NO_PREFIX_CACHE],
                               log_dir=services.ROOT / "bench/runs/ttft", producer_host=link.producer_host,
                               consumer_host=link.consumer_host, producer_prefix=link.producer_prefix,
-                              consumer_prefix=link.consumer_prefix, timeout_s=args.timeout_s) as (_, consumer):
+                              consumer_prefix=link.consumer_prefix, timeout_s=args.timeout_s,
+                              producer_target=link.producer_target) as (_, consumer):
             note(f"[{w.name}] services up in {time.monotonic() - started:.1f}s ({w.dtype}, {args.device})")
-            asyncio.run(bench_scale(w, consumer.address, link, args, grid, emit))
+            try:
+                asyncio.run(bench_scale(w, consumer.address, link, args, grid, emit))
+            finally:
+                link.close()
