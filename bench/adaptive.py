@@ -45,7 +45,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -55,7 +54,7 @@ import grpc
 
 from bench import netns, services
 from bench.ttft.grid import Mode, parse_bandwidth, parse_mode
-from bench.ttft.links import Shaped
+from bench.ttft.links import Shaped, run_inside_link
 from bench.workloads import Workload, note, workload_for
 from consumer.client import ConsumerClient, prompt
 
@@ -416,34 +415,12 @@ def resolve(args) -> argparse.Namespace:
     return args
 
 
-def run_inside_link(argv: list[str]) -> int:
-    problems = netns.missing_requirements()
-    if problems:
-        print("bench.adaptive: cannot build the shaped link: " + "; ".join(problems), file=sys.stderr)
-        return 2
-    with netns.Link(log=note) as link:
-        cmd = [*link.names.exec_prefix(link.names.consumer_ns), sys.executable, "-m", "bench.adaptive", *argv,
-               "--inside-link", "netem" if link.netem else "tbf"]
-        inner = subprocess.Popen(cmd, cwd=services.ROOT)
-        try:
-            return inner.wait()
-        except BaseException:
-            if inner.poll() is None:
-                inner.send_signal(signal.SIGINT)
-                try:
-                    inner.wait(60)
-                except subprocess.TimeoutExpired:
-                    inner.kill()
-                    inner.wait()
-            raise
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = resolve(build_parser().parse_args(argv))
     if not args.no_shaping and not args.inside_link:
         try:
-            sys.exit(run_inside_link(argv))
+            sys.exit(run_inside_link(argv, 0.0, module="bench.adaptive"))  # delays: per pass, inside
         except KeyboardInterrupt:
             sys.exit(130)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

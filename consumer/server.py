@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -100,31 +101,34 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             self.planner.observe_overhead(
                 chosen.candidate.remote, item.ttft_ms - item.question_prefill_ms, chosen.estimate.base_ms
             )
-        t = item.trailer
-        remote = item.codec != LOCAL_MODE and t is not None
-        self.planner.observe(
-            Observation(
-                item.codec,
-                item.options if item.transfer_failure else job.options,
-                item.context_tokens,
-                item.bytes_received,
-                item.rebuild_ms,
-                local_tokens=item.local_tokens,
-                sent_tokens=item.sent_tokens if remote else 0,
-                producer_prefill_ms=item.producer_prefill_ms,
-                producer_encode_ms=item.producer_encode_ms,
-                producer_store_hit=item.producer_store_hit,
-                computed_tokens=t.computed_tokens if remote and t is not None else 0,
-                queue_ms=t.queue_ms if remote and t is not None else 0.0,
-                header_ms=t.header_ms if remote and t is not None else None,
-                span_ms=t.span_ms if remote and t is not None else 0.0,
-                span_bytes=t.span_bytes if remote and t is not None else 0,
-                question_tokens=item.question_tokens,
-                question_prefill_ms=item.question_prefill_ms,
-            )
+        observed = Observation(
+            item.codec,
+            item.options if item.transfer_failure else job.options,
+            item.context_tokens,
+            item.bytes_received,
+            item.rebuild_ms,
+            local_tokens=item.local_tokens,
+            producer_prefill_ms=item.producer_prefill_ms,
+            producer_encode_ms=item.producer_encode_ms,
+            producer_store_hit=item.producer_store_hit,
+            question_tokens=item.question_tokens,
+            question_prefill_ms=item.question_prefill_ms,
         )
-        if remote and job.codec is not None:
-            self.memory.remember(self._producer_digest(), job_key(job), job.context_ids, item.chunk_tokens)
+        t = item.trailer if item.codec != LOCAL_MODE else None  # the stream the KV came from
+        if t is not None:
+            observed = dataclasses.replace(
+                observed,
+                sent_tokens=item.sent_tokens,
+                computed_tokens=t.computed_tokens,
+                queue_ms=t.queue_ms,
+                header_ms=t.header_ms,
+                span_ms=t.span_ms,
+                span_bytes=t.span_bytes,
+            )
+        self.planner.observe(observed)
+        if t is not None and job.codec is not None:
+            key = mode_key(job.codec.name, job.options)
+            self.memory.remember(self._producer_digest(), key, job.context_ids, item.chunk_tokens)
 
     def _ready(self) -> LoadedModel:
         if self.loaded is None:
@@ -283,10 +287,6 @@ def auto_to_pb(a: AutoChoice) -> consumer_pb2.AutoChoice:
             for s in a.scored
         ],
     )
-
-
-def job_key(job) -> str:
-    return mode_key(job.codec.name, job.options)
 
 
 class ConsumerServer:

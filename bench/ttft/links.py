@@ -86,15 +86,15 @@ class Shaped:
             self.relay = None
 
 
-def run_inside_link(argv: list[str], delay_ms: float) -> int:
-    """Root namespace: build the link, run `python -m bench.ttft ARGV` inside the consumer's
+def run_inside_link(argv: list[str], delay_ms: float, module: str = "bench.ttft") -> int:
+    """Root namespace: build the link, run `python -m MODULE ARGV` inside the consumer's
     namespace, remove the link when it ends (also on failure, Ctrl-C, SIGTERM); its exit code."""
     problems = netns.missing_requirements()
     if problems:
-        print("bench.ttft: cannot build the shaped link: " + "; ".join(problems), file=sys.stderr)
+        print(f"{module}: cannot build the shaped link: " + "; ".join(problems), file=sys.stderr)
         return 2
     with netns.Link(delay_ms=delay_ms, log=note) as link:
-        cmd = [*link.names.exec_prefix(link.names.consumer_ns), sys.executable, "-m", "bench.ttft", *argv,
+        cmd = [*link.names.exec_prefix(link.names.consumer_ns), sys.executable, "-m", module, *argv,
                "--inside-link", "netem" if link.netem else "tbf"]
         inner = subprocess.Popen(cmd, cwd=services.ROOT)
         try:
