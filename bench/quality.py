@@ -308,7 +308,11 @@ def main() -> None:
         rows.sort(key=lambda r: order.index(r["pair"]) if r["pair"] in order else len(order))  # stable within a pair
     (args.out_dir / "quality.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if validation:
-        (args.out_dir / "quality_validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in validation))
+        vpath = args.out_dir / "quality_validation.jsonl"
+        if args.merge and vpath.exists():  # the other pairs' validation rows stay with their test rows
+            seen = {r["pair"] for r in validation}
+            validation += [r for r in map(json.loads, vpath.read_text().splitlines()) if r["pair"] not in seen]
+        vpath.write_text("".join(json.dumps(r) + "\n" for r in validation))
     plot(rows, args.out_dir / "quality.png")
     (args.out_dir / "quality.md").write_text(table(rows) + "\n")
     print(table(rows), file=sys.stderr)

@@ -173,13 +173,15 @@ async def describe_pool(address: str) -> int:
     return reply.stats.kv_pool_bytes
 
 
-def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, requests: int | None, out, log_dir: Path) -> list[dict]:
+def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, requests: int | None, out, log_dir: Path,
+              torch_threads: int = 0) -> list[dict]:
     from shared.models import load_model
 
     n_distinct = 16
     examples, stop_id = requests_for(model, n_distinct)
     limit = str(max(concurrencies) * 2)
-    common = ["--model", "{m}", "--dtype", model.dtype, "--max-inflight", limit, "--log-level", "WARNING"]
+    common = ["--model", "{m}", "--dtype", model.dtype, "--max-inflight", limit, "--log-level", "WARNING",
+              "--torch-threads", str(torch_threads)]
     if model.artifact:
         common += ["--artifacts", model.artifact]
     pport = services.free_port()
@@ -228,7 +230,7 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
                             "kv_pool_bytes": asyncio.run(describe_pool(service.address)),
                             "peak_rss_mb": round(hwm_mb(service.process.pid), 1),
                             "forward_ceiling_tokens_per_s": round(ceiling, 1),
-                            "max_inflight": int(limit), "ctx_tokens": model.ctx_tokens,
+                            "max_inflight": int(limit), "ctx_tokens": model.ctx_tokens, "torch_threads": torch_threads,
                             "load_avg_1m": round(os.getloadavg()[0], 2),
                         }
                         rows.append(row)
@@ -292,17 +294,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-batch", type=int, default=64, help="the batched consumer's --max-batch")
     parser.add_argument("--requests", type=int, default=None, help="requests per cell (default max(16, 2 x concurrency))")
     parser.add_argument("--out-dir", default=str(RESULTS), help="where throughput.jsonl and the plot go")
+    parser.add_argument("--torch-threads", type=int, default=0, help="every service's --torch-threads (0: torch's default)")
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.modes, args.concurrency, args.max_batch = "qa", "raw,scd", "1,32", 32
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)  # the forward ceiling under the services' thread count
     builders = {"qa": qa_model, "qwen05b": qwen05b_model}
     rows = []
     with open(out_dir / "throughput.jsonl", "a") as out, tempfile.TemporaryDirectory() as logs:
         for name in args.models.split(","):
             rows += run_model(builders[name](), args.modes.split(","), args.outputs.split(","),
-                              [int(c) for c in args.concurrency.split(",")], args.max_batch, args.requests, out, Path(logs))
+                              [int(c) for c in args.concurrency.split(",")], args.max_batch, args.requests, out, Path(logs),
+                              args.torch_threads)
     print(table(rows))
     if rows:
         plot(rows, out_dir / "throughput.png")

@@ -120,8 +120,8 @@ class KVPool:
                     freed.append(block)
         if freed:
             index = torch.tensor(freed, dtype=torch.long, device=self.device)
-            self.k[:, index] = 0
-            self.v[:, index] = 0
+            self.k.index_fill_(1, index, 0)  # in place over [layer, block, ...]: no gather-scatter
+            self.v.index_fill_(1, index, 0)
             with self._lock:
                 self._free.extend(freed)
 
@@ -142,6 +142,25 @@ class KVPool:
             return
         seq.released = True
         self.drop(seq.blocks)
+
+    def write(self, layer: int, table: torch.Tensor, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys/values [n, n_kv, hd] into positions start .. start + n - 1 of a block table: whole
+        blocks by one index_copy_ each (a block-sized slice of the pool), the partial blocks at
+        either end token by token."""
+        Bt, n = self.block_tokens, keys.shape[0]
+        head = min(n, (-start) % Bt)  # tokens that finish a block begun before start
+        full = (n - head) // Bt
+        first = (start + head) // Bt
+        if full:
+            index = table[first : first + full]
+            shape = (full, Bt, *keys.shape[1:])
+            self.k[layer].index_copy_(0, index, keys[head : head + full * Bt].reshape(shape))
+            self.v[layer].index_copy_(0, index, values[head : head + full * Bt].reshape(shape))
+        for lo, hi in ((0, head), (head + full * Bt, n)):
+            if hi > lo:
+                blk, off = self.slots(torch.arange(start + lo, start + hi, device=self.device), table)
+                self.k[layer, blk, off] = keys[lo:hi]
+                self.v[layer, blk, off] = values[lo:hi]
 
     def slots(self, positions: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, offset) index tensors of token positions under a block table."""
@@ -172,9 +191,8 @@ class SequenceKV:
             raise ValueError(f"layer {layer}: {end} tokens > the {self.capacity} this request reserved")
         if start < self.shared_blocks * self.pool.block_tokens:
             raise ValueError(f"layer {layer}: write at {start} inside the shared prefix")
-        blk, off = self.pool.slots(torch.arange(start, end, device=self.pool.device), self.table)
-        self.pool.k[layer, blk, off] = keys[0].transpose(0, 1).to(self.pool.dtype)  # [T, n_kv, hd]
-        self.pool.v[layer, blk, off] = values[0].transpose(0, 1).to(self.pool.dtype)
+        dtype = self.pool.dtype
+        self.pool.write(layer, self.table, start, keys[0].transpose(0, 1).to(dtype), values[0].transpose(0, 1).to(dtype))
 
     def to_dynamic(self, tokens: int | None = None) -> DynamicCache:
         """A copy of the first `tokens` (default: length) positions as a DynamicCache (batch 1):

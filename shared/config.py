@@ -72,6 +72,7 @@ class ServerConfig:
     liveness_interval_s: float = 5.0  # how often the progress watchdog looks (liveness)
     trace: str = "off"  # OpenTelemetry spans: off | console (JSON on stderr) | memory (tests) | otlp; shared.tracing
     liveness_timeout_s: float = 30.0  # an iteration without progress this long: liveness NOT_SERVING
+    torch_threads: int = 0  # torch's intra-op threads (0: torch's default, one per core); 1 where services share cores
 
     @property
     def artifact_paths(self) -> list[str]:
@@ -95,6 +96,8 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key: set both or neither")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca: needs tls_cert and tls_key (mTLS is TLS with client certificates)")
+        if self.torch_threads < 0:
+            raise ValueError(f"torch_threads: {self.torch_threads} must be >= 0 (0: torch's default)")
         if self.liveness_interval_s <= 0 or self.liveness_timeout_s <= 0:
             raise ValueError("liveness_interval_s and liveness_timeout_s: must be > 0")
 

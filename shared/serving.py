@@ -371,6 +371,10 @@ def main(service: str, config_cls: type[ServerConfig], server_cls: type, argv: l
         logs.configure(service, "INFO")
         startup.fail(service, f"configuration: {exc}")
     logs.configure(service, cfg.log_level)
+    if cfg.torch_threads:
+        import torch
+
+        torch.set_num_threads(cfg.torch_threads)  # before any forward: the pool torch sizes its parallel regions for
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # stderr carries JSON log lines only

@@ -135,6 +135,66 @@ async def test_a_stalling_stream_is_abandoned_for_the_own_prefill():
             await client.channel.close()
 
 
+async def test_abandoned_and_cancelled_streams_among_good_ones_return_every_block():
+    """Eight concurrent requests over one engine: stalled streams abandoned for the own prefill,
+    fast ones, and calls the caller cancels mid-stream. Each answer is the oracle's; afterwards the
+    KV pool, the KV admission queue and the call admission are back where they started."""
+    import asyncio
+
+    model = load_model("tiny-llama", "float32", "cpu")
+    ids = model.tokenizer(CONTEXT)["input_ids"]
+    producer = ProducerServer(ProducerConfig(port=0, model="tiny-llama", device="cpu", max_chunk_bytes=1024, drain_grace_s=0))
+    await producer.start()
+    await producer.load()
+    try:
+        rec = await record(producer.address, ids, "raw")
+    finally:
+        await producer.stop(0)
+    stalls = iter([0.0, 0.0] + [0.4, 0.0, 0.4, 0.0, 5.0, 0.4, 5.0, 0.0])  # two warm-ups, then per call as it arrives
+
+    def script(request):
+        stall = next(stalls, 0.0)
+        for i, message in enumerate(rec):
+            if i > 1 and message.WhichOneof("kind") == "chunk" and message.chunk.chunk_index == 0 and message.chunk.kind == "k":
+                yield stall
+            yield message
+
+    async with consumer_of(script, prefix_cache_bytes=0) as (consumer, _):
+        servicer = consumer.servicer
+        pool = servicer.batch.pool
+        client = ConsumerClient(consumer.address)
+        try:
+            local = consumer_pb2.TRANSFER_FAILURE_POLICY_LOCAL_PREFILL
+            raw = common_pb2.CodecSpec(name="raw")
+            oracle = await client.generate(transfer=common_pb2.CodecSpec(name="oracle"), **fields(), timeout=60)
+            for _ in range(2):  # bytes per token and the own prefill measured
+                await client.generate(transfer=raw, on_transfer_failure=local, **fields(), timeout=60)
+            free = pool.num_blocks  # no prefix cache: every block is free once the calls end
+
+            async def one(cancel_after: float | None):
+                call = asyncio.ensure_future(client.generate(transfer=raw, on_transfer_failure=local, **fields(), timeout=60))
+                if cancel_after is None:
+                    return await call
+                await asyncio.sleep(cancel_after)
+                call.cancel()
+                return None
+
+            answers = await asyncio.gather(*(one(0.3 if i in (4, 6) else None) for i in range(8)), return_exceptions=True)
+            good = [a for a in answers if a is not None]
+            assert len(good) == 6 and all(not isinstance(a, BaseException) for a in good), answers
+            assert all(a.ids == oracle.ids for a in good)
+            assert sum(a.stats.transfer_abandoned for a in good) >= 1
+            for _ in range(100):  # the cancelled calls' releases run on the engine thread
+                if pool.free_blocks == free and servicer.admission.inflight == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert pool.free_blocks == free and servicer.kv_admission.queued == 0 and servicer.admission.inflight == 0
+            assert not pool.k.any() and not pool.v.any()  # every released block was zeroed
+            assert not servicer.batch.tasks or all(t.cancelled for t in servicer.batch.tasks)
+        finally:
+            await client.channel.close()
+
+
 async def test_a_stale_link_estimate_is_probed():
     long = dict(context=prompt(CONTEXT * 4), question=prompt(QUESTION), max_new_tokens=4)
     async with running_pair("tiny-llama", consumer_kw={"prefix_cache_bytes": 0}) as pair:

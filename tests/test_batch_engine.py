@@ -219,3 +219,26 @@ def test_pack_keeps_padding_under_twice_the_work():
     for g in groups:
         assert len(g) * max(n for _, n in g) <= 2 * sum(n for _, n in g) or len(g) == 1
     assert len(groups) == 2 and max(n for _, n in groups[-1]) <= 7  # the short questions share a forward
+
+
+@pytest.mark.parametrize("start,n", [(0, 512), (0, 37), (16, 5), (5, 3), (5, 40), (3, 13), (32, 16), (7, 9)])
+def test_pool_write_equals_token_by_token_and_touches_only_its_blocks(loaded, start, n):
+    """SequenceKV.update (a codec's whole-layer write) places every token where the pool's slot map
+    says, whole blocks by index_copy_, the partial ends token by token; nothing else changes."""
+    pool = pool_for(loaded, tokens=1024)
+    other = pool.allocate(64)  # a neighbour whose blocks must stay as they are
+    info = loaded.info
+    g = torch.Generator().manual_seed(start * 1000 + n)
+    shape = (1, info.num_kv_heads, 64, info.head_dim)
+    other.update(torch.randn(shape, generator=g), torch.randn(shape, generator=g), 1)
+    seq = pool.allocate(start + n)
+    seq.first_write = start
+    before_k, before_v = pool.k.clone(), pool.v.clone()
+    keys = torch.randn(1, info.num_kv_heads, n, info.head_dim, generator=g)
+    values = torch.randn(1, info.num_kv_heads, n, info.head_dim, generator=g)
+    seq.update(keys, values, 1)
+    expect_k, expect_v = before_k.clone(), before_v.clone()
+    blk, off = pool.slots(torch.arange(start, start + n), seq.table)
+    expect_k[1, blk, off] = keys[0].transpose(0, 1)
+    expect_v[1, blk, off] = values[0].transpose(0, 1)
+    assert torch.equal(pool.k, expect_k) and torch.equal(pool.v, expect_v)
