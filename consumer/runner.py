@@ -4,7 +4,9 @@ Each row is a request: new token ids appended at its own positions (`start` = to
 its blocks). Rows have ragged lengths: queries are right-padded to the longest row, keys are the
 rows' blocks gathered into a rectangle (padded with the null block), and a boolean mask
 [B, 1, n, L] lets query j of row r see keys 0..start_r + j of its own row only. New K/V are
-written into the pool in place, for valid tokens only (padding never touches a block).
+written into the pool in place, for valid tokens only (padding never touches a block). The gather
+writes into one pair of scratch buffers the runner keeps and every layer reuses (a layer's gathered
+K/V are dead once its attention ran), so a decode step allocates no K/V-sized memory.
 
 Runs the model's own modules (embedding, rotary embedding, decoder layers, final norm, LM head),
 so every number is the model's; the decoder layers receive a cache adapter whose `update` is the
@@ -34,9 +36,10 @@ class Row:
 class _BatchKV:
     """What the decoder layers see as their cache: write the new tokens, return the batch's K/V."""
 
-    def __init__(self, pool: KVPool, tables: torch.Tensor, write_blk, write_off, row_idx, col_idx):
+    def __init__(self, pool: KVPool, tables: torch.Tensor, write_blk, write_off, row_idx, col_idx, scratch):
         self.pool, self.tables = pool, tables  # tables [B, nblk]
         self.write = (write_blk, write_off, row_idx, col_idx)  # each [N valid tokens]
+        self.scratch = scratch  # (k, v) buffers of >= B * nblk blocks the gather writes into
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, kwargs: Any = None):
         """keys/values [B, n_kv, n, hd] (post-RoPE) -> the batch's K/V [B, n_kv, L, hd]."""
@@ -47,9 +50,10 @@ class _BatchKV:
         B, nblk = self.tables.shape
         shape = (B, nblk * pool.block_tokens, pool.info.num_kv_heads, pool.info.head_dim)
         flat = self.tables.view(-1)  # index_select: several times faster than advanced indexing here
-        k = pool.k[layer_idx].index_select(0, flat).view(shape).transpose(1, 2)  # gather: [B, n_kv, L, hd]
-        v = pool.v[layer_idx].index_select(0, flat).view(shape).transpose(1, 2)
-        return k, v
+        k_out, v_out = (buf[: flat.numel()] for buf in self.scratch)  # reused by every layer: no allocation
+        torch.index_select(pool.k[layer_idx], 0, flat, out=k_out)  # gather: [B * nblk, Bt, n_kv, hd]
+        torch.index_select(pool.v[layer_idx], 0, flat, out=v_out)
+        return k_out.view(shape).transpose(1, 2), v_out.view(shape).transpose(1, 2)  # [B, n_kv, L, hd]
 
 
 class Runner:
@@ -61,6 +65,19 @@ class Runner:
         inner: Any = loaded.model.model
         self.inner = inner
         self.lm_head: Any = loaded.model.get_output_embeddings()
+        self._scratch = self._buffers(0)
+
+    def _buffers(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pool = self.pool
+        shape = (blocks, pool.block_tokens, pool.info.num_kv_heads, pool.info.head_dim)
+        return tuple(torch.empty(shape, dtype=pool.dtype, device=self.loaded.device) for _ in range(2))  # type: ignore[return-value]
+
+    def scratch(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gather's K and V buffers, at least `blocks` blocks each: one pair for every layer
+        (a layer's gathered K/V are dead once its attention ran), grown by doubling, never shrunk."""
+        if self._scratch[0].shape[0] < blocks:
+            self._scratch = self._buffers(max(blocks, 2 * self._scratch[0].shape[0]))
+        return self._scratch
 
     @torch.inference_mode()
     def forward(self, rows: list[Row]) -> torch.Tensor:
@@ -90,7 +107,7 @@ class Runner:
         write_pos = pos[row_idx, col_idx]
         write_blk = tables[row_idx, write_pos // Bt]
         write_off = write_pos % Bt
-        cache = _BatchKV(self.pool, tables, write_blk, write_off, row_idx, col_idx)
+        cache = _BatchKV(self.pool, tables, write_blk, write_off, row_idx, col_idx, self.scratch(B * nblk))
 
         h = self.inner.embed_tokens(ids)  # [B, n, d]
         emb = self.inner.rotary_emb(h, position_ids=pos)
