@@ -12,7 +12,9 @@ answer), `whole` (today's whole-context store, LRU), `producer-chunks` (the prod
 store), and `producer+consumer-chunks` (also the consumer's kept KV per chunk: run only when the
 consumer has the flag it names, else skipped with a note). Chunk variants run under both
 evictions, `lru` and `cost`. The store budget is ~30% (`--budget-frac`) of the working set,
-measured first by a `producer-chunks` pass with an unbounded store (reported as eviction "none").
+measured first by a `producer-chunks` pass with an unbounded store (reported as eviction "none",
+as is a `producer+consumer-chunks` pass with both stores unbounded: the consumer's at its default,
+half its KV pool).
 
 One producer and one consumer run as real processes (bench.services) per pass, requests one at a
 time (TTFT without queueing). One JSON line per (workload, variant, eviction) to
@@ -20,7 +22,8 @@ bench/results/prefix.jsonl (`--out-dir` to change): model, weights, workload, va
 store_budget_bytes, requests, prefill_tokens_computed (the producer's forward, from Describe),
 prefill_tokens_saved_pct (of all context tokens requested), transfer_bytes (the consumer's
 bytes received), ttft_p50_ms / ttft_p95_ms (client side, every request), ttft_later_p50_ms (turns
-2+ / questions 2+ / documents 2+), identical_to_cold_rate (greedy tokens equal to no-store's),
+2+ / questions 2+ / documents 2+), question_prefill_later_p50_ms (their floor: the question's
+prefill alone, from the consumer's stats), identical_to_cold_rate (greedy tokens equal to no-store's),
 load_avg_1m. `--quick`: workload (a) on the QA pair in float32, mode raw, short contexts.
 """
 
@@ -195,7 +198,8 @@ def run(model: Model, workload: Workload, mode: str, budget_frac: float, out, lo
             producer_args += ["--store-bytes", str(budget)]
         if eviction in ("lru", "cost") and variant.name != "whole":
             producer_args += ["--store-eviction", eviction]
-        consumer_args = ["--model", model.consumer, *common, *(a.replace("{budget}", str(budget)) for a in variant.consumer_args)]
+        kept = "-1" if budget == UNBOUNDED else str(budget)  # unbounded: the consumer's default, half its KV pool
+        consumer_args = ["--model", model.consumer, *common, *(a.replace("{budget}", kept) for a in variant.consumer_args)]
         with services.running(producer_args, consumer_args, log_dir / f"{workload.name}-{variant.name}-{eviction}") as (p, c):
             return asyncio.run(_pass(c.address, p.address, workload, mode, stop_id))
 
@@ -229,6 +233,10 @@ def run(model: Model, workload: Workload, mode: str, budget_frac: float, out, lo
             "ttft_p50_ms": round(pct([r["ttft"] for r in results], 0.5), 2),
             "ttft_p95_ms": round(pct([r["ttft"] for r in results], 0.95), 2),
             "ttft_later_p50_ms": round(pct(later, 0.5), 2),
+            # the floor of a later request: its question's prefill alone (the consumer's stats)
+            "question_prefill_later_p50_ms": round(
+                pct([r["question_prefill"] for r, q in zip(results, workload.requests) if q.later], 0.5), 2
+            ),
             "identical_to_cold_rate": round(sum(a["ids"] == b["ids"] for a, b in zip(results, cold)) / len(cold), 4),
             "load_avg_1m": round(os.getloadavg()[0], 2),
         }
@@ -239,6 +247,10 @@ def run(model: Model, workload: Workload, mode: str, budget_frac: float, out, lo
 
     emit("no-store", "none", cold, _zero_stats(workload), 0)
     emit("producer-chunks", "none", full, stats, UNBOUNDED)
+    both = variants["producer+consumer-chunks"]
+    if consumer_has(both.needs_consumer_flag):  # what reuse gives without memory pressure
+        results, both_stats = one_pass(both, "none", UNBOUNDED)
+        emit(both.name, "none", results, both_stats, UNBOUNDED)
     for variant in VARIANTS[1:]:
         if variant.needs_consumer_flag and not consumer_has(variant.needs_consumer_flag):
             print(f"# {variant.name}: skipped, the consumer has no {variant.needs_consumer_flag}", file=sys.stderr)

@@ -198,29 +198,37 @@ def throughput(root: Path = ROOT) -> dict:
     rows = rows_of(root / "bench/results/throughput.jsonl")
     cells: dict[tuple, dict[int, dict]] = {}
     for r in rows:
-        cells.setdefault((r["model"], r["weights"], r["dtype"], r["mode"], r["output"], r["concurrency"]), {})[r["max_batch"]] = r
+        key = (r["model"], r["weights"], r["dtype"], r.get("torch_threads", 0), r["mode"], r["output"], r["concurrency"])
+        cells.setdefault(key, {})[r["max_batch"]] = r  # a rerun of a cell replaces it
     table = [
-        "| model (weights, dtype) | mode | output | streams | tok/s batched / max-batch 1 | req/s ratio"
-        " | TTFT p50 ms batched / 1 | TTFT p95 ms batched / 1 | batched / forward ceiling | identical | load |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model (weights, dtype, torch threads) | mode | output | streams | tok/s batched / max-batch 1 | req/s ratio"
+        " | TTFT p50 ms batched / 1 | TTFT p95 ms batched / 1 | batched / forward ceiling | consumer CPU ms/request"
+        " (event loop) batched / 1 | producer CPU ms/request | identical | load |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def cpu(r: dict, name: str) -> str:
+        return f"{r[f'{name}_cpu_ms_per_request']:.1f}" if f"{name}_cpu_ms_per_request" in r else "-"
+
     summary = {}
     for key, by_batch in sorted(cells.items()):
         one = by_batch.get(1)
         many = next((r for mb, r in sorted(by_batch.items()) if mb > 1), None)
         if one is None or many is None:
             continue
-        model, weights, dtype, mode, output, conc = key
+        model, weights, dtype, threads, mode, output, conc = key
         tok = many["output_tokens_per_s"] / one["output_tokens_per_s"]
         req = many["requests_per_s"] / one["requests_per_s"]
         ceiling = many["output_tokens_per_s"] / many["forward_ceiling_tokens_per_s"]
         load = span([one["load_avg_1m"], many["load_avg_1m"]], "{:.1f}")
         table.append(
-            f"| {model} ({weights}, {dtype}) | {mode} | {output} | {conc} | {many['output_tokens_per_s']:.0f} / "
+            f"| {model} ({weights}, {dtype}, {threads or 'default'}) | {mode} | {output} | {conc} | {many['output_tokens_per_s']:.0f} / "
             f"{one['output_tokens_per_s']:.0f} = **{tok:.1f}x** | {req:.1f}x | {many['ttft_p50_ms']:.0f} / {one['ttft_p50_ms']:.0f}"
-            f" | {many['ttft_p95_ms']:.0f} / {one['ttft_p95_ms']:.0f} | {ceiling:.2f} | {many['identical_to_batch1_rate']} | {load} |"
+            f" | {many['ttft_p95_ms']:.0f} / {one['ttft_p95_ms']:.0f} | {ceiling:.2f}"
+            f" | {cpu(many, 'consumer')} ({cpu(many, 'consumer_loop')}) / {cpu(one, 'consumer')} ({cpu(one, 'consumer_loop')})"
+            f" | {cpu(many, 'producer')} | {many['identical_to_batch1_rate']} | {load} |"
         )
-        summary[f"{model}|{mode}|{output}|{conc}"] = {"tok": tok, "req": req, "ceiling": ceiling, "identical": many["identical_to_batch1_rate"]}
+        summary[f"{model}|{threads}|{mode}|{output}|{conc}"] = {"tok": tok, "req": req, "ceiling": ceiling, "identical": many["identical_to_batch1_rate"]}
     f32 = [r["identical_to_batch1_rate"] for r in rows if r["dtype"] == "float32" and r["identical_to_batch1_rate"] is not None]
     worst = min(f32, default=0.0)
     return {
@@ -237,15 +245,16 @@ def prefix(root: Path = ROOT) -> dict:
     rows = rows_of(root / "bench/results/prefix.jsonl")
     table = [
         "| model (weights, dtype, mode) | workload | variant | eviction | store budget | prefill tokens computed (saved) |"
-        " transfer MB | TTFT p50 ms (later turns) | identical to cold | load |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+        " transfer MB | TTFT p50 ms (later turns) | later turns' floor ms | identical to cold | load |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         budget = "-" if r["store_budget_bytes"] in (0, 1 << 40) else f"{r['store_budget_bytes'] / 2**20:.1f} MiB"
+        floor = f"{r['question_prefill_later_p50_ms']:.1f}" if "question_prefill_later_p50_ms" in r else "-"
         table.append(
             f"| {r['model']} ({r['weights']}, {r['dtype']}, {r['mode']}) | {r['workload']} | {r['variant']} | {r['eviction']}"
             f" | {budget} | {r['prefill_tokens_computed']} ({r['prefill_tokens_saved_pct']:.1f}%) | {r['transfer_bytes'] / 1e6:.1f}"
-            f" | {r['ttft_p50_ms']:.1f} ({r['ttft_later_p50_ms']:.1f}) | {r['identical_to_cold_rate']} | {r['load_avg_1m']:.1f} |"
+            f" | {r['ttft_p50_ms']:.1f} ({r['ttft_later_p50_ms']:.1f}) | {floor} | {r['identical_to_cold_rate']} | {r['load_avg_1m']:.1f} |"
         )
     identical = min((r["identical_to_cold_rate"] for r in rows), default=0.0)
     return {"table": "\n".join(table), "rows": len(rows), "identical_min": identical}

@@ -17,6 +17,10 @@ decode step at batch = concurrency over a Hugging Face DynamicCache of the cell'
 tokens/s = batch / median step time. It is the engine's ceiling on this machine (no sampling, no
 gRPC, no scheduling).
 
+Each row also carries the CPU milliseconds per request of the producer, the consumer and the
+consumer's main thread (its asyncio event loop: gRPC calls, stream parsing, the servicer), from
+/proc: what batching can amortize (the forward) and what it cannot (per-request work on the loop).
+
 One JSON line per cell to bench/results/throughput.jsonl (--out-dir to change), a table on stdout
 and a plot (tokens/s and p95 TTFT vs concurrency). `--quick`: the QA pair in float32, modes raw
 and scd, both outputs, concurrency 1 and 32.
@@ -111,7 +115,7 @@ async def one(stub, req) -> dict:
     ttft = ((first or done) - started) * 1e3
     tpot = (done - (first or done)) * 1e3 / max(1, len(ids) - 1)
     return {"ids": ids, "ttft": ttft, "tpot": tpot, "queue": stats.queue_wait_ms if stats else 0.0,
-            "bytes": stats.bytes_received if stats else 0}
+            "bytes": stats.bytes_received if stats else 0, "question_prefill": stats.question_prefill_ms if stats else 0.0}
 
 
 async def closed_loop(address: str, reqs: list, concurrency: int) -> tuple[list[dict], float]:
@@ -158,6 +162,20 @@ def forward_ceiling(loaded, batch: int, ctx_tokens: int, steps: int = 8) -> floa
 def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))] if s else 0.0
+
+
+def cpu_s(pid: int, tid: int | None = None) -> float:
+    """CPU seconds (user + system) a process, or one of its threads, has used."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_split(producer_pid: int, consumer_pid: int) -> dict[str, float]:
+    """CPU seconds so far: the producer, the consumer, and the consumer's main thread (its asyncio
+    event loop: gRPC, stream parsing, the servicer; the rest is the engine, torch's workers, gRPC's
+    poller)."""
+    return {"producer": cpu_s(producer_pid), "consumer": cpu_s(consumer_pid), "consumer_loop": cpu_s(consumer_pid, consumer_pid)}
 
 
 def hwm_mb(pid: int) -> float:
@@ -214,7 +232,9 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
                     ceiling = forward_ceiling(reference, concurrency, model.ctx_tokens + len(examples[0][1]))
                     by_batch = {}
                     for mb, service in consumers.items():
+                        before = cpu_split(producer.process.pid, service.process.pid)
                         results, wall = asyncio.run(closed_loop(service.address, reqs, concurrency))
+                        used = {k: v - before[k] for k, v in cpu_split(producer.process.pid, service.process.pid).items()}
                         by_batch[mb] = results
                         tokens = sum(len(r["ids"]) for r in results)
                         row = {
@@ -232,6 +252,8 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
                             "forward_ceiling_tokens_per_s": round(ceiling, 1),
                             "max_inflight": int(limit), "ctx_tokens": model.ctx_tokens, "torch_threads": torch_threads,
                             "load_avg_1m": round(os.getloadavg()[0], 2),
+                            # CPU per request: where a closed loop's time goes (2 cores shared by all)
+                            **{f"{k}_cpu_ms_per_request": round(v * 1e3 / len(results), 2) for k, v in used.items()},
                         }
                         rows.append(row)
                     same = sum(a["ids"] == b["ids"] for a, b in zip(by_batch[1], by_batch[max_batch]))
