@@ -85,21 +85,18 @@ class Runner:
         float32. Advances every row's `seq.length`."""
         device, Bt = self.loaded.device, self.pool.block_tokens
         B = len(rows)
+        n = max(len(r.ids) for r in rows)
         lens = torch.tensor([len(r.ids) for r in rows], device=device)  # [B]
         starts = torch.tensor([r.start for r in rows], device=device)
-        n = int(lens.max())
-        ids = torch.zeros(B, n, dtype=torch.long, device=device)
-        for i, r in enumerate(rows):
-            ids[i, : len(r.ids)] = torch.tensor(r.ids, device=device)
+        ids = torch.tensor([r.ids + [0] * (n - len(r.ids)) for r in rows], dtype=torch.long, device=device)  # [B, n]
         cols = torch.arange(n, device=device)[None]  # [1, n]
         valid = cols < lens[:, None]  # [B, n]
         pos = starts[:, None] + cols  # [B, n]; padded queries get positions past their row's end
-        total = int((starts + lens).max())
-        nblk = -(-total // Bt)
-        tables = torch.full((B, nblk), NULL_BLOCK, dtype=torch.long, device=device)
-        for i, r in enumerate(rows):
-            used = -(-(r.start + len(r.ids)) // Bt)
-            tables[i, :used] = r.seq.table[:used]
+        used = [-(-(r.start + len(r.ids)) // Bt) for r in rows]  # blocks each row reads
+        nblk = max(used)
+        tables = torch.nn.utils.rnn.pad_sequence(  # [B, nblk], padded with the null block
+            [r.seq.table[:u] for r, u in zip(rows, used)], batch_first=True, padding_value=NULL_BLOCK
+        )
         keys_at = torch.arange(nblk * Bt, device=device)[None, None]  # [1, 1, L]
         mask = keys_at <= pos[:, :, None]  # [B, n, L]: causal within the row's own prefix
         mask = torch.where(valid[:, :, None], mask, keys_at == 0)  # padded queries see one (zero) key
