@@ -239,6 +239,7 @@ def run(model: Model, workload: Workload, mode: str, budget_frac: float, out, lo
             ),
             "identical_to_cold_rate": round(sum(a["ids"] == b["ids"] for a, b in zip(results, cold)) / len(cold), 4),
             "load_avg_1m": round(os.getloadavg()[0], 2),
+            "code": services.code_version(),
         }
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -228,7 +228,15 @@ def throughput(root: Path = ROOT) -> dict:
             f" | {cpu(many, 'consumer')} ({cpu(many, 'consumer_loop')}) / {cpu(one, 'consumer')} ({cpu(one, 'consumer_loop')})"
             f" | {cpu(many, 'producer')} | {many['identical_to_batch1_rate']} | {load} |"
         )
-        summary[f"{model}|{threads}|{mode}|{output}|{conc}"] = {"tok": tok, "req": req, "ceiling": ceiling, "identical": many["identical_to_batch1_rate"]}
+        summary[f"{model}|{threads}|{mode}|{output}|{conc}"] = {
+            "tok": tok,
+            "req": req,
+            "ttft": many["ttft_p50_ms"] / one["ttft_p50_ms"],
+            "ceiling": ceiling,
+            "identical": many["identical_to_batch1_rate"],
+            **{f"cpu_{name}": many.get(f"{name}_cpu_ms_per_request") for name in ("consumer", "consumer_loop", "producer")},
+            **{f"cpu_{name}_1": one.get(f"{name}_cpu_ms_per_request") for name in ("consumer", "consumer_loop")},
+        }
     f32 = [r["identical_to_batch1_rate"] for r in rows if r["dtype"] == "float32" and r["identical_to_batch1_rate"] is not None]
     worst = min(f32, default=0.0)
     return {

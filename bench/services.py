@@ -11,10 +11,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from shared.healthcheck import check
 
@@ -24,6 +23,19 @@ ROOT = Path(__file__).resolve().parent.parent
 # consumer flags of a benchmark that times transfers of repeated contexts: the consumer's prefix
 # cache would answer a repeat with no transfer at all (bench.prefix measures that cache)
 NO_PREFIX_CACHE = ("--prefix-cache-bytes", "0")
+
+
+def code_version() -> str:
+    """The commit the services run from (with "+dirty" when the working tree has changes): what a
+    benchmark row measured."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
 
 
 def free_port() -> int:

@@ -251,6 +251,7 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
                             "peak_rss_mb": round(hwm_mb(service.process.pid), 1),
                             "forward_ceiling_tokens_per_s": round(ceiling, 1),
                             "max_inflight": int(limit), "ctx_tokens": model.ctx_tokens, "torch_threads": torch_threads,
+                            "code": services.code_version(),
                             "load_avg_1m": round(os.getloadavg()[0], 2),
                             # CPU per request: where a closed loop's time goes (2 cores shared by all)
                             **{f"{k}_cpu_ms_per_request": round(v * 1e3 / len(results), 2) for k, v in used.items()},
@@ -292,10 +293,14 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    keys = sorted({(r["model"], r["mode"], r["output"], r["max_batch"]) for r in rows})
+    def key_of(r: dict) -> tuple:
+        return r["model"], r["mode"], r["output"], r["max_batch"], r.get("torch_threads", 0)
+
+    keys = sorted({key_of(r) for r in rows})
     for key in keys:
-        sel = sorted((r for r in rows if (r["model"], r["mode"], r["output"], r["max_batch"]) == key), key=lambda r: r["concurrency"])
-        label = f"{key[0]} {key[1]} {key[2]} mb={key[3]}"
+        by_conc = {r["concurrency"]: r for r in rows if key_of(r) == key}  # a rerun of a cell replaces it
+        sel = [by_conc[c] for c in sorted(by_conc)]
+        label = f"{key[0]} {key[1]} {key[2]} mb={key[3]}" + (f" threads={key[4]}" if key[4] else "")
         style = "-" if key[3] > 1 else "--"
         axes[0].plot([r["concurrency"] for r in sel], [r["output_tokens_per_s"] for r in sel], style, marker="o", label=label)
         axes[1].plot([r["concurrency"] for r in sel], [r["ttft_p95_ms"] for r in sel], style, marker="o", label=label)
