@@ -64,6 +64,16 @@ class TransferTooSlow(DeadlineExceeded):
     """The stream's observed throughput makes finishing it slower than the own prefill."""
 
 
+def take_ready(first: Any, events: asyncio.Queue) -> tuple[list[Any], BaseException | None]:
+    """`first` and whatever else is queued now, up to a Finished (included) or an exception
+    (returned apart: the items before it are still delivered); nothing after them is taken."""
+    batch = [first]
+    while not isinstance(batch[-1], (Finished, BaseException)) and not events.empty():
+        batch.append(events.get_nowait())
+    error = batch.pop() if isinstance(batch[-1], BaseException) else None
+    return batch, error
+
+
 class TransferSource(Protocol):
     def open(
         self, request_id: str, context_ids: list[int], expect: Expectation, timeout_s: float
@@ -186,9 +196,11 @@ class GenerateEngine:
 
         return await logs.run_in(self.engine, run)
 
-    async def _engine_task(self, job: GenerateJob, task: Task) -> AsyncGenerator[int | Finished, None]:
-        """Hand task to the batch engine; its sampled token ids, then its Finished. Leaving early
-        (deadline, cancel, error) takes the task out of the engine at its next iteration."""
+    async def _engine_task(self, job: GenerateJob, task: Task) -> AsyncGenerator[list[int | Finished], None]:
+        """Hand task to the batch engine; its sampled token ids, then its Finished, in lists of
+        whatever arrived since the last one was taken (one item while the caller keeps up; more
+        when the event loop falls behind, so a loaded loop sends fewer, fuller messages). Leaving
+        early (deadline, cancel, error) takes the task out of the engine at its next iteration."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -204,10 +216,12 @@ class GenerateEngine:
                     item = await asyncio.wait_for(events.get(), self._left(job, "the next engine step"))
                 except TimeoutError:
                     raise DeadlineExceeded("deadline passed while waiting for the engine") from None
-                if isinstance(item, BaseException):
-                    raise item
-                finished = isinstance(item, Finished)
-                yield item
+                batch, error = take_ready(item, events)
+                finished = bool(batch) and isinstance(batch[-1], Finished)
+                if batch:
+                    yield batch  # the tokens before an error still go out
+                if error is not None:
+                    raise error
         finally:
             if not finished:
                 self.engine.cancel(task)
@@ -464,16 +478,18 @@ class GenerateEngine:
             first_at = submitted
             try:
                 async with contextlib.aclosing(self._engine_task(job, task)) as events:
-                    async for item in events:
-                        if isinstance(item, Finished):
-                            result.finish_reason = item.reason
+                    async for items in events:
+                        ids = [item for item in items if not isinstance(item, Finished)]
+                        if ids:
+                            if result.generated_tokens == 0:
+                                first_at = time.perf_counter()
+                                result.question_prefill_ms = (first_at - submitted) * 1e3
+                                result.ttft_ms = (first_at - job.received_at) * 1e3
+                            result.generated_tokens += len(ids)
+                            yield TokenOut(ids, "".join(detok.push(token) for token in ids))
+                        if isinstance(items[-1], Finished):
+                            result.finish_reason = items[-1].reason
                             break
-                        if result.generated_tokens == 0:
-                            first_at = time.perf_counter()
-                            result.question_prefill_ms = (first_at - submitted) * 1e3
-                            result.ttft_ms = (first_at - job.received_at) * 1e3
-                        result.generated_tokens += 1
-                        yield TokenOut([item], detok.push(item))
             except DataLoss as exc:
                 if result.generated_tokens or job.codec is None or result.codec == LOCAL_MODE:
                     raise

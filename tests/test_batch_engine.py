@@ -242,3 +242,24 @@ def test_pool_write_equals_token_by_token_and_touches_only_its_blocks(loaded, st
     expect_k[1, blk, off] = keys[0].transpose(0, 1)
     expect_v[1, blk, off] = values[0].transpose(0, 1)
     assert torch.equal(pool.k, expect_k) and torch.equal(pool.v, expect_v)
+
+
+async def test_a_request_takes_the_tokens_that_arrived_together_in_one_message():
+    """consumer.engine.take_ready: what a loaded event loop sends as one TokenDelta. Everything
+    queued up to the request's Finished, never past it; an error ends the batch and comes apart,
+    after the tokens that preceded it."""
+    from consumer.engine import take_ready
+
+    queue: asyncio.Queue = asyncio.Queue()
+    assert take_ready(5, queue) == ([5], None)  # nothing else waiting: one token, as before
+    done = Finished("stop")
+    for item in (6, 7, done, 8):
+        queue.put_nowait(item)
+    assert take_ready(5, queue) == ([5, 6, 7, done], None) and queue.qsize() == 1
+    queue.get_nowait()
+    boom = DataLoss("non-finite")
+    for item in (6, boom, 7):
+        queue.put_nowait(item)
+    batch, error = take_ready(5, queue)
+    assert batch == [5, 6] and error is boom and queue.qsize() == 1
+    assert take_ready(boom, asyncio.Queue()) == ([], boom)
