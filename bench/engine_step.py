@@ -1,0 +1,117 @@
+"""`python -m bench.engine_step`: the batch engine's decode forward against the bare model's, alone.
+
+bench.throughput's ceiling is the bare Hugging Face decode step (DynamicCache) at batch = streams;
+its rows compare the whole service with it. This isolates the engine's own part: one decode step
+of `consumer.runner.Runner` over the KV pool (ragged rows, per-row masks, the block gather into
+scratch buffers, in-place writes) against one step of the model with a DynamicCache of the same
+batch and context, both in this process, interleaved round by round, median of `--steps` steps.
+No gRPC, no scheduler, no other process: what is left between a service row and the ceiling is
+not the forward.
+
+One JSON line per (batch, round) to bench/results/engine_step.jsonl (`--out-dir` to change):
+model, weights, dtype, batch, ctx_tokens, engine_step_ms, bare_step_ms, gather_ms (the per-step
+block gather alone, every layer, K and V), torch_threads, load_avg_1m, code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench import services
+
+RESULTS = services.ROOT / "bench" / "results"
+
+
+def _median_ms(fn, steps: int) -> float:
+    times = []
+    for _ in range(steps + 2):  # the first two warm up
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[2:]) * 1e3
+
+
+def measure(loaded, batch: int, ctx: int, steps: int) -> dict:
+    """One interleaved pair of timings at this batch and context."""
+    from transformers import DynamicCache
+
+    from consumer.kv_pool import KVPool
+    from consumer.runner import Row, Runner
+
+    vocab = loaded.info.vocab_size
+    pool = KVPool(loaded.info, loaded.device, batch * (ctx + steps + 40) * loaded.info.kv_bytes(1), 16)
+    runner = Runner(loaded, pool)
+    seqs = [pool.allocate(ctx + steps + 8) for _ in range(batch)]
+    ids = torch.randint(4, vocab, (batch, ctx))
+    with torch.inference_mode():
+        for seq, row in zip(seqs, ids.tolist()):
+            runner.forward([Row(seq, row, 0)])
+
+        def engine_step() -> None:
+            runner.forward([Row(seq, [7], seq.length) for seq in seqs])
+
+        engine_ms = _median_ms(engine_step, steps)
+        cache = DynamicCache(config=loaded.model.config)
+        loaded.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        step = torch.full((batch, 1), 7)
+        bare_ms = _median_ms(lambda: loaded.model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1), steps)
+        flat = torch.stack([seq.table[: -(-ctx // 16)] for seq in seqs]).view(-1)
+
+        def gather() -> None:
+            for layer in range(loaded.info.num_layers):
+                for buf in (pool.k, pool.v):
+                    buf[layer].index_select(0, flat)
+
+        gather_ms = _median_ms(gather, steps)
+    return {"engine_step_ms": round(engine_ms, 3), "bare_step_ms": round(bare_ms, 3), "gather_ms": round(gather_ms, 3)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--model", default="checkpoints/qa-tuned")
+    parser.add_argument("--weights", default="trained", help="what the rows say the weights are")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--ctx", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
+    parser.add_argument("--out-dir", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    from shared.models import load_model
+
+    loaded = load_model(str(services.ROOT / args.model), args.dtype, "cpu")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    code = services.code_version()
+    with open(out_dir / "engine_step.jsonl", "a") as out:
+        for round_ in range(args.rounds):
+            for batch in [int(b) for b in args.batches.split(",")]:
+                row = {
+                    "bench": "engine_step",
+                    "model": Path(args.model).name,
+                    "weights": args.weights,
+                    "dtype": args.dtype,
+                    "batch": batch,
+                    "ctx_tokens": args.ctx,
+                    "round": round_,
+                    **measure(loaded, batch, args.ctx, args.steps),
+                    "torch_threads": args.torch_threads or torch.get_num_threads(),
+                    "load_avg_1m": round(os.getloadavg()[0], 2),
+                    "code": code,
+                }
+                print(json.dumps(row), flush=True)
+                out.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
