@@ -19,7 +19,19 @@ from bench import plot, projection
 from bench import quality as quality_bench
 from bench.pairs import PAIRS
 from bench.rows import RESULTS, ROOT, artifact_meta, em_f1, rows_of, span, span_words  # noqa: F401 (RESULTS: re-exported)
-from bench.service_figures import adaptive, audit, compose, contract, link, load, pool, prefix, throughput, transport
+from bench.service_figures import (
+    adaptive,
+    audit,
+    compose,
+    contract,
+    engine_step,
+    link,
+    load,
+    pool,
+    prefix,
+    throughput,
+    transport,
+)
 from shared.labels import mode_label
 
 # ---- the trained pairs (qa.evaluate pair) -------------------------------------------------------
@@ -302,6 +314,7 @@ def figures(root: Path = ROOT) -> dict:
         "contract": contract(root),
         "audit": audit(root),
         "throughput": throughput(root),
+        "engine_step": engine_step(root),
         "prefix": prefix(root),
         "adaptive": adaptive(root),
         "link": link(root),

@@ -247,6 +247,30 @@ def throughput(root: Path = ROOT) -> dict:
     }
 
 
+def engine_step(root: Path = ROOT) -> dict:
+    """bench.engine_step's rows: per (torch threads, batch) the median over rounds of the engine's
+    decode step, the bare model's, and the block gather's share of the engine's."""
+    rows = rows_of(root / "bench/results/engine_step.jsonl")
+    table = [
+        "| model (weights, dtype) | torch threads | batch | engine step ms | bare step ms | engine / bare | gather share of the engine step | rounds | load |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cells.setdefault((r["model"], r["weights"], r["dtype"], r["torch_threads"], r["batch"]), []).append(r)
+    out: dict = {}
+    for (model, weights, dtype, threads, batch), rs in sorted(cells.items()):
+        engine = statistics.median(r["engine_step_ms"] for r in rs)
+        bare = statistics.median(r["bare_step_ms"] for r in rs)
+        gather = statistics.median(r["gather_ms"] for r in rs)
+        table.append(
+            f"| {model} ({weights}, {dtype}) | {threads} | {batch} | {engine:.2f} | {bare:.2f} | {engine / bare:.2f}x"
+            f" | {gather / engine:.0%} | {len(rs)} | {span([r['load_avg_1m'] for r in rs], '{:.1f}')} |"
+        )
+        out[f"{threads}|{batch}"] = {"ratio": engine / bare, "gather": gather / engine, "engine": engine, "bare": bare}
+    return {"table": "\n".join(table), "rows": len(rows), "cells": out}
+
+
 def prefix(root: Path = ROOT) -> dict:
     """bench.prefix's rows: per (workload, variant, eviction) the prefill it computed, the bytes it
     transferred, TTFT and whether answers equal the no-store run's."""
