@@ -4,6 +4,7 @@ finish abandoned mid-way for the consumer's own prefill (a producer that stalls 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -96,24 +97,38 @@ async def test_bad_budgets_are_refused_naming_the_option(options, text):
         assert stats.HasField("auto")
 
 
-async def test_a_stalling_stream_is_abandoned_for_the_own_prefill():
+async def recorded_raw_stream() -> list:
+    """A real producer's raw stream of CONTEXT in 1 KiB chunks (many messages to stall between)."""
     model = load_model("tiny-llama", "float32", "cpu")
     ids = model.tokenizer(CONTEXT)["input_ids"]
     producer = ProducerServer(ProducerConfig(port=0, model="tiny-llama", device="cpu", max_chunk_bytes=1024, drain_grace_s=0))
     await producer.start()
     await producer.load()
     try:
-        rec = await record(producer.address, ids, "raw")
+        return await record(producer.address, ids, "raw")
     finally:
         await producer.stop(0)
-    stall = {"s": 0.0}
+
+
+def stalling(rec: list, stall_s) -> Callable:
+    """A hostile-producer script replaying rec, waiting stall_s() seconds before every layer after
+    the first (stall_s is read per call)."""
 
     def script(request):
+        stall = stall_s()
         for i, message in enumerate(rec):
             if i > 1 and message.WhichOneof("kind") == "chunk" and message.chunk.chunk_index == 0 and message.chunk.kind == "k":
-                yield stall["s"]  # before every layer after the first
+                yield stall
             yield message
 
+    return script
+
+
+async def test_a_stalling_stream_is_abandoned_for_the_own_prefill():
+    rec = await recorded_raw_stream()
+    stall = {"s": 0.0}
+
+    script = stalling(rec, lambda: stall["s"])
     async with consumer_of(script, prefix_cache_bytes=0) as (consumer, fake):
         client = ConsumerClient(consumer.address)
         try:
@@ -141,24 +156,10 @@ async def test_abandoned_and_cancelled_streams_among_good_ones_return_every_bloc
     KV pool, the KV admission queue and the call admission are back where they started."""
     import asyncio
 
-    model = load_model("tiny-llama", "float32", "cpu")
-    ids = model.tokenizer(CONTEXT)["input_ids"]
-    producer = ProducerServer(ProducerConfig(port=0, model="tiny-llama", device="cpu", max_chunk_bytes=1024, drain_grace_s=0))
-    await producer.start()
-    await producer.load()
-    try:
-        rec = await record(producer.address, ids, "raw")
-    finally:
-        await producer.stop(0)
+    rec = await recorded_raw_stream()
     stalls = iter([0.0, 0.0] + [0.4, 0.0, 0.4, 0.0, 5.0, 0.4, 5.0, 0.0])  # two warm-ups, then per call as it arrives
 
-    def script(request):
-        stall = next(stalls, 0.0)
-        for i, message in enumerate(rec):
-            if i > 1 and message.WhichOneof("kind") == "chunk" and message.chunk.chunk_index == 0 and message.chunk.kind == "k":
-                yield stall
-            yield message
-
+    script = stalling(rec, lambda: next(stalls, 0.0))
     async with consumer_of(script, prefix_cache_bytes=0) as (consumer, _):
         servicer = consumer.servicer
         pool = servicer.batch.pool
