@@ -271,6 +271,27 @@ def engine_step(root: Path = ROOT) -> dict:
     return {"table": "\n".join(table), "rows": len(rows), "cells": out}
 
 
+def turns(root: Path = ROOT) -> dict:
+    """bench.turns' rows: the later turns' medians of TTFT and of its parts."""
+    rows = [r for r in rows_of(root / "bench/results/turns.jsonl") if r["turn"] > 0]
+    if not rows:
+        return {"rows": 0}
+
+    def med(name: str) -> float:
+        return statistics.median(r[name] for r in rows)
+
+    return {
+        "rows": len(rows),
+        "model": rows[0]["model"],
+        "ttft": med("ttft_ms"),
+        "producer_prefill": med("producer_prefill_ms"),
+        "question": med("question_prefill_ms"),
+        "rebuild": med("rebuild_ms"),
+        "ctx": span([r["ctx_tokens"] for r in rows]),
+        "load": span([r["load_avg_1m"] for r in rows], "{:.1f}"),
+    }
+
+
 def prefix(root: Path = ROOT) -> dict:
     """bench.prefix's rows: per (workload, variant, eviction) the prefill it computed, the bytes it
     transferred, TTFT and whether answers equal the no-store run's."""
@@ -289,7 +310,13 @@ def prefix(root: Path = ROOT) -> dict:
             f" | {r['ttft_p50_ms']:.1f} ({r['ttft_later_p50_ms']:.1f}) | {floor} | {r['identical_to_cold_rate']} | {r['load_avg_1m']:.1f} |"
         )
     identical = min((r["identical_to_cold_rate"] for r in rows), default=0.0)
-    return {"table": "\n".join(table), "rows": len(rows), "identical_min": identical, **_prefix_targets(rows)}
+    return {
+        "table": "\n".join(table),
+        "rows": len(rows),
+        "identical_min": identical,
+        "turns": turns(root),
+        **_prefix_targets(rows),
+    }
 
 
 def _prefix_targets(rows: list[dict]) -> dict:
