@@ -31,7 +31,7 @@ from shared.pb import consumer_pb2_grpc
 RESULTS = services.ROOT / "bench" / "results"
 
 
-async def _turns(address: str, work, model, out) -> None:
+async def _turns(address: str, work, model, out, torch_threads: int) -> None:
     code = services.code_version()
     async with grpc.aio.insecure_channel(address) as channel:
         stub = consumer_pb2_grpc.ConsumerServiceStub(channel)
@@ -57,6 +57,7 @@ async def _turns(address: str, work, model, out) -> None:
                 "question_prefill_ms": round(stats.question_prefill_ms, 1),
                 "prefix_reused_tokens": stats.prefix_reused_tokens,
                 "bytes_received": stats.bytes_received,
+                "torch_threads": torch_threads,
                 "load_avg_1m": round(os.getloadavg()[0], 2),
                 "code": code,
             }
@@ -68,11 +69,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--model", default="qwen05b", choices=["qa", "qwen05b"])
     parser.add_argument("--ctx-tokens", type=int, default=2048)
+    parser.add_argument("--torch-threads", type=int, default=0, help="both services' --torch-threads (0: torch's default)")
     parser.add_argument("--out-dir", default=str(RESULTS))
     args = parser.parse_args(argv)
     model = {"qa": qa_model, "qwen05b": qwen05b_model}[args.model]()
     work = multi_turn(model, 1, args.ctx_tokens)
-    common = ["--dtype", model.dtype, "--log-level", "WARNING"]
+    common = ["--dtype", model.dtype, "--log-level", "WARNING", "--torch-threads", str(args.torch_threads)]
     producer = ["--model", model.producer, *common, "--chunk-tokens", "256", "--store-bytes", str(1 << 40)]
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         services.running(producer, ["--model", model.consumer, *common], Path(logs)) as (_, consumer),
         open(out_dir / "turns.jsonl", "a") as out,
     ):
-        asyncio.run(_turns(consumer.address, work, model, out))
+        asyncio.run(_turns(consumer.address, work, model, out, args.torch_threads))
 
 
 if __name__ == "__main__":
