@@ -176,3 +176,21 @@ def test_core_log_lines_become_json_and_other_lines_pass_through():
     assert core.translate("I1201 13:27:34.926793   15502 chttp2_transport.cc:1403] ipv4:127.0.0.1:1: Got goaway") is None
     assert json.loads(core.translate("E1201 13:27:34.9 15502 server.cc:10] boom"))["event"] == "grpc.core"
     assert core.translate('{"event": "server.started"}') == '{"event": "server.started"}'
+
+
+def test_torch_threads_is_validated_and_sets_the_intra_op_pool():
+    with pytest.raises(ValueError, match="torch_threads: -1 must be >= 0"):
+        config_lib.load(ConsumerConfig, "consumer", ["--torch-threads", "-1"], env={})
+    assert config_lib.load(ProducerConfig, "producer", [], env={"SCD_PRODUCER_TORCH_THREADS": "1"}).torch_threads == 1
+    # a started service runs with it: the flag is applied before the model loads
+    code = (
+        "import sys, torch, shared.serving as s\n"
+        "s.run = lambda main: print('threads', torch.get_num_threads())\n"
+        "s.main('consumer', __import__('shared.config', fromlist=['x']).ConsumerConfig, object, sys.argv[1:])\n"
+    )
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code, "--torch-threads", "1", "--model", "tiny-llama", "--port", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert "threads 1" in out.stdout, out.stderr[-2000:]
