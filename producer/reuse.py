@@ -291,5 +291,6 @@ def _stored_tail(store: ChunkStore, plan: Continuation, k: int) -> ChunkEntry | 
         use = m - m % group
         if use == 0:
             return None
-        return ChunkEntry(key, parent, begin + use, {name: t[:, :use] for name, t in entry.tensors.items()})  # [n_kv, use, hd]
+        cut = {name: t[:, :use] for name, t in entry.tensors.items()}  # [n_kv, use, hd]
+        return ChunkEntry(chunks.chunk_key(parent, ids[begin : begin + use]), parent, begin + use, cut)  # named for what it holds
     return None
