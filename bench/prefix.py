@@ -204,6 +204,7 @@ def run(model: Model, workload: Workload, mode: str, budget_frac: float, out, lo
             return asyncio.run(_pass(c.address, p.address, workload, mode, stop_id))
 
     variants = {v.name: v for v in VARIANTS}
+    code = services.code_version()  # what every row of this run measured
     cold, _ = one_pass(variants["no-store"], "none", 0)
     full, stats = one_pass(variants["producer-chunks"], "none", UNBOUNDED)
     working_set = sum(t.bytes for t in stats.store_tiers)
@@ -239,7 +240,7 @@ def run(model: Model, workload: Workload, mode: str, budget_frac: float, out, lo
             ),
             "identical_to_cold_rate": round(sum(a["ids"] == b["ids"] for a, b in zip(results, cold)) / len(cold), 4),
             "load_avg_1m": round(os.getloadavg()[0], 2),
-            "code": services.code_version(),
+            "code": code,
         }
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -115,7 +115,8 @@ async def one(stub, req) -> dict:
     ttft = ((first or done) - started) * 1e3
     tpot = (done - (first or done)) * 1e3 / max(1, len(ids) - 1)
     return {"ids": ids, "ttft": ttft, "tpot": tpot, "queue": stats.queue_wait_ms if stats else 0.0,
-            "bytes": stats.bytes_received if stats else 0, "question_prefill": stats.question_prefill_ms if stats else 0.0}
+            "bytes": stats.bytes_received if stats else 0, "question_prefill": stats.question_prefill_ms if stats else 0.0,
+            "stats": stats}
 
 
 async def closed_loop(address: str, reqs: list, concurrency: int) -> tuple[list[dict], float]:
@@ -197,6 +198,7 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
 
     n_distinct = 16
     examples, stop_id = requests_for(model, n_distinct)
+    code = services.code_version()  # what every row of this run measured
     limit = str(max(concurrencies) * 2)
     common = ["--model", "{m}", "--dtype", model.dtype, "--max-inflight", limit, "--log-level", "WARNING",
               "--torch-threads", str(torch_threads)]
@@ -251,7 +253,7 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
                             "peak_rss_mb": round(hwm_mb(service.process.pid), 1),
                             "forward_ceiling_tokens_per_s": round(ceiling, 1),
                             "max_inflight": int(limit), "ctx_tokens": model.ctx_tokens, "torch_threads": torch_threads,
-                            "code": services.code_version(),
+                            "code": code,
                             "load_avg_1m": round(os.getloadavg()[0], 2),
                             # CPU per request: where a closed loop's time goes (2 cores shared by all)
                             **{f"{k}_cpu_ms_per_request": round(v * 1e3 / len(results), 2) for k, v in used.items()},

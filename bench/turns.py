@@ -18,14 +18,13 @@ import asyncio
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import grpc
 
 from bench import services
 from bench.prefix import _request, multi_turn
-from bench.throughput import qa_model, qwen05b_model
+from bench.throughput import one, qa_model, qwen05b_model
 from shared.pb import consumer_pb2_grpc
 
 RESULTS = services.ROOT / "bench" / "results"
@@ -36,12 +35,8 @@ async def _turns(address: str, work, model, out, torch_threads: int) -> None:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = consumer_pb2_grpc.ConsumerServiceStub(channel)
         for i, req in enumerate(work.requests):
-            started, first, stats = time.perf_counter(), None, None
-            async for msg in stub.Generate(_request(req, "raw", None), timeout=600):
-                if msg.WhichOneof("kind") == "token":
-                    first = first or time.perf_counter()
-                else:
-                    stats = msg.stats
+            answer = await one(stub, _request(req, "raw", None))
+            stats = answer["stats"]
             assert stats is not None
             row = {
                 "bench": "turns",
@@ -50,7 +45,7 @@ async def _turns(address: str, work, model, out, torch_threads: int) -> None:
                 "dtype": model.dtype,
                 "turn": i,
                 "ctx_tokens": len(req.context),
-                "ttft_ms": round(((first or time.perf_counter()) - started) * 1e3, 1),
+                "ttft_ms": round(answer["ttft"], 1),
                 "producer_prefill_ms": round(stats.producer_prefill_ms, 1),
                 "transfer_ms": round(stats.transfer_ms, 1),
                 "rebuild_ms": round(stats.rebuild_ms, 1),

@@ -70,7 +70,8 @@ class Runner:
     def _buffers(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         pool = self.pool
         shape = (blocks, pool.block_tokens, pool.info.num_kv_heads, pool.info.head_dim)
-        return tuple(torch.empty(shape, dtype=pool.dtype, device=self.loaded.device) for _ in range(2))  # type: ignore[return-value]
+        device = self.loaded.device
+        return torch.empty(shape, dtype=pool.dtype, device=device), torch.empty(shape, dtype=pool.dtype, device=device)
 
     def scratch(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The gather's K and V buffers, at least `blocks` blocks each: one pair for every layer

@@ -146,12 +146,13 @@ class Continuation:
                     continue  # a tail's K/V never continues a prefill (only full chunks do); derived: replayed
                 kept = self._new_kv.setdefault(j, {})
                 lo = max(ref.start - P, 0)
-                k_new, v_new = keys[:, lo : ref.end - P].to("cpu"), values[:, lo : ref.end - P].to("cpu")
-                if ref.start < P:  # the chunk the stored tail began: its first tokens come from the tail
-                    assert self.tail_entry is not None and self.derived
-                    k_new = torch.cat([self.tail_entry.tensors[f"{layer}.k"], k_new], dim=1)
-                    v_new = torch.cat([self.tail_entry.tensors[f"{layer}.v"], v_new], dim=1)
-                kept[f"{layer}.k"], kept[f"{layer}.v"] = k_new.clone(), v_new.clone()
+                for name, t in (("k", keys), ("v", values)):
+                    new_part = t[:, lo : ref.end - P].to("cpu")
+                    if ref.start < P:  # the chunk the stored tail began: its first tokens come from the tail
+                        assert self.tail_entry is not None and self.derived
+                        kept[f"{layer}.{name}"] = torch.cat([self.tail_entry.tensors[f"{layer}.{name}"], new_part], dim=1)
+                    else:
+                        kept[f"{layer}.{name}"] = new_part.clone()
                 if layer in self.causal and state.normed is not None:  # what continues a causal layer
                     kept[f"{layer}.normed"] = state.normed[ref.start - P : ref.end - P].to("cpu").clone()
         if self.layouts is None:
@@ -272,15 +273,11 @@ def _stored_tail(store: ChunkStore, plan: Continuation, k: int) -> ChunkEntry | 
     """The longest stored tail chunk (a context's last, shorter chunk, whose K/V the derived
     encoders keep) that hangs from chunk k - 1 and whose tokens begin chunk k of this context,
     cut to a multiple of TAIL_ALIGN and of every payload's token group, leaving at least one token
-    to compute;
-    None when there is none. A tail is found by its key: one hash per candidate length."""
+    to compute; None when there is none. A tail is found by its key: one hash per candidate length."""
     C, T, ids = plan.chunk_tokens, plan.num_tokens, plan.token_ids
     begin = k * C
     parent = plan.kv_refs[k - 1].key if k else plan.kv_refs[0].parent
-    group = TAIL_ALIGN
-    for layout in plan.layouts or []:
-        for _, g in layout.values():
-            group = group * g // math.gcd(group, g)
+    group = math.lcm(TAIL_ALIGN, *(g for layout in plan.layouts or [] for _, g in layout.values()))
     for m in range(min(C - 1, T - 1 - begin), 0, -1):
         key = chunks.chunk_key(parent, ids[begin : begin + m])
         if not store.has(key):
