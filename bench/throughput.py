@@ -12,14 +12,19 @@ gives `identical_to_batch1_rate`: the share of requests whose greedy
 tokens are the same under batching. Outputs: `answer` (the task's own stop token, a few tokens:
 TTFT-heavy; random-weight models stop at 8 tokens) and `long` (64 tokens, no stop: decode-heavy).
 
-`forward_ceiling_tokens_per_s` is the bare model forward, timed in this process between cells: one
-decode step at batch = concurrency over a Hugging Face DynamicCache of the cell's context length,
-tokens/s = batch / median step time. It is the engine's ceiling on this machine (no sampling, no
-gRPC, no scheduling).
+`forward_ceiling_tokens_per_s` is the bare model forward, timed in this process (with the
+services' torch thread count, `forward_ceiling_threads`) just before and just after each cell's
+pair of runs: one decode step at batch = concurrency over a Hugging Face DynamicCache of the cell's
+context length, tokens/s = batch / median of CEILING_STEPS step times, the faster of the two
+timings (noise on a shared machine only ever slows a forward down). It is the engine's ceiling on
+this machine (no sampling, no gRPC, no scheduling).
 
-Each row also carries the CPU milliseconds per request of the producer, the consumer and the
+Each row also carries the CPU milliseconds per request of the producer, the consumer, the
 consumer's main thread (its asyncio event loop: gRPC calls, stream parsing, the servicer), from
-/proc: what batching can amortize (the forward) and what it cannot (per-request work on the loop).
+/proc, and of the client (this process, every thread); and `cpu_bound_requests_per_s`: the
+machine's cores divided by the three processes' CPU per request, the rate at which this pipeline
+would saturate every core. What batching can amortize (the forward) and what it cannot
+(per-request work in every process) can be read from them.
 
 One JSON line per cell to bench/results/throughput.jsonl (--out-dir to change), a table on stdout
 and a plot (tokens/s and p95 TTFT vs concurrency). `--quick`: the QA pair in float32, modes raw
@@ -46,6 +51,7 @@ from shared.pb import common_pb2, consumer_pb2, consumer_pb2_grpc
 
 RESULTS = services.ROOT / "bench" / "results"
 LONG_TOKENS = 64
+CEILING_STEPS = 24  # timed decode steps per ceiling measurement (after two warm-up steps)
 
 
 @dataclass(frozen=True)
@@ -139,7 +145,7 @@ async def closed_loop(address: str, reqs: list, concurrency: int) -> tuple[list[
     return [r for r in results if r is not None], wall
 
 
-def forward_ceiling(loaded, batch: int, ctx_tokens: int, steps: int = 8) -> float:
+def forward_ceiling(loaded, batch: int, ctx_tokens: int, steps: int = CEILING_STEPS) -> float:
     """Tokens/s of the bare model's decode step at `batch` rows over ctx_tokens of cache."""
     import torch
     from transformers import DynamicCache
@@ -177,6 +183,18 @@ def cpu_split(producer_pid: int, consumer_pid: int) -> dict[str, float]:
     event loop: gRPC, stream parsing, the servicer; the rest is the engine, torch's workers, gRPC's
     poller)."""
     return {"producer": cpu_s(producer_pid), "consumer": cpu_s(consumer_pid), "consumer_loop": cpu_s(consumer_pid, consumer_pid)}
+
+
+def own_cpu_s() -> float:
+    """CPU seconds (user + system) this process has used, every thread (the closed-loop client)."""
+    t = os.times()
+    return t.user + t.system
+
+
+def torch_threads_now() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def hwm_mb(pid: int) -> float:
@@ -231,12 +249,16 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
                 for concurrency in concurrencies:
                     n = requests or max(16, 2 * concurrency)
                     reqs = [generate_request(*examples[i % n_distinct], mode, {}, output, stop_id) for i in range(n)]
-                    ceiling = forward_ceiling(reference, concurrency, model.ctx_tokens + len(examples[0][1]))
+                    ctx = model.ctx_tokens + len(examples[0][1])
+                    ceiling = forward_ceiling(reference, concurrency, ctx)
                     by_batch = {}
                     for mb, service in consumers.items():
                         before = cpu_split(producer.process.pid, service.process.pid)
+                        client_before = own_cpu_s()
                         results, wall = asyncio.run(closed_loop(service.address, reqs, concurrency))
                         used = {k: v - before[k] for k, v in cpu_split(producer.process.pid, service.process.pid).items()}
+                        used["client"] = own_cpu_s() - client_before
+                        total_ms = (used["producer"] + used["consumer"] + used["client"]) * 1e3 / len(results)
                         by_batch[mb] = results
                         tokens = sum(len(r["ids"]) for r in results)
                         row = {
@@ -251,18 +273,23 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
                             "identical_to_batch1_rate": None,
                             "kv_pool_bytes": asyncio.run(describe_pool(service.address)),
                             "peak_rss_mb": round(hwm_mb(service.process.pid), 1),
-                            "forward_ceiling_tokens_per_s": round(ceiling, 1),
+                            "forward_ceiling_tokens_per_s": None,  # set below, once timed after the pair as well
+                            "forward_ceiling_threads": torch_threads_now(),
                             "max_inflight": int(limit), "ctx_tokens": model.ctx_tokens, "torch_threads": torch_threads,
                             "code": code,
                             "load_avg_1m": round(os.getloadavg()[0], 2),
                             # CPU per request: where a closed loop's time goes (2 cores shared by all)
                             **{f"{k}_cpu_ms_per_request": round(v * 1e3 / len(results), 2) for k, v in used.items()},
+                            "cpus": os.cpu_count(),
+                            "cpu_bound_requests_per_s": round((os.cpu_count() or 1) * 1e3 / total_ms, 1) if total_ms else None,
                         }
                         rows.append(row)
+                    ceiling = max(ceiling, forward_ceiling(reference, concurrency, ctx))
                     same = sum(a["ids"] == b["ids"] for a, b in zip(by_batch[1], by_batch[max_batch]))
                     rate = round(same / len(reqs), 4)
                     for row in rows[-2:]:
                         row["identical_to_batch1_rate"] = rate
+                        row["forward_ceiling_tokens_per_s"] = round(ceiling, 1)
                         print(json.dumps(row), flush=True)
                         out.write(json.dumps(row) + "\n")
                         out.flush()

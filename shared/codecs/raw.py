@@ -61,7 +61,7 @@ class KVDecoder(CacheDecoder):
     def __init__(self, codec: Codec, stream: StreamInfo):
         self.loaded = codec.model
         self.stream = stream
-        self.cache: kv.KVSink = kv.empty_cache(codec.model)
+        self.cache: kv.KVSink | None = None  # bind()'s target, or a DynamicCache of its own made at the first layer
         self.received: set[int] = set()
         info = codec.model.info
         if stream.num_layers != info.num_layers:
@@ -80,6 +80,8 @@ class KVDecoder(CacheDecoder):
                 raise DataLoss(f"layer {layer}: rebuilt {name} {list(t.shape)}, expected {list(self.kv_shape)}")
             if not bool(torch.isfinite(t).all()):
                 raise DataLoss(f"layer {layer}: rebuilt {name} hold non-finite values (corrupt payload)")
+        if self.cache is None:
+            self.cache = kv.empty_cache(self.loaded)
         kv.put_layer(self.cache, layer, keys, values)
         self.received.add(layer)
 
@@ -90,6 +92,7 @@ class KVDecoder(CacheDecoder):
         missing = sorted(set(range(self.stream.num_layers)) - self.received)
         if missing:
             raise DataLoss(f"stream ended without layers {missing}")
+        assert self.cache is not None  # every layer was stored
         return self.cache
 
 
