@@ -234,8 +234,15 @@ def throughput(root: Path = ROOT) -> dict:
             "ttft": many["ttft_p50_ms"] / one["ttft_p50_ms"],
             "ceiling": ceiling,
             "identical": many["identical_to_batch1_rate"],
-            **{f"cpu_{name}": many.get(f"{name}_cpu_ms_per_request") for name in ("consumer", "consumer_loop", "producer")},
+            **{f"cpu_{name}": many.get(f"{name}_cpu_ms_per_request") for name in ("consumer", "consumer_loop", "producer", "client")},
             **{f"cpu_{name}_1": one.get(f"{name}_cpu_ms_per_request") for name in ("consumer", "consumer_loop")},
+            "req_per_s": many["requests_per_s"],
+            "req_per_s_1": one["requests_per_s"],
+            # the rate at which the batched pipeline (producer + consumer + client) would use every core
+            "cpu_bound": many.get("cpu_bound_requests_per_s"),
+            "cpu_bound_ratio": (many["cpu_bound_requests_per_s"] / one["requests_per_s"]) if many.get("cpu_bound_requests_per_s") else None,
+            "cpu_total": sum(many.get(f"{name}_cpu_ms_per_request", 0.0) for name in ("consumer", "producer", "client")),
+            "cpus": many.get("cpus"),
         }
     f32 = [r["identical_to_batch1_rate"] for r in rows if r["dtype"] == "float32" and r["identical_to_batch1_rate"] is not None]
     worst = min(f32, default=0.0)

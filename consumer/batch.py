@@ -4,7 +4,9 @@ every admitted request by one batched forward (continuous batching).
 An iteration:
   1. runs the jobs queued since the last forward, in order (a codec's layer rebuild, a cache
      audit, a release of a request's blocks; again between the two forwards): the engine is also
-     the device's only executor, so nothing else ever touches the pool or the model;
+     the device's only executor, so nothing else ever touches the pool or the model. Grouped
+     jobs (`submit_grouped`: several requests' layer rebuilds) queued one after another with
+     the same function run as one call over all their items;
   2. prefill: requests with tokens still to prefill (a local context prefill or a question),
      oldest first, each taking at most `prefill_chunk` tokens, together at most
      `max_batch_tokens` and `max_batch` rows (chunked prefill: a long local prefill never stops
@@ -76,6 +78,14 @@ class EngineStats:
     failed_rows: int = 0
 
 
+@dataclass(eq=False)
+class Job:
+    future: concurrent.futures.Future
+    fn: Callable[[], Any] | None = None  # a job on its own
+    many: Callable[[list[Any]], list[Any]] | None = None  # or a grouped job: many(items) -> a result or exception per item
+    item: Any = None
+
+
 def pack(rows: list[tuple[Task, int]]) -> list[list[tuple[Task, int]]]:
     """Prefill rows (task, tokens) grouped into forwards whose right-padding at most doubles the
     work: a 512-token chunk of a local prefill and ten 5-token questions are two forwards, not one
@@ -106,7 +116,7 @@ class BatchEngine(concurrent.futures.Executor):
         self.loaded, self.pool = loaded, pool
         self.runner = Runner(loaded, pool)
         self.max_batch, self.prefill_chunk, self.max_batch_tokens = max_batch, prefill_chunk, max_batch_tokens
-        self.jobs: collections.deque[tuple[concurrent.futures.Future, Callable[[], Any]]] = collections.deque()
+        self.jobs: collections.deque[Job] = collections.deque()
         self.tasks: list[Task] = []  # admitted to the engine, in arrival order
         self._incoming: list[Task] = []
         self._cv = threading.Condition()
@@ -125,7 +135,20 @@ class BatchEngine(concurrent.futures.Executor):
         with self._cv:
             if self._stopping:
                 raise RuntimeError("engine stopped")
-            self.jobs.append((future, lambda: fn(*args, **kwargs)))
+            self.jobs.append(Job(future, fn=lambda: fn(*args, **kwargs)))
+            self._cv.notify()
+        return future
+
+    def submit_grouped(self, many: Callable[[list[Any]], list[Any]], item: Any) -> concurrent.futures.Future:
+        """Run `many([item, ...])` on the engine thread before the next forward, with the items of
+        the grouped jobs of the same `many` queued right before or after this one (one call for
+        all: a batched rebuild). `many` returns, per item in order, its result or an exception
+        instance, which becomes that item's future's exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("engine stopped")
+            self.jobs.append(Job(future, many=many, item=item))
             self._cv.notify()
         return future
 
@@ -174,22 +197,53 @@ class BatchEngine(concurrent.futures.Executor):
                 for task in self.tasks:
                     task.sink(exc)
                 self.tasks.clear()
-        for future, _ in self.jobs:
-            future.cancel()
+        for job in self.jobs:
+            job.future.cancel()
 
     def _run_jobs(self) -> None:
         """The jobs queued until now, in order (run at every forward boundary, so a rebuild or a
-        release waits for at most one forward)."""
+        release waits for at most one forward); a run of grouped jobs of one function, one call."""
         with self._cv:
             jobs = list(self.jobs)
             self.jobs.clear()
-        for future, fn in jobs:
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:  # handed to the caller
-                    future.set_exception(exc)
-                self.progress.beat()
+        i = 0
+        while i < len(jobs):
+            job = jobs[i]
+            if job.many is None:
+                if job.future.set_running_or_notify_cancel():
+                    assert job.fn is not None
+                    try:
+                        job.future.set_result(job.fn())
+                    except BaseException as exc:  # handed to the caller
+                        job.future.set_exception(exc)
+                i += 1
+            else:
+                end = i + 1
+                while end < len(jobs) and jobs[end].many == job.many:
+                    end += 1
+                self._run_group(jobs[i:end])
+                i = end
+            self.progress.beat()
+
+    @staticmethod
+    def _run_group(jobs: list[Job]) -> None:
+        live = [job for job in jobs if job.future.set_running_or_notify_cancel()]
+        if not live:
+            return
+        assert live[0].many is not None
+        try:
+            results = live[0].many([job.item for job in live])
+            if len(results) != len(live):
+                raise RuntimeError(f"a grouped job gave {len(results)} results for {len(live)} items")
+        except BaseException as exc:  # the call as a whole failed: every item's caller hears it
+            for job in live:
+                job.future.set_exception(exc)
+            return
+        for job, result in zip(live, results):
+            if isinstance(result, BaseException):
+                job.future.set_exception(result)
+            else:
+                job.future.set_result(result)
 
     def _runnable(self) -> bool:
         return any(t.pending and not t.cancelled for t in self.tasks) or any(t.cancelled for t in self.tasks)

@@ -38,29 +38,46 @@ class Sampler:
 
 
 class Detokenizer:
-    """Turns a growing list of ids into text deltas, holding back an unfinished UTF-8 sequence."""
+    """Turns a growing list of ids into text deltas, holding back an unfinished UTF-8 sequence.
+
+    Incremental: each step decodes only a short window, from the token before the last emitted
+    text (`prefix`) to the end, and emits what that window's text adds to the text of its
+    already-emitted part (`read`). A tokenizer that renders a token differently at the start of
+    a sequence (a leading space) renders it the same way in both, so the deltas join to the
+    whole sequence's decode; the cost per step is the window, not the whole answer so far.
+    """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.emitted = ""
+        self.ids: list[int] = []  # the ids so far, special ids left out
+        self.prefix = 0  # window start: the last emitted step's first token
+        self.read = 0  # tokens whose text has been emitted
+        self.special = frozenset(tokenizer.all_special_ids)  # never in the text (skip_special_tokens): never kept
 
-    def _text(self) -> str:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+    def _decode(self, ids: list[int]) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
         assert isinstance(text, str)  # one sequence of ids decodes to one string
         return text
 
     def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        text = self._text()
-        if text.endswith("\ufffd") or not text.startswith(self.emitted):
+        return self.push_many([token_id])
+
+    def push_many(self, token_ids: list[int]) -> str:
+        """The text the new ids add (\"\" while it ends in an unfinished UTF-8 sequence)."""
+        kept = [t for t in token_ids if t not in self.special]
+        if not kept:
             return ""
-        delta, self.emitted = text[len(self.emitted) :], text
-        return delta
+        self.ids.extend(kept)
+        before = self._decode(self.ids[self.prefix : self.read])
+        text = self._decode(self.ids[self.prefix :])
+        if len(text) <= len(before) or text.endswith("\ufffd") or not text.startswith(before):
+            return ""  # no complete text yet (part of a character)
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before) :]
 
     def flush(self) -> str:
         """Text still held back once generation has ended (e.g. an incomplete byte sequence)."""
-        text = self._text()
-        delta = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
-        self.emitted = text
-        return delta
+        before = self._decode(self.ids[self.prefix : self.read])
+        text = self._decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return text[len(before) :] if text.startswith(before) else ""

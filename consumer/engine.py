@@ -47,7 +47,7 @@ from consumer.prefix_cache import Hit, PrefixCache
 from consumer.stream_reader import Event, Expectation, LayerPayloads, StreamHeader, StreamTrailer
 from shared import audit, chunks, logs
 from shared.codecs import CacheDecoder, Codec, EncodeRequest
-from shared.codecs.base import chunk_layouts
+from shared.codecs.base import LayerJob, add_layers, chunk_layouts
 from shared.errors import Cancelled, DataLoss, DeadlineExceeded, ServiceError
 from shared.models import LoadedModel
 
@@ -181,12 +181,25 @@ class GenerateEngine:
         self.stream_roots: dict[str, StreamRoot] = {}  # per codec and options: what the last header said
         self.planner = planner  # running estimates: the mid-stream watch under LOCAL_PREFILL
         self.abandoned = 0  # transfers abandoned mid-stream
+        self.rebuilt_layers = 0  # layer rebuilds run ...
+        self.batched_layers = 0  # ... of which in a decode shared with other requests
 
     def _left(self, job: GenerateJob, what: str) -> float:
         left = job.deadline - time.monotonic()
         if left <= 0:
             raise DeadlineExceeded(f"deadline passed before {what}")
         return left
+
+    def _rebuild_many(self, jobs: list[LayerJob]) -> list[float | BaseException]:
+        """Several requests' layer rebuilds queued together, on the engine thread (a grouped
+        engine job): batched where their decoders allow (shared.codecs.base.add_layers); per job
+        the ms the call took, or the exception its own rebuild raised."""
+        started = time.perf_counter()
+        errors, batched = add_layers(jobs)
+        took = (time.perf_counter() - started) * 1e3
+        self.rebuilt_layers += len(jobs)
+        self.batched_layers += batched
+        return [took if error is None else error for error in errors]
 
     async def _timed(self, fn, *args) -> tuple[Any, float]:
         def run():
@@ -486,7 +499,7 @@ class GenerateEngine:
                                 result.question_prefill_ms = (first_at - submitted) * 1e3
                                 result.ttft_ms = (first_at - job.received_at) * 1e3
                             result.generated_tokens += len(ids)
-                            yield TokenOut(ids, "".join(detok.push(token) for token in ids))
+                            yield TokenOut(ids, detok.push_many(ids))
                         if isinstance(items[-1], Finished):
                             result.finish_reason = items[-1].reason
                             break
@@ -591,7 +604,8 @@ class GenerateEngine:
             while (item := await layers.get()) is not None:
                 decoder: CacheDecoder = state["decoder"]
                 try:
-                    _, took = await self._timed(decoder.add_layer, item.layer, item.payloads)
+                    job = LayerJob(decoder, item.layer, item.payloads)
+                    took = await asyncio.wrap_future(self.engine.submit_grouped(self._rebuild_many, job))
                 except ServiceError:
                     raise
                 except Exception as exc:  # peer data the decoder could not use: never a crash, never INTERNAL

@@ -323,10 +323,10 @@ class ConsumerServer:
         budget = pool.capacity_bytes // 2 if cfg.prefix_cache_bytes < 0 else cfg.prefix_cache_bytes
         prefix = PrefixCache(pool, budget, cfg.chunk_tokens) if budget > 0 else None
         kv_admission = KVAdmission(pool, cfg.max_queue, prefix.make_room if prefix is not None else None)
-        self.server.metrics.watch_engine(batch, pool, kv_admission, prefix)
         self.server.progress = [batch.progress]  # liveness from the engine's progress, not a place in its queue
         self.client = ProducerClient.from_config(cfg, loaded.info.weight_digest, self.server.tracing)
         self.servicer.attach(loaded, batch, kv_admission, prefix, self.client)
+        self.server.metrics.watch_engine(batch, pool, kv_admission, prefix, self.servicer.engine)
         self.link = link = readiness.ProducerLink(
             self.client.stub, self.servicer.codecs, self.client.transport, cfg.producer_check_interval_s, self._link_changed
         )

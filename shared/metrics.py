@@ -215,9 +215,9 @@ class Metrics:
 
         self.registry.register(_Callback(families))
 
-    def watch_engine(self, engine, pool, admission, prefix=None) -> None:
-        """The consumer's batch engine (consumer.batch), its KV pool, KV admission queue and
-        prefix cache (consumer.prefix_cache, when on)."""
+    def watch_engine(self, engine, pool, admission, prefix=None, generate=None) -> None:
+        """The consumer's batch engine (consumer.batch), its KV pool, KV admission queue, prefix
+        cache (consumer.prefix_cache, when on) and request pipeline's rebuilds (consumer.engine)."""
 
         def families():
             if prefix is not None:
@@ -247,6 +247,16 @@ class Metrics:
                 ("scd_engine_rows", "request rows summed over the engine's forwards", engine.stats.rows),
                 ("scd_engine_nonfinite_rows", "rows failed alone for non-finite logits", engine.stats.failed_rows),
             )
+            if generate is not None:
+                yield from unlabelled(
+                    CounterMetricFamily,
+                    ("scd_rebuild_layers", "codec layer rebuilds run by the engine", generate.rebuilt_layers),
+                    (
+                        "scd_rebuild_layers_batched",
+                        "layer rebuilds decoded together with other requests'",
+                        generate.batched_layers,
+                    ),
+                )
             yield from by_reason("scd_kv_rejected", "requests refused for KV memory, by reason", admission.rejected)
 
         self.registry.register(_Callback(families))

@@ -263,3 +263,33 @@ async def test_a_request_takes_the_tokens_that_arrived_together_in_one_message()
     batch, error = take_ready(5, queue)
     assert batch == [5, 6] and error is boom and queue.qsize() == 1
     assert take_ready(boom, asyncio.Queue()) == ([], boom)
+
+
+def test_grouped_jobs_queued_together_run_as_one_call(loaded):
+    """submit_grouped: the grouped jobs of one function queued one after another run as one call
+    (a batched rebuild); a plain job between them splits the run; an item's exception reaches
+    only that item's caller; a cancelled item is left out."""
+    engine = BatchEngine(loaded, pool_for(loaded), max_batch=4)
+    calls: list[list[int]] = []
+
+    def many(items: list[int]) -> list:
+        calls.append(list(items))
+        return [ValueError(f"item {i}") if i == 2 else i * 10 for i in items]
+
+    try:
+        gate = threading.Event()
+        blocker = engine.submit(gate.wait, 10)  # holds the engine while the others queue
+        futures = [engine.submit_grouped(many, i) for i in (1, 2, 3)]
+        plain = engine.submit(lambda: "plain")
+        cancelled = engine.submit_grouped(many, 4)
+        after = engine.submit_grouped(many, 5)
+        assert cancelled.cancel()
+        gate.set()
+        blocker.result(10)
+        assert futures[0].result(10) == 10 and futures[2].result(10) == 30
+        with pytest.raises(ValueError, match="item 2"):
+            futures[1].result(10)
+        assert plain.result(10) == "plain" and after.result(10) == 50
+        assert calls == [[1, 2, 3], [5]]
+    finally:
+        engine.shutdown()

@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
+from calibration import search
+from calibration.distill import distill, geometry
 from shared import kv, layers
 from shared.errors import FailedPrecondition, InvalidArgument
 from shared.models import load_model
-from calibration import search
-from calibration.distill import distill, geometry
 from shared.scd import ops
 from shared.scd.artifact import Artifact
 from shared.scd.schedule import Action, Schedule, bytes_per_token
@@ -111,8 +111,9 @@ def test_artifact_round_trips_and_refuses_other_weights_and_versions(homogeneous
     with pytest.raises(FailedPrecondition, match="consumer weight digest"):
         back.check_model("consumer", dataclasses.replace(model.info, weight_digest="0" * 64))
     back.meta["format_version"] = 99
-    from safetensors.torch import save_file
     import json
+
+    from safetensors.torch import save_file
 
     save_file(back.tensors, str(tmp_path / "v99.safetensors"), metadata={"scd": json.dumps(back.meta)})
     with pytest.raises(FailedPrecondition, match="format_version 99"):
@@ -124,3 +125,48 @@ def test_byte_costs():
     assert bytes_per_token(Action("raw"), g) == 2 * 2 * 16 * 2 * 2 / 2 * 1 == 128  # 2*n_kv*hd elements * 2 bytes
     assert bytes_per_token(Action("reuse", 8), g) == 10
     assert bytes_per_token(Action("patch"), g) == 128
+
+
+def test_batched_rebuild_equals_each_requests_own_and_a_bad_payload_fails_alone(homogeneous):
+    """Requests with the same artifact and schedule rebuild a Reuse or Patch layer in one decode
+    (shared.codecs.base.add_layers): every cache is bitwise the one its own add_layer gives, and
+    a request whose codes decode to non-finite values fails alone."""
+    from shared.codecs.base import LayerJob, StreamInfo, add_layers
+    from shared.codecs.scd import ScdCodec, ScdDecoder
+
+    model, art = homogeneous
+    codec = ScdCodec(model, [art])
+    actions = [Action("reuse", 8), Action("patch"), Action("reuse_fp16", 4), Action("raw")]
+    schedule = Schedule(tuple(actions))
+    lengths = [37, 64, 5, 50]
+    streams = [StreamInfo(len(actions), T, "float32", {}) for T in lengths]
+    contexts = [random_corpus(1, T, 20 + i)[0] for i, T in enumerate(lengths)]
+    payloads = [
+        [{n: t.cpu() for n, t in ops.encode_layer(art, layer, a, s[layer]).items()} for layer, a in enumerate(actions)]
+        for s in (states_of(model, ids) for ids in contexts)
+    ]
+    alone = [ScdDecoder(codec, art, schedule, stream) for stream in streams]
+    together = [ScdDecoder(codec, art, schedule, stream) for stream in streams]
+    assert together[0].batch_key(3) is None and together[0].batch_key(0) == together[1].batch_key(0)
+    bad = 2
+    payloads[bad][1] = {"x": torch.full_like(payloads[bad][1]["x"], float("inf"))}  # a Patch of infinities
+    for layer in range(len(actions)):
+        errors = []
+        for i, d in enumerate(alone):
+            try:
+                d.add_layer(layer, payloads[i][layer])
+                errors.append(None)
+            except Exception as exc:
+                errors.append(exc)
+        batched, shared = add_layers([LayerJob(d, layer, payloads[i][layer]) for i, d in enumerate(together)])
+        assert shared == (0 if actions[layer].kind == "raw" else len(lengths))
+        assert [type(e) for e in batched] == [type(e) for e in errors]
+        assert [i for i, e in enumerate(batched) if e is not None] == ([bad] if layer == 1 else [])
+    for i in range(len(lengths)):
+        if i == bad:
+            continue
+        a, b = alone[i].finish(), together[i].finish()
+        for layer in range(len(actions)):
+            ka, va = kv.layer_kv(a, layer)
+            kb, vb = kv.layer_kv(b, layer)
+            assert torch.equal(ka, kb) and torch.equal(va, vb), (i, layer)

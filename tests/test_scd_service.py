@@ -5,10 +5,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from calibration.distill import distill
 from shared.models import load_model
 from shared.pb import common_pb2, producer_pb2
 from shared.scd.artifact import FORMAT_VERSION
-from calibration.distill import distill
 from tests.conftest import prompt, running_pair
 from tests.test_scd import heldout, random_corpus
 
@@ -124,3 +124,38 @@ async def test_default_mode_is_scd_for_a_calibrated_pair_and_budgets_are_constra
         options = {"schedule": best.name, "max_loss": f"{best.loss * 1.01 + 1e-9:.9g}"}
         _, _, stats = await pair.generate(transfer=common_pb2.CodecSpec(name="scd", options=options), **fields)
         assert stats.transfer.options["max_loss"] == options["max_loss"]  # the stats echo the budget that was enforced
+
+
+async def test_concurrent_requests_rebuild_their_layers_in_one_call_and_answer_as_alone(artifact_dir):
+    """Requests whose Reuse / Patch layers reach the consumer's engine together are rebuilt in one
+    decode (the pipeline's rebuild counters say so), and each answers exactly as it does alone."""
+    import asyncio
+    import threading
+
+    path, art = artifact_dir
+    schedule = "R8.P.F4.R16"
+    consumer_kw = {"artifacts": str(path), "prefix_cache_bytes": 0}  # every request transferred and rebuilt
+    async with running_pair("tiny-llama", producer_kw={"artifacts": str(path)}, consumer_kw=consumer_kw) as pair:
+        questions = [" which layers?", " what is sent?", " how compact?", " why codes?"]
+        spec = common_pb2.CodecSpec(name="scd", options={"schedule": schedule})
+
+        def ask(q):
+            return pair.generate(context=prompt(CONTEXT + q), question=prompt(q), max_new_tokens=6, transfer=spec)
+
+        alone = [(await ask(q))[0] for q in questions]
+        engine = pair.consumer.servicer.batch
+        pipeline = pair.consumer.servicer.engine
+        assert pipeline.batched_layers == 0 and pipeline.rebuilt_layers == 4 * len(questions)  # one at a time
+        gate = threading.Event()
+        held = engine.submit(gate.wait, 30)  # the engine waits while every request's first layer queues
+        answers = asyncio.gather(*(ask(q) for q in questions))
+        for _ in range(600):
+            if sum(job.many is not None for job in list(engine.jobs)) == len(questions):
+                break
+            await asyncio.sleep(0.01)
+        gate.set()
+        await asyncio.wrap_future(held)
+        together = [ids for ids, _, _ in await answers]
+        assert together == alone
+        # at least every request's first layer (R8) decoded in one batch
+        assert pipeline.batched_layers >= len(questions) and pipeline.rebuilt_layers == 8 * len(questions)

@@ -7,7 +7,9 @@ request it makes, through one entry point on each side:
 - on the consumer, `Codec.decoder(stream)`: a `CacheDecoder` that declares, per layer, the exact
   payloads it accepts (`expected`: name -> element type and shape, from the stream header and
   the request), is fed each layer's payloads as they arrive (on the compute thread, while later
-  layers are in flight) and finally hands over the rebuilt cache.
+  layers are in flight) and finally hands over the rebuilt cache. Requests whose decoders give
+  a layer the same `batch_key` have it rebuilt in one call (`add_layers`: the consumer engine
+  groups the rebuilds queued together).
 The services never look inside payloads; the consumer's stream reader validates every chunk
 against `expected` before buffering it. Adding a codec means adding a module and registering
 it here, nothing else. Codecs never import grpc or the servers. Taking the context locally
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -123,6 +125,45 @@ def chunk_layouts(encoder: LayerEncoder, num_layers: int, chunk_tokens: int) -> 
     return layouts
 
 
+@dataclass(frozen=True)
+class LayerJob:
+    """One request's rebuild of one layer: its decoder, the layer and the layer's payloads."""
+
+    decoder: CacheDecoder
+    layer: int
+    payloads: dict[str, torch.Tensor]
+
+
+def add_layers(jobs: Sequence[LayerJob]) -> tuple[list[BaseException | None], int]:
+    """Rebuild layers of several requests: jobs whose decoders give the same batch_key in one
+    `add_layer_batch` call, the others one by one. Returns per job, in order, the exception its
+    rebuild raised or None, and how many jobs shared a decode with another. A batched call that
+    fails as a whole is retried job by job, so a request's bad payloads fail that request alone."""
+    out: list[BaseException | None] = [None] * len(jobs)
+    batched = 0
+    groups: dict[Hashable, list[int]] = {}
+    for i, job in enumerate(jobs):
+        key = job.decoder.batch_key(job.layer)
+        groups.setdefault(("single", i) if key is None else ("batch", type(job.decoder), key), []).append(i)
+    for members in groups.values():
+        if len(members) > 1:
+            try:
+                errors = type(jobs[members[0]].decoder).add_layer_batch([jobs[i] for i in members])
+            except Exception:
+                pass
+            else:
+                for i, error in zip(members, errors):
+                    out[i] = error
+                batched += len(members)
+                continue
+        for i in members:
+            try:
+                jobs[i].decoder.add_layer(jobs[i].layer, jobs[i].payloads)
+            except Exception as exc:
+                out[i] = exc
+    return out, batched
+
+
 class CacheDecoder(ABC):
     """Consumer side, one per request. add_layer and finish run on the consumer's compute thread."""
 
@@ -138,6 +179,19 @@ class CacheDecoder(ABC):
     def finish(self) -> KVSink:
         """The consumer model's cache over the context, once every layer was added: the decoder's
         own DynamicCache, or the target given to `bind`."""
+
+    def batch_key(self, layer: int) -> Hashable | None:
+        """Decoders whose keys for a layer are equal (not None) rebuild it together through
+        `add_layer_batch`; None (the default): this layer is rebuilt on its own."""
+        return None
+
+    @classmethod
+    def add_layer_batch(cls, jobs: Sequence[LayerJob]) -> list[BaseException | None]:
+        """Rebuild one layer of several requests (their decoders share the layer's batch_key) in
+        one decode: per job the exception its own rebuild raised, or None. Each job's result
+        must be exactly what its own add_layer gives: one request's payloads never change
+        another's cache."""
+        raise NotImplementedError(f"{cls.__name__} has no batched rebuild")
 
     def bind(self, target: KVSink) -> None:
         """Write rebuilt layers into `target` (the consumer engine's KV pool blocks for this

@@ -10,12 +10,23 @@ schedule. `artifact` picks an artifact by id; default: the one calibrated for th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 
 from shared import layers
-from shared.codecs.base import CacheDecoder, Capture, Codec, EncodeRequest, LayerEncoder, LayerState, Schema, StreamInfo, register
+from shared.codecs.base import (
+    CacheDecoder,
+    Capture,
+    Codec,
+    EncodeRequest,
+    LayerEncoder,
+    LayerJob,
+    LayerState,
+    Schema,
+    StreamInfo,
+    register,
+)
 from shared.codecs.raw import KVDecoder
 from shared.errors import DataLoss, FailedPrecondition, InvalidArgument
 from shared.scd import ops
@@ -101,6 +112,37 @@ class ScdDecoder(KVDecoder):
             self.art, layer, self.schedule.actions[layer], payloads, self.loaded, self.pos, self.art.geometry.quant_group
         )
         self.store(layer, keys, values)
+
+    def batch_key(self, layer: int) -> Hashable | None:
+        """Reuse and Patch layers decode token by token (a row of codes or of normalized input
+        gives that token's K/V), so requests with the same artifact and action for a layer
+        decode it as one token-concatenated batch; raw and quantized layers are copies, each its own."""
+        action = self.schedule.actions[layer]
+        if not ops.per_token(action):
+            return None
+        return (id(self.art), id(self.loaded), layer, action)  # the same loaded artifact and model objects
+
+    @classmethod
+    def add_layer_batch(cls, jobs: Sequence[LayerJob]) -> list[BaseException | None]:
+        """One decode over the requests' payloads joined along tokens (each at its own positions),
+        split back and stored per request (each store checks its own values)."""
+        first: ScdDecoder = jobs[0].decoder  # type: ignore[assignment]
+        layer = jobs[0].layer
+        decoders: list[ScdDecoder] = [job.decoder for job in jobs]  # type: ignore[misc]
+        payloads = {name: torch.cat([job.payloads[name] for job in jobs]) for name in jobs[0].payloads}
+        pos = torch.cat([d.pos for d in decoders], dim=1)  # [1, sum T]
+        keys, values = ops.decode_layer(
+            first.art, layer, first.schedule.actions[layer], payloads, first.loaded, pos, first.art.geometry.quant_group
+        )
+        sizes = [d.pos.shape[1] for d in decoders]
+        errors: list[BaseException | None] = []
+        for d, k, v in zip(decoders, keys.split(sizes, dim=1), values.split(sizes, dim=1)):
+            try:
+                d.store(layer, k, v)
+                errors.append(None)
+            except Exception as exc:
+                errors.append(exc)
+        return errors
 
 
 @register

@@ -95,6 +95,12 @@ def decode_layer(
     raise ValueError(action)
 
 
+def per_token(action: Action) -> bool:
+    """Whether a layer's K/V decode token by token from its payloads (Reuse codes, a Patch's
+    normalized input): payloads of several requests joined along tokens decode as one."""
+    return action.kind in ("reuse", "reuse_fp16", "patch")
+
+
 def layer_schema(action: Action, consumer: LoadedModel, num_tokens: int, kv_dtype: torch.dtype, group_size: int = 32) -> Schema:
     """Exactly the payloads `encode_layer` sends for one layer under `action`."""
     info = consumer.info
