@@ -191,62 +191,116 @@ def audit(root: Path = ROOT) -> dict:
 # ---- the batch engine ----------------------------------------------------------------------------
 
 
+def _pairs(rows: list[dict]) -> dict[tuple, list[tuple[dict, dict]]]:
+    """Per cell (model, weights, dtype, torch threads, mode, output, concurrency), the (max-batch 1,
+    batched) row pairs of its latest run: every repetition of that run (rows with `run` and `rep`),
+    or for older rows without them the last pair written."""
+    pairs: dict[tuple, dict[tuple, dict]] = {}  # cell -> pair id -> {"one": row, "many": row, "line": int}
+    legacy: dict[tuple, int] = {}  # cell -> sequence number of its open legacy pair
+    for line, r in enumerate(rows):
+        cell = (r["model"], r["weights"], r["dtype"], r.get("torch_threads", 0), r["mode"], r["output"], r["concurrency"])
+        if "run" in r:
+            pid: tuple = (r["run"], r["rep"])
+        else:  # a legacy cell's max-batch-1 row opens a pair, its batched row closes it
+            legacy[cell] = legacy.get(cell, 0) + (r["max_batch"] == 1)
+            pid = ("", legacy[cell])
+        entry = pairs.setdefault(cell, {}).setdefault(pid, {})
+        entry["one" if r["max_batch"] == 1 else "many"] = r
+        entry["line"] = line
+    out = {}
+    for cell, by_pair in pairs.items():
+        done = [(pid, e) for pid, e in by_pair.items() if "one" in e and "many" in e]
+        if not done:
+            continue
+        last_pid, _ = max(done, key=lambda pe: pe[1]["line"])
+        chosen = [e for pid, e in done if (pid[0] == last_pid[0] if last_pid[0] else pid == last_pid)]
+        out[cell] = [(e["one"], e["many"]) for e in sorted(chosen, key=lambda e: e["line"])]
+    return out
+
+
 def throughput(root: Path = ROOT) -> dict:
     """bench.throughput's rows: per cell (model, mode, output, concurrency) the batched run beside
     its --max-batch 1 run, the ratios between them and the batched run's share of the bare
-    forward's ceiling."""
+    forward's ceiling; with repetitions, the median over them (and their range)."""
     rows = rows_of(root / "bench/results/throughput.jsonl")
-    cells: dict[tuple, dict[int, dict]] = {}
-    for r in rows:
-        key = (r["model"], r["weights"], r["dtype"], r.get("torch_threads", 0), r["mode"], r["output"], r["concurrency"])
-        cells.setdefault(key, {})[r["max_batch"]] = r  # a rerun of a cell replaces it
+    cells = _pairs(rows)
     table = [
-        "| model (weights, dtype, torch threads) | mode | output | streams | tok/s batched / max-batch 1 | req/s ratio"
+        "| model (weights, dtype, torch threads) | mode | output | streams | runs | tok/s batched / max-batch 1 | req/s ratio"
         " | TTFT p50 ms batched / 1 | TTFT p95 ms batched / 1 | batched / forward ceiling | consumer CPU ms/request"
-        " (event loop) batched / 1 | producer CPU ms/request | identical | load |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        " (event loop) batched / 1 | producer CPU ms/request | client CPU ms/request | req/s batched / CPU-bound"
+        " | identical | load |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
-    def cpu(r: dict, name: str) -> str:
-        return f"{r[f'{name}_cpu_ms_per_request']:.1f}" if f"{name}_cpu_ms_per_request" in r else "-"
+    def med(rs: list[dict], name: str) -> float | None:
+        values = [r[name] for r in rs if r.get(name) is not None]
+        return statistics.median(values) if values else None
+
+    def ratio(values: list[float], fmt: str = "{:.1f}x") -> str:
+        """The median, and the range over repetitions when there are several."""
+        m = fmt.format(statistics.median(values))
+        return m if len(values) == 1 else f"{m} ({span(values, fmt)})"
+
+    def cpu(rs: list[dict], name: str) -> str:
+        value = med(rs, f"{name}_cpu_ms_per_request")
+        return "-" if value is None else f"{value:.1f}"
 
     summary = {}
-    for key, by_batch in sorted(cells.items()):
-        one = by_batch.get(1)
-        many = next((r for mb, r in sorted(by_batch.items()) if mb > 1), None)
-        if one is None or many is None:
-            continue
+    for key, pairs in sorted(cells.items()):
+        ones, manys = [p[0] for p in pairs], [p[1] for p in pairs]
         model, weights, dtype, threads, mode, output, conc = key
-        tok = many["output_tokens_per_s"] / one["output_tokens_per_s"]
-        req = many["requests_per_s"] / one["requests_per_s"]
-        ceiling = many["output_tokens_per_s"] / many["forward_ceiling_tokens_per_s"]
-        load = span([one["load_avg_1m"], many["load_avg_1m"]], "{:.1f}")
+        toks = [m["output_tokens_per_s"] / o["output_tokens_per_s"] for o, m in pairs]
+        reqs = [m["requests_per_s"] / o["requests_per_s"] for o, m in pairs]
+        ttfts = [m["ttft_p50_ms"] / o["ttft_p50_ms"] for o, m in pairs]
+        ceilings = [m["output_tokens_per_s"] / m["forward_ceiling_tokens_per_s"] for m in manys]
+        bounds = [m["requests_per_s"] / m["cpu_bound_requests_per_s"] for m in manys if m.get("cpu_bound_requests_per_s")]
+        load = span([r["load_avg_1m"] for r in ones + manys], "{:.1f}")
         table.append(
-            f"| {model} ({weights}, {dtype}, {threads or 'default'}) | {mode} | {output} | {conc} | {many['output_tokens_per_s']:.0f} / "
-            f"{one['output_tokens_per_s']:.0f} = **{tok:.1f}x** | {req:.1f}x | {many['ttft_p50_ms']:.0f} / {one['ttft_p50_ms']:.0f}"
-            f" | {many['ttft_p95_ms']:.0f} / {one['ttft_p95_ms']:.0f} | {ceiling:.2f}"
-            f" | {cpu(many, 'consumer')} ({cpu(many, 'consumer_loop')}) / {cpu(one, 'consumer')} ({cpu(one, 'consumer_loop')})"
-            f" | {cpu(many, 'producer')} | {many['identical_to_batch1_rate']} | {load} |"
+            f"| {model} ({weights}, {dtype}, {threads or 'default'}) | {mode} | {output} | {conc} | {len(pairs)}"
+            f" | {med(manys, 'output_tokens_per_s'):.0f} / {med(ones, 'output_tokens_per_s'):.0f}: **{ratio(toks)}**"
+            f" | {ratio(reqs)} | {med(manys, 'ttft_p50_ms'):.0f} / {med(ones, 'ttft_p50_ms'):.0f}"
+            f" | {med(manys, 'ttft_p95_ms'):.0f} / {med(ones, 'ttft_p95_ms'):.0f} | {ratio(ceilings, '{:.2f}')}"
+            f" | {cpu(manys, 'consumer')} ({cpu(manys, 'consumer_loop')}) / {cpu(ones, 'consumer')} ({cpu(ones, 'consumer_loop')})"
+            f" | {cpu(manys, 'producer')} | {cpu(manys, 'client')} | {ratio(bounds, '{:.2f}') if bounds else '-'}"
+            f" | {min(m['identical_to_batch1_rate'] for m in manys)} | {load} |"
         )
+        cpu_bound = med(manys, "cpu_bound_requests_per_s")
+        one_rate = med(ones, "requests_per_s")
         summary[f"{model}|{threads}|{mode}|{output}|{conc}"] = {
-            "tok": tok,
-            "req": req,
-            "ttft": many["ttft_p50_ms"] / one["ttft_p50_ms"],
-            "ceiling": ceiling,
-            "identical": many["identical_to_batch1_rate"],
-            **{f"cpu_{name}": many.get(f"{name}_cpu_ms_per_request") for name in ("consumer", "consumer_loop", "producer", "client")},
-            **{f"cpu_{name}_1": one.get(f"{name}_cpu_ms_per_request") for name in ("consumer", "consumer_loop")},
-            "req_per_s": many["requests_per_s"],
-            "req_per_s_1": one["requests_per_s"],
+            "runs": len(pairs),
+            "tok": statistics.median(toks),
+            "tok_range": span(toks, "{:.1f}"),
+            "req": statistics.median(reqs),
+            "ttft": statistics.median(ttfts),
+            "ceiling": statistics.median(ceilings),
+            "ceiling_max": max(ceilings),
+            "identical": min(m["identical_to_batch1_rate"] for m in manys),
+            **{f"cpu_{name}": med(manys, f"{name}_cpu_ms_per_request") for name in ("consumer", "consumer_loop", "producer", "client")},
+            **{f"cpu_{name}_1": med(ones, f"{name}_cpu_ms_per_request") for name in ("consumer", "consumer_loop")},
+            "req_per_s": med(manys, "requests_per_s"),
+            "req_per_s_1": one_rate,
             # the rate at which the batched pipeline (producer + consumer + client) would use every core
-            "cpu_bound": many.get("cpu_bound_requests_per_s"),
-            "cpu_bound_ratio": (many["cpu_bound_requests_per_s"] / one["requests_per_s"]) if many.get("cpu_bound_requests_per_s") else None,
-            "cpu_total": sum(many.get(f"{name}_cpu_ms_per_request", 0.0) for name in ("consumer", "producer", "client")),
-            "cpus": many.get("cpus"),
+            "cpu_bound": cpu_bound,
+            "cpu_bound_ratio": cpu_bound / one_rate if cpu_bound and one_rate else None,
+            # cores the batched consumer process used over the run (its CPU per request x requests/s)
+            "consumer_cores": statistics.median(
+                (m.get("consumer_cpu_ms_per_request") or 0.0) * m["requests_per_s"] / 1e3 for m in manys
+            ),
+            "cpu_total": statistics.median(
+                sum(m.get(f"{name}_cpu_ms_per_request", 0.0) for name in ("consumer", "producer", "client")) for m in manys
+            ),
+            "cpus": manys[-1].get("cpus"),
         }
     f32 = [r["identical_to_batch1_rate"] for r in rows if r["dtype"] == "float32" and r["identical_to_batch1_rate"] is not None]
     worst = min(f32, default=0.0)
+    over = sorted(k.replace("|", " ") for k, c in summary.items() if c["ceiling_max"] > 1.0)
     return {
+        "ceiling_note": (
+            "In every cell the batched engine stayed under its ceiling."
+            if not over
+            else f"In {len(over)} cell(s) the batched engine delivered more than the ceiling measured beside it"
+            f" ({'; '.join(over)}): there the ceiling column is not a ceiling."
+        ),
         "table": "\n".join(table),
         "cells": summary,
         "rows": len(rows),

@@ -12,6 +12,10 @@ gives `identical_to_batch1_rate`: the share of requests whose greedy
 tokens are the same under batching. Outputs: `answer` (the task's own stop token, a few tokens:
 TTFT-heavy; random-weight models stop at 8 tokens) and `long` (64 tokens, no stop: decode-heavy).
 
+`--repeat N` runs each cell's pair N times, alternating which consumer goes first; every run is a
+row pair with the invocation's `run` id and its `rep`, and the figures quote the median over the
+repetitions of the latest run of a cell, with their range.
+
 `forward_ceiling_tokens_per_s` is the bare model forward, timed in this process (with the
 services' torch thread count, `forward_ceiling_threads`) just before and just after each cell's
 pair of runs: one decode step at batch = concurrency over a Hugging Face DynamicCache of the cell's
@@ -52,6 +56,7 @@ from shared.pb import common_pb2, consumer_pb2, consumer_pb2_grpc
 RESULTS = services.ROOT / "bench" / "results"
 LONG_TOKENS = 64
 CEILING_STEPS = 24  # timed decode steps per ceiling measurement (after two warm-up steps)
+WARM_CONCURRENCY = 4  # streams of the warm-up pass (every context once through each consumer)
 
 
 @dataclass(frozen=True)
@@ -211,13 +216,14 @@ async def describe_pool(address: str) -> int:
 
 
 def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, requests: int | None, out, log_dir: Path,
-              torch_threads: int = 0) -> list[dict]:
+              torch_threads: int = 0, repeat: int = 1) -> list[dict]:
     from shared.models import load_model
 
     n_distinct = 16
     examples, stop_id = requests_for(model, n_distinct)
     code = services.code_version()  # what every row of this run measured
-    limit = str(max(concurrencies) * 2)
+    run_id = time.strftime("%Y%m%dT%H%M%S")  # the rows of one invocation (repetitions of a cell share it)
+    limit = str(max(*concurrencies, WARM_CONCURRENCY) * 2)  # the warm-up pass runs WARM_CONCURRENCY streams
     common = ["--model", "{m}", "--dtype", model.dtype, "--max-inflight", limit, "--log-level", "WARNING",
               "--torch-threads", str(torch_threads)]
     if model.artifact:
@@ -244,58 +250,60 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
             # warm-up: every context once through each consumer (producer store, lazy init)
             warm = [generate_request(c, q, mode, {}, "answer", stop_id) for c, q in examples]
             for service in consumers.values():
-                asyncio.run(closed_loop(service.address, warm, 4))
+                asyncio.run(closed_loop(service.address, warm, WARM_CONCURRENCY))
             for output in outputs:
                 for concurrency in concurrencies:
                     n = requests or max(16, 2 * concurrency)
                     reqs = [generate_request(*examples[i % n_distinct], mode, {}, output, stop_id) for i in range(n)]
                     ctx = model.ctx_tokens + len(examples[0][1])
-                    ceiling = forward_ceiling(reference, concurrency, ctx)
-                    by_batch = {}
-                    for mb, service in consumers.items():
-                        before = cpu_split(producer.process.pid, service.process.pid)
-                        client_before = own_cpu_s()
-                        results, wall = asyncio.run(closed_loop(service.address, reqs, concurrency))
-                        used = {k: v - before[k] for k, v in cpu_split(producer.process.pid, service.process.pid).items()}
-                        used["client"] = own_cpu_s() - client_before
-                        total_ms = (used["producer"] + used["consumer"] + used["client"]) * 1e3 / len(results)
-                        by_batch[mb] = results
-                        tokens = sum(len(r["ids"]) for r in results)
-                        row = {
-                            "bench": "throughput", "model": model.name, "weights": model.weights, "dtype": model.dtype,
-                            "mode": mode, "output": output, "concurrency": concurrency, "max_batch": mb,
-                            "requests": len(results), "requests_per_s": round(len(results) / wall, 3),
-                            "output_tokens_per_s": round(tokens / wall, 2),
-                            "ttft_p50_ms": round(pct([r["ttft"] for r in results], 0.5), 2),
-                            "ttft_p95_ms": round(pct([r["ttft"] for r in results], 0.95), 2),
-                            "tpot_p50_ms": round(pct([r["tpot"] for r in results if len(r["ids"]) > 1], 0.5), 3),
-                            "queue_wait_p50_ms": round(pct([r["queue"] for r in results], 0.5), 2),
-                            "identical_to_batch1_rate": None,
-                            "kv_pool_bytes": asyncio.run(describe_pool(service.address)),
-                            "peak_rss_mb": round(hwm_mb(service.process.pid), 1),
-                            "forward_ceiling_tokens_per_s": None,  # set below, once timed after the pair as well
-                            "forward_ceiling_threads": torch_threads_now(),
-                            "max_inflight": int(limit), "ctx_tokens": model.ctx_tokens, "torch_threads": torch_threads,
-                            "code": code,
-                            "load_avg_1m": round(os.getloadavg()[0], 2),
-                            # CPU per request: where a closed loop's time goes (2 cores shared by all)
-                            **{f"{k}_cpu_ms_per_request": round(v * 1e3 / len(results), 2) for k, v in used.items()},
-                            "cpus": os.cpu_count(),
-                            "cpu_bound_requests_per_s": round((os.cpu_count() or 1) * 1e3 / total_ms, 1) if total_ms else None,
-                        }
-                        rows.append(row)
-                    ceiling = max(ceiling, forward_ceiling(reference, concurrency, ctx))
-                    same = sum(a["ids"] == b["ids"] for a, b in zip(by_batch[1], by_batch[max_batch]))
-                    rate = round(same / len(reqs), 4)
-                    for row in rows[-2:]:
-                        row["identical_to_batch1_rate"] = rate
-                        row["forward_ceiling_tokens_per_s"] = round(ceiling, 1)
-                        print(json.dumps(row), flush=True)
-                        out.write(json.dumps(row) + "\n")
-                        out.flush()
-                    if rate < 1.0:
-                        diffs = [i for i, (a, b) in enumerate(zip(by_batch[1], by_batch[max_batch])) if a["ids"] != b["ids"]]
-                        print(f"# {mode}/{output}/c{concurrency}: requests differing from max-batch 1: {diffs}", file=sys.stderr)
+                    for rep in range(repeat):  # the pair again: the figures quote the median over repetitions
+                        ceiling = forward_ceiling(reference, concurrency, ctx)
+                        by_batch = {}
+                        order = list(consumers.items())
+                        for mb, service in order[::-1] if rep % 2 else order:  # alternate which runs first
+                            before = cpu_split(producer.process.pid, service.process.pid)
+                            client_before = own_cpu_s()
+                            results, wall = asyncio.run(closed_loop(service.address, reqs, concurrency))
+                            used = {k: v - before[k] for k, v in cpu_split(producer.process.pid, service.process.pid).items()}
+                            used["client"] = own_cpu_s() - client_before
+                            total_ms = (used["producer"] + used["consumer"] + used["client"]) * 1e3 / len(results)
+                            by_batch[mb] = results
+                            tokens = sum(len(r["ids"]) for r in results)
+                            row = {
+                                "bench": "throughput", "model": model.name, "weights": model.weights, "dtype": model.dtype,
+                                "mode": mode, "output": output, "concurrency": concurrency, "max_batch": mb,
+                                "requests": len(results), "requests_per_s": round(len(results) / wall, 3),
+                                "output_tokens_per_s": round(tokens / wall, 2),
+                                "ttft_p50_ms": round(pct([r["ttft"] for r in results], 0.5), 2),
+                                "ttft_p95_ms": round(pct([r["ttft"] for r in results], 0.95), 2),
+                                "tpot_p50_ms": round(pct([r["tpot"] for r in results if len(r["ids"]) > 1], 0.5), 3),
+                                "queue_wait_p50_ms": round(pct([r["queue"] for r in results], 0.5), 2),
+                                "identical_to_batch1_rate": None,
+                                "kv_pool_bytes": asyncio.run(describe_pool(service.address)),
+                                "peak_rss_mb": round(hwm_mb(service.process.pid), 1),
+                                "forward_ceiling_tokens_per_s": None,  # set below, once timed after the pair as well
+                                "forward_ceiling_threads": torch_threads_now(),
+                                "max_inflight": int(limit), "ctx_tokens": model.ctx_tokens, "torch_threads": torch_threads,
+                                "code": code, "run": run_id, "rep": rep,
+                                "load_avg_1m": round(os.getloadavg()[0], 2),
+                                # CPU per request: where a closed loop's time goes (2 cores shared by all)
+                                **{f"{k}_cpu_ms_per_request": round(v * 1e3 / len(results), 2) for k, v in used.items()},
+                                "cpus": os.cpu_count(),
+                                "cpu_bound_requests_per_s": round((os.cpu_count() or 1) * 1e3 / total_ms, 1) if total_ms else None,
+                            }
+                            rows.append(row)
+                        ceiling = max(ceiling, forward_ceiling(reference, concurrency, ctx))
+                        same = sum(a["ids"] == b["ids"] for a, b in zip(by_batch[1], by_batch[max_batch]))
+                        rate = round(same / len(reqs), 4)
+                        for row in rows[-2:]:
+                            row["identical_to_batch1_rate"] = rate
+                            row["forward_ceiling_tokens_per_s"] = round(ceiling, 1)
+                            print(json.dumps(row), flush=True)
+                            out.write(json.dumps(row) + "\n")
+                            out.flush()
+                        if rate < 1.0:
+                            diffs = [i for i, (a, b) in enumerate(zip(by_batch[1], by_batch[max_batch])) if a["ids"] != b["ids"]]
+                            print(f"# {mode}/{output}/c{concurrency}: requests differing from max-batch 1: {diffs}", file=sys.stderr)
     finally:
         for service in consumers.values():
             services.stop(service)
@@ -351,6 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=None, help="requests per cell (default max(16, 2 x concurrency))")
     parser.add_argument("--out-dir", default=str(RESULTS), help="where throughput.jsonl and the plot go")
     parser.add_argument("--torch-threads", type=int, default=0, help="every service's --torch-threads (0: torch's default)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each cell's pair, one after another (rows per run)")
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.modes, args.concurrency, args.max_batch = "qa", "raw,scd", "1,32", 32
@@ -366,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.models.split(","):
             rows += run_model(builders[name](), args.modes.split(","), args.outputs.split(","),
                               [int(c) for c in args.concurrency.split(",")], args.max_batch, args.requests, out, Path(logs),
-                              args.torch_threads)
+                              args.torch_threads, args.repeat)
     print(table(rows))
     if rows:
         plot(rows, out_dir / "throughput.png")

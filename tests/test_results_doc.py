@@ -40,3 +40,32 @@ def test_figures_quote_what_the_rows_say():
     assert all(r.get("derived") is True and r["formula"] for r in rows if r["mode"] == "cached")
     quality = figures.rows_of(figures.RESULTS / "quality.jsonl")
     assert all({"weights", "selected_on", "f1_ci95", "n"} <= set(r) for r in quality)
+
+
+def test_throughput_cells_take_the_latest_run_and_the_median_of_its_repetitions(tmp_path):
+    """bench.throughput rows: a cell's figures come from its latest run only (every repetition of
+    it, medians), or for rows written before runs had ids, from the last pair written."""
+    import json
+
+    from bench import service_figures
+
+    def row(mb, tok, run=None, rep=0, mode="raw"):
+        r = {"model": "m", "weights": "trained", "dtype": "float32", "torch_threads": 1, "mode": mode, "output": "long",
+             "concurrency": 32, "max_batch": mb, "output_tokens_per_s": tok, "requests_per_s": tok / 64,
+             "ttft_p50_ms": 10.0, "ttft_p95_ms": 20.0, "forward_ceiling_tokens_per_s": 1000.0,
+             "identical_to_batch1_rate": 1.0, "load_avg_1m": 1.0}
+        if run is not None:
+            r.update(run=run, rep=rep)
+        return r
+
+    rows = [row(1, 100), row(64, 900),  # legacy pair, replaced by the run below
+            row(1, 100, "a", 0), row(64, 300, "a", 0), row(64, 500, "a", 1), row(1, 100, "a", 1),
+            row(1, 100, "a", 2), row(64, 400, "a", 2),
+            row(1, 50, mode="scd"), row(64, 100, mode="scd"), row(1, 100, mode="scd"), row(64, 400, mode="scd")]
+    (tmp_path / "bench/results").mkdir(parents=True)
+    (tmp_path / "bench/results/throughput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = service_figures.throughput(tmp_path)
+    raw, scd = out["cells"]["m|1|raw|long|32"], out["cells"]["m|1|scd|long|32"]
+    assert raw["runs"] == 3 and raw["tok"] == 4.0 and raw["tok_range"] == "3.0-5.0" and raw["ceiling"] == 0.4
+    assert scd["runs"] == 1 and scd["tok"] == 4.0  # the last legacy pair
+    assert "4.0x (3.0x-5.0x)" in out["table"]
