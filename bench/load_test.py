@@ -224,7 +224,7 @@ async def run_at(limits: str, args, artifacts: str, log_dir: Path) -> list[dict]
     flags = [] if limits == "defaults" else ["--max-inflight", str(args.raised)]
     common = ["--model", "tiny-llama", "--device", "cpu", "--artifacts", artifacts]
     labels = {"limits": limits, "producer_max_inflight": inflight["producer"], "consumer_max_inflight": inflight["consumer"],
-              "weights": provenance.weights_of("tiny-llama")}
+              "weights": provenance.weights_of("tiny-llama"), "code": services.code_version()}
     lines = []
     with services.running([*common, *flags, "--max-chunk-bytes", "1024"], [*common, *flags], log_dir / limits) as (
             producer, consumer):
