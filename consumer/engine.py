@@ -220,22 +220,23 @@ class GenerateEngine:
         def sink(item: Any) -> None:
             loop.call_soon_threadsafe(events.put_nowait, item)
 
+        left = self._left(job, "the engine")
         task.sink = sink
         self.engine.add(task)
+        # one timer for the task's whole life, not a wait_for (a task and a timer) per token: the
+        # deadline arrives in the queue as an error, after whatever the engine delivered before it
+        expiry = loop.call_later(left, events.put_nowait, DeadlineExceeded("deadline passed while waiting for the engine"))
         finished = False
         try:
             while not finished:
-                try:
-                    item = await asyncio.wait_for(events.get(), self._left(job, "the next engine step"))
-                except TimeoutError:
-                    raise DeadlineExceeded("deadline passed while waiting for the engine") from None
-                batch, error = take_ready(item, events)
+                batch, error = take_ready(await events.get(), events)
                 finished = bool(batch) and isinstance(batch[-1], Finished)
                 if batch:
                     yield batch  # the tokens before an error still go out
                 if error is not None:
                     raise error
         finally:
+            expiry.cancel()
             if not finished:
                 self.engine.cancel(task)
 

@@ -293,3 +293,33 @@ def test_grouped_jobs_queued_together_run_as_one_call(loaded):
         assert calls == [[1, 2, 3], [5]]
     finally:
         engine.shutdown()
+
+
+async def test_a_deadline_during_decode_ends_the_request_after_the_tokens_before_it(loaded):
+    """consumer.engine: a request whose deadline passes while the engine still decodes for it gets
+    the tokens sampled before the deadline, then DeadlineExceeded; the engine drops its task and
+    its blocks can go back."""
+    from consumer.engine import GenerateEngine, GenerateJob
+    from consumer.kv_admission import KVAdmission as Admission
+
+    pool = pool_for(loaded)
+    engine = BatchEngine(loaded, pool, max_batch=4)
+    try:
+        pipeline = GenerateEngine(loaded, engine, Admission(pool, max_queue=1), None)
+        seq = pool.allocate(3000)
+        job = GenerateJob("r", [], ids(8, 1, loaded.info.vocab_size), None, {}, 2900, Sampling(), frozenset(),
+                          deadline=time.monotonic() + 0.4)
+        task = Task(seq, list(job.question_ids), lambda _: None, Sampler(Sampling(), torch.device("cpu")), 2900)
+        got: list[int] = []
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceeded, match="waiting for the engine"):
+            async for items in pipeline._engine_task(job, task):
+                got += [i for i in items if not isinstance(i, Finished)]
+        assert 0 < len(got) < 2900 and time.monotonic() - started < 2.0
+        await asyncio.wrap_future(engine.submit(lambda: None))  # an iteration boundary: the task has left
+        await asyncio.wrap_future(engine.submit(lambda: None))
+        assert task.cancelled and task not in engine.tasks
+        await asyncio.wrap_future(engine.release(seq))
+        assert pool.free_blocks == pool.num_blocks
+    finally:
+        engine.shutdown()
