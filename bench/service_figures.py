@@ -266,7 +266,7 @@ def throughput(root: Path = ROOT) -> dict:
         )
         cpu_bound = med(manys, "cpu_bound_requests_per_s")
         one_rate = med(ones, "requests_per_s")
-        summary[f"{model}|{threads}|{mode}|{output}|{conc}"] = {
+        c = summary[f"{model}|{threads}|{mode}|{output}|{conc}"] = {
             "runs": len(pairs),
             "tok": statistics.median(toks),
             "tok_range": span(toks, "{:.1f}"),
@@ -291,13 +291,12 @@ def throughput(root: Path = ROOT) -> dict:
             ),
             "cpus": manys[-1].get("cpus"),
         }
-        c = summary[f"{model}|{threads}|{mode}|{output}|{conc}"]
         if c["cpus"] and one_rate and c["cpu_consumer"] is not None and c["cpu_consumer_loop"] is not None:
             # a 4x on requests/s at most this much CPU per request in the three processes together
             c["need_4x_ms"] = c["cpus"] * 1e3 / (4 * one_rate)
             # what they spend outside the consumer's engine (its CPU beyond its event loop counts as the engine's)
-            c["outside_engine_ms"] = c["cpu_total"] - (c["cpu_consumer"] - c["cpu_consumer_loop"])
             engine_ms = c["cpu_consumer"] - c["cpu_consumer_loop"]
+            c["outside_engine_ms"] = c["cpu_total"] - engine_ms
             left = c["need_4x_ms"] - c["outside_engine_ms"]
             c["budget_note"] = (
                 f"{c['outside_engine_ms']:.1f} ms: {left / c['need_4x_ms']:.0%} of the budget would be left for the engine's"

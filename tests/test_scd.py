@@ -170,3 +170,30 @@ def test_batched_rebuild_equals_each_requests_own_and_a_bad_payload_fails_alone(
             ka, va = kv.layer_kv(a, layer)
             kb, vb = kv.layer_kv(b, layer)
             assert torch.equal(ka, kb) and torch.equal(va, vb), (i, layer)
+
+
+def test_a_batch_that_cannot_be_joined_is_rebuilt_request_by_request(homogeneous):
+    """add_layers: when the joined decode fails as a whole (here one request's codes have the wrong
+    width, so they cannot be joined), each job is rebuilt on its own: the good requests get
+    exactly their own caches, the bad one its own error."""
+    from shared.codecs.base import LayerJob, StreamInfo, add_layers
+    from shared.codecs.scd import ScdCodec, ScdDecoder
+
+    model, art = homogeneous
+    codec = ScdCodec(model, [art])
+    action = Action("reuse_fp16", 4)
+    schedule = Schedule(tuple([action] * model.info.num_layers))
+    lengths = [20, 33, 9]
+    contexts = [random_corpus(1, T, 40 + i)[0] for i, T in enumerate(lengths)]
+    payloads = [{n: t.cpu() for n, t in ops.encode_layer(art, 0, action, states_of(model, ids)[0]).items()} for ids in contexts]
+    payloads[1] = {"z": torch.zeros(lengths[1], 5, dtype=torch.float16)}  # a rank-5 row under a rank-4 schedule
+    alone = [ScdDecoder(codec, art, schedule, StreamInfo(len(schedule.actions), T, "float32", {})) for T in lengths]
+    together = [ScdDecoder(codec, art, schedule, StreamInfo(len(schedule.actions), T, "float32", {})) for T in lengths]
+    errors, shared = add_layers([LayerJob(d, 0, payloads[i]) for i, d in enumerate(together)])
+    assert shared == 0 and errors[0] is None and errors[2] is None and errors[1] is not None
+    for i in (0, 2):
+        alone[i].add_layer(0, payloads[i])
+        ka, va = kv.layer_kv(alone[i].cache, 0)
+        kb, vb = kv.layer_kv(together[i].cache, 0)
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    assert 0 not in together[1].received
