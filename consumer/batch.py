@@ -166,8 +166,13 @@ class BatchEngine(concurrent.futures.Executor):
             self._cv.notify()
 
     def release(self, seq: SequenceKV) -> concurrent.futures.Future:
-        """Free seq's blocks on the engine thread, after any job or forward that may still use them."""
-        return self.submit(self.pool.release, seq)
+        """Free seq's blocks on the engine thread, after any job or forward that may still use them
+        (releases queued together: one zeroing of all their blocks)."""
+        return self.submit_grouped(self._release_many, seq)
+
+    def _release_many(self, seqs: list[SequenceKV]) -> list[None]:
+        self.pool.release_many(seqs)
+        return [None] * len(seqs)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._cv:

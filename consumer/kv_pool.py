@@ -16,6 +16,7 @@ Knows nothing about requests, codecs or gRPC.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -138,29 +139,24 @@ class KVPool:
     def release(self, seq: SequenceKV) -> None:
         """The sequence lets go of its blocks (zeroed and freed unless the prefix cache still holds
         them); a second release is a no-op."""
-        if seq.released:
-            return
-        seq.released = True
-        self.drop(seq.blocks)
+        self.release_many([seq])
 
-    def write(self, layer: int, table: torch.Tensor, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """keys/values [n, n_kv, hd] into positions start .. start + n - 1 of a block table: whole
-        blocks by one index_copy_ each (a block-sized slice of the pool), the partial blocks at
-        either end token by token."""
-        Bt, n = self.block_tokens, keys.shape[0]
-        head = min(n, (-start) % Bt)  # tokens that finish a block begun before start
-        full = (n - head) // Bt
-        first = (start + head) // Bt
-        if full:
-            index = table[first : first + full]
-            shape = (full, Bt, *keys.shape[1:])
-            self.k[layer].index_copy_(0, index, keys[head : head + full * Bt].reshape(shape))
-            self.v[layer].index_copy_(0, index, values[head : head + full * Bt].reshape(shape))
-        for lo, hi in ((0, head), (head + full * Bt, n)):
-            if hi > lo:
-                blk, off = self.slots(torch.arange(start + lo, start + hi, device=self.device), table)
-                self.k[layer, blk, off] = keys[lo:hi]
-                self.v[layer, blk, off] = values[lo:hi]
+    def release_many(self, seqs: list[SequenceKV]) -> None:
+        """release() of several sequences, their freed blocks zeroed together (one fill per K/V)."""
+        blocks = []
+        for seq in seqs:
+            if not seq.released:
+                seq.released = True
+                blocks += seq.blocks
+        self.drop(blocks)
+
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys/values [N, n_kv, hd] into the flat token slots `slots` [N] (block * block_tokens +
+        offset, `SequenceKV.flat_slots`) of one layer: one index_copy_ each, however many requests'
+        tokens the slots cover."""
+        flat = (-1, self.info.num_kv_heads, self.info.head_dim)
+        self.k[layer].view(flat).index_copy_(0, slots, keys.to(self.dtype))
+        self.v[layer].view(flat).index_copy_(0, slots, values.to(self.dtype))
 
     def slots(self, positions: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, offset) index tensors of token positions under a block table."""
@@ -181,18 +177,57 @@ class SequenceKV:
 
     first_write: int = 0  # where a codec decoder's layers start (tokens before it are a cached prefix)
 
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int, kwargs=None) -> None:
-        """A codec decoder's write of one whole layer over the context (the DynamicCache surface
-        shared.kv.put_layer uses): keys/values [1, n_kv, n, hd], post-RoPE, at positions
-        first_write .. first_write + n - 1."""
+    @functools.cached_property
+    def flat_slots(self) -> torch.Tensor:
+        """The flat pool slot (block * block_tokens + offset) of each of its `capacity` token
+        positions, [capacity] long: its blocks never change, so computed once."""
+        Bt = self.pool.block_tokens
+        return (self.table[:, None] * Bt + torch.arange(Bt, device=self.table.device)).reshape(-1)
+
+    def _span(self, layer: int, tokens: int) -> slice:
+        """Positions a codec decoder's layer write of `tokens` tokens covers: first_write .. ;
+        ValueError when they exceed the reservation or fall inside the shared prefix."""
         start = self.first_write
-        end = start + keys.shape[2]
+        end = start + tokens
         if end > self.capacity:
             raise ValueError(f"layer {layer}: {end} tokens > the {self.capacity} this request reserved")
         if start < self.shared_blocks * self.pool.block_tokens:
             raise ValueError(f"layer {layer}: write at {start} inside the shared prefix")
-        dtype = self.pool.dtype
-        self.pool.write(layer, self.table, start, keys[0].transpose(0, 1).to(dtype), values[0].transpose(0, 1).to(dtype))
+        return slice(start, end)
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int, kwargs=None) -> None:
+        """A codec decoder's write of one whole layer over the context (the DynamicCache surface
+        shared.kv.put_layer uses): keys/values [1, n_kv, n, hd], post-RoPE, at positions
+        first_write .. first_write + n - 1."""
+        error = SequenceKV.update_many([(self, layer, keys, values)])[0]
+        if error is not None:
+            raise error
+
+    @staticmethod
+    def update_many(items: list[tuple[SequenceKV, int, torch.Tensor, torch.Tensor]]) -> list[BaseException | None]:
+        """update() of several sequences (seq, layer, keys, values), each [1, n_kv, n, hd]: the
+        writes to one pool layer in one copy. Per item, the ValueError its own bounds raised, or
+        None; an item that fails writes nothing."""
+        errors: list[BaseException | None] = [None] * len(items)
+        groups: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        pools: dict[int, KVPool] = {}
+        for i, (seq, layer, keys, values) in enumerate(items):
+            try:
+                span = seq._span(layer, keys.shape[2])
+            except ValueError as exc:
+                errors[i] = exc
+                continue
+            pools[id(seq.pool)] = seq.pool
+            groups.setdefault((id(seq.pool), layer), []).append(
+                (seq.flat_slots[span], keys[0].transpose(0, 1), values[0].transpose(0, 1))
+            )
+        for (pool_id, layer), writes in groups.items():
+            if len(writes) == 1:
+                slots, keys, values = writes[0]
+            else:
+                slots, keys, values = (torch.cat(parts) for parts in zip(*writes))
+            pools[pool_id].write(layer, slots, keys, values)
+        return errors
 
     def to_dynamic(self, tokens: int | None = None) -> DynamicCache:
         """A copy of the first `tokens` (default: length) positions as a DynamicCache (batch 1):

@@ -135,12 +135,13 @@ class StreamReader:
             raise DataLoss(f"producer sent a {kind or 'empty'} message before the header")
         if kind == "chunk":
             now = time.perf_counter()
+            data = message.chunk.data  # protobuf copies a bytes field on every read: read it once
             if self.first_chunk_at:
-                self.span_bytes += len(message.chunk.data)
+                self.span_bytes += len(data)
             else:
                 self.first_chunk_at = now
             self.last_chunk_at = now
-            return self._chunk(message.chunk)
+            return self._chunk(message.chunk, data)
         if kind == "trailer":
             return self._trailer(message.trailer)
         raise DataLoss("producer sent a message with no header, chunk or trailer")
@@ -234,7 +235,7 @@ class StreamReader:
         self._next_layer = index
         return events
 
-    def _chunk(self, c: producer_pb2.LayerChunk) -> list[Event]:
+    def _chunk(self, c: producer_pb2.LayerChunk, data: bytes) -> list[Event]:
         where = f"layer {c.layer}, payload {c.kind[:64]!r}, chunk {c.chunk_index}/{c.chunk_count}"
         events: list[Event] = []
         if self.layer is None or c.layer != self.layer.index:
@@ -270,19 +271,19 @@ class StreamReader:
             raise DataLoss(f"{where}: expected chunk {part.next_index} of {part.count}")
         self._check_spec(c, part.spec, part.count, where)
         want = min(self.max_chunk, part.spec.nbytes - part.filled)
-        if len(c.data) != want:
+        if len(data) != want:
             raise DataLoss(
-                f"{where}: {len(c.data)} data bytes, the contract says {want} "
+                f"{where}: {len(data)} data bytes, the contract says {want} "
                 f"(payload {part.spec.nbytes} bytes in chunks of {self.max_chunk})"
             )
-        if google_crc32c.value(c.data) != c.crc32c:
+        if google_crc32c.value(data) != c.crc32c:
             raise DataLoss(f"{where}: CRC32C mismatch")
-        part.buffer[part.filled : part.filled + want] = c.data
+        part.buffer[part.filled : part.filled + want] = data
         part.filled += want
         part.next_index += 1
-        layer.nbytes += len(c.data)
+        layer.nbytes += len(data)
         self.totals["chunk_count"] += 1
-        self.totals["payload_bytes"] += len(c.data)
+        self.totals["payload_bytes"] += len(data)
         if part.next_index == part.count:
             self.open = None
             self.totals["payload_count"] += 1

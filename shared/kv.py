@@ -122,6 +122,30 @@ def put_layer(cache: KVSink, layer: int, keys: torch.Tensor, values: torch.Tenso
     cache.update(keys[None], values[None], layer)
 
 
+def put_layers(items: Sequence[tuple[KVSink, int, torch.Tensor, torch.Tensor]]) -> list[BaseException | None]:
+    """put_layer for several (cache, layer, keys, values): caches of a type with a batched writer
+    (a static `update_many(items)` giving per item its error or None, as the KV pool's
+    sequences have) written in one call per type, the others one by one. Per item, the exception
+    its own write raised, or None."""
+    errors: list[BaseException | None] = [None] * len(items)
+    by_type: dict[type, list[int]] = {}
+    for i, (cache, _, _, _) in enumerate(items):
+        by_type.setdefault(type(cache), []).append(i)
+    for kind, members in by_type.items():
+        many = getattr(kind, "update_many", None)
+        if many is not None:
+            batch = [(items[i][0], items[i][1], items[i][2][None], items[i][3][None]) for i in members]
+            for i, error in zip(members, many(batch)):
+                errors[i] = error
+            continue
+        for i in members:
+            try:
+                put_layer(*items[i])
+            except Exception as exc:
+                errors[i] = exc
+    return errors
+
+
 def capture_states(loaded: LoadedModel, ids: list[int], needs: Capture) -> tuple[dict[int, LayerState], DynamicCache]:
     """One batch-1 forward over ids: every layer's LayerState (what `needs` asks for, on the
     model's device) and the cache that forward filled. The one way offline tools, tests and

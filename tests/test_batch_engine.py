@@ -224,7 +224,8 @@ def test_pack_keeps_padding_under_twice_the_work():
 @pytest.mark.parametrize("start,n", [(0, 512), (0, 37), (16, 5), (5, 3), (5, 40), (3, 13), (32, 16), (7, 9)])
 def test_pool_write_equals_token_by_token_and_touches_only_its_blocks(loaded, start, n):
     """SequenceKV.update (a codec's whole-layer write) places every token where the pool's slot map
-    says, whole blocks by index_copy_, the partial ends token by token; nothing else changes."""
+    says (one index_copy_ over its flat slots, partial blocks at either end included); nothing
+    else changes."""
     pool = pool_for(loaded, tokens=1024)
     other = pool.allocate(64)  # a neighbour whose blocks must stay as they are
     info = loaded.info
@@ -242,6 +243,63 @@ def test_pool_write_equals_token_by_token_and_touches_only_its_blocks(loaded, st
     expect_k[1, blk, off] = keys[0].transpose(0, 1)
     expect_v[1, blk, off] = values[0].transpose(0, 1)
     assert torch.equal(pool.k, expect_k) and torch.equal(pool.v, expect_v)
+
+
+@pytest.mark.parametrize("with_bad", [False, True])
+@pytest.mark.parametrize("codec_name,options", [("raw", {}), ("quant", {"bits": "4", "group_size": "16"})])
+def test_kv_codecs_rebuild_several_requests_into_the_pool_in_one_call(loaded, codec_name, options, with_bad):
+    """Raw and quant layers of several requests queued together (shared.codecs.base.add_layers)
+    are dequantized joined along tokens where groups allow and written to the pool in one copy:
+    each request's blocks hold bitwise what its own add_layer writes, a request with a
+    non-finite value (raw) or scale (quant: the joined dequantization fails, add_layers retries
+    request by request) fails alone and writes nothing, and a request whose layer does not fit
+    its reservation fails alone."""
+    from shared import quantize
+    from shared.codecs.base import LayerJob, StreamInfo, add_layers, create_codecs
+
+    codec = create_codecs(loaded, [codec_name])[codec_name]
+    info = loaded.info
+    lengths = [32, 48, 16, 64]  # multiples of the group size: quant joins them
+    bad, short = 1, 3
+    streams = [StreamInfo(info.num_layers, T, "float32", dict(options)) for T in lengths]
+    payloads = []
+    for i, T in enumerate(lengths):
+        g = torch.Generator().manual_seed(i)
+        keys, values = (torch.randn(info.num_kv_heads, T, info.head_dim, generator=g) for _ in range(2))
+        encoded = {"k": keys, "v": values} if codec_name == "raw" else quantize.encode_kv(keys, values, 4, 16)
+        payloads.append({name: t.clone() for name, t in encoded.items()})  # plain tensors, as the wire gives
+    if with_bad and codec_name == "raw":
+        payloads[bad]["v"][0, 3, 1] = float("inf")
+    elif with_bad:
+        payloads[bad]["k_scale"][0, 0, 0] = float("nan")
+    failing = [bad, short] if with_bad else [short]
+    results = {}
+    for how in ("alone", "together"):
+        pool = pool_for(loaded, tokens=1024)
+        seqs = [pool.allocate(T if i != short else T - 16) for i, T in enumerate(lengths)]
+        decoders = [codec.decoder(s) for s in streams]
+        for d, seq in zip(decoders, seqs):
+            d.bind(seq)
+        jobs = [LayerJob(d, 0, p) for d, p in zip(decoders, payloads)]
+        if how == "alone":
+            errors: list = []
+            for job in jobs:
+                try:
+                    job.decoder.add_layer(0, job.payloads)
+                    errors.append(None)
+                except Exception as exc:
+                    errors.append(exc)
+        else:
+            errors, shared = add_layers(jobs)
+            assert shared == (0 if with_bad and codec_name == "quant" else len(jobs))
+        assert [i for i, e in enumerate(errors) if e is not None] == failing, errors
+        results[how] = (pool, seqs)
+    (pa, _), (pb, sb) = results["alone"], results["together"]
+    assert torch.equal(pa.k, pb.k) and torch.equal(pa.v, pb.v)  # same allocation order: same blocks
+    for i in failing:  # wrote nothing
+        assert not pb.k[:, sb[i].blocks].any() and not pb.v[:, sb[i].blocks].any()
+    for i in (0, 2):
+        assert pb.k[0, sb[i].blocks].any()
 
 
 async def test_a_request_takes_the_tokens_that_arrived_together_in_one_message():
@@ -307,8 +365,9 @@ async def test_a_deadline_during_decode_ends_the_request_after_the_tokens_before
     try:
         pipeline = GenerateEngine(loaded, engine, Admission(pool, max_queue=1), None)
         seq = pool.allocate(3000)
-        job = GenerateJob("r", [], ids(8, 1, loaded.info.vocab_size), None, {}, 2900, Sampling(), frozenset(),
-                          deadline=time.monotonic() + 0.4)
+        job = GenerateJob(
+            "r", [], ids(8, 1, loaded.info.vocab_size), None, {}, 2900, Sampling(), frozenset(), deadline=time.monotonic() + 0.4
+        )
         task = Task(seq, list(job.question_ids), lambda _: None, Sampler(Sampling(), torch.device("cpu")), 2900)
         got: list[int] = []
         started = time.monotonic()

@@ -8,7 +8,7 @@ tokens per key group (per channel) and channels per value group (per token).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 
@@ -19,6 +19,7 @@ from shared.codecs.base import (
     Codec,
     EncodeRequest,
     LayerEncoder,
+    LayerJob,
     LayerState,
     PayloadSpec,
     Schema,
@@ -109,6 +110,28 @@ class QuantDecoder(KVDecoder):
     def add_layer(self, layer: int, payloads: dict[str, torch.Tensor]) -> None:
         keys, values = decode_quant(layer, payloads, self.kv_shape, self.bits, self.group_size, self.loaded.device)
         self.store(layer, keys, values)  # float32 [n_kv, T, hd] -> consumer dtype
+
+    def batch_key(self, layer: int) -> Hashable | None:
+        """Requests at the same bits and group size dequantize a layer together, joined along
+        tokens, when each one's key groups end with its tokens (T a multiple of the group size:
+        no group would straddle two requests)."""
+        if self.kv_shape[1] % self.group_size:
+            return None
+        return (id(self.loaded), layer, self.bits, self.group_size)
+
+    @classmethod
+    def add_layer_batch(cls, jobs: Sequence[LayerJob]) -> list[BaseException | None]:
+        """One dequantization over the requests' payloads joined along tokens, split back and
+        stored per request (a non-finite scale fails the joined call: add_layers then retries
+        request by request)."""
+        decoders: list[QuantDecoder] = [job.decoder for job in jobs]  # type: ignore[misc]
+        first, layer = decoders[0], jobs[0].layer
+        sizes = [d.kv_shape[1] for d in decoders]
+        joined = {name: torch.cat([job.payloads[name] for job in jobs], dim=1) for name in quantize.PAYLOADS}
+        shape = (first.kv_shape[0], sum(sizes), first.kv_shape[2])
+        keys, values = decode_quant(layer, joined, shape, first.bits, first.group_size, first.loaded.device)
+        split = zip(decoders, keys.split(sizes, dim=1), values.split(sizes, dim=1))
+        return KVDecoder.store_many([(d, layer, k, v) for d, k, v in split])
 
     def richer_options(self) -> dict[str, str] | None:
         return {**self.stream.options, "bits": "8"} if self.bits < 8 else None

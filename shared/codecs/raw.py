@@ -9,7 +9,7 @@ refuses non-finite K/V.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 
@@ -20,6 +20,7 @@ from shared.codecs.base import (
     Codec,
     EncodeRequest,
     LayerEncoder,
+    LayerJob,
     LayerState,
     PayloadSpec,
     Schema,
@@ -73,17 +74,45 @@ class KVDecoder(CacheDecoder):
     def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keep one layer's rebuilt K/V ([n_kv, T, hd] each) in the consumer's dtype; DataLoss
         when a value is not finite (a corrupt payload must never reach attention)."""
-        device, dtype = self.loaded.device, self.loaded.dtype
-        keys, values = keys.to(device, dtype), values.to(device, dtype)
-        for name, t in (("keys", keys), ("values", values)):
-            if tuple(t.shape) != self.kv_shape:
-                raise DataLoss(f"layer {layer}: rebuilt {name} {list(t.shape)}, expected {list(self.kv_shape)}")
-            if not bool(torch.isfinite(t).all()):
-                raise DataLoss(f"layer {layer}: rebuilt {name} hold non-finite values (corrupt payload)")
-        if self.cache is None:
-            self.cache = kv.empty_cache(self.loaded)
-        kv.put_layer(self.cache, layer, keys, values)
-        self.received.add(layer)
+        error = KVDecoder.store_many([(self, layer, keys, values)])[0]
+        if error is not None:
+            raise error
+
+    @staticmethod
+    def store_many(items: Sequence[tuple[KVDecoder, int, torch.Tensor, torch.Tensor]]) -> list[BaseException | None]:
+        """store() of several requests' layers (decoder, layer, keys, values): one finiteness
+        check over all of them (item by item only when something is not finite) and the writes
+        batched where the caches allow (shared.kv.put_layers). Per item, its own error or None:
+        one request's bad values never keep another's from its cache."""
+        errors: list[BaseException | None] = [None] * len(items)
+        ready: list[tuple[int, KVDecoder, int, torch.Tensor, torch.Tensor]] = []
+        for i, (d, layer, keys, values) in enumerate(items):
+            keys, values = keys.to(d.loaded.device, d.loaded.dtype), values.to(d.loaded.device, d.loaded.dtype)
+            for name, t in (("keys", keys), ("values", values)):
+                if tuple(t.shape) != d.kv_shape:
+                    errors[i] = DataLoss(f"layer {layer}: rebuilt {name} {list(t.shape)}, expected {list(d.kv_shape)}")
+                    break
+            else:
+                ready.append((i, d, layer, keys, values))
+        tensors = [t for _, _, _, keys, values in ready for t in (keys, values)]
+        if tensors and not bool(torch.isfinite(torch.cat([t.reshape(-1) for t in tensors])).all()):
+            kept = []
+            for i, d, layer, keys, values in ready:
+                bad = [name for name, t in (("keys", keys), ("values", values)) if not bool(torch.isfinite(t).all())]
+                if bad:
+                    errors[i] = DataLoss(f"layer {layer}: rebuilt {bad[0]} hold non-finite values (corrupt payload)")
+                else:
+                    kept.append((i, d, layer, keys, values))
+            ready = kept
+        for _, d, _, _, _ in ready:
+            if d.cache is None:
+                d.cache = kv.empty_cache(d.loaded)
+        written = kv.put_layers([(d.cache, layer, keys, values) for _, d, layer, keys, values in ready])  # type: ignore[misc]
+        for (i, d, layer, _, _), error in zip(ready, written):
+            if error is None:
+                d.received.add(layer)
+            errors[i] = error
+        return errors
 
     def bind(self, target: kv.KVSink) -> None:
         self.cache = target
@@ -102,6 +131,14 @@ class RawDecoder(KVDecoder):
 
     def add_layer(self, layer: int, payloads: dict[str, torch.Tensor]) -> None:
         self.store(layer, payloads["k"], payloads["v"])
+
+    def batch_key(self, layer: int) -> Hashable | None:
+        """Raw layers of requests on the same model are stored together (store_many)."""
+        return (id(self.loaded), layer)
+
+    @classmethod
+    def add_layer_batch(cls, jobs: Sequence[LayerJob]) -> list[BaseException | None]:
+        return KVDecoder.store_many([(job.decoder, job.layer, job.payloads["k"], job.payloads["v"]) for job in jobs])  # type: ignore[misc]
 
 
 @register

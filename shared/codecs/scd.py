@@ -114,35 +114,44 @@ class ScdDecoder(KVDecoder):
         self.store(layer, keys, values)
 
     def batch_key(self, layer: int) -> Hashable | None:
-        """Reuse and Patch layers decode token by token (a row of codes or of normalized input
-        gives that token's K/V), so requests with the same artifact and action for a layer
-        decode it as one token-concatenated batch; raw and quantized layers are copies, each its own."""
-        action = self.schedule.actions[layer]
-        if not ops.per_token(action):
-            return None
-        return (id(self.art), id(self.loaded), layer, action)  # the same loaded artifact and model objects
+        """Requests with the same artifact and action for a layer rebuild it together."""
+        return (id(self.art), id(self.loaded), layer, self.schedule.actions[layer])  # the same loaded artifact and model objects
 
     @classmethod
     def add_layer_batch(cls, jobs: Sequence[LayerJob]) -> list[BaseException | None]:
-        """One decode over the requests' payloads joined along tokens (each at its own positions),
-        split back and stored per request (each store checks its own values)."""
+        """Reuse and Patch layers decode token by token (a row of codes or of normalized input
+        gives that token's K/V): one decode over the requests' payloads joined along tokens (each
+        at its own positions), split back. Raw and quantized layers decode request by request.
+        Either way the K/V are stored together (KVDecoder.store_many: each request's values
+        checked on their own)."""
         first: ScdDecoder = jobs[0].decoder  # type: ignore[assignment]
         layer = jobs[0].layer
+        action = first.schedule.actions[layer]
         decoders: list[ScdDecoder] = [job.decoder for job in jobs]  # type: ignore[misc]
+        if not ops.per_token(action):
+            errors: list[BaseException | None] = [None] * len(jobs)
+            decoded = []
+            for i, job in enumerate(jobs):
+                d = decoders[i]
+                try:
+                    keys, values = ops.decode_layer(
+                        d.art, layer, action, job.payloads, d.loaded, d.pos, d.art.geometry.quant_group
+                    )
+                except Exception as exc:
+                    errors[i] = exc
+                else:
+                    decoded.append((i, keys, values))
+            stored = KVDecoder.store_many([(decoders[i], layer, k, v) for i, k, v in decoded])
+            for (i, _, _), error in zip(decoded, stored):
+                errors[i] = error
+            return errors
         payloads = {name: torch.cat([job.payloads[name] for job in jobs]) for name in jobs[0].payloads}
         pos = torch.cat([d.pos for d in decoders], dim=1)  # [1, sum T]
-        keys, values = ops.decode_layer(
-            first.art, layer, first.schedule.actions[layer], payloads, first.loaded, pos, first.art.geometry.quant_group
-        )
+        keys, values = ops.decode_layer(first.art, layer, action, payloads, first.loaded, pos, first.art.geometry.quant_group)
         sizes = [d.pos.shape[1] for d in decoders]
-        errors: list[BaseException | None] = []
-        for d, k, v in zip(decoders, keys.split(sizes, dim=1), values.split(sizes, dim=1)):
-            try:
-                d.store(layer, k, v)
-                errors.append(None)
-            except Exception as exc:
-                errors.append(exc)
-        return errors
+        return KVDecoder.store_many(
+            [(d, layer, k, v) for d, k, v in zip(decoders, keys.split(sizes, dim=1), values.split(sizes, dim=1))]
+        )
 
 
 @register
