@@ -245,12 +245,16 @@ async def run_at(limits: str, args, artifacts: str, log_dir: Path) -> list[dict]
 
 async def main_async(args) -> list[dict]:
     lines = []
+    run = ("defaults", "raised") if args.limits == "both" else (args.limits,)
     with tempfile.TemporaryDirectory() as tmp:
         build_artifact(Path(tmp))
-        for limits in ("defaults", "raised") if args.limits == "both" else (args.limits,):
+        for limits in run:
             lines += await run_at(limits, args, tmp, Path(tmp) / "logs")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    # this run's rows replace those of the limits it ran; another setting's rows are kept
+    kept = [json.loads(x) for x in args.out.read_text().splitlines() if x.strip()] if args.out.exists() else []
+    rows = [r for r in kept if r.get("limits") not in run] + lines
+    args.out.write_text("".join(json.dumps(line) + "\n" for line in rows))
     return lines
 
 
