@@ -192,13 +192,14 @@ def audit(root: Path = ROOT) -> dict:
 
 
 def _pairs(rows: list[dict]) -> dict[tuple, list[tuple[dict, dict]]]:
-    """Per cell (model, weights, dtype, torch threads, mode, output, concurrency), the (max-batch 1,
+    """Per cell (model, weights, dtype, torch threads, engine process, mode, output, concurrency), the (max-batch 1,
     batched) row pairs of its latest run: every repetition of that run (rows with `run` and `rep`),
     or for older rows without them the last pair written."""
     pairs: dict[tuple, dict[tuple, dict]] = {}  # cell -> pair id -> {"one": row, "many": row, "line": int}
     legacy: dict[tuple, int] = {}  # cell -> sequence number of its open legacy pair
     for line, r in enumerate(rows):
-        cell = (r["model"], r["weights"], r["dtype"], r.get("torch_threads", 0), r["mode"], r["output"], r["concurrency"])
+        cell = (r["model"], r["weights"], r["dtype"], r.get("torch_threads", 0), r.get("engine_process", False), r["mode"],
+                r["output"], r["concurrency"])
         if "run" in r:
             pid: tuple = (r["run"], r["rep"])
         else:  # a legacy cell's max-batch-1 row opens a pair, its batched row closes it
@@ -225,7 +226,7 @@ def throughput(root: Path = ROOT) -> dict:
     rows = rows_of(root / "bench/results/throughput.jsonl")
     cells = _pairs(rows)
     table = [
-        "| model (weights, dtype, torch threads) | mode | output | streams | runs | tok/s batched / max-batch 1 | req/s ratio"
+        "| model (weights, dtype, torch threads[, engine process]) | mode | output | streams | runs | tok/s batched / max-batch 1 | req/s ratio"
         " | TTFT p50 ms batched / 1 | TTFT p95 ms batched / 1 | batched / forward ceiling | consumer CPU ms/request"
         " (event loop) batched / 1 | producer CPU ms/request | client CPU ms/request | req/s batched / CPU-bound"
         " | identical | load |",
@@ -248,7 +249,9 @@ def throughput(root: Path = ROOT) -> dict:
     summary = {}
     for key, pairs in sorted(cells.items()):
         ones, manys = [p[0] for p in pairs], [p[1] for p in pairs]
-        model, weights, dtype, threads, mode, output, conc = key
+        model, weights, dtype, threads, split, mode, output, conc = key
+        setting = f"{threads or 'default'}{', engine process' if split else ''}"
+        threads = f"{threads}p" if split else threads  # the summary key: "1p" is one thread with --engine-process
         toks = [m["output_tokens_per_s"] / o["output_tokens_per_s"] for o, m in pairs]
         reqs = [m["requests_per_s"] / o["requests_per_s"] for o, m in pairs]
         ttfts = [m["ttft_p50_ms"] / o["ttft_p50_ms"] for o, m in pairs]
@@ -256,7 +259,7 @@ def throughput(root: Path = ROOT) -> dict:
         bounds = [m["requests_per_s"] / m["cpu_bound_requests_per_s"] for m in manys if m.get("cpu_bound_requests_per_s")]
         load = span([r["load_avg_1m"] for r in ones + manys], "{:.1f}")
         table.append(
-            f"| {model} ({weights}, {dtype}, {threads or 'default'}) | {mode} | {output} | {conc} | {len(pairs)}"
+            f"| {model} ({weights}, {dtype}, {setting}) | {mode} | {output} | {conc} | {len(pairs)}"
             f" | {med(manys, 'output_tokens_per_s'):.0f} / {med(ones, 'output_tokens_per_s'):.0f}: **{ratio(toks)}**"
             f" | {ratio(reqs)} | {med(manys, 'ttft_p50_ms'):.0f} / {med(ones, 'ttft_p50_ms'):.0f}"
             f" | {med(manys, 'ttft_p95_ms'):.0f} / {med(ones, 'ttft_p95_ms'):.0f} | {ratio(ceilings, '{:.2f}')}"

@@ -183,11 +183,28 @@ def cpu_s(pid: int, tid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def children(pid: int) -> list[int]:
+    """The running child processes of pid (the consumer's engine process under --engine-process)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
 def cpu_split(producer_pid: int, consumer_pid: int) -> dict[str, float]:
-    """CPU seconds so far: the producer, the consumer, and the consumer's main thread (its asyncio
-    event loop: gRPC, stream parsing, the servicer; the rest is the engine, torch's workers, gRPC's
-    poller)."""
-    return {"producer": cpu_s(producer_pid), "consumer": cpu_s(consumer_pid), "consumer_loop": cpu_s(consumer_pid, consumer_pid)}
+    """CPU seconds so far: the producer, the consumer with its child processes (the engine
+    process under --engine-process), and the consumer's main thread (its asyncio event loop: gRPC,
+    stream parsing, the servicer; the rest is the engine, torch's workers, gRPC's poller)."""
+    consumer = cpu_s(consumer_pid)
+    for child in children(consumer_pid):
+        try:
+            consumer += cpu_s(child)
+        except OSError:  # exited meanwhile
+            pass
+    return {"producer": cpu_s(producer_pid), "consumer": consumer, "consumer_loop": cpu_s(consumer_pid, consumer_pid)}
 
 
 def own_cpu_s() -> float:
@@ -216,7 +233,7 @@ async def describe_pool(address: str) -> int:
 
 
 def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, requests: int | None, out, log_dir: Path,
-              torch_threads: int = 0, repeat: int = 1) -> list[dict]:
+              torch_threads: int = 0, repeat: int = 1, engine_process: bool = False) -> list[dict]:
     from shared.models import load_model
 
     n_distinct = 16
@@ -239,7 +256,7 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
             cport = services.free_port()
             # the prefix cache off: the cells repeat 16 contexts, and this measures the engine and the transfer
             args = ["--port", str(cport), "--producer", f"127.0.0.1:{pport}", "--max-batch", str(mb), *services.NO_PREFIX_CACHE,
-                    *[a.replace("{m}", model.consumer) for a in common]]
+                    *[a.replace("{m}", model.consumer) for a in common], *(["--engine-process"] if engine_process else [])]
             consumers[mb] = services.spawn("consumer", args, f"127.0.0.1:{cport}", log_dir / f"max-batch-{mb}")
         for service in consumers.values():
             services.wait_healthy(service, 300)
@@ -284,6 +301,7 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
                                 "forward_ceiling_tokens_per_s": None,  # set below, once timed after the pair as well
                                 "forward_ceiling_threads": torch_threads_now(),
                                 "max_inflight": int(limit), "ctx_tokens": model.ctx_tokens, "torch_threads": torch_threads,
+                                "engine_process": engine_process,
                                 "code": code, "run": run_id, "rep": rep,
                                 "load_avg_1m": round(os.getloadavg()[0], 2),
                                 # CPU per request: where a closed loop's time goes (2 cores shared by all)
@@ -331,13 +349,13 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     def key_of(r: dict) -> tuple:
-        return r["model"], r["mode"], r["output"], r["max_batch"], r.get("torch_threads", 0)
+        return r["model"], r["mode"], r["output"], r["max_batch"], r.get("torch_threads", 0), r.get("engine_process", False)
 
     keys = sorted({key_of(r) for r in rows})
     for key in keys:
         by_conc = {r["concurrency"]: r for r in rows if key_of(r) == key}  # a rerun of a cell replaces it
         sel = [by_conc[c] for c in sorted(by_conc)]
-        label = f"{key[0]} {key[1]} {key[2]} mb={key[3]}" + (f" threads={key[4]}" if key[4] else "")
+        label = f"{key[0]} {key[1]} {key[2]} mb={key[3]}" + (f" threads={key[4]}" if key[4] else "") + (" engine-process" if key[5] else "")
         style = "-" if key[3] > 1 else "--"
         axes[0].plot([r["concurrency"] for r in sel], [r["output_tokens_per_s"] for r in sel], style, marker="o", label=label)
         axes[1].plot([r["concurrency"] for r in sel], [r["ttft_p95_ms"] for r in sel], style, marker="o", label=label)
@@ -360,6 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out-dir", default=str(RESULTS), help="where throughput.jsonl and the plot go")
     parser.add_argument("--torch-threads", type=int, default=0, help="every service's --torch-threads (0: torch's default)")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each cell's pair, one after another (rows per run)")
+    parser.add_argument("--engine-process", action="store_true",
+                        help="both consumers with --engine-process (the engine in a child process; rows say engine_process)")
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.modes, args.concurrency, args.max_batch = "qa", "raw,scd", "1,32", 32
@@ -375,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.models.split(","):
             rows += run_model(builders[name](), args.modes.split(","), args.outputs.split(","),
                               [int(c) for c in args.concurrency.split(",")], args.max_batch, args.requests, out, Path(logs),
-                              args.torch_threads, args.repeat)
+                              args.torch_threads, args.repeat, args.engine_process)
     print(table(rows))
     if rows:
         plot(rows, out_dir / "throughput.png")

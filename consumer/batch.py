@@ -110,6 +110,8 @@ class BatchEngine(concurrent.futures.Executor):
         max_batch: int = 32,
         prefill_chunk: int = 512,
         max_batch_tokens: int = 2048,
+        progress: liveness.Progress | None = None,
+        after_iteration: Callable[[], None] | None = None,
     ):
         if max_batch < 1 or prefill_chunk < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch, prefill_chunk and max_batch_tokens: must be >= 1")
@@ -123,7 +125,8 @@ class BatchEngine(concurrent.futures.Executor):
         self._stopping = False
         self._rr = 0  # round-robin offset over decode rows
         self.stats = EngineStats()
-        self.progress = liveness.Progress("consumer-engine")
+        self.progress = progress or liveness.Progress("consumer-engine")
+        self.after_iteration = after_iteration  # called on the engine thread at the end of every iteration
         self._thread = threading.Thread(target=self._loop, name="consumer-engine", daemon=True)
         self._thread.start()
 
@@ -165,6 +168,11 @@ class BatchEngine(concurrent.futures.Executor):
         with self._cv:
             self._cv.notify()
 
+    def holds(self, task: Task) -> bool:
+        """Whether task is still incoming or admitted: a forward may still read or write its blocks."""
+        with self._cv:
+            return any(t is task for t in self._incoming) or any(t is task for t in self.tasks)
+
     def release(self, seq: SequenceKV) -> concurrent.futures.Future:
         """Free seq's blocks on the engine thread, after any job or forward that may still use them
         (releases queued together: one zeroing of all their blocks)."""
@@ -202,6 +210,8 @@ class BatchEngine(concurrent.futures.Executor):
                 for task in self.tasks:
                     task.sink(exc)
                 self.tasks.clear()
+            if self.after_iteration is not None:
+                self.after_iteration()
         for job in self.jobs:
             job.future.cancel()
 

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 from consumer.auto import AutoChoice
 from consumer.batch import BatchEngine, Finished, Task
 from consumer.decoding import Detokenizer, Sampler, Sampling
+from consumer.engine_process import EngineProcess
 from consumer.kv_admission import KVAdmission
 from consumer.kv_pool import SequenceKV
 from consumer.planner import TransferPlanner, mode_key
@@ -165,7 +166,7 @@ class GenerateEngine:
     def __init__(
         self,
         loaded: LoadedModel,
-        engine: BatchEngine,
+        engine: BatchEngine | EngineProcess,
         admission: KVAdmission,
         source: TransferSource | None,
         prefix: PrefixCache | None = None,

@@ -70,6 +70,22 @@ class KVPool:
         self._refs = [0] * (self.num_blocks + 1)  # holders of each block: requests and the prefix cache
         self._lock = threading.Lock()
 
+    def share(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V moved to shared memory (on CPU; CUDA tensors travel by IPC handle as they are),
+        for the engine process to attach (consumer.engine_process). Returns them."""
+        if self.device.type == "cpu":
+            self.k.share_memory_()
+            self.v.share_memory_()
+        return self.k, self.v
+
+    @classmethod
+    def attach(cls, info: ModelInfo, k: torch.Tensor, v: torch.Tensor, block_tokens: int) -> KVPool:
+        """A pool over K and V another process allocated (`share`): blocks are read and written by
+        block table only; the allocator stays with the owner (this one hands out nothing)."""
+        pool = cls(info, k.device, 0, block_tokens)
+        pool.k, pool.v = k, v
+        return pool
+
     @property
     def capacity_bytes(self) -> int:
         return self.num_blocks * self.block_bytes

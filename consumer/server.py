@@ -17,6 +17,7 @@ from consumer.auto import AutoChoice, Candidate, Chooser
 from consumer.batch import BatchEngine
 from consumer.defaults import DefaultMode
 from consumer.engine import LOCAL_MODE, GenerateEngine, GenerateResult, TokenOut
+from consumer.engine_process import EngineProcess
 from consumer.kv_admission import KVAdmission
 from consumer.kv_pool import KVPool, default_pool_bytes
 from consumer.planner import Observation, TransferPlanner, mode_key
@@ -56,7 +57,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
     def attach(
         self,
         loaded: LoadedModel,
-        batch: BatchEngine,
+        batch: BatchEngine | EngineProcess,
         kv_admission: KVAdmission,
         prefix: PrefixCache | None,
         client: ProducerClient,
@@ -298,10 +299,11 @@ class ConsumerServer:
         self.servicer = ConsumerServicer(config)
         self.servicer.metrics = self.server.metrics
         self.server.watch(admission=self.servicer.admission)
-        self.executor: BatchEngine | None = None  # the batch engine: the device's only executor, once loaded
+        self.executor: BatchEngine | EngineProcess | None = None  # the batch engine: the device's only executor, once loaded
         handlers.add_servicer(self.server.server, self.servicer, consumer_pb2.DESCRIPTOR.services_by_name["ConsumerService"])
         self.client: ProducerClient | None = None
         self.link: readiness.ProducerLink | None = None
+        self.engine_failure = ""  # why the engine process exited, once it has (--engine-process)
 
     @property
     def address(self) -> str:
@@ -317,13 +319,24 @@ class ConsumerServer:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="consumer-load") as loader:
                 loaded = await logs.run_in(loader, load_model, cfg.model, cfg.dtype, cfg.device)
         pool = KVPool(loaded.info, loaded.device, default_pool_bytes(cfg, loaded), cfg.kv_block_tokens)
-        batch = BatchEngine(loaded, pool, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens)
+        batch: BatchEngine | EngineProcess
+        if cfg.engine_process:
+            loop = asyncio.get_running_loop()
+
+            def exited(why: str) -> None:  # the engine process's reader thread
+                loop.call_soon_threadsafe(self._engine_exited, why)
+
+            args = (loaded, pool, cfg.model, cfg.torch_threads, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens)
+            batch = await asyncio.to_thread(EngineProcess, *args, on_exit=exited)
+        else:
+            batch = BatchEngine(loaded, pool, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens)
         self.executor = batch
         await logs.run_in(batch, warm_up, loaded)
         budget = pool.capacity_bytes // 2 if cfg.prefix_cache_bytes < 0 else cfg.prefix_cache_bytes
         prefix = PrefixCache(pool, budget, cfg.chunk_tokens) if budget > 0 else None
         kv_admission = KVAdmission(pool, cfg.max_queue, prefix.make_room if prefix is not None else None)
-        self.server.progress = [batch.progress]  # liveness from the engine's progress, not a place in its queue
+        # liveness from the engine's progress (and its local job thread's), not a place in its queue
+        self.server.progress = [batch.progress] + ([batch.local.progress] if isinstance(batch, EngineProcess) else [])
         self.client = ProducerClient.from_config(cfg, loaded.info.weight_digest, self.server.tracing)
         self.servicer.attach(loaded, batch, kv_admission, prefix, self.client)
         self.server.metrics.watch_engine(batch, pool, kv_admission, prefix, self.servicer.engine)
@@ -347,6 +360,11 @@ class ConsumerServer:
             max_batch=cfg.max_batch,
         )
 
+    def _engine_exited(self, reason: str) -> None:
+        """The engine process died: not ready from now on (liveness already reads it stalled)."""
+        self.engine_failure = reason
+        asyncio.ensure_future(self.server.set_not_ready(reason))
+
     async def _link_changed(self, state: readiness.LinkState) -> None:
         """A new producer link state: the default mode for what is now known, then readiness."""
         default = self.servicer.default
@@ -354,7 +372,7 @@ class ConsumerServer:
             self.client.link_problem = "" if state.state in readiness.USABLE else state.reason
         if state.producer_digest and default.producer_known(state.producer_digest, state.producer_artifacts):
             log.info("consumer.default_mode", mode=default.mode, reason=default.why)
-        await self.server.set_not_ready(readiness.not_ready(state, default.uses_producer))
+        await self.server.set_not_ready(self.engine_failure or readiness.not_ready(state, default.uses_producer))
 
     async def stop(self, grace_s: float | None = None) -> None:
         if self.link is not None:

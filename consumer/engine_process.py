@@ -1,0 +1,361 @@
+"""The batch engine in a process of its own (`--engine-process`): the frontend/engine split.
+
+In one process the consumer's asyncio side (gRPC, stream checks, codec rebuilds, admission, the
+prefix cache) and its batch engine (consumer.batch: forwards and sampling) share one interpreter
+lock. With a small model both are mostly Python, and the process runs at about one core however
+many the host has. With `--engine-process` the engine runs in a child process:
+
+- The KV pool lives in shared memory (`KVPool.share` / `KVPool.attach`). The frontend rebuilds a
+  request's layers into its blocks; the child's forwards read and extend them. Nothing is copied
+  between the two.
+- The frontend owns allocation, admission, the prefix cache and every job that is not a forward:
+  rebuilds, audits, copies and releases. They run on a local BatchEngine that is given no tasks
+  (its job thread, grouped as in process). The child runs tasks only.
+- One pipe. The frontend sends add / cancel / stop. After each iteration the child sends what its
+  tasks produced (token ids; a Finished with the sequence's new length; errors), the tasks that
+  left its batch after a cancel, and its counters.
+- A request's blocks are freed only once the child has said its task left. A cancelled task may
+  still be in the forward being run, and freed blocks are handed to the next request.
+- Liveness: the child's Progress lives in shared memory (`SharedProgress`), and the frontend's
+  watchdog reads it. A child that exits reads as stalled for ever (NOT_SERVING). Every request it
+  held fails UNAVAILABLE.
+
+The frontend keeps its own copy of the model: Patch layers, recompute spans and audits run there.
+The child loads the same weights. Knows nothing about gRPC.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from consumer.batch import BatchEngine, EngineStats, Finished, Task
+from consumer.decoding import Sampler
+from consumer.kv_pool import KVPool, SequenceKV
+from shared import liveness, logs
+from shared.errors import ServiceError, Unavailable
+from shared.models import LoadedModel, load_model, warm_up
+
+log = logs.get("consumer.engine_process")
+START_TIMEOUT_S = 600.0  # the child loads the model: as long as a service start may take
+
+
+class SharedProgress(liveness.Progress):
+    """A Progress whose state is a shared float64 tensor [active iterations, last progress
+    (time.monotonic, the same clock in every process), iterations done]: the engine process
+    advances it, the frontend's watchdog reads it. `dead` (frontend): the process exited."""
+
+    def __init__(self, name: str, state: torch.Tensor | None = None):
+        super().__init__(name)
+        if state is None:
+            state = torch.zeros(3, dtype=torch.float64).share_memory_()
+            state[1] = time.monotonic()
+        self.state = state
+        self.dead = False
+
+    @contextlib.contextmanager
+    def iteration(self) -> Iterator[None]:
+        self.state[0] += 1
+        self.state[1] = time.monotonic()
+        try:
+            yield
+        finally:
+            self.state[0] -= 1
+            self.state[1] = time.monotonic()
+            self.state[2] += 1
+
+    def beat(self) -> None:
+        self.state[1] = time.monotonic()
+
+    def stalled_s(self) -> float:
+        if self.dead:
+            return float("inf")
+        active, last = self.state[0].item(), self.state[1].item()
+        return time.monotonic() - last if active else 0.0
+
+
+def _portable(item: Any) -> Any:
+    """An engine outcome the pipe can carry: service errors keep their class, any other
+    exception becomes a RuntimeError naming it."""
+    if isinstance(item, BaseException) and not isinstance(item, ServiceError):
+        return RuntimeError(f"{type(item).__name__}: {str(item)[:300]}")
+    return item
+
+
+def _child(spec: dict[str, Any], k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, conn: Any) -> None:
+    """The engine process: load the model, attach the pool, run tasks the frontend sends."""
+    try:
+        if spec["torch_threads"]:
+            torch.set_num_threads(spec["torch_threads"])
+        loaded = load_model(spec["model"], spec["dtype"], spec["device"])
+        if loaded.info.weight_digest != spec["weight_digest"]:
+            raise RuntimeError(f"{spec['model']}: weights differ from the frontend's (digest {loaded.info.weight_digest[:16]})")
+        pool = KVPool.attach(loaded.info, k, v, spec["block_tokens"])
+        warm_up(loaded)
+    except Exception as exc:  # reported to the frontend, which fails its start with it
+        conn.send(("failed", f"{type(exc).__name__}: {str(exc)[:500]}"))
+        return
+    lock = threading.Lock()
+    tasks: dict[int, Task] = {}
+    cancelled: set[int] = set()
+    outbox: list[tuple[int, Any, int]] = []  # (task id, item, the sequence's length after a terminal item)
+    sent_stats: list[tuple[int, ...]] = [()]
+
+    def sink_for(tid: int, seq: SequenceKV):
+        def sink(item: Any) -> None:  # engine thread
+            terminal = isinstance(item, (Finished, BaseException))
+            outbox.append((tid, _portable(item), seq.length if terminal else 0))
+            if terminal:
+                with lock:
+                    tasks.pop(tid, None)
+
+        return sink
+
+    def flush() -> None:  # engine thread, at the end of every iteration
+        items = outbox[:]
+        outbox.clear()
+        with lock:
+            left = [tid for tid in cancelled if tid not in tasks or not engine.holds(tasks[tid])]
+            for tid in left:
+                cancelled.discard(tid)
+                tasks.pop(tid, None)
+        s = engine.stats
+        stats = (s.forwards, s.rows, s.last_batch, s.failed_rows)
+        if items or left or stats != sent_stats[0]:
+            sent_stats[0] = stats
+            conn.send(("out", items, left, stats))
+
+    engine = BatchEngine(
+        loaded,
+        pool,
+        spec["max_batch"],
+        spec["prefill_chunk"],
+        spec["max_batch_tokens"],
+        progress=SharedProgress("consumer-engine", state),
+        after_iteration=flush,
+    )
+    conn.send(("ready",))
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):  # the frontend went away
+                break
+            if msg[0] == "add":
+                _, tid, blocks, capacity, length, shared_blocks, pending, sampling, max_new, stop_ids = msg
+                table = torch.tensor(blocks, dtype=torch.long, device=loaded.device)
+                seq = SequenceKV(pool, blocks, table, capacity, length, shared_blocks=shared_blocks)
+                sampler = Sampler(sampling, loaded.device) if sampling is not None else None
+                task = Task(seq, pending, sink_for(tid, seq), sampler, max_new, frozenset(stop_ids))
+                with lock:
+                    tasks[tid] = task
+                engine.add(task)
+            elif msg[0] == "cancel":
+                with lock:
+                    cancelled.add(msg[1])
+                    held = tasks.get(msg[1])
+                if held is not None:
+                    engine.cancel(held)
+                else:
+                    engine.submit(lambda: None)  # an iteration, so flush reports it left
+            elif msg[0] == "stop":
+                break
+    finally:
+        engine.shutdown(wait=True)
+
+
+class EngineProcess(concurrent.futures.Executor):
+    """The BatchEngine surface the frontend uses (add, cancel, release, submit, submit_grouped,
+    stats, progress, pool, max_batch), backed by the engine process."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        pool: KVPool,
+        model: str,
+        torch_threads: int = 0,
+        max_batch: int = 32,
+        prefill_chunk: int = 512,
+        max_batch_tokens: int = 2048,
+        on_exit: Callable[[str], None] | None = None,
+    ):
+        self.loaded, self.pool, self.max_batch = loaded, pool, max_batch
+        self.on_exit = on_exit  # called (reader thread) with the reason when the child exits unasked
+        self.local = BatchEngine(loaded, pool, max_batch)  # the frontend's jobs only: never given a task
+        self.stats = EngineStats()
+        self.progress = SharedProgress("consumer-engine")
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._tasks: dict[int, Task] = {}
+        self._tid: dict[int, int] = {}  # id(task) -> task id, while the child may hold the task
+        self._on_seq: dict[int, set[int]] = {}  # id(seq) -> ids of its tasks the child may hold
+        self._deferred: dict[int, tuple[SequenceKV, concurrent.futures.Future]] = {}  # releases waiting for them
+        self._dead = ""
+        self._stopping = False
+        spec = {
+            "model": model,
+            "dtype": loaded.info.dtype,
+            "weight_digest": loaded.info.weight_digest,
+            "device": str(loaded.device),
+            "torch_threads": torch_threads,
+            "block_tokens": pool.block_tokens,
+            "max_batch": max_batch,
+            "prefill_chunk": prefill_chunk,
+            "max_batch_tokens": max_batch_tokens,
+        }
+        k, v = pool.share()
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=_child, args=(spec, k, v, self.progress.state, child_conn), name="consumer-engine", daemon=True
+        )
+        self._proc.start()
+        child_conn.close()
+        if not self._conn.poll(START_TIMEOUT_S):
+            self._proc.kill()
+            raise RuntimeError(f"the engine process did not start within {START_TIMEOUT_S:.0f}s")
+        first = self._conn.recv()
+        if first[0] != "ready":
+            self._proc.join(10)
+            raise RuntimeError(f"the engine process failed to start: {first[1]}")
+        self._reader = threading.Thread(target=self._read, name="consumer-engine-reader", daemon=True)
+        self._reader.start()
+        log.info("engine_process.started", pid=self._proc.pid)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    # --- the asyncio side's surface ----------------------------------------------------------------
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:  # type: ignore[override]
+        return self.local.submit(fn, *args, **kwargs)
+
+    def submit_grouped(self, many, item) -> concurrent.futures.Future:
+        return self.local.submit_grouped(many, item)
+
+    def add(self, task: Task) -> Task:
+        if not task.pending:
+            raise ValueError("a task needs tokens to feed")
+        seq = task.seq
+        with self._lock:
+            dead = self._dead
+            if not dead:
+                tid = next(self._ids)
+                self._tasks[tid] = task
+                self._tid[id(task)] = tid
+                self._on_seq.setdefault(id(seq), set()).add(tid)
+        if dead:
+            task.sink(Unavailable(dead))
+            return task
+        if self.loaded.device.type == "cuda":
+            torch.cuda.synchronize(self.loaded.device)  # rebuilt blocks written before the child reads them
+        sampling = task.sampler.sampling if task.sampler is not None else None
+        msg = ("add", tid, seq.blocks, seq.capacity, seq.length, seq.shared_blocks, list(task.pending), sampling)
+        self._send((*msg, task.max_new, sorted(task.stop_ids)))
+        return task
+
+    def cancel(self, task: Task) -> None:
+        task.cancelled = True
+        with self._lock:
+            tid = self._tid.get(id(task))
+        if tid is not None:
+            self._send(("cancel", tid))
+
+    def release(self, seq: SequenceKV) -> concurrent.futures.Future:
+        """Free seq's blocks once the child holds none of its tasks (at once when it holds none)."""
+        with self._lock:
+            if self._on_seq.get(id(seq)):
+                future: concurrent.futures.Future = concurrent.futures.Future()
+                self._deferred[id(seq)] = (seq, future)
+                return future
+        return self.local.release(seq)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._stopping = True
+        with contextlib.suppress(OSError, ValueError):
+            self._send(("stop",))
+        if wait:
+            self._proc.join(15)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        self.local.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+    # --- the reader thread ---------------------------------------------------------------------------
+
+    def _send(self, msg: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(msg)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                _, items, left, stats = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            self.stats.forwards, self.stats.rows, self.stats.last_batch, self.stats.failed_rows = stats
+            for tid, item, length in items:
+                with self._lock:
+                    task = self._tasks.get(tid)
+                if task is None:
+                    continue
+                terminal = isinstance(item, (Finished, BaseException))
+                if isinstance(item, Finished):
+                    task.seq.length = length  # what the child's prefill or decode advanced it to
+                task.sink(item)
+                if terminal:
+                    self._left(tid)
+            for tid in left:
+                self._left(tid)
+        self._exited()
+
+    def _left(self, tid: int) -> None:
+        """The child no longer holds task tid: a release waiting for it may run."""
+        with self._lock:
+            task = self._tasks.pop(tid, None)
+            if task is None:
+                return
+            self._tid.pop(id(task), None)
+            live = self._on_seq.get(id(task.seq), set())
+            live.discard(tid)
+            deferred = None
+            if not live:
+                self._on_seq.pop(id(task.seq), None)
+                deferred = self._deferred.pop(id(task.seq), None)
+        if deferred is not None:
+            seq, future = deferred
+            try:
+                done = self.local.release(seq)
+            except RuntimeError:  # the local engine stopped (server stop): nothing runs on the pool any more
+                self.pool.release(seq)
+                future.set_result(None)
+                return
+            done.add_done_callback(lambda f: future.set_exception(f.exception()) if f.exception() else future.set_result(None))
+
+    def _exited(self) -> None:
+        self._proc.join(5)
+        code = self._proc.exitcode
+        with self._lock:
+            self._dead = f"the consumer's engine process exited (code {code})"
+            tids = list(self._tasks)
+        if not self._stopping:
+            log.error("engine_process.exited", code=code)
+            self.progress.dead = True  # liveness: stalled for ever
+            if self.on_exit is not None:
+                self.on_exit(self._dead)
+        for tid in tids:
+            with self._lock:
+                task = self._tasks.get(tid)
+            if task is not None:
+                task.sink(Unavailable(self._dead))
+            self._left(tid)

@@ -1,0 +1,110 @@
+"""The frontend/engine split (`--engine-process`, consumer.engine_process): real services whose
+engine runs in a child process over a shared-memory KV pool. Same answers as the in-process
+engine; a cancelled request's blocks are freed only once the engine has let its task go; an engine
+process that dies fails its requests UNAVAILABLE and takes the service out of liveness and
+readiness."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from consumer.batch import Finished, Task
+from consumer.client import prompt
+from consumer.decoding import Sampler, Sampling
+from consumer.engine_process import EngineProcess
+from consumer.kv_pool import KVPool
+from shared.models import load_model
+from shared.pb import common_pb2, consumer_pb2
+from tests.conftest import running_pair
+
+SPLIT = {"engine_process": True, "prefix_cache_bytes": 0}
+
+
+def requests(mode: str, n: int = 5) -> list[dict]:
+    ctx = list(range(5, 260))
+    return [
+        dict(
+            context=prompt(ids=ctx[i * 7 :]),
+            question=prompt(ids=[7, 8, 9 + i]),
+            max_new_tokens=10 + i,
+            transfer=common_pb2.CodecSpec(name=mode),
+        )
+        for i in range(n)
+    ]
+
+
+async def test_the_split_answers_as_the_in_process_engine(pair_llama):
+    """Concurrent requests of every kind of engine work (a transfer rebuilt by the frontend, a
+    quantized one, the engine's own chunked prefill, seeded sampling): token for token the
+    in-process engine's answers; every block back in the pool afterwards."""
+    async with running_pair("tiny-llama", consumer_kw=SPLIT) as split:
+        for mode in ("raw", "quant", "oracle"):
+            batch = requests(mode)
+            batch[0]["sampling"] = consumer_pb2.SamplingParams(temperature=0.8, seed=11)
+            want = await asyncio.gather(*(pair_llama.generate(**r) for r in batch))
+            got = await asyncio.gather(*(split.generate(**r) for r in batch))
+            assert [g[0] for g in got] == [w[0] for w in want], mode
+        engine = split.consumer.executor
+        assert isinstance(engine, EngineProcess) and engine.stats.forwards > 0
+        for _ in range(100):  # releases run once the answers went out
+            if engine.pool.free_blocks == engine.pool.num_blocks:
+                break
+            await asyncio.sleep(0.02)
+        assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def test_a_cancelled_tasks_blocks_are_freed_only_after_the_engine_let_it_go():
+    """release() of a sequence whose task the child may still be running waits for the child's
+    word that the task left its batch; then the blocks are free and zeroed."""
+    loaded = load_model("tiny-llama", "float32", "cpu")
+    pool = KVPool(loaded.info, loaded.device, 512 * loaded.info.kv_bytes(1), 16)
+    engine = EngineProcess(loaded, pool, "tiny-llama", torch_threads=1)
+    try:
+        seq = pool.allocate(300)
+        tokens: list = []  # the sink runs on the reader thread
+        task = Task(seq, list(range(5, 40)), sink=tokens.append, sampler=Sampler(Sampling(), loaded.device), max_new=250)
+        engine.add(task)
+        deadline = time.monotonic() + 30
+        while len(tokens) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(tokens) >= 3 and not any(isinstance(t, Finished) for t in tokens)
+        engine.cancel(task)
+        released = engine.release(seq)  # deferred while the child may still hold the task
+        released.result(timeout=30)
+        assert engine._on_seq.get(id(seq)) is None and seq.released
+        assert pool.free_blocks == pool.num_blocks
+        assert not pool.k[:, seq.blocks].any() and not pool.v[:, seq.blocks].any()
+    finally:
+        engine.shutdown()
+
+
+async def test_a_dead_engine_process_fails_its_requests_unavailable_and_the_service_not_live():
+    fast = dict(SPLIT, liveness_interval_s=0.05, liveness_timeout_s=0.3, health_port=0)
+    async with running_pair("tiny-llama", consumer_kw=fast) as split:
+        engine = split.consumer.executor
+        assert isinstance(engine, EngineProcess)
+        long = dict(requests("raw", 1)[0], max_new_tokens=400)
+        call = asyncio.ensure_future(split.generate(**long))
+        for _ in range(500):
+            if engine.stats.forwards > 3:
+                break
+            await asyncio.sleep(0.01)
+        os.kill(engine.pid, signal.SIGKILL)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "engine process exited" in err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await split.generate(**requests("raw", 1)[0])
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        for _ in range(200):
+            if not split.consumer.server.alive and split.consumer.server.not_ready:
+                break
+            await asyncio.sleep(0.02)
+        assert not split.consumer.server.alive
+        assert "engine process exited" in split.consumer.server.not_ready
