@@ -281,6 +281,8 @@ def throughput(root: Path = ROOT) -> dict:
             **{f"cpu_{name}": med(manys, f"{name}_cpu_ms_per_request") for name in ("consumer", "consumer_loop", "producer", "client")},
             **{f"cpu_{name}_1": med(ones, f"{name}_cpu_ms_per_request") for name in ("consumer", "consumer_loop")},
             "req_per_s": med(manys, "requests_per_s"),
+            "tok_per_s": med(manys, "output_tokens_per_s"),
+            "ttft_ms": med(manys, "ttft_p50_ms"),
             "req_per_s_1": one_rate,
             # the rate at which the batched pipeline (producer + consumer + client) would use every core
             "cpu_bound": cpu_bound,
@@ -308,6 +310,13 @@ def throughput(root: Path = ROOT) -> dict:
                 else f"{c['outside_engine_ms']:.1f} ms, the whole budget before the engine's forwards and rebuilds"
                 f" ({engine_ms:.1f} ms)"
             )
+    for key, c in summary.items():  # an --engine-process cell against the same cell run in one process
+        model, threads, rest = key.split("|", 2)
+        alone = summary.get(f"{model}|{threads[:-1]}|{rest}") if threads.endswith("p") else None
+        if alone is not None:
+            c["vs_one_process_tok"] = c["tok_per_s"] / alone["tok_per_s"]
+            c["vs_one_process_req"] = c["req_per_s"] / alone["req_per_s"]
+            c["vs_one_process_ttft"] = c["ttft_ms"] / alone["ttft_ms"]
     f32 = [r["identical_to_batch1_rate"] for r in rows if r["dtype"] == "float32" and r["identical_to_batch1_rate"] is not None]
     worst = min(f32, default=0.0)
     over = sorted(k.replace("|", " ") for k, c in summary.items() if c["ceiling_max"] > 1.0)

@@ -12,6 +12,10 @@ gives `identical_to_batch1_rate`: the share of requests whose greedy
 tokens are the same under batching. Outputs: `answer` (the task's own stop token, a few tokens:
 TTFT-heavy; random-weight models stop at 8 tokens) and `long` (64 tokens, no stop: decode-heavy).
 
+`--engine-process on` gives both consumers `--engine-process` (the engine in a child process);
+`both` runs four consumers, a max-batch-1 and a batched one in one process and split, all
+interleaved cell by cell, so the split is compared side by side with the single process.
+
 `--repeat N` runs each cell's pair N times, alternating which consumer goes first; every run is a
 row pair with the invocation's `run` id and its `rep`, and the figures quote the median over the
 repetitions of the latest run of a cell, with their range.
@@ -233,7 +237,7 @@ async def describe_pool(address: str) -> int:
 
 
 def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, requests: int | None, out, log_dir: Path,
-              torch_threads: int = 0, repeat: int = 1, engine_process: bool = False) -> list[dict]:
+              torch_threads: int = 0, repeat: int = 1, engine_process: str = "off") -> list[dict]:
     from shared.models import load_model
 
     n_distinct = 16
@@ -252,12 +256,16 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
     rows = []
     try:
         services.wait_healthy(producer, 300)
-        for mb in (1, max_batch):
-            cport = services.free_port()
-            # the prefix cache off: the cells repeat 16 contexts, and this measures the engine and the transfer
-            args = ["--port", str(cport), "--producer", f"127.0.0.1:{pport}", "--max-batch", str(mb), *services.NO_PREFIX_CACHE,
-                    *[a.replace("{m}", model.consumer) for a in common], *(["--engine-process"] if engine_process else [])]
-            consumers[mb] = services.spawn("consumer", args, f"127.0.0.1:{cport}", log_dir / f"max-batch-{mb}")
+        splits = {"off": (False,), "on": (True,), "both": (False, True)}[engine_process]
+        for split in splits:
+            for mb in (1, max_batch):
+                cport = services.free_port()
+                # the prefix cache off: the cells repeat 16 contexts, and this measures the engine and the transfer
+                args = ["--port", str(cport), "--producer", f"127.0.0.1:{pport}", "--max-batch", str(mb),
+                        *services.NO_PREFIX_CACHE, *[a.replace("{m}", model.consumer) for a in common],
+                        *(["--engine-process"] if split else [])]
+                name = f"max-batch-{mb}" + ("-engine-process" if split else "")
+                consumers[(split, mb)] = services.spawn("consumer", args, f"127.0.0.1:{cport}", log_dir / name)
         for service in consumers.values():
             services.wait_healthy(service, 300)
         reference = load_model(model.consumer, model.dtype, "auto")
@@ -277,14 +285,14 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
                         ceiling = forward_ceiling(reference, concurrency, ctx)
                         by_batch = {}
                         order = list(consumers.items())
-                        for mb, service in order[::-1] if rep % 2 else order:  # alternate which runs first
+                        for (split, mb), service in order[::-1] if rep % 2 else order:  # alternate which runs first
                             before = cpu_split(producer.process.pid, service.process.pid)
                             client_before = own_cpu_s()
                             results, wall = asyncio.run(closed_loop(service.address, reqs, concurrency))
                             used = {k: v - before[k] for k, v in cpu_split(producer.process.pid, service.process.pid).items()}
                             used["client"] = own_cpu_s() - client_before
                             total_ms = (used["producer"] + used["consumer"] + used["client"]) * 1e3 / len(results)
-                            by_batch[mb] = results
+                            by_batch[(split, mb)] = results
                             tokens = sum(len(r["ids"]) for r in results)
                             row = {
                                 "bench": "throughput", "model": model.name, "weights": model.weights, "dtype": model.dtype,
@@ -301,7 +309,7 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
                                 "forward_ceiling_tokens_per_s": None,  # set below, once timed after the pair as well
                                 "forward_ceiling_threads": torch_threads_now(),
                                 "max_inflight": int(limit), "ctx_tokens": model.ctx_tokens, "torch_threads": torch_threads,
-                                "engine_process": engine_process,
+                                "engine_process": split,
                                 "code": code, "run": run_id, "rep": rep,
                                 "load_avg_1m": round(os.getloadavg()[0], 2),
                                 # CPU per request: where a closed loop's time goes (2 cores shared by all)
@@ -311,17 +319,20 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
                             }
                             rows.append(row)
                         ceiling = max(ceiling, forward_ceiling(reference, concurrency, ctx))
-                        same = sum(a["ids"] == b["ids"] for a, b in zip(by_batch[1], by_batch[max_batch]))
-                        rate = round(same / len(reqs), 4)
-                        for row in rows[-2:]:
-                            row["identical_to_batch1_rate"] = rate
+                        rates = {}
+                        for split in splits:  # each batched consumer against the max-batch-1 one of its own kind
+                            pairs = list(zip(by_batch[(split, 1)], by_batch[(split, max_batch)]))
+                            rates[split] = round(sum(a["ids"] == b["ids"] for a, b in pairs) / len(reqs), 4)
+                            diffs = [i for i, (a, b) in enumerate(pairs) if a["ids"] != b["ids"]]
+                            if diffs:
+                                print(f"# {mode}/{output}/c{concurrency}{' engine-process' if split else ''}: requests differing"
+                                      f" from max-batch 1: {diffs}", file=sys.stderr)
+                        for row in rows[-len(consumers):]:
+                            row["identical_to_batch1_rate"] = rates[row["engine_process"]]
                             row["forward_ceiling_tokens_per_s"] = round(ceiling, 1)
                             print(json.dumps(row), flush=True)
                             out.write(json.dumps(row) + "\n")
                             out.flush()
-                        if rate < 1.0:
-                            diffs = [i for i, (a, b) in enumerate(zip(by_batch[1], by_batch[max_batch])) if a["ids"] != b["ids"]]
-                            print(f"# {mode}/{output}/c{concurrency}: requests differing from max-batch 1: {diffs}", file=sys.stderr)
     finally:
         for service in consumers.values():
             services.stop(service)
@@ -378,8 +389,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out-dir", default=str(RESULTS), help="where throughput.jsonl and the plot go")
     parser.add_argument("--torch-threads", type=int, default=0, help="every service's --torch-threads (0: torch's default)")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each cell's pair, one after another (rows per run)")
-    parser.add_argument("--engine-process", action="store_true",
-                        help="both consumers with --engine-process (the engine in a child process; rows say engine_process)")
+    parser.add_argument("--engine-process", choices=("off", "on", "both"), default="off",
+                        help="the consumers' --engine-process (the engine in a child process; rows say engine_process);"
+                        " both: a max-batch-1 and a batched consumer of each kind, all interleaved cell by cell")
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.modes, args.concurrency, args.max_batch = "qa", "raw,scd", "1,32", 32
