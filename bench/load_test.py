@@ -223,10 +223,12 @@ async def run_at(limits: str, args, artifacts: str, log_dir: Path) -> list[dict]
     inflight = DEFAULT_LIMITS if limits == "defaults" else {"producer": args.raised, "consumer": args.raised}
     flags = [] if limits == "defaults" else ["--max-inflight", str(args.raised)]
     common = ["--model", "tiny-llama", "--device", "cpu", "--artifacts", artifacts]
+    split = ["--engine-process"] if args.engine_process else []
     labels = {"limits": limits, "producer_max_inflight": inflight["producer"], "consumer_max_inflight": inflight["consumer"],
-              "weights": provenance.weights_of("tiny-llama"), "code": services.code_version()}
+              "engine_process": args.engine_process, "weights": provenance.weights_of("tiny-llama"),
+              "code": services.code_version()}
     lines = []
-    with services.running([*common, *flags, "--max-chunk-bytes", "1024"], [*common, *flags], log_dir / limits) as (
+    with services.running([*common, *flags, "--max-chunk-bytes", "1024"], [*common, *flags, *split], log_dir / limits) as (
             producer, consumer):
         async with grpc.aio.insecure_channel(consumer.address) as cch, grpc.aio.insecure_channel(producer.address) as pch:
             stub = consumer_pb2_grpc.ConsumerServiceStub(cch)
@@ -251,9 +253,9 @@ async def main_async(args) -> list[dict]:
         for limits in run:
             lines += await run_at(limits, args, tmp, Path(tmp) / "logs")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    # this run's rows replace those of the limits it ran; another setting's rows are kept
+    # this run's rows replace those of the settings it ran (limits, engine process); the others' are kept
     kept = [json.loads(x) for x in args.out.read_text().splitlines() if x.strip()] if args.out.exists() else []
-    rows = [r for r in kept if r.get("limits") not in run] + lines
+    rows = [r for r in kept if r.get("limits") not in run or r.get("engine_process", False) != args.engine_process] + lines
     args.out.write_text("".join(json.dumps(line) + "\n" for line in rows))
     return lines
 
@@ -269,6 +271,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--limits", choices=["defaults", "raised", "both"], default="both",
                    help=f"defaults: the shipped --max-inflight ({DEFAULT_LIMITS}); raised: --raised on both")
     p.add_argument("--raised", type=int, default=128, help="--max-inflight of both services in the raised run")
+    p.add_argument("--engine-process", action="store_true",
+                   help="the consumer with --engine-process (its engine in a child process); rows say engine_process")
     p.add_argument("--quick", action="store_true", help="smoke run: 8 streams, 2 rounds, 2 head-of-line repetitions")
     p.add_argument("--out", type=Path, default=services.ROOT / "bench/results/load.jsonl")
     args = p.parse_args(argv)

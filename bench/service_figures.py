@@ -52,12 +52,14 @@ def load(root: Path = ROOT) -> dict:
 
     rows = rows_of(root / "bench/results/load.jsonl")
     runs = [r for r in rows if "rounds" in r]
-    hol = next((r for r in reversed(rows) if "hol_ttft_ratio" in r), None)  # the latest probe
+    # the latest probe of the consumer as shipped (in one process)
+    hol = next((r for r in reversed(rows) if "hol_ttft_ratio" in r and not r.get("engine_process")), None)
     defaults = {"producer": ProducerConfig.max_inflight, "consumer": ConsumerConfig.max_inflight}
     at_defaults = [
         r
         for r in runs
         if (r.get("producer_max_inflight"), r.get("consumer_max_inflight")) == (defaults["producer"], defaults["consumer"])
+        and not r.get("engine_process")
     ]
     texts = [_load_run_text(r, defaults) for r in runs]
     if not at_defaults:
@@ -110,6 +112,8 @@ def _refused(r: dict) -> str:
 
 def _load_run_text(r: dict, defaults: dict) -> str:
     which = "**shipped defaults**" if r.get("limits") == "defaults" else "**limits raised** above the defaults"
+    if r.get("engine_process"):
+        which += ", the consumer with **`--engine-process`**"
     admitted = r.get("admitted_p50_ms", r.get("p50_ms")), r.get("admitted_p95_ms", r.get("p95_ms"))
     return (
         f"At the {which} ({_limits(r)}): {r['rounds']} rounds of {r['streams']} streams, {r['requests']} requests, "
@@ -282,6 +286,7 @@ def throughput(root: Path = ROOT) -> dict:
             **{f"cpu_{name}_1": med(ones, f"{name}_cpu_ms_per_request") for name in ("consumer", "consumer_loop")},
             "req_per_s": med(manys, "requests_per_s"),
             "tok_per_s": med(manys, "output_tokens_per_s"),
+            "tok_per_s_1": med(ones, "output_tokens_per_s"),
             "ttft_ms": med(manys, "ttft_p50_ms"),
             "req_per_s_1": one_rate,
             # the rate at which the batched pipeline (producer + consumer + client) would use every core
@@ -317,6 +322,7 @@ def throughput(root: Path = ROOT) -> dict:
             c["vs_one_process_tok"] = c["tok_per_s"] / alone["tok_per_s"]
             c["vs_one_process_req"] = c["req_per_s"] / alone["req_per_s"]
             c["vs_one_process_ttft"] = c["ttft_ms"] / alone["ttft_ms"]
+            c["vs_one_process_batch1_tok"] = c["tok_per_s"] / alone["tok_per_s_1"]  # against the behaviour before batching
     f32 = [r["identical_to_batch1_rate"] for r in rows if r["dtype"] == "float32" and r["identical_to_batch1_rate"] is not None]
     worst = min(f32, default=0.0)
     over = sorted(k.replace("|", " ") for k, c in summary.items() if c["ceiling_max"] > 1.0)

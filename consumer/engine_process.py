@@ -29,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -80,6 +81,24 @@ class SharedProgress(liveness.Progress):
             return float("inf")
         active, last = self.state[0].item(), self.state[1].item()
         return time.monotonic() - last if active else 0.0
+
+
+def check_shm(pool: KVPool, path: str = "/dev/shm") -> None:
+    """A CPU pool about to move to shared memory must fit there (a container's /dev/shm is 64 MB
+    by default): ValueError naming both sizes, instead of a bus error at the first write."""
+    if pool.device.type != "cpu":
+        return
+    need = pool.k.nbytes + pool.v.nbytes
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return  # no such mount: torch's own strategy decides
+    free = stat.f_bavail * stat.f_frsize
+    if need > free:
+        raise ValueError(
+            f"engine_process: the KV pool ({need} bytes of K and V) does not fit {path} ({free} bytes free);"
+            " raise the container's shm_size or lower kv_pool_bytes"
+        )
 
 
 def _portable(item: Any) -> Any:
@@ -212,6 +231,7 @@ class EngineProcess(concurrent.futures.Executor):
             "prefill_chunk": prefill_chunk,
             "max_batch_tokens": max_batch_tokens,
         }
+        check_shm(pool)
         k, v = pool.share()
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()

@@ -13,6 +13,7 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from consumer.batch import Finished, Task
 from consumer.client import prompt
@@ -108,3 +109,19 @@ async def test_a_dead_engine_process_fails_its_requests_unavailable_and_the_serv
             await asyncio.sleep(0.02)
         assert not split.consumer.server.alive
         assert "engine process exited" in split.consumer.server.not_ready
+
+
+def test_a_pool_larger_than_shared_memory_is_refused_by_name(tmp_path):
+    """--engine-process moves a CPU pool to /dev/shm: one that cannot fit there is a start-up error
+    naming both sizes and the fix, not a bus error at the first write."""
+    from consumer.engine_process import check_shm
+
+    loaded = load_model("tiny-llama", "float32", "cpu")
+    pool = KVPool(loaded.info, loaded.device, 64 * loaded.info.kv_bytes(1), 16)
+    check_shm(pool)  # this host's /dev/shm holds a small pool
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    big = KVPool(loaded.info, torch.device("meta"), 0, 16)
+    big.device = torch.device("cpu")
+    big.k = big.v = torch.empty(free // 2 + 1, dtype=torch.uint8, device="meta")  # sizes only: nothing allocated
+    with pytest.raises(ValueError, match="does not fit .* raise the container's shm_size or lower kv_pool_bytes"):
+        check_shm(big, str(tmp_path))

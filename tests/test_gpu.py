@@ -28,9 +28,9 @@ def assert_agrees(got: list[int], ref: list[int], margins: list[float]) -> None:
     assert ok, f"{got} != {ref} within the first {compared} positions (margins {margins})"
 
 
-async def serve_and_compare(mode: str, device: str, tmp_path) -> None:
+async def serve_and_compare(mode: str, device: str, tmp_path, consumer_extra: dict | None = None) -> None:
     """One request of `mode` through both services on `device` (float32) against the CPU float32
-    reference of that mode, under the rule."""
+    reference of that mode, under the rule. `consumer_extra`: more consumer settings."""
     cpu = load_model("tiny-llama", "float32", "cpu")
     tok = cpu.tokenizer
     ctx_ids = tok(CONTEXT)["input_ids"]
@@ -40,8 +40,7 @@ async def serve_and_compare(mode: str, device: str, tmp_path) -> None:
         from calibration.distill import distill
         from tests.test_scd import heldout, random_corpus, states_of
 
-        art = distill(cpu, cpu, random_corpus(8, 96, 0), heldout(2, 1), corpus_name="random", generations=1,
-                      log=lambda m: None)
+        art = distill(cpu, cpu, random_corpus(8, 96, 0), heldout(2, 1), corpus_name="random", generations=1, log=lambda m: None)
         art.save(tmp_path / "a.safetensors")
         schedule = ".".join(["F64"] * cpu.info.num_layers)
         options, kw = {"schedule": schedule}, {"artifacts": str(tmp_path)}
@@ -50,9 +49,14 @@ async def serve_and_compare(mode: str, device: str, tmp_path) -> None:
         cache = context_cache(cpu, ctx_ids, 8 if mode == "quant" else None)
         options = {"bits": "8", "group_size": "32"} if mode == "quant" else {}
     ref, margins = greedy_with_margins(cpu, cache, q_ids, NEW)
-    async with running_pair("tiny-llama", dtype="float32", device=device, producer_kw=kw, consumer_kw=kw) as pair:
-        ids, _, stats = await pair.generate(context=prompt(CONTEXT), question=prompt(QUESTION), max_new_tokens=NEW,
-                                            transfer=common_pb2.CodecSpec(name=mode, options=options))
+    consumer_kw = {**kw, **(consumer_extra or {})}
+    async with running_pair("tiny-llama", dtype="float32", device=device, producer_kw=kw, consumer_kw=consumer_kw) as pair:
+        ids, _, stats = await pair.generate(
+            context=prompt(CONTEXT),
+            question=prompt(QUESTION),
+            max_new_tokens=NEW,
+            transfer=common_pb2.CodecSpec(name=mode, options=options),
+        )
     assert stats.generated_tokens == len(ids)
     assert_agrees(ids, ref, margins)
 
@@ -60,6 +64,13 @@ async def serve_and_compare(mode: str, device: str, tmp_path) -> None:
 @pytest.mark.parametrize("mode", ["raw", "oracle", "quant", "scd"])
 async def test_modes_on_cuda_match_a_cpu_float32_reference(mode, tmp_path):
     await serve_and_compare(mode, "cuda", tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["raw", "oracle", "scd"])
+async def test_the_engine_process_on_cuda_matches_a_cpu_float32_reference(mode, tmp_path):
+    """--engine-process on CUDA: the KV pool reaches the engine process by CUDA IPC, the frontend's
+    rebuilds are synchronized before the engine reads them."""
+    await serve_and_compare(mode, "cuda", tmp_path, {"engine_process": True})
 
 
 async def train_serve_and_compare(device: str, tmp_path) -> None:
@@ -80,10 +91,15 @@ async def train_serve_and_compare(device: str, tmp_path) -> None:
     ctx_ids, q_ids = tok(CONTEXT)["input_ids"], tok(QUESTION, add_special_tokens=False)["input_ids"]
     ref, margins = greedy_with_margins(consumer, scd_cache(producer, consumer, art, "R8.P.R8.R8", ctx_ids, states_of), q_ids, 8)
     kw = {"artifacts": str(directory)}
-    async with running_pair("tiny-llama", consumer_model=str(consumer_path), device=device, producer_kw=kw,
-                            consumer_kw=kw) as pair:
-        ids, _, _ = await pair.generate(context=prompt(CONTEXT), question=prompt(QUESTION), max_new_tokens=8,
-                                        transfer=common_pb2.CodecSpec(name="scd", options={"schedule": "R8.P.R8.R8"}))
+    async with running_pair(
+        "tiny-llama", consumer_model=str(consumer_path), device=device, producer_kw=kw, consumer_kw=kw
+    ) as pair:
+        ids, _, _ = await pair.generate(
+            context=prompt(CONTEXT),
+            question=prompt(QUESTION),
+            max_new_tokens=8,
+            transfer=common_pb2.CodecSpec(name="scd", options={"schedule": "R8.P.R8.R8"}),
+        )
     assert_agrees(ids, ref, margins)
 
 
@@ -111,8 +127,10 @@ async def test_batched_prefill_with_the_copy_stream_matches_batch_one_on_cuda():
         engine = PrefillEngine(loaded, compute, pool)
         solo = [await collect(engine.stream(ids, raw.encoder({}, codec_lib.EncodeRequest(0)), keep_payloads)) for ids in rows]
         with held(compute):
-            tasks = [asyncio.ensure_future(collect(engine.stream(ids, raw.encoder({}, codec_lib.EncodeRequest(0)), keep_payloads)))
-                     for ids in rows]
+            tasks = [
+                asyncio.ensure_future(collect(engine.stream(ids, raw.encoder({}, codec_lib.EncodeRequest(0)), keep_payloads)))
+                for ids in rows
+            ]
             await asyncio.sleep(0.05)
         batched = await asyncio.gather(*tasks)
     pool.shutdown()

@@ -69,3 +69,26 @@ def test_throughput_cells_take_the_latest_run_and_the_median_of_its_repetitions(
     assert raw["runs"] == 3 and raw["tok"] == 4.0 and raw["tok_range"] == "3.0-5.0" and raw["ceiling"] == 0.4
     assert scd["runs"] == 1 and scd["tok"] == 4.0  # the last legacy pair
     assert "4.0x (3.0x-5.0x)" in out["table"]
+
+
+def test_engine_process_cells_stand_apart_and_compare_with_one_process(tmp_path):
+    """Rows of consumers run with --engine-process form their own cells ("1p"), labelled in the
+    table, and each is compared with the same cell run in one process."""
+    import json
+
+    from bench import service_figures
+
+    def row(mb, tok, split, ttft):
+        return {"model": "m", "weights": "trained", "dtype": "float32", "torch_threads": 1, "mode": "raw", "output": "long",
+                "concurrency": 32, "max_batch": mb, "output_tokens_per_s": tok, "requests_per_s": tok / 64,
+                "ttft_p50_ms": ttft, "ttft_p95_ms": 20.0, "forward_ceiling_tokens_per_s": 1000.0,
+                "identical_to_batch1_rate": 1.0, "load_avg_1m": 1.0, "engine_process": split, "run": "a", "rep": 0}
+
+    rows = [row(1, 100, False, 10.0), row(64, 400, False, 10.0), row(1, 150, True, 10.0), row(64, 600, True, 5.0)]
+    (tmp_path / "bench/results").mkdir(parents=True)
+    (tmp_path / "bench/results/throughput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = service_figures.throughput(tmp_path)
+    one, split = out["cells"]["m|1|raw|long|32"], out["cells"]["m|1p|raw|long|32"]
+    assert one["tok"] == 4.0 and split["tok"] == 4.0 and "vs_one_process_tok" not in one
+    assert split["vs_one_process_tok"] == 1.5 and split["vs_one_process_ttft"] == 0.5
+    assert "(trained, float32, 1, engine process)" in out["table"]
