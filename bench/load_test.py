@@ -67,10 +67,16 @@ def refusal(err: grpc.aio.AioRpcError) -> str | None:
 
 
 def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
+    """Resident KiB of a process and its children (the consumer's engine process under --engine-process)."""
+    total = 0
+    for p in (pid, *services.children(pid)):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:  # exited meanwhile
+            pass
+    return total
 
 
 def build_artifact(directory: Path) -> None:

@@ -71,6 +71,17 @@ def spawn(name: str, args: Sequence[str], address: str, log_dir: Path, prefix: S
     return Service(name, address, process, log_path)
 
 
+def children(pid: int) -> list[int]:
+    """The running child processes of pid (the consumer's engine process under --engine-process)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
 def stop(service: Service, timeout_s: float = 30.0) -> int:
     """SIGTERM, wait for the drain, return the exit code (SIGKILL after timeout_s)."""
     if service.process.poll() is None:

@@ -187,23 +187,12 @@ def cpu_s(pid: int, tid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def children(pid: int) -> list[int]:
-    """The running child processes of pid (the consumer's engine process under --engine-process)."""
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
 def cpu_split(producer_pid: int, consumer_pid: int) -> dict[str, float]:
     """CPU seconds so far: the producer, the consumer with its child processes (the engine
     process under --engine-process), and the consumer's main thread (its asyncio event loop: gRPC,
     stream parsing, the servicer; the rest is the engine, torch's workers, gRPC's poller)."""
     consumer = cpu_s(consumer_pid)
-    for child in children(consumer_pid):
+    for child in services.children(consumer_pid):
         try:
             consumer += cpu_s(child)
         except OSError:  # exited meanwhile
