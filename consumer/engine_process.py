@@ -30,6 +30,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -111,6 +112,10 @@ def _portable(item: Any) -> Any:
 
 def _child(spec: dict[str, Any], k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, conn: Any) -> None:
     """The engine process: load the model, attach the pool, run tasks the frontend sends."""
+    # the frontend decides when it stops (its drain first): a Ctrl-C or a SIGTERM sent to the
+    # whole process group must not kill the engine under requests still being answered
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         if spec["torch_threads"]:
             torch.set_num_threads(spec["torch_threads"])
@@ -281,7 +286,8 @@ class EngineProcess(concurrent.futures.Executor):
             torch.cuda.synchronize(self.loaded.device)  # rebuilt blocks written before the child reads them
         sampling = task.sampler.sampling if task.sampler is not None else None
         msg = ("add", tid, seq.blocks, seq.capacity, seq.length, seq.shared_blocks, list(task.pending), sampling)
-        self._send((*msg, task.max_new, sorted(task.stop_ids)))
+        with contextlib.suppress(OSError, ValueError):  # the child is gone: the reader fails the task (UNAVAILABLE)
+            self._send((*msg, task.max_new, sorted(task.stop_ids)))
         return task
 
     def cancel(self, task: Task) -> None:
@@ -289,7 +295,8 @@ class EngineProcess(concurrent.futures.Executor):
         with self._lock:
             tid = self._tid.get(id(task))
         if tid is not None:
-            self._send(("cancel", tid))
+            with contextlib.suppress(OSError, ValueError):  # the child is gone: nothing runs the task any more
+                self._send(("cancel", tid))
 
     def release(self, seq: SequenceKV) -> concurrent.futures.Future:
         """Free seq's blocks once the child holds none of its tasks (at once when it holds none)."""
@@ -318,11 +325,20 @@ class EngineProcess(concurrent.futures.Executor):
             self._conn.send(msg)
 
     def _read(self) -> None:
+        try:
+            self._relay()
+        except Exception as exc:  # a message this side cannot use: the child is stopped, its requests fail
+            log.error("engine_process.bad_message", error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            self._proc.kill()
+        self._exited()
+
+    def _relay(self) -> None:
+        """The child's messages to the tasks' sinks, until the pipe closes."""
         while True:
             try:
                 _, items, left, stats = self._conn.recv()
             except (EOFError, OSError):
-                break
+                return
             self.stats.forwards, self.stats.rows, self.stats.last_batch, self.stats.failed_rows = stats
             for tid, item, length in items:
                 with self._lock:
@@ -337,7 +353,6 @@ class EngineProcess(concurrent.futures.Executor):
                     self._left(tid)
             for tid in left:
                 self._left(tid)
-        self._exited()
 
     def _left(self, tid: int) -> None:
         """The child no longer holds task tid: a release waiting for it may run."""
