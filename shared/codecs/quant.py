@@ -12,7 +12,7 @@ from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 
-from shared import quantize
+from shared import finite, quantize
 from shared.codecs.base import (
     CacheDecoder,
     Capture,
@@ -64,7 +64,7 @@ def decode_quant(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 (keys, values) [n_kv, T, hd] on device; DataLoss when a scale or min is not finite."""
     for name in ("k_scale", "k_min", "v_scale", "v_min"):
-        if not bool(torch.isfinite(payloads[name]).all()):
+        if not finite.all_finite([payloads[name]]):
             raise DataLoss(f"layer {layer}: payload '{name}' holds non-finite values")
     on_device = {name: payloads[name].to(device) for name in quantize.PAYLOADS}
     return quantize.decode_kv(on_device, bits, group_size, kv_shape)

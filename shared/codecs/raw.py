@@ -13,7 +13,7 @@ from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 
-from shared import kv
+from shared import finite, kv
 from shared.codecs.base import (
     CacheDecoder,
     Capture,
@@ -95,10 +95,10 @@ class KVDecoder(CacheDecoder):
             else:
                 ready.append((i, d, layer, keys, values))
         tensors = [t for _, _, _, keys, values in ready for t in (keys, values)]
-        if tensors and not bool(torch.isfinite(torch.cat([t.reshape(-1) for t in tensors])).all()):
+        if not finite.all_finite(tensors):  # then find which: each request alone
             kept = []
             for i, d, layer, keys, values in ready:
-                bad = [name for name, t in (("keys", keys), ("values", values)) if not bool(torch.isfinite(t).all())]
+                bad = [name for name, t in (("keys", keys), ("values", values)) if not finite.all_finite([t])]
                 if bad:
                     errors[i] = DataLoss(f"layer {layer}: rebuilt {bad[0]} hold non-finite values (corrupt payload)")
                 else:
