@@ -10,7 +10,9 @@ not the forward.
 
 One JSON line per (batch, round) to bench/results/engine_step.jsonl (`--out-dir` to change):
 model, weights, dtype, batch, ctx_tokens, engine_step_ms, bare_step_ms, gather_ms (the per-step
-block gather alone, every layer, K and V), torch_threads, load_avg_1m, code.
+block gather alone, every layer, K and V), logits_check_ms and logits_isfinite_ms (the engine's
+check of a step's [batch, vocab] logits for non-finite rows, shared.finite, against
+`torch.isfinite(...).all(dim=1)`), vocab, torch_threads, load_avg_1m, code.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def measure(loaded, batch: int, ctx: int, steps: int) -> dict:
 
     from consumer.kv_pool import KVPool
     from consumer.runner import Row, Runner
+    from shared.finite import rows_finite
 
     vocab = loaded.info.vocab_size
     pool = KVPool(loaded.info, loaded.device, batch * (ctx + steps + 40) * loaded.info.kv_bytes(1), 16)
@@ -70,7 +73,12 @@ def measure(loaded, batch: int, ctx: int, steps: int) -> dict:
                     buf[layer].index_select(0, flat)
 
         gather_ms = _median_ms(gather, steps)
-    return {"engine_step_ms": round(engine_ms, 3), "bare_step_ms": round(bare_ms, 3), "gather_ms": round(gather_ms, 3)}
+        # the engine's check of each step's logits for non-finite rows, against torch's isfinite
+        logits = torch.randn(batch, vocab)
+        finite_ms = _median_ms(lambda: rows_finite(logits).tolist(), steps)
+        isfinite_ms = _median_ms(lambda: torch.isfinite(logits).all(dim=1).tolist(), steps)
+    return {"engine_step_ms": round(engine_ms, 3), "bare_step_ms": round(bare_ms, 3), "gather_ms": round(gather_ms, 3),
+            "vocab": vocab, "logits_check_ms": round(finite_ms, 3), "logits_isfinite_ms": round(isfinite_ms, 3)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -345,8 +345,9 @@ def engine_step(root: Path = ROOT) -> dict:
     decode step, the bare model's, and the block gather's share of the engine's."""
     rows = rows_of(root / "bench/results/engine_step.jsonl")
     table = [
-        "| model (weights, dtype) | torch threads | batch | engine step ms | bare step ms | engine / bare | gather share of the engine step | rounds | load |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model (weights, dtype) | torch threads | batch | engine step ms | bare step ms | engine / bare | gather share of the engine step"
+        " | logits check ms: isfinite / product with zeros | rounds | load |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     cells: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -356,11 +357,20 @@ def engine_step(root: Path = ROOT) -> dict:
         engine = statistics.median(r["engine_step_ms"] for r in rs)
         bare = statistics.median(r["bare_step_ms"] for r in rs)
         gather = statistics.median(r["gather_ms"] for r in rs)
+        checked = [r for r in rs if "logits_check_ms" in r]
+        check = {
+            "isfinite": statistics.median(r["logits_isfinite_ms"] for r in checked) if checked else None,
+            "finite": statistics.median(r["logits_check_ms"] for r in checked) if checked else None,
+        }
+        check_text = f"{check['isfinite']:.2f} / {check['finite']:.2f}" if checked else "-"
         table.append(
             f"| {model} ({weights}, {dtype}) | {threads} | {batch} | {engine:.2f} | {bare:.2f} | {engine / bare:.2f}x"
-            f" | {gather / engine:.0%} | {len(rs)} | {span([r['load_avg_1m'] for r in rs], '{:.1f}')} |"
+            f" | {gather / engine:.0%} | {check_text} | {len(rs)} | {span([r['load_avg_1m'] for r in rs], '{:.1f}')} |"
         )
-        out[f"{threads}|{batch}"] = {"ratio": engine / bare, "gather": gather / engine, "engine": engine, "bare": bare}
+        cell = {"ratio": engine / bare, "gather": gather / engine, "engine": engine, "bare": bare, **check}
+        out[f"{model}|{threads}|{batch}"] = cell
+        if model == "qa-tuned":
+            out[f"{threads}|{batch}"] = cell  # the QA model's cells, as the text names them
     return {"table": "\n".join(table), "rows": len(rows), "cells": out}
 
 
