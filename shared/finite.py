@@ -2,10 +2,10 @@
 
 `x * 0` is 0 for every finite x and NaN for an infinity or a NaN, and a sum of zeros is 0. So a dot
 product (or a matrix-vector product, per row) with a zero vector is NaN exactly when an element
-is not finite. Nothing can overflow: every term is 0. On this CPU that is one BLAS pass, 15-20x
-faster than `torch.isfinite(x).all()`. isfinite builds a bool tensor the size of x, element by
-element: 27 ms for the [32, 151936] logits of one decode step of a Qwen2.5-0.5B-shaped model on
-one thread, against 1.3 ms here.
+is not finite. Nothing can overflow: every term is 0. On this CPU that is one BLAS pass, about 15x
+faster than `torch.isfinite(x).all()`, which builds a bool tensor the size of x element by element.
+bench.engine_step times both on a decode step's logits; its rows are in docs/results.md. The
+cost grows with the vocabulary.
 
 Half-precision tensors are widened to float32 first: BLAS has no fast half kernel on CPU. Used by
 the engine on each step's logits and by the codecs on every rebuilt layer. Knows nothing else.
