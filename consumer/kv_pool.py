@@ -225,24 +225,22 @@ class SequenceKV:
         writes to one pool layer in one copy. Per item, the ValueError its own bounds raised, or
         None; an item that fails writes nothing."""
         errors: list[BaseException | None] = [None] * len(items)
-        groups: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-        pools: dict[int, KVPool] = {}
+        groups: dict[tuple[KVPool, int], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         for i, (seq, layer, keys, values) in enumerate(items):
             try:
                 span = seq._span(layer, keys.shape[2])
             except ValueError as exc:
                 errors[i] = exc
                 continue
-            pools[id(seq.pool)] = seq.pool
-            groups.setdefault((id(seq.pool), layer), []).append(
+            groups.setdefault((seq.pool, layer), []).append(
                 (seq.flat_slots[span], keys[0].transpose(0, 1), values[0].transpose(0, 1))
             )
-        for (pool_id, layer), writes in groups.items():
+        for (pool, layer), writes in groups.items():
             if len(writes) == 1:
                 slots, keys, values = writes[0]
             else:
                 slots, keys, values = (torch.cat(parts) for parts in zip(*writes))
-            pools[pool_id].write(layer, slots, keys, values)
+            pool.write(layer, slots, keys, values)
         return errors
 
     def to_dynamic(self, tokens: int | None = None) -> DynamicCache:

@@ -30,10 +30,19 @@ def rows_finite(x: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(torch.mv(x, x.new_zeros(x.shape[1])))
 
 
+def finite_each(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """Per tensor, whether every element is finite (non-floating tensors always are); one host
+    sync for all of them."""
+    floating = [i for i, t in enumerate(tensors) if t.is_floating_point()]
+    flags = [True] * len(tensors)
+    if floating:
+        flats = [_wide(tensors[i]).reshape(-1) for i in floating]
+        sums = torch.stack([torch.dot(flat, flat.new_zeros(flat.numel())) for flat in flats])
+        for i, ok in zip(floating, torch.isfinite(sums).tolist()):
+            flags[i] = ok
+    return flags
+
+
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether every element of every tensor is finite (non-floating tensors always are); one
-    host sync for all of them."""
-    sums = [
-        torch.dot(flat, flat.new_zeros(flat.numel())) for flat in (_wide(t).reshape(-1) for t in tensors if t.is_floating_point())
-    ]
-    return bool(torch.isfinite(torch.stack(sums)).all()) if sums else True
+    """Whether every element of every tensor is finite (non-floating tensors always are)."""
+    return all(finite_each(tensors))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.finite import all_finite, rows_finite
+from shared.finite import all_finite, finite_each, rows_finite
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
@@ -46,3 +46,10 @@ def test_rows_finite_agrees_with_isfinite_row_by_row(dtype):
         for r in range(0, rows, 2):  # every other row gets one bad value somewhere
             x[r, int(torch.randint(0, cols, (1,), generator=g))] = (float("inf"), float("nan"), float("-inf"))[r % 3]
         assert rows_finite(x).tolist() == torch.isfinite(x).all(dim=1).tolist()
+
+
+def test_finite_each_names_every_bad_tensor_in_order():
+    good, bad = torch.randn(37), torch.randn(5, 9).to(torch.bfloat16)
+    bad[4, 8] = float("inf")
+    assert finite_each([good, bad, torch.arange(3), good.double(), bad.t()]) == [True, False, True, True, False]
+    assert finite_each([]) == []

@@ -63,8 +63,9 @@ def decode_quant(
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 (keys, values) [n_kv, T, hd] on device; DataLoss when a scale or min is not finite."""
-    for name in ("k_scale", "k_min", "v_scale", "v_min"):
-        if not finite.all_finite([payloads[name]]):
+    names = ("k_scale", "k_min", "v_scale", "v_min")
+    for name, ok in zip(names, finite.finite_each([payloads[name] for name in names])):
+        if not ok:
             raise DataLoss(f"layer {layer}: payload '{name}' holds non-finite values")
     on_device = {name: payloads[name].to(device) for name in quantize.PAYLOADS}
     return quantize.decode_kv(on_device, bits, group_size, kv_shape)

@@ -81,9 +81,9 @@ class KVDecoder(CacheDecoder):
     @staticmethod
     def store_many(items: Sequence[tuple[KVDecoder, int, torch.Tensor, torch.Tensor]]) -> list[BaseException | None]:
         """store() of several requests' layers (decoder, layer, keys, values): one finiteness
-        check over all of them (item by item only when something is not finite) and the writes
-        batched where the caches allow (shared.kv.put_layers). Per item, its own error or None:
-        one request's bad values never keep another's from its cache."""
+        check over all of them (shared.finite, one host sync) and the writes batched where the
+        caches allow (shared.kv.put_layers). Per item, its own error or None: one request's bad
+        values never keep another's from its cache."""
         errors: list[BaseException | None] = [None] * len(items)
         ready: list[tuple[int, KVDecoder, int, torch.Tensor, torch.Tensor]] = []
         for i, (d, layer, keys, values) in enumerate(items):
@@ -94,16 +94,15 @@ class KVDecoder(CacheDecoder):
                     break
             else:
                 ready.append((i, d, layer, keys, values))
-        tensors = [t for _, _, _, keys, values in ready for t in (keys, values)]
-        if not finite.all_finite(tensors):  # then find which: each request alone
-            kept = []
-            for i, d, layer, keys, values in ready:
-                bad = [name for name, t in (("keys", keys), ("values", values)) if not finite.all_finite([t])]
-                if bad:
-                    errors[i] = DataLoss(f"layer {layer}: rebuilt {bad[0]} hold non-finite values (corrupt payload)")
-                else:
-                    kept.append((i, d, layer, keys, values))
-            ready = kept
+        ok = finite.finite_each([t for _, _, _, keys, values in ready for t in (keys, values)])
+        kept = []
+        for n, (i, d, layer, keys, values) in enumerate(ready):
+            if ok[2 * n] and ok[2 * n + 1]:
+                kept.append((i, d, layer, keys, values))
+            else:
+                name = "keys" if not ok[2 * n] else "values"
+                errors[i] = DataLoss(f"layer {layer}: rebuilt {name} hold non-finite values (corrupt payload)")
+        ready = kept
         for _, d, _, _, _ in ready:
             if d.cache is None:
                 d.cache = kv.empty_cache(d.loaded)
