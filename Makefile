@@ -11,7 +11,7 @@ PROTOS  := $(wildcard protos/scd/v1/*.proto)
 PB_GEN  := $(PB_OUT)/scd/v1/.generated
 COMPOSE := .venv-compose/bin/docker-compose
 
-.PHONY: all install proto lint test demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft compose-config compose-smoke clean
+.PHONY: all install proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft compose-config compose-smoke clean
 
 all: test
 
@@ -66,6 +66,13 @@ compose-smoke: $(PB_GEN) $(COMPOSE)
 
 test: lint $(PB_GEN) $(COMPOSE)
 	$(PYTHON) -m pytest -q
+
+# The `numeric` tests (results that depend on the CPU's kernels) again with AVX2 kernels on an
+# AVX-512 machine, as a CPU without AVX-512 runs them (CI runs it after `make test`). torch 2.13
+# honours ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA; its MKL ignores MKL_ENABLE_INSTRUCTIONS (set anyway).
+LOWERED_ISA := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
+test-lowered-isa: $(PB_GEN)
+	$(LOWERED_ISA) $(PYTHON) -m pytest -q -m numeric
 
 demo: $(PB_GEN)
 	$(PYTHON) -m bench.demo

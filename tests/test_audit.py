@@ -24,6 +24,7 @@ def test_positions_always_include_the_last_ones_and_are_distinct():
     assert audit.positions(3, 8) == (1, 2)
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("name, dtype", [("tiny-llama", "float32"), ("tiny-qwen2", "bfloat16")])
 def test_an_exact_cache_is_a_fixed_point_and_a_foreign_one_is_not(name, dtype):
     model = load_model(name, dtype, "cpu")
@@ -79,6 +80,7 @@ async def test_an_exact_transfer_passes_the_audit(pair_llama):
     assert stats.audit_decision == "ok" and max(stats.audit_layer_errors) < 1e-4 and stats.audit_ms > 0
 
 
+@pytest.mark.numeric
 async def test_scd_uses_the_threshold_calibrated_in_its_artifact(tmp_path):
     model = load_model("tiny-llama", "float32", "cpu")
     art = distill(model, model, random_corpus(12, 96, 0), heldout(3, 1), corpus_name="random", generations=1, log=lambda m: None)

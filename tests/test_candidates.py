@@ -28,6 +28,24 @@ SHIPPED = sorted((ROOT / "artifacts").glob("*.safetensors"))
 QA_CORPUS = ["--corpus", "qa.corpus:calibration_corpus", "--corpus-arg", "task=tuned", "--corpus-arg", "ctx=256"]
 
 
+# A candidate's loss is a KL averaged over the held-out answers, recomputed here through bf16
+# kernels: another CPU's (AVX2 vs AVX-512 ATen reductions, oneDNN's bf16 GEMM path) moves it by
+# ~1.5e-4 relative (9.515636 committed vs 9.514215 on AVX2). rel 1e-3 keeps a ranking-relevant
+# change visible; abs 1e-6 nats covers the near-zero losses (int8 quant of the same model,
+# 2.93e-6 vs 2.92e-6), where a relative bound measures only rounding noise.
+LOSS_REL, LOSS_ABS = 1e-3, 1e-6
+
+
+def same_candidates(got: list[dict], want: list[dict]) -> bool:
+    """Same modes, options, bytes and how, in order; losses within LOSS_REL / LOSS_ABS."""
+    def key(c):
+        return {k: v for k, v in c.items() if k != "loss"}
+
+    return [key(c) for c in got] == [key(c) for c in want] and all(
+        g["loss"] == pytest.approx(w["loss"], rel=LOSS_REL, abs=LOSS_ABS) for g, w in zip(got, want)
+    )
+
+
 def copy_artifact(name: str, into: Path) -> Path:
     for suffix in (".safetensors", ".json"):
         shutil.copy(ROOT / "artifacts" / f"{name}{suffix}", into / f"{name}{suffix}")
@@ -91,22 +109,25 @@ def base_to_tuned():
     return art, producer, consumer, LossEvaluator(art, producer, consumer, held)
 
 
+@pytest.mark.numeric
 def test_the_codecs_measure_what_the_schedule_actions_measure(base_to_tuned):
     """raw and quant through their codecs give exactly the loss of the same action on every layer
     in a schedule (ops' quant action is the codec's encoding byte for byte), and a re-run
-    reproduces the committed candidates."""
+    reproduces the committed candidates (up to LOSS_REL / LOSS_ABS: other CPUs' kernels)."""
     art, producer, consumer, ev = base_to_tuned
     measured = candidates.measure(art, producer, consumer, ev.heldout, ev)
     n = art.num_layers
     by_mode = {(c["mode"], c["options"].get("bits")): c["loss"] for c in measured}
+    # exact: the same caches (byte for byte, checked below) through the same evaluator in this
+    # process, i.e. the same computation replayed on the same kernels
     assert by_mode["raw", None] == ev.loss([Action("raw")] * n)
     for bits in (8, 4):
         assert by_mode["quant", str(bits)] == ev.loss([Action("quant", bits)] * n)
-    assert measured == art.meta["candidates"]
+    assert same_candidates(measured, art.meta["candidates"]), (measured, art.meta["candidates"])
     profiled = {(r["start"], r["end"]): r["kl"] for r in art.meta["recompute_profile"]}
     for c in measured:
-        if c["mode"] == "recompute":  # the profile's loss of that span, up to float noise
-            assert c["loss"] == pytest.approx(profiled[int(c["options"]["start"]), int(c["options"]["end"])], abs=1e-5)
+        if c["mode"] == "recompute":  # the profile's (committed) loss of that span, up to another CPU's kernels
+            assert c["loss"] == pytest.approx(profiled[int(c["options"]["start"]), int(c["options"]["end"])], rel=LOSS_REL, abs=LOSS_ABS)
     states, _ = kv.capture_states(producer, ev.heldout[0].context_ids, kv.Capture.KV)
     codec = create_codecs(producer, ["quant"])["quant"]
     for bits in ("8", "4"):
@@ -134,6 +155,7 @@ def test_distill_records_the_candidates_of_a_new_artifact(tmp_path):
     assert modes == ["oracle", "scd", "quant", "quant", "raw", "recompute"]  # tiny-llama's hidden is wider than its K/V
 
 
+@pytest.mark.numeric
 def test_the_command_adds_candidates_in_place(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)  # the artifact names its checkpoints relative to the repository
     path = copy_artifact("qa-tuned-to-tuned", tmp_path)
@@ -142,10 +164,10 @@ def test_the_command_adds_candidates_in_place(tmp_path, monkeypatch, capsys):
     art.rewrite()
     candidates.main([str(path), *QA_CORPUS, "--dtype", "bfloat16"])
     back = Artifact.load(path)
-    assert back.artifact_id == art.artifact_id and back.meta["candidates"] == committed
+    assert back.artifact_id == art.artifact_id and same_candidates(back.meta["candidates"], committed)
     assert json.loads(path.with_suffix(".json").read_text()) == back.meta
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [{k: v for k, v in row.items() if k != "artifact"} for row in printed] == committed
+    assert [{k: v for k, v in row.items() if k != "artifact"} for row in printed] == back.meta["candidates"]  # what it wrote
 
 
 def test_the_command_refuses_another_heldout_set_or_dtype(tmp_path, monkeypatch):

@@ -39,6 +39,7 @@ def test_checkpoints_are_safetensors_llama_with_tokenizer(pair):
     assert not torch.equal(base.model.layers[-1].self_attn.q_proj.weight, tuned.model.layers[-1].self_attn.q_proj.weight)
 
 
+@pytest.mark.numeric
 def test_cached_question_prefill_matches_full_forward(pair):
     base, _, tok = pair
     ex = make_example(0, "test", 512, "base")
@@ -51,6 +52,7 @@ def test_cached_question_prefill_matches_full_forward(pair):
     torch.testing.assert_close(last, full, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.numeric
 def test_stated_quality_on_fixed_test_slice(pair):
     base, tuned, tok = pair
     base_row = evaluate(own_prefill(base, tok), "test", SLICE, 512, "base")

@@ -144,6 +144,7 @@ def question_logits(loaded, ctx_ids, q_ids, bits):
     return loaded.model(input_ids=torch.tensor([q_ids]), cache=cache, use_cache=True).logits[0].float()
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen2"])
 async def test_quant_end_to_end_bytes_and_greedy_tokens(arch):
     new = 16

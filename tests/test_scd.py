@@ -61,6 +61,7 @@ def test_full_rank_reuse_reproduces_raw_kv_and_error_falls_with_rank(homogeneous
         assert all(a >= b for a, b in zip(errors, errors[1:])), errors
 
 
+@pytest.mark.numeric
 def test_patch_is_exact_when_producer_is_consumer(homogeneous):
     model, art = homogeneous
     ids = random_corpus(1, 50, 8)[0]

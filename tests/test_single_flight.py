@@ -43,6 +43,10 @@ async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def collect(subscription) -> list:
+    return [x async for x in subscription]
+
+
 async def read_all(call) -> list[producer_pb2.PrefillResponse]:
     return [message async for message in call]
 
@@ -129,11 +133,22 @@ async def test_a_late_subscriber_gets_the_whole_stream_and_a_failure_reaches_eve
     assert got_first == [0, 1, 2, 3, 4, "done"] and joined is False and len(kept) == 1  # ended: a new flight
     await late.aclose()
 
+    # joining mid-flight: the items produced before it joined, then the live ones, like the first
+    a, _ = flights.join("j", lambda: source(5, False), lambda x: x == "done", kept.append)
+    await until(lambda: len(flights.running["j"].items) >= 2)
+    b, joined = flights.join("j", lambda: source(5, False), lambda x: x == "done", kept.append)
+    assert joined and 2 <= len(flights.running["j"].items) < 6  # it did join late, before the end
+    got_a, got_b = await asyncio.gather(collect(a), collect(b))
+    assert got_a == got_b == [0, 1, 2, 3, 4, "done"] and len(kept) == 2
+
     a, _ = flights.join("f", lambda: source(3, True), lambda x: x == "done", kept.append)
-    await asyncio.sleep(0.025)
+    await until(lambda: len(flights.running["f"].items) >= 2)
     b, joined = flights.join("f", lambda: source(3, True), lambda x: x == "done", kept.append)
     assert joined
     for sub in (a, b):
+        got: list = []
         with pytest.raises(ValueError, match="broke"):
-            [x async for x in sub]
-    assert len(kept) == 1 and not flights.running
+            async for x in sub:
+                got.append(x)
+        assert got == [0, 1, 2]  # every item, then the failure
+    assert len(kept) == 2 and not flights.running
