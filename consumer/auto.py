@@ -35,7 +35,7 @@ from consumer.planner import Estimate, TransferPlanner, mode_key
 from consumer.producer_memory import ProducerMemory
 from shared import codecs as codec_lib
 from shared.codecs.scd import ScdCodec
-from shared.config import AUTO_MODE, LOCAL_MODE
+from shared.config import AUTO_MODE, ORACLE_MODE
 from shared.errors import InvalidArgument, ServiceError
 from shared.models import LoadedModel
 from shared.scd.artifact import Artifact
@@ -61,7 +61,7 @@ class Candidate:
 
     @property
     def remote(self) -> bool:
-        return self.mode != LOCAL_MODE
+        return self.mode != ORACLE_MODE
 
 
 @dataclass(frozen=True)
@@ -117,11 +117,13 @@ class Chooser:
         cached_tokens: Callable[[Candidate, list[int]], int],
         producer_digest: Callable[[], str] = lambda: "",
         producer_usable: Callable[[], bool] = lambda: True,
+        producer_dtype: Callable[[], str] = lambda: "",
     ):
         self.loaded, self.codecs, self.planner, self.memory = loaded, codecs, planner, memory
         self.cached_tokens = cached_tokens  # tokens of the context the prefix cache holds made as a candidate makes them
         self.producer_digest, self.producer_usable = producer_digest, producer_usable
-        self._cached: tuple[str, list[Candidate]] | None = None  # (producer digest, candidates) last built
+        self.producer_dtype = producer_dtype  # the dtype the producer computes its KV in ("" unknown)
+        self._cached: tuple[tuple[str, str], list[Candidate]] | None = None  # ((digest, dtype), candidates) last built
 
     # -- the candidate set ------------------------------------------------------------------
     def _artifacts(self) -> list[Artifact]:
@@ -135,7 +137,7 @@ class Chooser:
 
     def candidates(self) -> list[Candidate]:
         """The candidate set for what is known of the producer now (built again when that changes)."""
-        producer = self.producer_digest()
+        producer = (self.producer_digest(), self.producer_dtype())
         if self._cached is None or self._cached[0] != producer:
             self._cached = (producer, self._build())
         return self._cached[1]
@@ -148,16 +150,18 @@ class Chooser:
             if key not in found or c.loss < found[key].loss:
                 found[key] = c
 
-        add(Candidate(LOCAL_MODE, {}, 0.0, "exact", 0.0))
+        add(Candidate(ORACLE_MODE, {}, 0.0, "exact", 0.0))
         info, producer = self.loaded.info, self.producer_digest()
-        if producer and producer == info.weight_digest:  # the producer's K/V are the consumer's own
+        # the producer's K/V are the consumer's own only with the same weights computed in the same
+        # dtype: a bfloat16 producer's K/V cast to a float32 consumer (or back) is not exact
+        if producer and producer == info.weight_digest and self.producer_dtype() == info.dtype:
             raw_bytes = info.kv_bytes(1)
             for name in ("raw", "recompute"):
                 if name in self.codecs:
                     add(Candidate(name, self.codecs[name].resolve({}), 0.0, "exact", raw_bytes))
         for art in self._artifacts():
             for point in art.transfer_points():
-                if point.mode == LOCAL_MODE or point.mode not in self.codecs:
+                if point.mode == ORACLE_MODE or point.mode not in self.codecs:
                     continue
                 if point.mode != "scd" and producer != art.meta["producer"]["weight_digest"]:
                     continue  # a raw / quant / recompute loss holds for the artifact's producer only
@@ -191,7 +195,7 @@ class Chooser:
         modes = None
         if options.get("candidates"):
             names = [n.strip() for n in options["candidates"].split(",") if n.strip()]
-            known = sorted([*self.codecs, LOCAL_MODE])
+            known = sorted([*self.codecs, ORACLE_MODE])
             bad = next((n for n in names if n not in known), None)
             if bad is not None:
                 raise InvalidArgument(f"transfer.options['candidates']: unknown mode {bad[:32]!r}; known: {known}")
@@ -212,7 +216,7 @@ class Chooser:
         if not c.remote:
             local = self.planner.estimate_local(T - cached)
             return local if not cached else Estimate(local.ms, f"{local.detail}; {cached} cached", local.base_ms)
-        kv_held, payload_held = self.memory.held(self.producer_digest(), c.key, context_ids)
+        kv_held, payload_held = self.memory.held(self.producer_digest(), self.producer_dtype(), c.key, context_ids)
         compute = 0 if payload_held >= T else T - kv_held
         encode = max(0, T - max(payload_held, cached))
         estimate = self.planner.estimate_remote(

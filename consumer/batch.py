@@ -3,10 +3,14 @@ every admitted request by one batched forward (continuous batching).
 
 An iteration:
   1. runs the jobs queued since the last forward, in order (a codec's layer rebuild, a cache
-     audit, a release of a request's blocks; again between the two forwards): the engine is also
-     the device's only executor, so nothing else ever touches the pool or the model. Grouped
-     jobs (`submit_grouped`: several requests' layer rebuilds) queued one after another with
-     the same function run as one call over all their items;
+     audit, a prefix-cache insert or make-room; again between the forwards of one iteration): the
+     engine is also the device's only executor, so nothing else ever touches the pool or the model.
+     Grouped jobs (`submit_grouped`: several requests' layer rebuilds) queued one after another with
+     the same function run as one call over all their items. Then, at the iteration boundary only,
+     tasks that finished or were cancelled leave the batch, the releases asked for sequences
+     no task in the batch uses any more are carried out, and the pool's dropped blocks are zeroed
+     and freed (`KVPool.reclaim`): a block is freed only after every task that may write it has
+     left the batch, never between two forwards of one iteration;
   2. prefill: requests with tokens still to prefill (a local context prefill or a question),
      oldest first, each taking at most `prefill_chunk` tokens, together at most
      `max_batch_tokens` and `max_batch` rows (chunked prefill: a long local prefill never stops
@@ -64,11 +68,17 @@ class Task:
     max_new: int = 0
     stop_ids: frozenset[int] = frozenset()
     generated: int = 0
-    cancelled: bool = False
+    cancelled: bool = False  # the frontend asked it to leave (any thread)
+    done: bool = False  # it finished (engine thread): its outcome was sent
 
     @property
     def decoding(self) -> bool:
         return self.generated > 0
+
+    @property
+    def leaving(self) -> bool:
+        """Leaves the batch at the next iteration boundary: finished or cancelled."""
+        return self.cancelled or self.done
 
 
 @dataclass
@@ -76,6 +86,8 @@ class EngineStats:
     forwards: int = 0
     rows: int = 0  # summed over forwards
     last_batch: int = 0
+    max_batch_seen: int = 0  # the most rows one forward has had
+    scratch_bytes: int = 0  # the runner's gather buffers now
     failed_rows: int = 0
 
 
@@ -103,6 +115,25 @@ def pack(rows: list[tuple[Task, int]]) -> list[list[tuple[Task, int]]]:
     return groups
 
 
+def split_gather(rows: list[tuple[Task, int]], block_tokens: int, limit: int) -> list[list[tuple[Task, int]]]:
+    """Rows (task, tokens) split into forwards that each gather at most `limit` blocks (rows x the
+    longest row's blocks, the runner's scratch bound): one long row beside many short ones is its
+    own forward instead of padding every short row to its length. In order of blocks read."""
+    if not rows:
+        return []
+
+    def blocks(row: tuple[Task, int]) -> int:
+        return -(-(row[0].seq.length + row[1]) // block_tokens)
+
+    groups: list[list[tuple[Task, int]]] = []
+    for row in sorted(rows, key=blocks):
+        if groups and (len(groups[-1]) + 1) * blocks(row) <= limit:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups
+
+
 class BatchEngine(concurrent.futures.Executor):
     def __init__(
         self,
@@ -122,14 +153,20 @@ class BatchEngine(concurrent.futures.Executor):
         self.jobs: collections.deque[Job] = collections.deque()
         self.tasks: list[Task] = []  # admitted to the engine, in arrival order
         self._incoming: list[Task] = []
+        self._releasing: list[tuple[SequenceKV, concurrent.futures.Future]] = []  # asked, not yet safe
         self._cv = threading.Condition()
         self._stopping = False
         self._rr = 0  # round-robin offset over decode rows
         self.stats = EngineStats()
         self.progress = progress or liveness.Progress("consumer-engine")
         self.after_iteration = after_iteration  # called on the engine thread at the end of every iteration
+        pool.on_dirty = self._wake  # dropped blocks: reclaim them at the next boundary
         self._thread = threading.Thread(target=self._loop, name="consumer-engine", daemon=True)
         self._thread.start()
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
 
     # --- the asyncio side's surface (any thread) -------------------------------------------------
 
@@ -175,13 +212,33 @@ class BatchEngine(concurrent.futures.Executor):
             return any(t is task for t in self._incoming) or any(t is task for t in self.tasks)
 
     def release(self, seq: SequenceKV) -> concurrent.futures.Future:
-        """Free seq's blocks on the engine thread, after any job or forward that may still use them
-        (releases queued together: one zeroing of all their blocks)."""
-        return self.submit_grouped(self._release_many, seq)
+        """Free seq's blocks (an intent, any thread): after the jobs queued before it, at the first
+        iteration boundary where no task in the batch uses seq (a cancelled task may still be in the
+        forward being run, or in a later prefill group of this iteration); zeroed and freed there
+        with the other releases of that boundary. The future is done once they are free."""
+        freed: concurrent.futures.Future = concurrent.futures.Future()
 
-    def _release_many(self, seqs: list[SequenceKV]) -> list[None]:
-        self.pool.release_many(seqs)
-        return [None] * len(seqs)
+        def ask() -> None:
+            self._releasing.append((seq, freed))
+
+        self.submit(ask)  # in order with the jobs before it (a prefix-cache insert holds first)
+        return freed
+
+    def _settle_releases(self) -> None:
+        """The releases whose sequence no admitted or incoming task uses any more (engine thread,
+        at an iteration boundary)."""
+        if not self._releasing:
+            return
+        with self._cv:
+            busy = {id(t.seq) for t in self.tasks} | {id(t.seq) for t in self._incoming}
+        ready = [(seq, f) for seq, f in self._releasing if id(seq) not in busy]
+        if not ready:
+            return
+        self._releasing = [(seq, f) for seq, f in self._releasing if id(seq) in busy]
+        self.pool.release_many([seq for seq, _ in ready])
+        self.pool.reclaim()
+        for _, freed in ready:
+            freed.set_result(None)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._cv:
@@ -195,7 +252,7 @@ class BatchEngine(concurrent.futures.Executor):
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._stopping or self.jobs or self._incoming or self._runnable()):
+                while not (self._stopping or self.jobs or self._incoming or self._runnable() or self._reclaim_due()):
                     self._cv.wait(timeout=1.0)
                 if self._stopping:
                     break
@@ -204,7 +261,9 @@ class BatchEngine(concurrent.futures.Executor):
             try:
                 with self.progress.iteration():
                     self._run_jobs()
-                    self._drop_cancelled()
+                    self._drop_leaving()
+                    self._settle_releases()
+                    self.pool.reclaim()
                     self._step()
             except Exception as exc:  # a forward that failed as a whole fails every row in it
                 log.error("engine.iteration_failed", error=f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -215,6 +274,10 @@ class BatchEngine(concurrent.futures.Executor):
                 self.after_iteration()
         for job in self.jobs:
             job.future.cancel()
+        for seq, freed in self._releasing:  # stopped: no forward runs on the pool any more
+            self.pool.release(seq)
+            freed.set_result(None)
+        self._releasing.clear()
 
     def _run_jobs(self) -> None:
         """The jobs queued until now, in order (run at every forward boundary, so a rebuild or a
@@ -262,11 +325,14 @@ class BatchEngine(concurrent.futures.Executor):
                 job.future.set_result(result)
 
     def _runnable(self) -> bool:
-        return any(t.pending and not t.cancelled for t in self.tasks) or any(t.cancelled for t in self.tasks)
+        return any(t.pending and not t.leaving for t in self.tasks) or any(t.leaving for t in self.tasks)
 
-    def _drop_cancelled(self) -> None:
-        if any(t.cancelled for t in self.tasks):
-            self.tasks = [t for t in self.tasks if not t.cancelled]
+    def _reclaim_due(self) -> bool:
+        return bool(self.pool.reclaimable_blocks) or bool(self._releasing and not self.tasks)
+
+    def _drop_leaving(self) -> None:
+        if any(t.leaving for t in self.tasks):
+            self.tasks = [t for t in self.tasks if not t.leaving]
 
     def _step(self) -> None:
         prefill: list[tuple[Task, int]] = []
@@ -274,20 +340,22 @@ class BatchEngine(concurrent.futures.Executor):
         for task in self.tasks:
             if len(prefill) >= self.max_batch or budget <= 0:
                 break
-            if task.pending and not task.decoding:
+            if task.pending and not task.decoding and not task.leaving:
                 take = min(len(task.pending), self.prefill_chunk, budget)
                 prefill.append((task, take))
                 budget -= take
         for group in pack(prefill):
-            self._forward(group)
-            self._run_jobs()
-        decode = [t for t in self.tasks if t.decoding and t.pending and not t.cancelled]
+            group = [(task, take) for task, take in group if not task.leaving]  # cancelled meanwhile
+            for part in split_gather(group, self.pool.block_tokens, self.runner.scratch_limit_blocks):
+                self._forward(part)
+            self._run_jobs()  # jobs only: nothing is freed before the boundary
+        decode = [t for t in self.tasks if t.decoding and t.pending and not t.leaving]
         if len(decode) > self.max_batch:
             start = self._rr % len(decode)
             decode = (decode[start:] + decode[:start])[: self.max_batch]
             self._rr += self.max_batch
-        if decode:
-            self._forward([(t, 1) for t in decode])
+        for part in split_gather([(t, 1) for t in decode], self.pool.block_tokens, self.runner.scratch_limit_blocks):
+            self._forward(part)
 
     def _forward(self, chosen: list[tuple[Task, int]]) -> None:
         rows = [Row(task.seq, task.pending[:take], task.seq.length) for task, take in chosen]
@@ -296,6 +364,8 @@ class BatchEngine(concurrent.futures.Executor):
         self.stats.forwards += 1
         self.stats.rows += len(rows)
         self.stats.last_batch = len(rows)
+        self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(rows))
+        self.stats.scratch_bytes = self.runner.scratch_bytes
         finite = rows_finite(logits).tolist()  # shared.finite: isfinite() alone costs more than a small forward
         greedy = torch.argmax(logits, dim=1).tolist()
         for i, (task, take) in enumerate(chosen):
@@ -320,6 +390,6 @@ class BatchEngine(concurrent.futures.Executor):
                 task.pending = [token]
 
     def _finish(self, task: Task, outcome: Any) -> None:
-        task.cancelled = True  # leaves at the next iteration
+        task.done = True  # leaves at the next iteration boundary
         task.pending = []
         task.sink(outcome)

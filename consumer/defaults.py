@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from shared import codecs as codec_lib
 from shared.codecs.scd import ScdCodec
-from shared.config import AUTO_MODE, LOCAL_MODE
+from shared.config import AUTO_MODE, ORACLE_MODE
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,8 @@ def safest(
     if producer_digest and producer_digest == consumer_digest:
         return Choice("raw", "the producer's weights equal the consumer's")
     if producer_digest:
-        return Choice(LOCAL_MODE, "the producer's weights differ from the consumer's and no SCD artifact covers the pair")
-    return Choice(LOCAL_MODE, "the producer's weights are not known yet and no SCD artifact covers this consumer")
+        return Choice(ORACLE_MODE, "the producer's weights differ from the consumer's and no SCD artifact covers the pair")
+    return Choice(ORACLE_MODE, "the producer's weights are not known yet and no SCD artifact covers this consumer")
 
 
 class DefaultMode:
@@ -87,4 +87,4 @@ class DefaultMode:
     @property
     def uses_producer(self) -> bool:
         """Whether the default needs the producer to serve well (auto: when its safest fixed mode does)."""
-        return self.choice.mode != LOCAL_MODE
+        return self.choice.mode != ORACLE_MODE

@@ -152,7 +152,7 @@ def _child(spec: dict[str, Any], k: torch.Tensor, v: torch.Tensor, state: torch.
                 cancelled.discard(tid)
                 tasks.pop(tid, None)
         s = engine.stats
-        stats = (s.forwards, s.rows, s.last_batch, s.failed_rows)
+        stats = (s.forwards, s.rows, s.last_batch, s.failed_rows, s.max_batch_seen, s.scratch_bytes)
         if items or left or stats != sent_stats[0]:
             sent_stats[0] = stats
             conn.send(("out", items, left, stats))
@@ -282,16 +282,41 @@ class EngineProcess(concurrent.futures.Executor):
         if dead:
             task.sink(Unavailable(dead))
             return task
-        if self.loaded.device.type == "cuda":
-            torch.cuda.synchronize(self.loaded.device)  # rebuilt blocks written before the child reads them
         sampling = task.sampler.sampling if task.sampler is not None else None
-        msg = ("add", tid, seq.blocks, seq.capacity, seq.length, seq.shared_blocks, list(task.pending), sampling)
-        with contextlib.suppress(OSError, ValueError):  # the child is gone: the reader fails the task (UNAVAILABLE)
-            self._send((*msg, task.max_new, sorted(task.stop_ids)))
+        msg = (
+            *("add", tid, seq.blocks, seq.capacity, seq.length, seq.shared_blocks, list(task.pending), sampling),
+            *(task.max_new, sorted(task.stop_ids)),
+        )
+        if self.loaded.device.type != "cuda":
+            self._send_add(tid, task, msg)
+            return task
+
+        def synced_add() -> None:  # rebuilt blocks written (local job thread) before the child reads them
+            torch.cuda.synchronize(self.loaded.device)
+            self._send_add(tid, task, msg)
+
+        try:  # on the local job thread, never the event loop: a synchronize waits for the device
+            self.local.submit(synced_add)
+        except RuntimeError:  # stopping
+            self._left(tid)
         return task
 
+    def _send_add(self, tid: int, task: Task, msg: tuple) -> None:
+        """Send an add unless the task was cancelled first (checked under the send lock, which
+        cancel also takes: the child never sees a cancel before the add it cancels)."""
+        with self._send_lock:
+            if task.cancelled:
+                sent = False
+            else:
+                with contextlib.suppress(OSError, ValueError):  # the child is gone: the reader fails the task
+                    self._conn.send(msg)
+                sent = True
+        if not sent:
+            self._left(tid)
+
     def cancel(self, task: Task) -> None:
-        task.cancelled = True
+        with self._send_lock:
+            task.cancelled = True
         with self._lock:
             tid = self._tid.get(id(task))
         if tid is not None:
@@ -339,7 +364,8 @@ class EngineProcess(concurrent.futures.Executor):
                 _, items, left, stats = self._conn.recv()
             except (EOFError, OSError):
                 return
-            self.stats.forwards, self.stats.rows, self.stats.last_batch, self.stats.failed_rows = stats
+            st = self.stats
+            st.forwards, st.rows, st.last_batch, st.failed_rows, st.max_batch_seen, st.scratch_bytes = stats
             for tid, item, length in items:
                 with self._lock:
                     task = self._tasks.get(tid)

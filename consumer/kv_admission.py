@@ -3,7 +3,10 @@ worst case (context + question + max_new_tokens); until then it waits in a bound
 wait is part of its TTFT and reported in its stats). A request that can never fit, or that finds
 the queue full, gets RESOURCE_EXHAUSTED naming the limit.
 
-Runs on the event loop; blocks come back from the engine thread through `wake` (thread-safe).
+Runs on the event loop; blocks come back from the engine thread through `wake` (thread-safe: the
+pool calls it whenever the engine's reclaim freed blocks). When the pool is short, admission asks
+the engine to make room (`make_room`, an intent: the prefix cache evicts on the engine thread) and
+the request waits for the blocks that frees.
 Strict FIFO: a large request at the head is not overtaken by smaller ones behind it (no
 starvation). Knows nothing about gRPC or codecs.
 """
@@ -15,6 +18,7 @@ import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from consumer.kv_pool import KVPool, SequenceKV
 from shared.errors import DeadlineExceeded, ResourceExhausted
@@ -28,12 +32,16 @@ class _Waiter:
 
 
 class KVAdmission:
-    def __init__(self, pool: KVPool, max_queue: int, make_room: Callable[[int], None] | None = None):
+    def __init__(self, pool: KVPool, max_queue: int, make_room: Callable[[int], Any] | None = None):
         self.pool, self.max_queue = pool, max_queue
-        self.make_room = make_room  # frees cached blocks (the prefix cache) for a waiting request
+        # asks the engine to free cached blocks (the prefix cache) for a waiting request; returns a
+        # concurrent future done once it ran (its freed blocks reach `wake` through the pool)
+        self.make_room = make_room
+        self._room_asked: Any = None  # the make_room call in flight: one at a time
         self.waiters: collections.deque[_Waiter] = collections.deque()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.rejected = {"never_fits": 0, "queue_full": 0}
+        pool.on_freed.append(self.wake)
 
     @property
     def queued(self) -> int:
@@ -41,9 +49,8 @@ class KVAdmission:
 
     def _allocate(self, tokens: int, shared: list[int]) -> SequenceKV | None:
         seq = self.pool.allocate(tokens, shared)
-        if seq is None and self.make_room is not None:
-            self.make_room(self.pool.blocks_for(tokens) - len(shared))
-            seq = self.pool.allocate(tokens, shared)
+        if seq is None and self.make_room is not None and (self._room_asked is None or self._room_asked.done()):
+            self._room_asked = self.make_room(self.pool.blocks_for(tokens) - len(shared))
         return seq
 
     async def acquire(self, tokens: int, deadline: float, shared: list[int] | None = None) -> tuple[SequenceKV, float]:

@@ -10,7 +10,14 @@ prefill and decode tokens), never grown or copied per token.
 
 A released block is zeroed before reuse: a masked-out key or value is still multiplied by zero in
 attention, and a stale huge value from a hostile stream would turn that zero into NaN for the next
-owner. Thread-safe allocation; reading and writing blocks is the engine thread's (consumer.batch).
+owner.
+
+Ownership (docs/design.md, "Who owns what"): holders are counted under one lock, so any thread may
+allocate free blocks, `hold` blocks it already reaches through a holder and `drop` a hold. A block
+whose last holder drops it is not free yet: it waits in a reclaim list until the engine thread
+(consumer.batch) zeroes it and puts it back on the free list (`reclaim`, between forwards). So
+zeroing and freeing happen on one thread only, never under a forward that may still write the
+block, and never on the event loop. Reading and writing blocks is the engine thread's.
 Knows nothing about requests, codecs or gRPC.
 """
 
@@ -20,6 +27,7 @@ import functools
 import math
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,7 +76,10 @@ class KVPool:
         self.v = torch.zeros(shape, dtype=self.dtype, device=device)
         self._free = list(range(self.num_blocks, 0, -1))  # a stack; NULL_BLOCK is never handed out
         self._refs = [0] * (self.num_blocks + 1)  # holders of each block: requests and the prefix cache
+        self._dirty: list[int] = []  # held by nobody, not zeroed yet: freed by the engine's reclaim()
         self._lock = threading.Lock()
+        self.on_dirty: Callable[[], None] | None = None  # the owner's wake-up: blocks wait for reclaim()
+        self.on_freed: list[Callable[[], None]] = []  # called (engine thread) when reclaim() freed blocks
 
     def share(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V moved to shared memory (on CPU; CUDA tensors travel by IPC handle as they are),
@@ -84,6 +95,7 @@ class KVPool:
         block table only; the allocator stays with the owner (this one hands out nothing)."""
         pool = cls(info, k.device, 0, block_tokens)
         pool.k, pool.v = k, v
+        pool.num_blocks = k.shape[1] - 1  # its size (the runner's scratch bound); none of them free here
         return pool
 
     @property
@@ -95,8 +107,21 @@ class KVPool:
         return len(self._free)
 
     @property
+    def reclaimable_blocks(self) -> int:
+        """Blocks nobody holds that wait for the engine to zero and free them."""
+        return len(self._dirty)
+
+    @property
     def used_bytes(self) -> int:
         return (self.num_blocks - len(self._free)) * self.block_bytes
+
+    def holders(self, block: int) -> int:
+        return self._refs[block]
+
+    def only_holder(self, blocks: list[int]) -> bool:
+        """Whether one holder (the caller's) is all `blocks` have: dropping them frees every one."""
+        with self._lock:
+            return all(self._refs[b] == 1 for b in blocks)
 
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_tokens)
@@ -128,19 +153,40 @@ class KVPool:
                 self._refs[block] += 1
 
     def drop(self, blocks: list[int]) -> None:
-        """One holder fewer; blocks nobody holds any more are zeroed and freed."""
+        """One holder fewer (any thread); blocks nobody holds any more wait for `reclaim`."""
         with self._lock:
-            freed = []
+            dirty = False
             for block in blocks:
+                assert self._refs[block] > 0, f"block {block} dropped more often than held"
                 self._refs[block] -= 1
                 if self._refs[block] == 0:
-                    freed.append(block)
-        if freed:
-            index = torch.tensor(freed, dtype=torch.long, device=self.device)
-            self.k.index_fill_(1, index, 0)  # in place over [layer, block, ...]: no gather-scatter
-            self.v.index_fill_(1, index, 0)
-            with self._lock:
-                self._free.extend(freed)
+                    self._dirty.append(block)
+                    dirty = True
+        if dirty and self.on_dirty is not None:
+            self.on_dirty()
+
+    def reclaim(self) -> int:
+        """Zero the blocks nobody holds and put them back on the free list; how many. The owner's
+        thread only (the engine, between forwards): a block is zeroed only after every writer let go."""
+        with self._lock:
+            dirty, self._dirty = self._dirty, []
+        if not dirty:
+            return 0
+        index = torch.tensor(dirty, dtype=torch.long, device=self.device)
+        self.k.index_fill_(1, index, 0)  # in place over [layer, block, ...]: no gather-scatter
+        self.v.index_fill_(1, index, 0)
+        with self._lock:
+            self._free.extend(dirty)
+        for wake in self.on_freed:
+            wake()
+        return len(dirty)
+
+    def zero_after(self, block: int, offset: int) -> None:
+        """Zero token slots offset.. of one block (every layer): the part of a cached tail's last
+        block that held the inserting request's question and answer. Engine thread."""
+        if offset < self.block_tokens:
+            self.k[:, block, offset:] = 0
+            self.v[:, block, offset:] = 0
 
     def copy_blocks(self, source: list[int], target: list[int]) -> None:
         """Copy blocks' K/V (every layer) into others, pairwise (a cached tail into a request's own
@@ -153,12 +199,12 @@ class KVPool:
             self.v[:, dst] = self.v[:, src]
 
     def release(self, seq: SequenceKV) -> None:
-        """The sequence lets go of its blocks (zeroed and freed unless the prefix cache still holds
-        them); a second release is a no-op."""
+        """The sequence lets go of its blocks (freed by the next `reclaim` unless the prefix cache
+        still holds them); a second release is a no-op."""
         self.release_many([seq])
 
     def release_many(self, seqs: list[SequenceKV]) -> None:
-        """release() of several sequences, their freed blocks zeroed together (one fill per K/V)."""
+        """release() of several sequences (their freed blocks zeroed together by one reclaim)."""
         blocks = []
         for seq in seqs:
             if not seq.released:

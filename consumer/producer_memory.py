@@ -24,30 +24,30 @@ class ProducerMemory:
         self.keys: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.chunk_tokens = chunks.DEFAULT_CHUNK_TOKENS
 
-    def _chains(self, producer: str, mode_key: str, context_ids: list[int]) -> tuple[list, list]:
+    def _chains(self, producer: str, dtype: str, mode_key: str, context_ids: list[int]) -> tuple[list, list]:
         size = self.chunk_tokens or max(len(context_ids), 1)
-        kv_root = chunks.model_root(producer)
-        payload_root = chunks.codec_root(producer, mode_key, 0, {}, {})
+        kv_root = chunks.model_root(producer, dtype or "?")
+        payload_root = chunks.codec_root(producer, dtype or "?", mode_key, 0, {}, {})
         return chunks.chain(kv_root, context_ids, size), chunks.chain(payload_root, context_ids, size)
 
-    def remember(self, producer: str, mode_key: str, context_ids: list[int], chunk_tokens: int) -> None:
+    def remember(self, producer: str, dtype: str, mode_key: str, context_ids: list[int], chunk_tokens: int) -> None:
         """A transfer of mode_key over context_ids completed: the producer holds its KV and payloads."""
         if not producer:
             return
         self.chunk_tokens = chunk_tokens
-        for refs in self._chains(producer, mode_key, context_ids):
+        for refs in self._chains(producer, dtype, mode_key, context_ids):
             for ref in refs:
                 self.keys[ref.key] = None
                 self.keys.move_to_end(ref.key)
         while len(self.keys) > self.capacity:
             self.keys.popitem(last=False)
 
-    def held(self, producer: str, mode_key: str, context_ids: list[int]) -> tuple[int, int]:
+    def held(self, producer: str, dtype: str, mode_key: str, context_ids: list[int]) -> tuple[int, int]:
         """(tokens of KV, tokens of mode_key's payloads) the producer is believed to hold: the
         longest remembered prefix of each chain."""
         if not producer or not context_ids:
             return 0, 0
-        kv, payloads = self._chains(producer, mode_key, context_ids)
+        kv, payloads = self._chains(producer, dtype, mode_key, context_ids)
         held = []
         for refs in (kv, payloads):
             n = chunks.longest(refs, self.keys.__contains__)

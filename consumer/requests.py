@@ -13,8 +13,17 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from consumer.auto import AUTO_MODE, AutoChoice, Budget, Candidate, Chooser
 from consumer.decoding import Sampling
-from consumer.engine import AUDIT_FALLBACK, AUDIT_OFF, AUDIT_REPORT, AUDIT_UPGRADE, FAIL, LOCAL_MODE, LOCAL_PREFILL, GenerateJob
 from consumer.planner import TransferPlanner
+from consumer.request import (
+    AUDIT_FALLBACK,
+    AUDIT_OFF,
+    AUDIT_REPORT,
+    AUDIT_UPGRADE,
+    FAIL,
+    LOCAL_PREFILL,
+    ORACLE_MODE,
+    GenerateJob,
+)
 from shared import codecs as codec_lib
 from shared.config import ConsumerConfig
 from shared.errors import InvalidArgument
@@ -41,20 +50,20 @@ Tokenize = Callable[[str, bool], Awaitable[list[int]]]
 
 
 def transfer_codec(
-    codecs: Mapping[str, codec_lib.Codec], spec: common_pb2.CodecSpec, default: str = LOCAL_MODE
+    codecs: Mapping[str, codec_lib.Codec], spec: common_pb2.CodecSpec, default: str = ORACLE_MODE
 ) -> tuple[codec_lib.Codec | None, dict[str, str]]:
     """The codec and resolved options a request names (no name: the consumer's `default` mode);
     (None, {}) for the consumer's own prefill."""
     name = spec.name or default
     if name == AUTO_MODE:
         raise ValueError("mode auto is resolved by JobBuilder (consumer.auto), not here")
-    if name == LOCAL_MODE:
+    if name == ORACLE_MODE:
         if spec.options:
-            raise InvalidArgument(f"transfer.options: mode '{LOCAL_MODE}' takes no options, got {sorted(spec.options)[:8]}")
+            raise InvalidArgument(f"transfer.options: mode '{ORACLE_MODE}' takes no options, got {sorted(spec.options)[:8]}")
         return None, {}
     if name not in codecs:
         raise InvalidArgument(
-            f"transfer.name: unknown codec {name[:64]!r}; supported: {sorted([*codecs, LOCAL_MODE, AUTO_MODE])}"
+            f"transfer.name: unknown codec {name[:64]!r}; supported: {sorted([*codecs, ORACLE_MODE, AUTO_MODE])}"
         )
     codec = codecs[name]
     return codec, codec.resolve(dict(spec.options))
@@ -80,7 +89,7 @@ class JobBuilder:
     ):
         self.config, self.loaded, self.codecs, self.planner, self.tokenize = config, loaded, codecs, planner, tokenize
         self.chooser = chooser
-        self.default_mode: Callable[[], str] = lambda: LOCAL_MODE  # the server sets it (consumer.defaults.DefaultMode)
+        self.default_mode: Callable[[], str] = lambda: ORACLE_MODE  # the server sets it (consumer.defaults.DefaultMode)
 
     async def _ids(self, prompt: consumer_pb2.Prompt, field: str, limit: int, special: bool) -> list[int]:
         which = prompt.WhichOneof("input")
@@ -141,14 +150,14 @@ class JobBuilder:
             codec, options = self._chosen(auto)
         elif request.fallback_to_oracle and codec is not None:
             named = Candidate(codec.name, options, math.nan, "named by the request")
-            own = Candidate(LOCAL_MODE, {}, 0.0, "exact", 0.0)
+            own = Candidate(ORACLE_MODE, {}, 0.0, "exact", 0.0)
             either = Budget(math.inf, source="fallback_to_oracle: the named mode or the consumer's own prefill")
             auto = self.chooser.choose(context_ids, either, only=[named, own])
-            fallback = f"{'local' if auto.chosen.mode == LOCAL_MODE else 'remote'}: {auto.reason}"
+            fallback = f"{'local' if auto.chosen.mode == ORACLE_MODE else 'remote'}: {auto.reason}"
             codec, options = self._chosen(auto)
         policy = POLICIES[request.on_transfer_failure]
         unspecified = request.on_transfer_failure == consumer_pb2.TRANSFER_FAILURE_POLICY_UNSPECIFIED
-        if budget is not None and unspecified and (budget.modes is None or LOCAL_MODE in budget.modes):
+        if budget is not None and unspecified and (budget.modes is None or ORACLE_MODE in budget.modes):
             policy = LOCAL_PREFILL  # auto may always answer by the own prefill
         eos = self.loaded.tokenizer.eos_token_id
         stop = frozenset(request.stop_token_ids) or (frozenset([eos]) if eos is not None else frozenset())
@@ -173,6 +182,6 @@ class JobBuilder:
 
     def _chosen(self, auto: AutoChoice) -> tuple[codec_lib.Codec | None, dict[str, str]]:
         chosen = auto.chosen
-        if chosen.mode == LOCAL_MODE:
+        if chosen.mode == ORACLE_MODE:
             return None, {}
         return self.codecs[chosen.mode], dict(chosen.options)

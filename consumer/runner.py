@@ -8,6 +8,12 @@ written into the pool in place, for valid tokens only (padding never touches a b
 writes into one pair of scratch buffers the runner keeps and every layer reuses (a layer's gathered
 K/V are dead once its attention ran), so a decode step allocates no K/V-sized memory.
 
+Scratch memory is bounded beside the KV budget: a forward gathers at most `scratch_limit_blocks`
+blocks (rows x the longest row's blocks; the engine splits a batch that would gather more, see
+consumer.batch.split_gather), twice the pool's own block count: K and V of two of the pool's
+layers at most, i.e. 2 / num_layers of the KV budget beside it. The buffers grow on demand up to that and shrink back when recent forwards needed less
+than a quarter of them (`scratch_bytes` is in Describe and the metrics).
+
 Runs the model's own modules (embedding, rotary embedding, decoder layers, final norm, LM head),
 so every number is the model's; the decoder layers receive a cache adapter whose `update` is the
 pool write + gather. No module hooks, nothing global: any number of requests share a forward.
@@ -66,6 +72,9 @@ class Runner:
         self.inner = inner
         self.lm_head: Any = loaded.model.get_output_embeddings()
         self._scratch = self._buffers(0)
+        self.scratch_limit_blocks = max(1, 2 * pool.num_blocks)  # a forward never gathers more (consumer.batch)
+        self._recent_peak = 0  # the most blocks a forward needed since the last shrink check
+        self._since_check = 0
 
     def _buffers(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         pool = self.pool
@@ -73,11 +82,31 @@ class Runner:
         device = self.loaded.device
         return torch.empty(shape, dtype=pool.dtype, device=device), torch.empty(shape, dtype=pool.dtype, device=device)
 
+    SHRINK_EVERY = 64  # forwards between two checks whether the buffers can shrink
+
+    @property
+    def scratch_bytes(self) -> int:
+        return self._scratch[0].nbytes + self._scratch[1].nbytes
+
+    def scratch_limit_bytes(self) -> int:
+        return self.scratch_limit_blocks * self.pool.block_bytes // max(1, self.pool.info.num_layers)
+
     def scratch(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The gather's K and V buffers, at least `blocks` blocks each: one pair for every layer
-        (a layer's gathered K/V are dead once its attention ran), grown by doubling, never shrunk."""
-        if self._scratch[0].shape[0] < blocks:
-            self._scratch = self._buffers(max(blocks, 2 * self._scratch[0].shape[0]))
+        (a layer's gathered K/V are dead once its attention ran). Grown by doubling up to
+        `scratch_limit_blocks`; every SHRINK_EVERY forwards, cut to twice the recent peak when that
+        is under a quarter of their size."""
+        if blocks > self.scratch_limit_blocks:
+            raise ValueError(f"a forward gathers {blocks} blocks > the scratch limit {self.scratch_limit_blocks}")
+        have = self._scratch[0].shape[0]
+        self._recent_peak = max(self._recent_peak, blocks)
+        self._since_check += 1
+        if have < blocks:
+            self._scratch = self._buffers(min(max(blocks, 2 * have), self.scratch_limit_blocks))
+        elif self._since_check >= self.SHRINK_EVERY:
+            if 4 * self._recent_peak < have:
+                self._scratch = self._buffers(2 * self._recent_peak)
+            self._recent_peak = self._since_check = 0
         return self._scratch
 
     @torch.inference_mode()

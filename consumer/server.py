@@ -1,9 +1,10 @@
-"""Consumer gRPC servicer (thin: validate and tokenize the request, run GenerateEngine, convert
+"""Consumer gRPC servicer (thin: validate and tokenize the request, run RequestPipeline, convert
 events to messages) and process wiring (config, model load, producer client, health, drain)."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import time
@@ -16,14 +17,15 @@ from consumer import readiness
 from consumer.auto import AutoChoice, Candidate, Chooser
 from consumer.batch import BatchEngine
 from consumer.defaults import DefaultMode
-from consumer.engine import LOCAL_MODE, GenerateEngine, GenerateResult, TokenOut
 from consumer.engine_process import EngineProcess
 from consumer.kv_admission import KVAdmission
 from consumer.kv_pool import KVPool, default_pool_bytes
+from consumer.pipeline import RequestPipeline
 from consumer.planner import Observation, TransferPlanner, mode_key
 from consumer.prefix_cache import PrefixCache
 from consumer.producer_client import ProducerClient
 from consumer.producer_memory import ProducerMemory
+from consumer.request import ORACLE_MODE, GenerateResult, TokenOut
 from consumer.requests import JobBuilder
 from shared import codecs as codec_lib
 from shared import describe, handlers, logs, outcomes, serving
@@ -66,9 +68,18 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         self.batch, self.kv_admission, self.prefix = batch, kv_admission, prefix
         self.planner = TransferPlanner()
         self.memory = ProducerMemory()
-        self.engine = GenerateEngine(loaded, batch, kv_admission, client, prefix, self._producer_digest, self.planner)
+        self.pipeline = RequestPipeline(
+            loaded, batch, kv_admission, client, prefix, self._producer_digest, self.planner, self._producer_dtype
+        )
         self.chooser = Chooser(
-            loaded, self.codecs, self.planner, self.memory, self._cached_tokens, self._producer_digest, self._producer_usable
+            loaded,
+            self.codecs,
+            self.planner,
+            self.memory,
+            self._cached_tokens,
+            self._producer_digest,
+            self._producer_usable,
+            self._producer_dtype,
         )
         self.jobs = JobBuilder(self.config, loaded, self.codecs, self.planner, self._tokenize, self.chooser)
         self.default = DefaultMode(self.config.default_mode, self.codecs, loaded.info.weight_digest)
@@ -81,6 +92,11 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         link = getattr(self, "link", None)
         return link.state.producer_digest if link is not None else ""
 
+    def _producer_dtype(self) -> str:
+        """The dtype the producer computes its KV in, as the link last saw it ("" before it answered)."""
+        link = getattr(self, "link", None)
+        return link.state.producer_dtype if link is not None else ""
+
     def _producer_usable(self) -> bool:
         """Whether the producer link may be tried (usable, or not checked yet)."""
         link = getattr(self, "link", None)
@@ -88,7 +104,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
 
     def _cached_tokens(self, c: Candidate, context_ids: list[int]) -> int:
         codec = self.codecs.get(c.mode) if c.remote else None
-        return self.engine.cached_tokens(codec, dict(c.options), context_ids)
+        return self.pipeline.cached_tokens(codec, dict(c.options), context_ids)
 
     def _observe(self, job, item: GenerateResult) -> None:
         """A finished request's measurements into the planner, and what its transfer left in the
@@ -115,7 +131,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             question_tokens=item.question_tokens,
             question_prefill_ms=item.question_prefill_ms,
         )
-        t = item.trailer if item.codec != LOCAL_MODE else None  # the stream the KV came from
+        t = item.trailer if item.codec != ORACLE_MODE else None  # the stream the KV came from
         if t is not None:
             observed = dataclasses.replace(
                 observed,
@@ -129,7 +145,8 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         self.planner.observe(observed)
         if t is not None and job.codec is not None:
             key = mode_key(job.codec.name, job.options)
-            self.memory.remember(self._producer_digest(), key, job.context_ids, item.chunk_tokens)
+            if item.stream_producer is not None:  # what the stream's header said, not the link check
+                self.memory.remember(*item.stream_producer, key, job.context_ids, item.chunk_tokens)
 
     def _ready(self) -> LoadedModel:
         if self.loaded is None:
@@ -163,7 +180,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             deadline_s=context.time_remaining(),
             on_failure=job.on_failure,
         )
-        async with contextlib.aclosing(self.engine.run(job)) as items:
+        async with contextlib.aclosing(self.pipeline.run(job)) as items:
             async for item in items:
                 if isinstance(item, TokenOut):
                     yield consumer_pb2.GenerateResponse(token=consumer_pb2.TokenDelta(ids=item.ids, text=item.text))
@@ -191,7 +208,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         cfg = self.config
         return consumer_pb2.ConsumerServiceDescribeResponse(
             model=describe.model_to_pb(loaded.info),
-            codecs=[describe.local_mode_pb(LOCAL_MODE), *describe.codecs_to_pb(self.codecs)],
+            codecs=[describe.local_mode_pb(ORACLE_MODE), *describe.codecs_to_pb(self.codecs)],
             limits=common_pb2.Limits(
                 max_context_tokens=cfg.max_context_tokens,
                 max_question_tokens=cfg.max_question_tokens,
@@ -215,9 +232,13 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
                 kv_used_bytes=self.batch.pool.used_bytes,
                 kv_queue=self.kv_admission.queued,
                 last_batch_rows=self.batch.stats.last_batch,
+                max_batch_rows_seen=self.batch.stats.max_batch_seen,
+                scratch_bytes=self.batch.stats.scratch_bytes,
+                scratch_limit_bytes=scratch_limit_bytes(self.batch.pool),
+                kv_reclaimable_bytes=self.batch.pool.reclaimable_blocks * self.batch.pool.block_bytes,
                 max_batch=self.batch.max_batch,
                 nonfinite_rows=self.batch.stats.failed_rows,
-                transfers_abandoned=self.engine.abandoned,
+                transfers_abandoned=self.pipeline.abandoned,
                 auto_choices=self.auto_choices,
                 **prefix_stats(self.prefix),
             ),
@@ -234,7 +255,13 @@ def prefix_stats(prefix: PrefixCache | None) -> dict[str, int]:
         prefix_partial_hits=prefix.partial_hits,
         prefix_misses=prefix.misses,
         prefix_evictions=prefix.evictions,
+        prefix_kept_shared=prefix.kept_shared,
     )
+
+
+def scratch_limit_bytes(pool: KVPool) -> int:
+    """The runner's gather bound (consumer.runner): K and V of two of the pool's layers."""
+    return 2 * pool.num_blocks * pool.block_bytes // max(1, pool.info.num_layers)
 
 
 def result_to_pb(r: GenerateResult) -> consumer_pb2.GenerateStats:
@@ -247,6 +274,7 @@ def result_to_pb(r: GenerateResult) -> consumer_pb2.GenerateStats:
         ttft_ms=r.ttft_ms,
         transfer_ms=r.transfer_ms,
         rebuild_ms=r.rebuild_ms,
+        local_prefill_ms=r.local_prefill_ms,
         question_prefill_ms=r.question_prefill_ms,
         decode_ms=r.decode_ms,
         total_ms=r.total_ms,
@@ -334,12 +362,19 @@ class ConsumerServer:
         await logs.run_in(batch, warm_up, loaded)
         budget = pool.capacity_bytes // 2 if cfg.prefix_cache_bytes < 0 else cfg.prefix_cache_bytes
         prefix = PrefixCache(pool, budget, cfg.chunk_tokens) if budget > 0 else None
-        kv_admission = KVAdmission(pool, cfg.max_queue, prefix.make_room if prefix is not None else None)
+        make_room = None
+        if prefix is not None:
+
+            def make_room(blocks: int, prefix: PrefixCache = prefix) -> concurrent.futures.Future:
+                """An intent: the engine evicts (only what frees blocks) and zeroes them between forwards."""
+                return batch.submit(lambda: (prefix.make_room(blocks), pool.reclaim()))
+
+        kv_admission = KVAdmission(pool, cfg.max_queue, make_room)
         # liveness from the engine's progress (and its local job thread's), not a place in its queue
         self.server.progress = [batch.progress] + ([batch.local.progress] if isinstance(batch, EngineProcess) else [])
         self.client = ProducerClient.from_config(cfg, loaded.info.weight_digest, self.server.tracing)
         self.servicer.attach(loaded, batch, kv_admission, prefix, self.client)
-        self.server.metrics.watch_engine(batch, pool, kv_admission, prefix, self.servicer.engine)
+        self.server.metrics.watch_engine(batch, pool, kv_admission, prefix, self.servicer.pipeline)
         self.link = link = readiness.ProducerLink(
             self.client.stub, self.servicer.codecs, self.client.transport, cfg.producer_check_interval_s, self._link_changed
         )

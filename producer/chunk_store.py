@@ -14,6 +14,12 @@ Eviction (`Index.victim`), per tier:
   up to its end); ties by least recent use;
 - "lru": the least recently used entry, whatever its place in the chain (kept for comparison).
 
+Memory outside the budget: a running request's plan (producer.reuse) holds the entries it loaded
+until it ends, so an entry evicted (or a disk read not kept in RAM) meanwhile still holds its
+memory. The plan pins what it holds (`pin`); `pinned_evicted_bytes` counts the pinned entries
+the RAM tier no longer holds (the scd_store_tier_pinned_evicted_bytes metric, Describe), and
+eviction takes unpinned entries first (evicting a pinned one frees nothing until it ends).
+
 Thread-safe (one lock): lookups run on a worker thread, stores on the event loop. Knows nothing
 about gRPC, models or codecs: entries are named CPU tensors.
 """
@@ -21,7 +27,7 @@ about gRPC, models or codecs: entries are named CPU tensors.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -102,7 +108,7 @@ class Index:
                 del self.children[slot.parent]
         return slot
 
-    def victim(self, keep: tuple[str, ...] = ()) -> str | None:
+    def victim(self, keep: Collection[str] = ()) -> str | None:
         """The next entry to evict (never one of `keep`), or None when no other can go."""
         best: tuple[float, int] | None = None
         chosen = None
@@ -119,8 +125,11 @@ class Index:
                 best, chosen = score, key
         return chosen
 
-    def make_room(self, key: str, parent: str, nbytes: int, protect: Sequence[str] = ()) -> list[str] | None:
-        """Evict until nbytes more fit, never `protect` (what the same request just stored);
+    def make_room(
+        self, key: str, parent: str, nbytes: int, protect: Sequence[str] = (), last: frozenset[str] = frozenset()
+    ) -> list[str] | None:
+        """Evict until nbytes more fit, never `protect` (what the same request just stored),
+        `last` (entries in use: evicting them frees nothing yet) only when nothing else can go;
         the keys evicted, or None (nothing evicted) when they cannot: "cost" never evicts the
         new entry's ancestors for it (that would orphan it), so a chain that outgrows the budget
         keeps its prefix."""
@@ -131,8 +140,9 @@ class Index:
         if sum(self.slots[k].nbytes for k in keep if k in self.slots) + nbytes > self.budget_bytes:
             return None
         evicted = []
+        kept = set(keep)
         while self.nbytes + nbytes > self.budget_bytes:
-            victim = self.victim(tuple(keep))
+            victim = (self.victim(kept | last) if last else None) or self.victim(kept)
             if victim is None:  # cannot happen: what is not kept holds a leaf
                 return None
             self.drop(victim)
@@ -141,11 +151,25 @@ class Index:
         return evicted
 
 
+@dataclass(frozen=True)
+class TierStats:
+    """One tier as Describe and the metrics show it."""
+
+    name: str
+    index: Index
+    corrupt: int = 0  # entries dropped for bad bytes
+    write_skipped: int = 0  # disk: writes skipped, the writer's queue full
+    queued_bytes: int = 0  # disk: tensor bytes waiting for the writer
+    pinned_evicted_bytes: int = 0  # RAM: bytes evicted but still held by running requests
+
+
 class LowerTier(Protocol):
     """What the store needs of a tier below RAM (producer.disk_tier.DiskTier)."""
 
     index: Index
     corrupt: int
+    write_skipped: int
+    queued_bytes: int
 
     def has(self, key: str) -> bool: ...
 
@@ -166,6 +190,8 @@ class ChunkStore:
         self.hits = 0  # whole contexts replayed, no forward
         self.misses = 0  # requests that ran a forward (partial_hits of them on a stored prefix)
         self.partial_hits = 0
+        self._pinned: dict[int, ChunkEntry] = {}  # id(entry) -> entry: entries running requests hold
+        self._pins: dict[int, int] = {}  # id(entry) -> how many requests hold it
 
     @property
     def evictions(self) -> int:
@@ -197,6 +223,36 @@ class ChunkStore:
             self.put(entry, write_through=False)
         return entry
 
+    def pin(self, entries: Iterable[ChunkEntry]) -> Callable[[], None]:
+        """Count `entries` as held by a running request until the returned release is called
+        (a second call does nothing; producer.reuse.plan's pin ends with its plan)."""
+        held = list({id(e): e for e in entries}.values())
+        with self._lock:
+            for e in held:
+                self._pinned[id(e)] = e
+                self._pins[id(e)] = self._pins.get(id(e), 0) + 1
+
+        def release() -> None:
+            with self._lock:
+                if not held:
+                    return  # released already
+                for e in held:
+                    left = self._pins.pop(id(e), 0) - 1
+                    if left > 0:
+                        self._pins[id(e)] = left
+                    else:
+                        self._pinned.pop(id(e), None)
+                held.clear()
+
+        return release
+
+    @property
+    def pinned_evicted_bytes(self) -> int:
+        """Bytes of entries running requests hold that RAM no longer holds (evicted, cleared, or
+        read from disk and not kept): memory outside the budget until those requests end."""
+        with self._lock:
+            return sum(e.nbytes for e in self._pinned.values() if self.entries.get(e.key) is not e)
+
     def put_many(self, entries: Sequence[ChunkEntry]) -> int:
         """Keep one request's new chunks, in order (chunk by chunk: its K/V, then its payloads),
         none evicting another of them; RAM stops at the first that does not fit (what follows
@@ -220,7 +276,8 @@ class ChunkStore:
         if nbytes > self.index.budget_bytes:
             return False
         with self._lock:
-            evicted = self.index.make_room(entry.key, entry.parent, nbytes, protect)
+            pinned = frozenset(e.key for e in self._pinned.values() if self.entries.get(e.key) is e)
+            evicted = self.index.make_room(entry.key, entry.parent, nbytes, protect, pinned)
             if evicted is None:
                 return False
             for key in evicted:
@@ -236,10 +293,10 @@ class ChunkStore:
             for key in list(self.index.slots):
                 self.index.drop(key)
 
-    def tiers(self) -> list[tuple[str, Index, int]]:
-        """(tier name, its index, entries dropped as corrupt) for Describe and metrics."""
-        with self._lock:
-            out = [("ram", self.index, 0)]
+    def tiers(self) -> list[TierStats]:
+        """Each tier's index and counters, for Describe and metrics."""
+        out = [TierStats("ram", self.index, pinned_evicted_bytes=self.pinned_evicted_bytes)]
         if self.disk is not None:
-            out.append(("disk", self.disk.index, self.disk.corrupt))
+            d = self.disk
+            out.append(TierStats("disk", d.index, d.corrupt, d.write_skipped, d.queued_bytes))
         return out

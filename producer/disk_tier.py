@@ -2,11 +2,18 @@
 byte budget (evicted by the same policy as RAM, producer.chunk_store.Index).
 
 Writes are atomic (a temporary file in the same directory, then rename) and run on one writer
-thread, never on the caller's. Each file's metadata carries the entry's key, parent, end
-position and a sha256 of its tensors' bytes (name order), verified on every read: a file that
-does not parse, names another key or fails its checksum is deleted and counted (`corrupt`),
-and the caller falls back to the prefill: bad bytes are never served. On start the directory
-is scanned (headers only), so a restarted producer serves what it had written.
+thread, never on the caller's. The writes waiting for that thread hold their tensors: at most
+`queue_bytes` of tensor bytes wait (`queued_bytes`); a write that would go past it is skipped
+and counted (`write_skipped`): the disk copy is lost, RAM keeps the entry as usual.
+
+Each file's metadata carries the entry's key, parent, end position and a sha256 of its tensors'
+bytes (name order). A read opens the file once, reads its bytes and parses and checks those
+bytes in memory, so a file replaced or deleted meanwhile (a rewrite, an eviction, another
+process on the same directory) is read whole, old or new, never half of each. A file that does
+not parse, names another key or fails its checksum is deleted and counted (`corrupt`), and the
+caller falls back to the prefill: bad bytes are never served. A file gone between the index
+check and the open is a miss, not corruption. On start the directory is scanned (headers
+only), so a restarted producer serves what it had written.
 
 Knows nothing about gRPC, models or codecs.
 """
@@ -14,8 +21,8 @@ Knows nothing about gRPC, models or codecs.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import hashlib
+import json
 import os
 import threading
 import uuid
@@ -23,7 +30,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_bytes
+from safetensors.torch import save_file
 
 from producer.chunk_store import ChunkEntry, Index, Slot
 from shared import logs
@@ -31,6 +39,7 @@ from shared import logs
 log = logs.get("producer.disk_tier")
 FORMAT = "scd.chunk.v1"
 SUFFIX = ".safetensors"
+DEFAULT_QUEUE_BYTES = 256 << 20  # tensor bytes waiting for the writer thread, at most
 
 
 def checksum(tensors: dict[str, torch.Tensor]) -> str:
@@ -42,12 +51,27 @@ def checksum(tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+def parse(data: bytes) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(metadata, tensors) of a safetensors file's bytes, parsed in memory."""
+    if len(data) < 8:
+        raise ValueError(f"{len(data)} bytes: shorter than a safetensors header")
+    size = int.from_bytes(data[:8], "little")
+    if size > len(data) - 8:
+        raise ValueError(f"header of {size} bytes past the end of a {len(data)}-byte file")
+    header = json.loads(data[8 : 8 + size])
+    meta = header.get("__metadata__") or {} if isinstance(header, dict) else {}
+    return meta, load_bytes(data)
+
+
 class DiskTier:
-    def __init__(self, directory: str | Path, budget_bytes: int, policy: str = "cost"):
+    def __init__(self, directory: str | Path, budget_bytes: int, policy: str = "cost", queue_bytes: int = DEFAULT_QUEUE_BYTES):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.index = Index(budget_bytes, policy)
         self.corrupt = 0  # files dropped because they did not parse or failed their checksum
+        self.queue_bytes = queue_bytes  # bound on queued_bytes
+        self.queued_bytes = 0  # tensor bytes of the writes waiting for (or running on) the writer thread
+        self.write_skipped = 0  # writes not queued: queued_bytes would have passed queue_bytes
         self._lock = threading.Lock()
         self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="producer-disk")
         self._pending: set[str] = set()
@@ -81,15 +105,25 @@ class DiskTier:
             return key in self.index.slots
 
     def write(self, entry: ChunkEntry) -> None:
-        """Queue an atomic write of the entry (skipped when already held or queued)."""
+        """Queue an atomic write of the entry (skipped when already held or queued; skipped and
+        counted when its tensors would take the queued bytes past queue_bytes)."""
+        nbytes = entry.nbytes
         with self._lock:
             if entry.key in self.index.slots or entry.key in self._pending:
                 return
+            if self.queued_bytes + nbytes > self.queue_bytes:
+                self.write_skipped += 1
+                return
             self._pending.add(entry.key)
-        with contextlib.suppress(RuntimeError):  # shut down: the process is stopping
-            self._writer.submit(self._write, entry)
+            self.queued_bytes += nbytes
+        try:
+            self._writer.submit(self._write, entry, nbytes)
+        except RuntimeError:  # shut down: the process is stopping
+            with self._lock:
+                self._pending.discard(entry.key)
+                self.queued_bytes -= nbytes
 
-    def _write(self, entry: ChunkEntry) -> None:
+    def _write(self, entry: ChunkEntry, queued: int) -> None:
         final = self.path(entry.key)
         tmp = self.dir / f".{entry.key}.{uuid.uuid4().hex}.tmp"
         try:
@@ -119,17 +153,29 @@ class DiskTier:
             tmp.unlink(missing_ok=True)
             with self._lock:
                 self._pending.discard(entry.key)
+                self.queued_bytes -= queued
 
     def read(self, key: str) -> ChunkEntry | None:
-        """The entry, its checksum verified; None (file dropped, counted) when it is bad."""
+        """The entry, its checksum verified; None when it is not here (a miss) or bad (file
+        dropped, counted). The file is opened once: its bytes are parsed and checked in memory."""
         path = self.path(key)
         with self._lock:
             if key not in self.index.slots:
                 return None
         try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-            tensors = load_file(str(path))
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:  # evicted, or deleted, since the index check: a miss
+            with self._lock:
+                if key in self.index.slots and not path.exists():  # gone for good (the writer holds the lock)
+                    self.index.drop(key)
+            return None
+        except OSError as exc:  # unreadable (permissions, I/O error): not served, the file stays
+            log.warning("disk_tier.read_failed", key=key[:16], error=str(exc)[:200])
+            return None
+        try:
+            meta, tensors = parse(data)
+            del data
             if meta.get("key") != key or meta.get("sha256") != checksum(tensors):
                 raise ValueError("checksum or key mismatch")
             entry = ChunkEntry(key, meta["parent"], int(meta["end"]), tensors)

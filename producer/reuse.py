@@ -27,13 +27,19 @@ chunks at all: their stored chunks' payloads are encoded again from the stored K
 codec and option, and a RAM budget holds twice the context for raw. Their tail K/V is kept too
 (an exact repeat replays it).
 
+Memory: a plan holds the stored entries it loaded until it ends; it pins them in the store
+(ChunkStore.pin) for that long, so those the store evicts meanwhile are counted
+(ChunkStore.pinned_evicted_bytes). `release` ends the pin (the servicer calls it when the
+request's stream ends); a plan collected without it releases then.
+
 Knows nothing about gRPC; the engine calls `assemble` on a request's encode lane.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -86,6 +92,8 @@ class Continuation:
     prefix_kv_entries: list[ChunkEntry] = field(default_factory=list)  # chunks [0, P/C)
     payload_entries: list[ChunkEntry] = field(default_factory=list)  # chunks [F/C, P/C), or [F/C, n) on replay
     tail_entry: ChunkEntry | None = None  # a stored shorter chunk the prefix ends with (P not a multiple of C)
+    tail_source: ChunkEntry | None = None  # the stored entry tail_entry is cut from (its tensors are views of it)
+    release: Callable[[], object] = lambda: None  # ends the plan's pin on the entries it holds (idempotent)
     _new_kv: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # chunk index -> tensors
     _new_payloads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
@@ -236,7 +244,7 @@ def plan(
             entries = [store.get(r.key) for r in tail]
             if all(e is not None for e in entries):
                 plan.replay, plan.payload_entries, plan.start = True, [e for e in entries if e is not None], T
-                return plan
+                return _pinned(store, plan)
     if not (encoder.per_token or (encoder.causal_layers and plan.layouts is not None)):
         return plan
     k = min(chunks.longest(plan.kv_refs, store.has), (T - 1) // C)
@@ -266,6 +274,16 @@ def plan(
             plan.prefix_kv_entries.append(last)
             plan.payload_entries.append(last)
             plan.tail_entry, plan.start = last, last.end
+    return _pinned(store, plan)
+
+
+def _pinned(store: ChunkStore, plan: Continuation) -> Continuation:
+    """The plan, its stored entries pinned until plan.release() or its collection."""
+    held = [e for e in (*plan.prefix_kv_entries, *plan.payload_entries) if e is not plan.tail_entry]
+    if plan.tail_source is not None:
+        held.append(plan.tail_source)
+    if held:
+        plan.release = weakref.finalize(plan, store.pin(held))
     return plan
 
 
@@ -289,5 +307,6 @@ def _stored_tail(store: ChunkStore, plan: Continuation, k: int) -> ChunkEntry | 
         if use == 0:
             return None
         cut = {name: t[:, :use] for name, t in entry.tensors.items()}  # [n_kv, use, hd]
+        plan.tail_source = entry
         return ChunkEntry(chunks.chunk_key(parent, ids[begin : begin + use]), parent, begin + use, cut)  # named for what it holds
     return None

@@ -1,9 +1,9 @@
-"""Producer gRPC servicer (thin: validate, call PrefillEngine, convert with shared.wire) and
-process wiring (config, model load, health, drain)."""
+"""Producer gRPC servicer (thin: validate, check the prefix, send the header, the layers that
+producer.sources gives and the trailer, converted with shared.wire) and process wiring (config,
+model load, health, drain). Stores, single flight and replays are producer.sources'."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,12 +12,12 @@ import structlog
 
 import shared
 from producer.chunk_store import ChunkStore
-from producer.disk_tier import DiskTier
 from producer.encode import EncodePool
 from producer.flight import Flight, Flights
 from producer.prefill import EncodedLayer, PrefillDone, PrefillEngine
-from producer.reuse import Continuation, Roots, plan
-from producer.store import ContextStore, StoredPrefill, store_key
+from producer.reuse import Roots
+from producer.sources import Sources
+from producer.store import ContextStore
 from shared import chunks, describe, handlers, liveness, logs, outcomes, serving, wire
 from shared import codecs as codec_lib
 from shared.codecs.base import chunk_layouts
@@ -44,22 +44,35 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         self.store_hits = 0
         self.admission = serving.Admission("max_inflight", config.max_inflight)
         self.outcomes = outcomes.Outcomes()
-        self.whole = ContextStore(config.store_bytes)  # whole contexts (chunk_tokens = 0)
-        self.chunks: ChunkStore | None = None  # per chunk (chunk_tokens > 0): prefix reuse
-        if config.chunk_tokens:
-            disk = None
-            if config.store_disk_dir and config.store_disk_bytes:
-                disk = DiskTier(config.store_disk_dir, config.store_disk_bytes, config.store_eviction)
-            self.chunks = ChunkStore(config.store_bytes, config.store_eviction, disk)
-        # the store in use: its counters (hits: whole contexts replayed; misses: calls that ran a
-        # forward), bytes and entries are the scd_store_* metrics
-        self.store: ContextStore | ChunkStore = self.chunks if self.chunks is not None else self.whole
         self.tokens_reused = self.tokens_computed = 0
-        self.prefix_flights: dict[str, Flight] = {}  # K/V chunk key -> the running flight that will store it
-        self.prefix_waits = 0  # calls that waited for a running flight computing their prefix
-        self.flights = Flights()  # single flight: concurrent identical prefills share one run
         self.encode = EncodePool(config.encode_threads)
+        self.sources = Sources(config, self.encode)  # stores, single flight, replays
         self.compute_progress = liveness.Progress("producer-compute")  # the watchdog reads it from the start
+
+    # what the metrics, Describe, the server's wiring and tests read: the sources' own
+    @property
+    def whole(self) -> ContextStore:
+        return self.sources.whole
+
+    @property
+    def chunks(self) -> ChunkStore | None:
+        return self.sources.chunks
+
+    @property
+    def store(self) -> ContextStore | ChunkStore:
+        return self.sources.store
+
+    @property
+    def flights(self) -> Flights:
+        return self.sources.flights
+
+    @property
+    def prefix_flights(self) -> dict[str, Flight]:
+        return self.sources.prefix_flights
+
+    @property
+    def prefix_waits(self) -> int:
+        return self.sources.prefix_waits
 
     def attach(self, loaded: LoadedModel) -> None:
         self.codecs = codec_lib.create_codecs(loaded, artifacts=discover(self.config.artifact_paths))
@@ -72,6 +85,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             max_batch_tokens=self.config.max_prefill_batch_tokens,
             progress=self.compute_progress,
         )
+        self.sources.engine = self.engine
         self.loaded = loaded
 
     def _ready(self) -> LoadedModel:
@@ -103,9 +117,12 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                 yield message
 
     def _roots(self, codec, options, encoder) -> Roots:
-        digest = self._ready().info.weight_digest
+        info = self._ready().info
         meta = encoder.metadata()
-        return Roots(chunks.model_root(digest), chunks.codec_root(digest, codec.name, codec.format_version, options, meta))
+        return Roots(
+            chunks.model_root(info.weight_digest, info.dtype),
+            chunks.codec_root(info.weight_digest, info.dtype, codec.name, codec.format_version, options, meta),
+        )
 
     def _check_prefix(self, request, codec, encoder, roots: Roots | None) -> None:
         """PrefillRequest.first_token / prefix_key (see the proto)."""
@@ -160,23 +177,9 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         def pack(layer, payloads):
             return [r for kind, t in payloads.items() for r in wire.payload_to_responses(layer, kind, t, max_chunk)]
 
-        if roots is not None:
-            source, shared, store_hit = await self._chunked_source(request, encoder, roots, pack)
-        else:
-            key = store_key(request.token_ids, codec.name, options, encoder.metadata())
-            # a running flight first: its caller already missed the store, a follower is no second miss
-            stored = None if key in self.flights.running else self.whole.get(key)
-            shared = False
-            store_hit = stored is not None
-            if stored is not None:
-                source = self._replay(stored, len(request.token_ids))
-            else:  # a prefill already running for the same key is joined, not repeated
-                source, shared = self.flights.join(
-                    key,
-                    lambda: self.engine.stream(list(request.token_ids), encoder, pack),
-                    is_last=lambda item: isinstance(item, PrefillDone),
-                    on_complete=lambda items: self._keep(key, items),
-                )
+        source, shared, store_hit = await self.sources.open(
+            request.token_ids, request.first_token, codec.name, options, encoder, roots, pack, info.num_layers
+        )
         sent_chunks = sent_payloads = sent_bytes = 0
         async with contextlib.aclosing(source) as layers:
             async for item in layers:
@@ -221,80 +224,9 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                         reused_tokens=item.reused_tokens,
                     )
 
-    async def _chunked_source(self, request, encoder, roots: Roots, pack):
-        """(stream, joined a running flight, replayed from the chunk store): a running flight for
-        the same chain and first token is joined; a running flight that computes a prefix of
-        this context is waited for (single flight per chunk chain: the next turn arriving while
-        the previous one prefills continues it rather than computing it again); then the store's
-        plan (producer.reuse) decides between a replay of stored chunks and a forward over the
-        tokens it does not hold."""
-        assert self.chunks is not None
-        size, ids = self.config.chunk_tokens, list(request.token_ids)
-        key = f"{chunks.prefix_key(roots.codec, ids, len(ids), size)}@{request.first_token}"
-        if key not in self.flights.running:
-            for ref in reversed(chunks.chain(roots.model, ids[: len(ids) - 1], size)):
-                flight = self.prefix_flights.get(ref.key)
-                if flight is not None and ref.end - ref.start == size:
-                    self.prefix_waits += 1
-                    await asyncio.wait({flight.task})  # it stores the prefix's K/V as it completes
-                    break
-        reuse = None  # joining a running flight: the plan is the flight's
-        if key not in self.flights.running:
-            num_layers = self._ready().info.num_layers
-            planned = await asyncio.to_thread(plan, self.chunks, ids, size, roots, encoder, num_layers, request.first_token)
-            if planned.replay:
-                self.chunks.hits += 1
-                return self._replay_chunks(planned, pack, num_layers), False, True
-            if key not in self.flights.running:  # a concurrent call may have started it while we planned
-                reuse = planned
-                self.chunks.misses += 1
-                self.chunks.partial_hits += reuse.start > 0
-        source, shared = self.flights.join(
-            key,
-            lambda: self.engine.stream(ids, encoder, pack, reuse),
-            is_last=lambda item: isinstance(item, PrefillDone),
-            on_complete=self._keep_chunks,
-        )
-        if not shared and reuse is not None and reuse.keep:  # the full chunks of K/V this flight will store
-            flight = source.flight
-            mine = [r.key for r in reuse.kv_refs[reuse.start // size :] if r.end - r.start == size]
-            for chunk in mine:
-                self.prefix_flights.setdefault(chunk, flight)
-            flight.task.add_done_callback(lambda _: self._prefix_flight_done(mine, flight))
-        return source, shared, False
-
-    def _prefix_flight_done(self, keys: list[str], flight) -> None:
-        for chunk in keys:
-            if self.prefix_flights.get(chunk) is flight:
-                del self.prefix_flights[chunk]
-
-    async def _replay_chunks(self, reuse: Continuation, pack, num_layers: int):
-        """Every payload chunk from first_token on is stored: joined and packed per layer on the
-        encode threads, no forward."""
-        loop = asyncio.get_running_loop()
-        encode_ms = 0.0
-
-        def build(layer: int) -> EncodedLayer:
-            began = time.perf_counter()
-            payloads = reuse.replay_layer(layer)
-            packed = pack(layer, payloads)
-            took = (time.perf_counter() - began) * 1e3
-            return EncodedLayer(layer, packed, sum(t.numel() * t.element_size() for t in payloads.values()), took)
-
-        for layer in range(num_layers):
-            item = await loop.run_in_executor(self.encode.executor, build, layer)
-            encode_ms += item.encode_ms
-            yield item
-        yield PrefillDone(0.0, encode_ms, num_layers, batch_size=0, reused_tokens=reuse.reused_tokens, computed_tokens=0)
-
-    def _keep_chunks(self, items: list) -> None:
-        """A completed forward's new chunks go to the chunk store (once per run)."""
-        assert self.chunks is not None
-        self.chunks.put_many(items[-1].kept)
-        items[-1].kept = []  # the flight keeps its items until it ends: let the store own these
-
     def store_tiers(self) -> list[producer_pb2.StoreTier]:
-        """Per tier: bytes, budget, entries, hits, evictions, corrupt entries dropped."""
+        """Per tier: bytes, budget, entries, hits, evictions, corrupt entries dropped; disk: writes
+        skipped and bytes queued; RAM: evicted bytes running requests still hold."""
         if self.chunks is None:
             s = self.whole
             return [
@@ -309,27 +241,19 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             ]
         return [
             producer_pb2.StoreTier(
-                name=name,
-                bytes=index.nbytes,
-                budget_bytes=index.budget_bytes,
-                entries=len(index.slots),
-                hits=index.hits,
-                evictions=index.evictions,
-                corrupt_dropped=corrupt,
+                name=tier.name,
+                bytes=tier.index.nbytes,
+                budget_bytes=tier.index.budget_bytes,
+                entries=len(tier.index.slots),
+                hits=tier.index.hits,
+                evictions=tier.index.evictions,
+                corrupt_dropped=tier.corrupt,
+                write_skipped=tier.write_skipped,
+                queued_bytes=tier.queued_bytes,
+                pinned_evicted_bytes=tier.pinned_evicted_bytes,
             )
-            for name, index, corrupt in self.chunks.tiers()
+            for tier in self.chunks.tiers()
         ]
-
-    async def _replay(self, stored: StoredPrefill, num_tokens: int):
-        """A store hit: the stored layers, no forward, no encode."""
-        for layer in stored.layers:
-            yield layer
-        yield PrefillDone(prefill_ms=0.0, encode_ms=0.0, layers=len(stored.layers), batch_size=0, reused_tokens=num_tokens)
-
-    def _keep(self, key: str, items: list) -> None:
-        """A completed prefill's layers go to the store (called once per run, however many share it)."""
-        kept = tuple(x for x in items if isinstance(x, EncodedLayer))
-        self.whole.put(key, StoredPrefill(kept, sum(x.payload_bytes for x in kept)))
 
     @serving.unary_errors
     async def Describe(self, request, context):

@@ -31,7 +31,7 @@ class Validated(Protocol):
 
 
 C = TypeVar("C", bound=Validated)
-LOCAL_MODE = "oracle"  # the consumer's own prefill, as consumer.engine names it (shared never imports consumer)
+ORACLE_MODE = "oracle"  # the consumer's own prefill, as consumer.pipeline names it (shared never imports consumer)
 AUTO_MODE = "auto"  # the consumer picks the fastest mode within a loss budget (consumer.auto)
 LB_POLICIES = ("ring_hash", "round_robin", "pick_first")
 
@@ -117,6 +117,7 @@ class ProducerConfig(ServerConfig):
     store_eviction: str = "cost"  # cost (value per byte from hits and position, leaves first) | lru
     store_disk_dir: str = ""  # chunk store's disk tier (safetensors files); "" off
     store_disk_bytes: int = 8 << 30  # disk tier budget
+    store_disk_queue_bytes: int = 256 << 20  # disk writes queued (tensor bytes) at most; past it a write is skipped, counted
 
     def validate(self) -> None:
         super().validate()
@@ -129,6 +130,8 @@ class ProducerConfig(ServerConfig):
             raise ValueError(f"store_bytes: {self.store_bytes} must be >= 0")
         if self.chunk_tokens < 0 or self.store_disk_bytes < 0:
             raise ValueError("chunk_tokens and store_disk_bytes: must be >= 0")
+        if self.store_disk_queue_bytes < 1:
+            raise ValueError(f"store_disk_queue_bytes: {self.store_disk_queue_bytes} must be >= 1")
         if self.store_eviction not in ("cost", "lru"):
             raise ValueError(f"store_eviction: {self.store_eviction!r} not in cost, lru")
         if self.max_inflight < 1:
@@ -206,7 +209,7 @@ def default_modes() -> list[str]:
     """What --default-mode may name: every registered codec, the consumer's own prefill and `auto`."""
     from shared.codecs import registered  # torch-heavy: only when a default mode is set
 
-    return sorted([*registered(), LOCAL_MODE, AUTO_MODE])
+    return sorted([*registered(), ORACLE_MODE, AUTO_MODE])
 
 
 _FIELD_LINE = re.compile(r"^\s+(\w+): [^=]+=.*?  # (.+)$")

@@ -217,7 +217,7 @@ class Metrics:
 
     def watch_engine(self, engine, pool, admission, prefix=None, generate=None) -> None:
         """The consumer's batch engine (consumer.batch), its KV pool, KV admission queue, prefix
-        cache (consumer.prefix_cache, when on) and request pipeline's rebuilds (consumer.engine)."""
+        cache (consumer.prefix_cache, when on) and request pipeline's rebuilds (consumer.pipeline)."""
 
         def families():
             if prefix is not None:
@@ -237,6 +237,12 @@ class Metrics:
                 GaugeMetricFamily,
                 ("scd_kv_pool_bytes", "KV pool size (--kv-pool-bytes)", pool.capacity_bytes),
                 ("scd_kv_used_bytes", "KV pool bytes held by admitted requests", pool.used_bytes),
+                (
+                    "scd_kv_reclaimable_bytes",
+                    "KV pool bytes waiting for the engine to zero and free them",
+                    pool.reclaimable_blocks * pool.block_bytes,
+                ),
+                ("scd_scratch_bytes", "bytes of the runner's attention gather buffers", engine.stats.scratch_bytes),
                 ("scd_kv_queue", "requests waiting for KV memory", admission.queued),
                 ("scd_batch_rows", "rows of the engine's last forward", engine.stats.last_batch),
                 ("scd_batch_limit", "rows per forward (--max-batch)", engine.max_batch),
@@ -300,7 +306,7 @@ class Metrics:
 
     # -- the consumer's per-request figures --------------------------------------------------
     def observe_generate(self, result) -> None:
-        """One finished Generate (consumer.engine.GenerateResult)."""
+        """One finished Generate (consumer.pipeline.GenerateResult)."""
         mode = result.codec
         self.generates.labels(mode).inc()
         for stage in GENERATE_STAGES:
@@ -419,6 +425,9 @@ def _store_tiers(servicer):
         (CounterMetricFamily, "hits", "entry lookups served by the store tier"),
         (CounterMetricFamily, "evictions", "entries evicted from the store tier"),
         (CounterMetricFamily, "corrupt", "entries dropped for bad bytes (disk: unparsable, truncated, checksum)"),
+        (CounterMetricFamily, "write_skipped", "disk writes skipped because the writer's queue was full"),
+        (GaugeMetricFamily, "queued_bytes", "tensor bytes waiting for the disk writer"),
+        (GaugeMetricFamily, "pinned_evicted_bytes", "bytes evicted from the tier but still held by running requests"),
     ):
         family = kind(f"scd_store_tier_{name}", help_, labels=["tier"])
         for tier in tiers:

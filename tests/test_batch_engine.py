@@ -86,21 +86,39 @@ def run_tasks(engine: BatchEngine, specs: list[tuple[list[int], int]], pool: KVP
     return out
 
 
+def rows_per_forward(engine: BatchEngine) -> list[int]:
+    """The number of rows of each of the engine's forwards from now on, in order."""
+    seen: list[int] = []
+    forward = engine.runner.forward
+
+    def counting(rows, *args, **kw):
+        seen.append(len(rows))
+        return forward(rows, *args, **kw)
+
+    engine.runner.forward = counting  # type: ignore[method-assign]
+    return seen
+
+
 def test_batched_answers_equal_one_row_per_forward(loaded):
     vocab = loaded.info.vocab_size
     specs = [(ids(n, 100 + n, vocab), new) for n, new in ((40, 12), (7, 20), (130, 5), (64, 16), (3, 9))]
-    answers = {}
+    answers, sizes = {}, {}
     for max_batch in (1, 8):
         pool = pool_for(loaded)
         engine = BatchEngine(loaded, pool, max_batch=max_batch, prefill_chunk=32, max_batch_tokens=64)
+        sizes[max_batch] = rows_per_forward(engine)
         try:
             answers[max_batch] = run_tasks(engine, specs, pool)
             assert pool.free_blocks == pool.num_blocks  # every block back
         finally:
             engine.shutdown()
+        assert len(sizes[max_batch]) == engine.stats.forwards and sum(sizes[max_batch]) == engine.stats.rows
     assert answers[1] == answers[8]
     assert [len(a) for a in answers[8]] == [new for _, new in specs]  # type: ignore[arg-type]
-    assert engine.stats.last_batch >= 1
+    # the batching happened: with room for 8, some forward ran all 5 requests together (with
+    # max_batch 1, or a silent fallback to one row, every forward has one row), in far fewer forwards
+    assert max(sizes[1]) == 1 and max(sizes[8]) == len(specs)
+    assert 2 * len(sizes[8]) < len(sizes[1])
 
 
 def test_decoding_writes_the_pool_in_place(loaded):
@@ -194,7 +212,8 @@ async def test_kv_admission_limits_queue_and_release(loaded):
     with pytest.raises(ResourceExhausted, match="max_queue 1"):
         await admission.acquire(16, soon)
     pool.release(first)
-    admission.wake()
+    assert pool.free_blocks == 1  # dropped, not free: only the owner's reclaim zeroes and frees
+    pool.reclaim()  # what the engine does at its next boundary (it wakes admission)
     seq, waited = await asyncio.wait_for(second, 5)
     assert waited > 0 and pool.free_blocks == 2
     with pytest.raises(DeadlineExceeded):
@@ -205,7 +224,7 @@ async def test_kv_admission_limits_queue_and_release(loaded):
     with pytest.raises(asyncio.CancelledError):
         await third
     pool.release(seq)
-    admission.wake()
+    pool.reclaim()
     await asyncio.sleep(0.05)
     assert pool.free_blocks == pool.num_blocks and admission.queued == 0
 
@@ -303,10 +322,10 @@ def test_kv_codecs_rebuild_several_requests_into_the_pool_in_one_call(loaded, co
 
 
 async def test_a_request_takes_the_tokens_that_arrived_together_in_one_message():
-    """consumer.engine.take_ready: what a loaded event loop sends as one TokenDelta. Everything
+    """consumer.engine_stream.take_ready: what a loaded event loop sends as one TokenDelta. Everything
     queued up to the request's Finished, never past it; an error ends the batch and comes apart,
     after the tokens that preceded it."""
-    from consumer.engine import take_ready
+    from consumer.engine_stream import take_ready
 
     queue: asyncio.Queue = asyncio.Queue()
     assert take_ready(5, queue) == ([5], None)  # nothing else waiting: one token, as before
@@ -354,16 +373,15 @@ def test_grouped_jobs_queued_together_run_as_one_call(loaded):
 
 
 async def test_a_deadline_during_decode_ends_the_request_after_the_tokens_before_it(loaded):
-    """consumer.engine: a request whose deadline passes while the engine still decodes for it gets
+    """consumer.engine_stream: a request whose deadline passes while the engine still decodes for it gets
     the tokens sampled before the deadline, then DeadlineExceeded; the engine drops its task and
     its blocks can go back."""
-    from consumer.engine import GenerateEngine, GenerateJob
-    from consumer.kv_admission import KVAdmission as Admission
+    from consumer.engine_stream import engine_task
+    from consumer.request import GenerateJob
 
     pool = pool_for(loaded)
     engine = BatchEngine(loaded, pool, max_batch=4)
     try:
-        pipeline = GenerateEngine(loaded, engine, Admission(pool, max_queue=1), None)
         seq = pool.allocate(3000)
         job = GenerateJob(
             "r", [], ids(8, 1, loaded.info.vocab_size), None, {}, 2900, Sampling(), frozenset(), deadline=time.monotonic() + 0.4
@@ -372,7 +390,7 @@ async def test_a_deadline_during_decode_ends_the_request_after_the_tokens_before
         got: list[int] = []
         started = time.monotonic()
         with pytest.raises(DeadlineExceeded, match="waiting for the engine"):
-            async for items in pipeline._engine_task(job, task):
+            async for items in engine_task(engine, job, task):
                 got += [i for i in items if not isinstance(i, Finished)]
         assert 0 < len(got) < 2900 and time.monotonic() - started < 2.0
         await asyncio.wrap_future(engine.submit(lambda: None))  # an iteration boundary: the task has left

@@ -361,7 +361,7 @@ async def test_local_prefill_policy_turns_a_corrupt_stream_into_the_oracle_answe
     assert err is None
     # the mid-stream watch off (tests/test_auto.py covers it): on a loaded host it could abandon
     # this stream as too slow before its corrupt layer is read, and the failure would be a deadline
-    engine = consumer.servicer.engine
+    engine = consumer.servicer.pipeline
     planner, engine.planner = engine.planner, None
     try:
         received, err = await ask(client, on_transfer_failure=consumer_pb2.TRANSFER_FAILURE_POLICY_LOCAL_PREFILL, **fields)
@@ -482,16 +482,16 @@ async def absurd_values_fail_alone(world, hostile) -> None:
     alone_ids = tokens(alone)
     # the prefix cache on for raw (it needs the producer's weights, which a hostile producer does
     # not describe): a hostile stream's KV must never be kept for the next request of its context
-    engine = consumer.servicer.engine
-    engine.producer_digest = lambda: "hostile-producer"
-    consumer.servicer.prefix.clear()
+    engine = consumer.servicer.pipeline
+    engine.producer_digest, engine.producer_dtype = (lambda: "hostile-producer"), (lambda: "float32")
+    await asyncio.wrap_future(consumer.servicer.batch.submit(consumer.servicer.prefix.clear))  # the engine's to change
     received, err = await ask(client, request_id="hostile-first", **fields)
     assert err is not None and err.code() == DL
     received, err = await ask(client, request_id="good-after", **fields)
     assert err is None and received[-1].stats.prefix_reused_tokens == 0
     assert tokens(received) == alone_ids
     engine.producer_digest = lambda: ""
-    consumer.servicer.prefix.clear()
+    await asyncio.wrap_future(consumer.servicer.batch.submit(consumer.servicer.prefix.clear))
     failed_before = consumer.servicer.batch.stats.failed_rows
     results = await asyncio.gather(
         *(ask(client, request_id=f"{'hostile' if i % 3 == 1 else 'good'}-{i}", **fields) for i in range(9))
@@ -506,7 +506,7 @@ async def absurd_values_fail_alone(world, hostile) -> None:
     assert consumer.servicer.batch.stats.failed_rows - failed_before == 3
     assert consumer.servicer.admission.inflight == 0
     pool = consumer.servicer.batch.pool
-    consumer.servicer.prefix.clear()
+    await asyncio.wrap_future(consumer.servicer.batch.submit(consumer.servicer.prefix.clear))
     for _ in range(100):  # releases run once the answers went out
         if pool.free_blocks == pool.num_blocks:
             break

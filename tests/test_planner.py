@@ -111,15 +111,16 @@ def test_producer_memory_remembers_prefixes_per_mode_and_stays_bounded():
 
     m = ProducerMemory(capacity=16)
     ids = list(range(1000))
-    assert m.held("p" * 64, "raw", ids) == (0, 0)
-    m.remember("p" * 64, "raw", ids[:600], chunk_tokens=256)
-    assert m.held("p" * 64, "raw", ids) == (512, 512)  # the two full chunks the longer context shares
-    assert m.held("p" * 64, "quant(bits=8)", ids) == (512, 0)  # the KV is there, not quant's payloads
-    assert m.held("q" * 64, "raw", ids) == (0, 0)  # another producer
-    assert m.held("p" * 64, "raw", ids[:600]) == (600, 600)  # the whole context, its tail included
-    m.remember("", "raw", ids, chunk_tokens=256)  # producer not known: nothing to remember
+    assert m.held("p" * 64, "float32", "raw", ids) == (0, 0)
+    m.remember("p" * 64, "float32", "raw", ids[:600], chunk_tokens=256)
+    assert m.held("p" * 64, "float32", "raw", ids) == (512, 512)  # the two full chunks the longer context shares
+    assert m.held("p" * 64, "float32", "quant(bits=8)", ids) == (512, 0)  # the KV is there, not quant's payloads
+    assert m.held("q" * 64, "float32", "raw", ids) == (0, 0)  # another producer
+    assert m.held("p" * 64, "bfloat16", "raw", ids) == (0, 0)  # the same weights restarted in another dtype
+    assert m.held("p" * 64, "float32", "raw", ids[:600]) == (600, 600)  # the whole context, its tail included
+    m.remember("", "float32", "raw", ids, chunk_tokens=256)  # producer not known: nothing to remember
     for n in range(20):
-        m.remember("p" * 64, "raw", [n] * 300, chunk_tokens=256)
+        m.remember("p" * 64, "float32", "raw", [n] * 300, chunk_tokens=256)
     assert len(m.keys) == 16
 
 

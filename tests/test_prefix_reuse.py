@@ -28,7 +28,7 @@ C = 64  # chunk tokens in these tests (quant's 32-token key groups cut at its mu
 # -- keys ----------------------------------------------------------------------------------------
 def test_chunk_keys_chain_the_prefix_the_model_and_the_codec():
     ids = list(range(3, 300))
-    root = chunks.model_root("digest-a")
+    root = chunks.model_root("digest-a", "float32")
     refs = chunks.chain(root, ids, C)
     assert [(r.start, r.end) for r in refs] == [(0, 64), (64, 128), (128, 192), (192, 256), (256, 297)]
     assert all(b.parent == a.key for a, b in zip(refs, refs[1:])) and refs[0].parent == root
@@ -36,12 +36,17 @@ def test_chunk_keys_chain_the_prefix_the_model_and_the_codec():
     assert [r.key for r in longer[:4]] == [r.key for r in refs[:4]] and longer[4].key != refs[4].key  # shared full chunks
     changed = chunks.chain(root, [ids[0] + 1, *ids[1:]], C)
     assert all(a.key != b.key for a, b in zip(refs, changed))  # a change early changes every later key
-    assert chunks.chain(chunks.model_root("digest-b"), ids, C)[0].key != refs[0].key
-    codec = chunks.codec_root("digest-a", "quant", 1, {"bits": "8", "group_size": "32"}, {})
-    assert len({codec, root, chunks.codec_root("digest-a", "quant", 1, {"bits": "4", "group_size": "32"}, {}),
-                chunks.codec_root("digest-a", "scd", 2, {}, {"artifact": "x"}),
-                chunks.codec_root("digest-a", "scd", 2, {}, {"artifact": "y"}),
-                chunks.codec_root("digest-a", "quant", 2, {"bits": "8", "group_size": "32"}, {})}) == 6
+    assert chunks.chain(chunks.model_root("digest-b", "float32"), ids, C)[0].key != refs[0].key
+    # the dtype the K/V was computed in: other bytes, another chain (a restart in another dtype reuses none)
+    assert chunks.model_root("digest-a", "bfloat16") != root
+    assert chunks.codec_root("digest-a", "bfloat16", "raw", 1, {}, {}) != chunks.codec_root("digest-a", "float32", "raw", 1, {}, {})
+    with pytest.raises(ValueError):
+        chunks.model_root("digest-a", "")
+    codec = chunks.codec_root("digest-a", "float32", "quant", 1, {"bits": "8", "group_size": "32"}, {})
+    assert len({codec, root, chunks.codec_root("digest-a", "float32", "quant", 1, {"bits": "4", "group_size": "32"}, {}),
+                chunks.codec_root("digest-a", "float32", "scd", 2, {}, {"artifact": "x"}),
+                chunks.codec_root("digest-a", "float32", "scd", 2, {}, {"artifact": "y"}),
+                chunks.codec_root("digest-a", "float32", "quant", 2, {"bits": "8", "group_size": "32"}, {})}) == 6
     assert chunks.prefix_key(root, ids, 128, C) == refs[1].key and chunks.prefix_key(root, ids, 0, C) == root
     assert chunks.longest(refs, {refs[0].key, refs[2].key}.__contains__) == 1  # a chunk without its parent is no prefix
     assert chunks.route_key(ids) == chunks.route_key([*ids, 1, 2, 3]) != chunks.route_key([9, *ids])
@@ -106,7 +111,7 @@ def test_store_budget_and_tiers():
     # one request's new chunks never evict each other; RAM stops at the first that does not fit
     batch = [ChunkEntry(f"n{j}", f"n{j - 1}" if j else "root-n", 64 * (j + 1), {"0.k": torch.zeros(64)}) for j in range(4)]
     assert store.put_many(batch) == 3 and sorted(store.entries) == ["n0", "n1", "n2"]
-    assert [name for name, *_ in store.tiers()] == ["ram"]
+    assert [t.name for t in store.tiers()] == ["ram"]
 
 
 # -- the engine over every codec -------------------------------------------------------------------
@@ -148,7 +153,9 @@ def _encoder(codecs, name, options, n):
     resolved = codec.resolve(options)
     encoder = codec.encoder(resolved, codec_lib.EncodeRequest(n))
     digest = codec.model.info.weight_digest
-    roots = Roots(chunks.model_root(digest), chunks.codec_root(digest, name, codec.format_version, resolved, encoder.metadata()))
+    dtype = codec.model.info.dtype
+    roots = Roots(chunks.model_root(digest, dtype),
+                  chunks.codec_root(digest, dtype, name, codec.format_version, resolved, encoder.metadata()))
     return encoder, roots
 
 

@@ -10,6 +10,7 @@ from contextlib import AbstractAsyncContextManager
 
 import grpc
 import pytest
+import torch
 from safetensors import safe_open
 
 from producer.server import ProducerServer
@@ -48,7 +49,7 @@ def same(a: dict, b: dict) -> bool:
 
 def key_for(header: producer_pb2.PrefillHeader, ids: list[int], first: int) -> str:
     """What a consumer computes from an earlier stream's header (see PrefillRequest.prefix_key)."""
-    root = chunks.codec_root(header.producer.weight_digest, header.codec.name, header.codec_format_version,
+    root = chunks.codec_root(header.producer.weight_digest, header.kv_dtype, header.codec.name, header.codec_format_version,
                              dict(header.codec.options), dict(header.codec_metadata))
     return chunks.prefix_key(root, ids, first, header.chunk_tokens)
 
@@ -172,6 +173,31 @@ async def test_a_prefix_of_another_model_is_never_served(tmp_path):
         assert not trailer.store_hit and trailer.reused_tokens == 0 and same(got, cold_other)
         _, got, trailer = await prefill(stub, ids + [5] * 10)  # a longer context: no prefix of the first model either
         assert trailer.reused_tokens == 2 * C + 32  # only its own chunks and tail (cut to 32), stored by the call above
+
+
+async def test_a_restart_in_another_dtype_reuses_nothing_computed_in_the_first(tmp_path):
+    """Chunk keys carry the dtype the K/V was computed in: a bfloat16 producer restarted on a
+    float32 producer's disk tier neither replays its float32 chunks (raw payloads of another dtype
+    than the header's kv_dtype) nor continues a prefill from them (stored K/V cast); it sends what a
+    bfloat16 producer on an empty disk tier sends, request after request."""
+    ids = contexts(2 * C + 40, seed=61)[0]
+    longer = ids + contexts(50, seed=62)[0]  # the next turn: continues a stored prefix
+    raw = common_pb2.CodecSpec(name="raw")
+    disk = {"store_disk_dir": str(tmp_path / "chunks")}
+    async with producer(dtype="float32", **disk) as (server, stub):
+        for context in (ids, longer):
+            await prefill(stub, context, spec=raw)
+        server.servicer.chunks.disk.flush()
+    assert len(list((tmp_path / "chunks").glob("*.safetensors"))) >= 3
+    streams = {}
+    for name, where in (("fresh", tmp_path / "empty"), ("restarted", tmp_path / "chunks")):
+        async with producer(dtype="bfloat16", store_disk_dir=str(where)) as (_, stub):
+            streams[name] = [await prefill(stub, context, spec=raw) for context in (ids, longer)]
+    for (fresh_header, fresh, fresh_trailer), (header, got, trailer) in zip(streams["fresh"], streams["restarted"]):
+        assert header.kv_dtype == "bfloat16" and {t.dtype for t in got.values()} == {torch.bfloat16}
+        assert same(got, fresh)
+        assert (trailer.store_hit, trailer.reused_tokens) == (fresh_trailer.store_hit, fresh_trailer.reused_tokens)
+    assert streams["restarted"][0][2].reused_tokens == 0 and streams["restarted"][1][2].reused_tokens > 0  # its own chunks only
 
 
 async def test_a_turn_arriving_while_its_prefix_prefills_waits_and_continues_it():

@@ -144,7 +144,7 @@ async def test_concurrent_requests_rebuild_their_layers_in_one_call_and_answer_a
 
         alone = [(await ask(q))[0] for q in questions]
         engine = pair.consumer.servicer.batch
-        pipeline = pair.consumer.servicer.engine
+        pipeline = pair.consumer.servicer.pipeline
         assert pipeline.batched_layers == 0 and pipeline.rebuilt_layers == 4 * len(questions)  # one at a time
         gate = threading.Event()
         held = engine.submit(gate.wait, 30)  # the engine waits while every request's first layer queues

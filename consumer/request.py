@@ -1,0 +1,96 @@
+"""A Generate request as the consumer's pipeline sees it (`GenerateJob`: what to do, built by
+consumer.requests from the proto) and what it reports (`GenerateResult`: the stats), with the
+policy names they use. Plain data: knows nothing about gRPC, the engine or codecs' internals.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from consumer.auto import AutoChoice
+from consumer.decoding import Sampling
+from consumer.stream_reader import StreamTrailer
+from shared.codecs import Codec
+from shared.errors import DeadlineExceeded
+
+ORACLE_MODE = "oracle"  # the consumer's own prefill: only token ids cross
+FAIL, LOCAL_PREFILL = "fail", "local_prefill"  # on_transfer_failure policies
+AUDIT_OFF, AUDIT_REPORT, AUDIT_FALLBACK, AUDIT_UPGRADE = "off", "report", "fallback", "upgrade"  # cache audit policies
+
+
+def left(job: GenerateJob, what: str) -> float:
+    """Seconds to the job's deadline; DeadlineExceeded naming `what` when none are left."""
+    remaining = job.deadline - time.monotonic()
+    if remaining <= 0:
+        raise DeadlineExceeded(f"deadline passed before {what}")
+    return remaining
+
+
+@dataclass
+class GenerateJob:
+    request_id: str
+    context_ids: list[int]
+    question_ids: list[int]
+    codec: Codec | None  # None: the consumer prefills the context itself (mode "oracle")
+    options: dict[str, str]
+    max_new_tokens: int
+    sampling: Sampling
+    stop_ids: frozenset[int]
+    deadline: float  # time.monotonic() value
+    received_at: float = field(default_factory=time.perf_counter)
+    fallback: str = ""  # why the transfer planner kept or replaced the requested mode ("" = not asked)
+    on_failure: str = FAIL  # FAIL | LOCAL_PREFILL
+    transfer_budget_s: float | None = None  # LOCAL_PREFILL: the share of the deadline the transfer may use
+    audit: str = AUDIT_OFF  # AUDIT_OFF | AUDIT_REPORT | AUDIT_FALLBACK | AUDIT_UPGRADE
+    audit_positions: int = 8
+    audit_threshold: float = 0.05  # used when the codec has no calibrated threshold
+    auto: AutoChoice | None = None  # how mode auto (or fallback_to_oracle) chose codec and options
+
+    @property
+    def mode(self) -> str:
+        return self.codec.name if self.codec is not None else ORACLE_MODE
+
+
+@dataclass
+class TokenOut:
+    ids: list[int]
+    text: str
+
+
+@dataclass
+class GenerateResult:
+    request_id: str
+    codec: str
+    options: dict[str, str]
+    context_tokens: int
+    question_tokens: int
+    generated_tokens: int = 0
+    ttft_ms: float = 0.0
+    transfer_ms: float = 0.0
+    rebuild_ms: float = 0.0  # the context's KV: codec rebuild plus any own prefill (local_prefill_ms)
+    local_prefill_ms: float = 0.0  # the part of rebuild_ms that was the consumer's own context prefill
+    question_prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    total_ms: float = 0.0
+    bytes_received: int = 0
+    raw_kv_bytes: int = 0
+    finish_reason: str = "length"  # "length" | "stop"
+    producer_prefill_ms: float = 0.0
+    producer_encode_ms: float = 0.0
+    producer_store_hit: bool = False
+    transfer_failure: str = ""  # why LOCAL_PREFILL replaced the transfer
+    audit_layer_errors: tuple[float, ...] = ()
+    audit_thresholds: tuple[float, ...] = ()
+    audit_decision: str = ""
+    audit_ms: float = 0.0
+    queue_wait_ms: float = 0.0  # waiting for KV memory before any work
+    prefix_reused_tokens: int = 0  # context tokens whose KV came from the prefix cache
+    auto: AutoChoice | None = None
+    transfer_abandoned: bool = False  # the stream was too slow to finish: prefilled locally instead
+    local_tokens: int = 0  # context tokens the consumer prefilled itself
+    sent_tokens: int = 0  # context tokens the last stream's payloads covered
+    trailer: StreamTrailer | None = None  # the last stream's trailer (its timings feed the planner)
+    chunk_tokens: int = 0  # the producer's chunk size as the last stream header gave it
+    stream_producer: tuple[str, str] | None = None  # (weight digest, kv dtype) the last stream's header named
+    abandoned_span: tuple[int, float] | None = None  # (bytes, ms) an abandoned stream delivered after its first layer

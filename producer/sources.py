@@ -1,0 +1,181 @@
+"""Where a Prefill's layers come from: the servicer (producer.server) sends what `Sources.open`
+returns and knows nothing of stores or flights.
+
+Owns:
+- the store in use: the chunk store (chunk_tokens > 0: prefix reuse, producer.chunk_store, with
+  its optional disk tier, producer.disk_tier) or the whole-context store (producer.store), and
+  their per-request counters;
+- single flight (producer.flight): each request's flight key (the whole-context store's key, or
+  the codec chain's key of the whole context at its first token), so identical concurrent
+  requests share one run; and the prefix flights: a call whose prefix a running flight is
+  computing waits for it, then continues it;
+- the choice per request between a replay of stored state (no forward) and the engine's stream
+  (producer.prefill) over what is not stored (the plan: producer.reuse), the release of the
+  plan's pin on stored entries when its stream ends, and the keeping of a completed forward's
+  new state.
+
+Knows nothing about gRPC: layers are packed by the `pack` the servicer gives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from producer.chunk_store import ChunkStore
+from producer.disk_tier import DiskTier
+from producer.encode import EncodePool
+from producer.flight import Flight, Flights
+from producer.prefill import EncodedLayer, PrefillDone, PrefillEngine
+from producer.reuse import Continuation, Roots, plan
+from producer.store import ContextStore, StoredPrefill, store_key
+from shared import chunks
+from shared.config import ProducerConfig
+
+Pack = Callable[[int, dict], list]  # (layer, payloads) -> the layer's packed messages
+
+
+class Sources:
+    def __init__(self, config: ProducerConfig, encode: EncodePool):
+        self.chunk_tokens = config.chunk_tokens
+        self.encode = encode
+        self.engine: PrefillEngine | None = None  # set once the model is loaded
+        self.whole = ContextStore(config.store_bytes)  # whole contexts (chunk_tokens = 0)
+        self.chunks: ChunkStore | None = None  # per chunk (chunk_tokens > 0): prefix reuse
+        if config.chunk_tokens:
+            disk = None
+            if config.store_disk_dir and config.store_disk_bytes:
+                disk = DiskTier(
+                    config.store_disk_dir, config.store_disk_bytes, config.store_eviction, config.store_disk_queue_bytes
+                )
+            self.chunks = ChunkStore(config.store_bytes, config.store_eviction, disk)
+        # the store in use: its counters (hits: whole contexts replayed; misses: calls that ran a
+        # forward), bytes and entries are the scd_store_* metrics
+        self.store: ContextStore | ChunkStore = self.chunks if self.chunks is not None else self.whole
+        self.prefix_flights: dict[str, Flight] = {}  # K/V chunk key -> the running flight that will store it
+        self.prefix_waits = 0  # calls that waited for a running flight computing their prefix
+        self.flights = Flights()  # single flight: concurrent identical prefills share one run
+
+    def _engine(self) -> PrefillEngine:
+        assert self.engine is not None, "Sources.open before the model was attached"
+        return self.engine
+
+    async def open(
+        self,
+        token_ids: Sequence[int],
+        first_token: int,
+        codec_name: str,
+        options: Mapping[str, str],
+        encoder,
+        roots: Roots | None,
+        pack: Pack,
+        num_layers: int,
+    ) -> tuple[Any, bool, bool]:
+        """(the request's stream of EncodedLayer items then one PrefillDone, joined a running
+        flight, replayed from the store). `roots` is None when chunked reuse is off."""
+        if roots is not None:
+            return await self._chunked_source(list(token_ids), first_token, encoder, roots, pack, num_layers)
+        key = store_key(token_ids, codec_name, options, encoder.metadata())
+        # a running flight first: its caller already missed the store, a follower is no second miss
+        stored = None if key in self.flights.running else self.whole.get(key)
+        if stored is not None:
+            return self._replay(stored, len(token_ids)), False, True
+        # a prefill already running for the same key is joined, not repeated
+        source, shared = self.flights.join(
+            key,
+            lambda: self._engine().stream(list(token_ids), encoder, pack),
+            is_last=lambda item: isinstance(item, PrefillDone),
+            on_complete=lambda items: self._keep(key, items),
+        )
+        return source, shared, False
+
+    async def _chunked_source(self, ids: list[int], first_token: int, encoder, roots: Roots, pack: Pack, num_layers: int):
+        """(stream, joined a running flight, replayed from the chunk store): a running flight for
+        the same chain and first token is joined; a running flight that computes a prefix of
+        this context is waited for (single flight per chunk chain: the next turn arriving while
+        the previous one prefills continues it rather than computing it again); then the store's
+        plan (producer.reuse) decides between a replay of stored chunks and a forward over the
+        tokens it does not hold."""
+        assert self.chunks is not None
+        size = self.chunk_tokens
+        key = f"{chunks.prefix_key(roots.codec, ids, len(ids), size)}@{first_token}"
+        if key not in self.flights.running:
+            for ref in reversed(chunks.chain(roots.model, ids[: len(ids) - 1], size)):
+                flight = self.prefix_flights.get(ref.key)
+                if flight is not None and ref.end - ref.start == size:
+                    self.prefix_waits += 1
+                    await asyncio.wait({flight.task})  # it stores the prefix's K/V as it completes
+                    break
+        reuse = None  # joining a running flight: the plan is the flight's
+        if key not in self.flights.running:
+            planned = await asyncio.to_thread(plan, self.chunks, ids, size, roots, encoder, num_layers, first_token)
+            if planned.replay:
+                self.chunks.hits += 1
+                return self._replay_chunks(planned, pack, num_layers), False, True
+            if key not in self.flights.running:  # a concurrent call may have started it while we planned
+                reuse = planned
+                self.chunks.misses += 1
+                self.chunks.partial_hits += reuse.start > 0
+            else:
+                planned.release()
+        source, shared = self.flights.join(
+            key,
+            lambda: self._engine().stream(ids, encoder, pack, reuse),
+            is_last=lambda item: isinstance(item, PrefillDone),
+            on_complete=self._keep_chunks,
+        )
+        if reuse is not None:  # the plan's entries are held until the flight ends
+            source.flight.task.add_done_callback(lambda _: reuse.release())
+        if not shared and reuse is not None and reuse.keep:  # the full chunks of K/V this flight will store
+            flight = source.flight
+            mine = [r.key for r in reuse.kv_refs[reuse.start // size :] if r.end - r.start == size]
+            for chunk in mine:
+                self.prefix_flights.setdefault(chunk, flight)
+            flight.task.add_done_callback(lambda _: self._prefix_flight_done(mine, flight))
+        return source, shared, False
+
+    def _prefix_flight_done(self, keys: list[str], flight) -> None:
+        for chunk in keys:
+            if self.prefix_flights.get(chunk) is flight:
+                del self.prefix_flights[chunk]
+
+    async def _replay_chunks(self, reuse: Continuation, pack: Pack, num_layers: int):
+        """Every payload chunk from first_token on is stored: joined and packed per layer on the
+        encode threads, no forward."""
+        loop = asyncio.get_running_loop()
+        encode_ms = 0.0
+
+        def build(layer: int) -> EncodedLayer:
+            began = time.perf_counter()
+            payloads = reuse.replay_layer(layer)
+            packed = pack(layer, payloads)
+            took = (time.perf_counter() - began) * 1e3
+            return EncodedLayer(layer, packed, sum(t.numel() * t.element_size() for t in payloads.values()), took)
+
+        try:
+            for layer in range(num_layers):
+                item = await loop.run_in_executor(self.encode.executor, build, layer)
+                encode_ms += item.encode_ms
+                yield item
+        finally:
+            reuse.release()
+        yield PrefillDone(0.0, encode_ms, num_layers, batch_size=0, reused_tokens=reuse.reused_tokens, computed_tokens=0)
+
+    def _keep_chunks(self, items: list) -> None:
+        """A completed forward's new chunks go to the chunk store (once per run)."""
+        assert self.chunks is not None
+        self.chunks.put_many(items[-1].kept)
+        items[-1].kept = []  # the flight keeps its items until it ends: let the store own these
+
+    async def _replay(self, stored: StoredPrefill, num_tokens: int):
+        """A whole-context store hit: the stored layers, no forward, no encode."""
+        for layer in stored.layers:
+            yield layer
+        yield PrefillDone(prefill_ms=0.0, encode_ms=0.0, layers=len(stored.layers), batch_size=0, reused_tokens=num_tokens)
+
+    def _keep(self, key: str, items: list) -> None:
+        """A completed prefill's layers go to the store (called once per run, however many share it)."""
+        kept = tuple(x for x in items if isinstance(x, EncodedLayer))
+        self.whole.put(key, StoredPrefill(kept, sum(x.payload_bytes for x in kept)))
