@@ -1,0 +1,59 @@
+"""`python -m bench.ab --before GLOB --after GLOB`: two sets of bench.throughput rows (runs of one
+commit against runs of another, taken alternately on one machine) compared cell by cell: per
+(model, mode, output, concurrency, max_batch) the median over runs of requests/s or output
+tokens/s, p50 TTFT and the consumer's CPU ms per request, each side's range, and after/before.
+A markdown table on stdout; the rows say which code and load they ran at. Knows nothing about the
+services: it reads the JSON lines bench.throughput wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import statistics
+
+
+def load(pattern: str) -> list[dict]:
+    return [json.loads(line) for path in sorted(glob.glob(pattern)) for line in open(path) if line.strip()]
+
+
+def cell(r: dict) -> tuple:
+    return (r["model"], r["mode"], r["output"], r["concurrency"], r["max_batch"])
+
+
+def summary(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
+
+
+def table(before: list[dict], after: list[dict]) -> str:
+    lines = [
+        "| model | mode | output | streams | max_batch | metric | before median [range] | after median [range] | after/before |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key in sorted({cell(r) for r in before} & {cell(r) for r in after}):
+        rate = "requests_per_s" if key[2] == "answer" else "output_tokens_per_s"
+        for metric in (rate, "ttft_p50_ms", "consumer_cpu_ms_per_request"):
+            b = [r[metric] for r in before if cell(r) == key and metric in r]
+            a = [r[metric] for r in after if cell(r) == key and metric in r]
+            if b and a:
+                ratio = statistics.median(a) / statistics.median(b) if statistics.median(b) else float("nan")
+                lines.append(f"| {' | '.join(map(str, key))} | {metric} | {summary(b)} | {summary(a)} | {ratio:.2f} |")
+    codes = lambda rows: sorted({r.get("code", "?") for r in rows})  # noqa: E731
+    loads = lambda rows: f"{min(r['load_avg_1m'] for r in rows):.2f}-{max(r['load_avg_1m'] for r in rows):.2f}"  # noqa: E731
+    lines.append("")
+    lines.append(f"before: code {codes(before)}, {len({r['run'] for r in before})} runs, load_avg_1m {loads(before)}")
+    lines.append(f"after: code {codes(after)}, {len({r['run'] for r in after})} runs, load_avg_1m {loads(after)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--before", required=True, help="glob of throughput.jsonl files (quoted)")
+    parser.add_argument("--after", required=True, help="glob of throughput.jsonl files (quoted)")
+    args = parser.parse_args(argv)
+    print(table(load(args.before), load(args.after)))
+
+
+if __name__ == "__main__":
+    main()
