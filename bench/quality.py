@@ -26,7 +26,9 @@ Pair.max_gap). Its test rows carry `headline: true`; every row carries `split`, 
 recompute spans, which the artifact's profile chose; null for fixed baselines), `f1_ci95` and
 `f1_gap_ci95` (95% percentile bootstrap of the mean F1 and of the paired per-example gap to the
 oracle, qa.metrics.bootstrap_ci), `weights` and the artifact with its calibration corpus.
-The validation rows go to quality_validation.jsonl.
+The validation rows go to quality_validation.jsonl, and each pair's headline is written into its
+artifact as the default schedule (`Artifact.set_default`: what `scd` without options gets, and
+mode auto's default budget); `--record-defaults-from FILE` writes only that, from committed rows.
 """
 
 from __future__ import annotations
@@ -239,6 +241,25 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def record_default(artifact_path: str, schedule: str | None, max_gap: float) -> None:
+    """Write the headline chosen on validation into the artifact as its default schedule (the one
+    a request naming `scd` without options gets, and whose loss is mode auto's default budget)."""
+    if schedule is None:
+        return
+    art = Artifact.load(ROOT / artifact_path)
+    art.set_default(schedule, f"validation split: the cheapest schedule within {max_gap:g} F1 points of the oracle (bench.quality)")
+    art.rewrite()
+
+
+def record_defaults(validation_path: Path) -> None:
+    """`--record-defaults-from`: the committed validation rows' headlines into the artifacts."""
+    rows = [json.loads(line) for line in validation_path.read_text().splitlines() if line.strip()]
+    for name, spec in PAIRS.items():
+        first = [r for r in rows if r["pair"] == name and r["ctx"] == spec.ctxs[0]]
+        if first:
+            record_default(spec.artifact, pick_headline(first, spec.max_gap), spec.max_gap)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated, of: {', '.join(PAIRS)}")
@@ -262,7 +283,15 @@ def main() -> None:
         help="choose each pair's headline schedule on the validation split (none: no headline)",
     )
     p.add_argument("--n-validation", type=int, default=100, help="validation examples per schedule for the choice")
+    p.add_argument(
+        "--record-defaults-from",
+        type=Path,
+        help="only write each pair's headline, chosen on these validation rows, into its artifact as the default schedule",
+    )
     args = p.parse_args()
+    if args.record_defaults_from:
+        record_defaults(args.record_defaults_from)
+        return
     unknown = [name for name in args.pairs.split(",") if name not in PAIRS]
     if unknown:
         p.error(f"--pairs: unknown {unknown}; known: {list(PAIRS)}")
@@ -298,6 +327,7 @@ def main() -> None:
                     run_pair(address=c.address, n=args.n_validation, ctx=ctxs[0], split="validation", only=("scd",), **fixed)
                 )
                 chosen = pick_headline([r for r in validation if r["pair"] == pair], spec.max_gap)
+                record_default(artifact_path, chosen, spec.max_gap)
             pair_rows = [row for ctx in ctxs for row in asyncio.run(run_pair(address=c.address, n=args.n, ctx=ctx, **fixed))]
         rows += label(pair_rows, chosen, args.select_on, artifact_path)
     done = {r["pair"] for r in rows}

@@ -12,20 +12,30 @@ only); neither: the loss of the default schedule of the pair's artifact (exact w
 `candidates` = "raw,scd,oracle" narrows the set by mode.
 
 Choice (`Chooser.choose`): each candidate's time from the planner's running estimates
-(consumer.planner) and what is known to be cached: the consumer's prefix cache (a candidate
-whose KV it holds whole needs nothing; a cached prefix is not sent again) and the producer's store
-as this consumer's own transfers left it (consumer.producer_memory). The fastest within the budget
-wins, ties to the lower loss. While a remote candidate has no estimate (no transfer measured yet),
-the lowest-loss such candidate is picked to learn it, and the reason says so ("cold start"),
-unless the prefix cache already holds the context made by a candidate within the budget. A link
-estimate goes stale while only the own prefill is chosen: after PROBE_EVERY choices and
-PROBE_AFTER_S seconds without a link measurement the fastest remote candidate is tried instead ("probe"; under LOCAL_PREFILL a
-stream too slow to finish is abandoned mid-way, so a probe of a slow link costs little).
-Remote candidates are left out while the producer link is unusable. Knows nothing about grpc.
+(consumer.planner), read under one canonical key per candidate (`Chooser.key`), and what is
+known to be cached: the consumer's prefix cache (a candidate whose KV it holds whole needs
+nothing; a cached prefix is not sent again) and the producer's store as this consumer's own
+transfers left it (consumer.producer_memory). The fastest within the budget wins, ties to the
+lower loss; an uncertain estimate (extrapolated far from the lengths measured, or borrowed from
+another candidate) counts UNCERTAIN_PENALTY times its value. While a remote candidate has no
+estimate (no transfer measured yet), the lowest-loss such candidate is picked to learn it, and
+the reason says so ("cold start"), unless the prefix cache already holds the context made by a
+candidate within the budget.
+
+Probes: a user request is a probe at most once in PROBE_EVERY auto choices, and its reason says
+so ("probe ..."): when the link was last measured PROBE_STALE_CHOICES choices and PROBE_AFTER_S
+seconds ago while the own prefill wins, or when an uncertain remote estimate is DOUBT_MARGIN
+below the pick (it might win once measured).
+The rest is measured by any request's stream (named modes teach the same keys) and, when the
+consumer is idle, by a small background probe (consumer.probe, `probe_target`). Under
+LOCAL_PREFILL a stream too slow to finish is abandoned mid-way, so a probe of a slow link costs
+little. Remote candidates are left out while the producer link is unusable; the stats say how
+many candidates were excluded and why. Knows nothing about grpc.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -35,6 +45,7 @@ from consumer.planner import Estimate, TransferPlanner, mode_key
 from consumer.producer_memory import ProducerMemory
 from shared import codecs as codec_lib
 from shared.codecs.scd import ScdCodec
+from shared.codecs.scd import pick as scd_pick
 from shared.config import AUTO_MODE, ORACLE_MODE
 from shared.errors import InvalidArgument, ServiceError
 from shared.models import LoadedModel
@@ -42,8 +53,11 @@ from shared.scd.artifact import Artifact
 
 OPTIONS = ("max_loss", "exact", "candidates")
 LOSS_SLACK = 1e-9  # a candidate whose loss equals the budget meets it
-PROBE_EVERY = 3  # after this many choices without a link measurement ...
-PROBE_AFTER_S = 5.0  # ... and this long, a remote candidate is tried (a probe)
+PROBE_EVERY = 20  # a user request is a probe at most once in this many auto choices
+PROBE_STALE_CHOICES = 3  # a link estimate not measured for this many choices ...
+PROBE_AFTER_S = 5.0  # ... and this long is stale
+UNCERTAIN_PENALTY = 1.5  # an uncertain estimate must beat a confident one by this factor to win
+DOUBT_MARGIN = 1.2  # an uncertain remote estimate this much below the pick is worth a probe
 TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no", "")
 
 
@@ -87,6 +101,8 @@ class Scored:
     within: bool
     estimate: Estimate
     chosen: bool = False
+    key: str = ""  # the candidate's canonical key (Chooser.key)
+    excluded: str = ""  # why it is not within reach ("" when it is)
 
 
 @dataclass
@@ -124,6 +140,8 @@ class Chooser:
         self.producer_digest, self.producer_usable = producer_digest, producer_usable
         self.producer_dtype = producer_dtype  # the dtype the producer computes its KV in ("" unknown)
         self._cached: tuple[tuple[str, str], list[Candidate]] | None = None  # ((digest, dtype), candidates) last built
+        self.choices_since_probe = PROBE_EVERY  # auto choices since a user request was last a probe
+        planner.key = self.key  # the planner learns under the candidates' canonical keys
 
     # -- the candidate set ------------------------------------------------------------------
     def _artifacts(self) -> list[Artifact]:
@@ -173,9 +191,10 @@ class Chooser:
         return sorted(found.values(), key=lambda c: (c.loss, c.bytes_per_token or 0.0))
 
     def default_budget(self) -> Budget:
-        """The loss of the default (lowest-loss) schedule of the pair's artifact; exact without one."""
+        """The loss of the default schedule of the pair's artifact (the one chosen on validation,
+        Artifact.default_entry); exact without an artifact."""
         for art in self._artifacts():
-            entry = art.pick()
+            entry = art.default_entry()
             return Budget(entry.loss, source=f"default schedule {entry.name} ({entry.schedule}) of artifact {art.artifact_id}")
         return Budget(0.0, exact=True, source="no SCD artifact for this pair: lossless candidates only")
 
@@ -208,66 +227,159 @@ class Chooser:
         return Budget(default.max_loss, default.exact, modes, default.source)
 
     # -- the choice -------------------------------------------------------------------------
-    def _estimate(self, c: Candidate, context_ids: list[int]) -> Estimate:
+    def key(self, mode: str, options: Mapping[str, str]) -> str:
+        """The one key of a candidate in the planner and the producer memory: a named mode with
+        its default options and auto's candidate for the same codec and options are one key. SCD
+        is keyed by the artifact and the schedule the options choose from it
+        (`scd(artifact=26231e...,schedule=s5)`, whatever names them: a budget, the default, the
+        name); every other mode by its options, empty ones dropped."""
+        if mode == "scd" and isinstance(self.codecs.get("scd"), ScdCodec):
+            wanted = options.get("artifact", "")
+            arts = [a for a in self._artifacts() if not wanted or a.artifact_id == wanted]
+            if not arts and wanted:
+                scd = self.codecs["scd"]
+                arts = [a for a in scd.artifacts if a.artifact_id == wanted]  # type: ignore[attr-defined]
+            if arts:
+                try:
+                    entry = scd_pick(arts[0], options)
+                except (ServiceError, ValueError):
+                    return mode_key(mode, options)
+                schedule = entry.name if entry.name != "custom" else entry.schedule
+                return mode_key(mode, {"artifact": arts[0].artifact_id, "schedule": schedule})
+        return mode_key(mode, options)
+
+    def _estimate(self, c: Candidate, key: str, context_ids: list[int]) -> Estimate:
         T = len(context_ids)
         cached = self.cached_tokens(c, context_ids)
         if cached >= T:
             return Estimate(0.0, "the consumer's prefix cache holds the whole context")
         if not c.remote:
             local = self.planner.estimate_local(T - cached)
-            return local if not cached else Estimate(local.ms, f"{local.detail}; {cached} cached", local.base_ms)
-        kv_held, payload_held = self.memory.held(self.producer_digest(), self.producer_dtype(), c.key, context_ids)
+            if not cached:
+                return local
+            return Estimate(local.ms, f"{local.detail}; {cached} cached", local.base_ms, local.confident, local.why)
+        kv_held, payload_held = self.memory.held(self.producer_digest(), self.producer_dtype(), key, context_ids)
         compute = 0 if payload_held >= T else T - kv_held
         encode = max(0, T - max(payload_held, cached))
-        estimate = self.planner.estimate_remote(
-            c.key, self.loaded.info.num_layers, compute, encode, T - cached, c.bytes_per_token
-        )
-        return estimate
+        return self.planner.estimate_remote(key, self.loaded.info.num_layers, compute, encode, T - cached, c.bytes_per_token)
+
+    def _excluded(self, c: Candidate, budget: Budget, usable: bool) -> str:
+        """Why a candidate is not within this request's reach ("" when it is)."""
+        if budget.modes is not None and c.mode not in budget.modes:
+            return "not among the requested candidates"
+        if c.how != "named by the request":
+            if budget.exact and c.how != "exact":
+                return "not exact"
+            if not budget.exact and not c.loss <= budget.max_loss + LOSS_SLACK:
+                return f"over the loss budget {budget.max_loss:.4g}"
+        if c.remote and not usable:
+            return "the producer link is unusable"
+        return ""
 
     def choose(self, context_ids: list[int], budget: Budget, only: list[Candidate] | None = None) -> AutoChoice:
         pool = only if only is not None else self.candidates()
         usable = self.producer_usable()
-        within = [c for c in pool if budget.admits(c) and (usable or not c.remote)]
+        why_out = {id(c): self._excluded(c, budget, usable) for c in pool}
+        within = [c for c in pool if not why_out[id(c)]]
         if not within:
-            offered = ", ".join(f"{c.key} (loss {c.loss:.4g})" for c in pool)
+            offered = ", ".join(f"{self.key(c.mode, c.options)} (loss {c.loss:.4g})" for c in pool)
             what = "exact" if budget.exact else f"max_loss {budget.max_loss:.4g}"
             raise InvalidArgument(f"transfer.options: no candidate meets {what} ({budget.source}); candidates: {offered}")
-        scored = [Scored(c, c in within, self._estimate(c, context_ids) if c in within else Estimate(None, "")) for c in pool]
+        keys = {id(c): self.key(c.mode, c.options) for c in pool}
+        scored = [
+            Scored(
+                c,
+                not why_out[id(c)],
+                Estimate(None, "") if why_out[id(c)] else self._estimate(c, keys[id(c)], context_ids),
+                key=keys[id(c)],
+                excluded=why_out[id(c)],
+            )
+            for c in pool
+        ]
         live = [s for s in scored if s.within]
         unknown_remote = [s for s in live if s.estimate.ms is None and s.candidate.remote]
         known = [s for s in live if s.estimate.ms is not None]
         cached = [s for s in known if s.estimate.ms == 0.0]  # nothing to do: nothing unknown can beat it
+        self.planner.choices_since_link_sample += 1
+        self.choices_since_probe += 1
         if unknown_remote and not cached:
             pick = min(unknown_remote, key=lambda s: (_sort_loss(s.candidate), s.candidate.bytes_per_token or 0.0))
             reason = (
-                f"cold start: {pick.estimate.detail}; picked {pick.candidate.key}, the lowest-loss candidate within"
+                f"cold start: {pick.estimate.detail}; picked {pick.key}, the lowest-loss candidate within"
                 " the budget that needs the producer, to measure it"
             )
         elif known:
-            pick = min(known, key=lambda s: (s.estimate.ms, _sort_loss(s.candidate)))
-            reason = (
-                f"fastest within the budget: {pick.candidate.key} estimated {pick.estimate.ms:.1f} ms ({pick.estimate.detail})"
-            )
+            pick = min(known, key=lambda s: (_score(s), _sort_loss(s.candidate)))
+            reason = f"fastest within the budget: {pick.key} estimated {pick.estimate.ms:.1f} ms ({pick.estimate.detail})"
+            if not pick.estimate.confident:
+                reason += f"; uncertain estimates count x{UNCERTAIN_PENALTY:g}"
+            probe = self._probe(known, pick, usable)
+            if probe is not None:
+                target, why = probe
+                reason = (
+                    f"probe (a user request is one at most 1 in {PROBE_EVERY}): {why}; trying {target.key} (estimated"
+                    f" {target.estimate.ms:.1f} ms) instead of {pick.key} (estimated {pick.estimate.ms:.1f} ms); a stream"
+                    " too slow to finish is abandoned for the own prefill"
+                )
+                pick = target
+                self.choices_since_probe = 0
         else:  # only the own prefill, with no rate yet
             pick = live[0]
-            reason = f"cold start: {pick.estimate.detail}; picked {pick.candidate.key}, the only candidate"
-        remote_known = [s for s in known if s.candidate.remote]
-        self.planner.choices_since_link_sample += 1
-        age_s = time.monotonic() - self.planner.link_sampled_at
-        stale = self.planner.choices_since_link_sample >= PROBE_EVERY and age_s >= PROBE_AFTER_S
-        if stale and not pick.candidate.remote and pick.estimate.ms and remote_known and usable:
-            probe = min(remote_known, key=lambda s: (s.estimate.ms, _sort_loss(s.candidate)))
-            reason = (
-                f"probe: the link was last measured {self.planner.choices_since_link_sample} choices ago; trying"
-                f" {probe.candidate.key} (estimated {probe.estimate.ms:.1f} ms) instead of {pick.candidate.key}"
-                f" (estimated {pick.estimate.ms:.1f} ms); a stream too slow to finish is abandoned for the own prefill"
-            )
-            pick = probe
+            reason = f"cold start: {pick.estimate.detail}; picked {pick.key}, the only candidate"
         if not usable:
             reason += "; the producer link is unusable: remote candidates left out"
-        marked = [Scored(s.candidate, s.within, s.estimate, s is pick) for s in scored]
+        marked = [dataclasses.replace(s, chosen=s is pick) for s in scored]
         marked.sort(key=lambda s: (not s.within, s.estimate.ms is None, s.estimate.ms or 0.0))
         return AutoChoice(budget, pick.candidate, reason, marked)
+
+    def _probe(self, known: list[Scored], pick: Scored, usable: bool) -> tuple[Scored, str] | None:
+        """A remote candidate this user request should measure instead of the pick, and why; at most
+        one request in PROBE_EVERY (background probes, consumer.probe, do the rest when idle)."""
+        if self.choices_since_probe < PROBE_EVERY or not usable or not pick.estimate.ms:
+            return None
+        remote = [s for s in known if s.candidate.remote and s is not pick]
+        if not remote:
+            return None
+        age_s = time.monotonic() - self.planner.link_sampled_at
+        stale = self.planner.choices_since_link_sample >= PROBE_STALE_CHOICES and age_s >= PROBE_AFTER_S
+        if stale and not pick.candidate.remote:
+            target = min(remote, key=lambda s: (s.estimate.ms or 0.0, _sort_loss(s.candidate)))
+            return target, f"the link was last measured {self.planner.choices_since_link_sample} choices ago"
+        doubtful = [
+            s for s in remote if not s.estimate.confident and (s.estimate.ms or 0.0) * DOUBT_MARGIN < (pick.estimate.ms or 0.0)
+        ]
+        if doubtful:
+            target = min(doubtful, key=lambda s: (s.estimate.ms or 0.0, _sort_loss(s.candidate)))
+            return target, f"its estimate is uncertain ({target.estimate.why}) and may beat the pick"
+        return None
+
+    def probe_target(self, context_tokens: int, stale_after_s: float = PROBE_AFTER_S) -> Candidate | None:
+        """What a background probe should measure now (consumer.probe): the remote candidate within
+        the default budget whose estimate at context_tokens is missing or uncertain (the lowest
+        loss first), else the fastest remote one once the link was last measured stale_after_s
+        ago; None when nothing needs measuring or the link is unusable."""
+        if not self.producer_usable():
+            return None
+        budget = self.default_budget()
+        remote = [c for c in self.candidates() if c.remote and not self._excluded(c, budget, True)]
+        scored = [(c, self._estimate_cold(c, context_tokens)) for c in remote]
+        unsure = [(c, e) for c, e in scored if e.ms is None or not e.confident]
+        if unsure:
+            return min(unsure, key=lambda ce: (ce[1].ms is not None, _sort_loss(ce[0])))[0]
+        if scored and time.monotonic() - self.planner.link_sampled_at >= stale_after_s:
+            return min(scored, key=lambda ce: ce[1].ms or 0.0)[0]
+        return None
+
+    def _estimate_cold(self, c: Candidate, tokens: int) -> Estimate:
+        """A remote candidate's estimate for a context nobody holds (no cache, no producer store)."""
+        key = self.key(c.mode, c.options)
+        return self.planner.estimate_remote(key, self.loaded.info.num_layers, tokens, tokens, tokens, c.bytes_per_token)
+
+
+def _score(s: Scored) -> float:
+    """What the choice compares: the estimate, an uncertain one counted UNCERTAIN_PENALTY times."""
+    ms = s.estimate.ms or 0.0
+    return ms if s.estimate.confident else ms * UNCERTAIN_PENALTY
 
 
 def _sort_loss(c: Candidate) -> float:

@@ -6,11 +6,12 @@ An iteration:
      audit, a prefix-cache insert or make-room; again between the forwards of one iteration): the
      engine is also the device's only executor, so nothing else ever touches the pool or the model.
      Grouped jobs (`submit_grouped`: several requests' layer rebuilds) queued one after another with
-     the same function run as one call over all their items. Then, at the iteration boundary only,
-     tasks that finished or were cancelled leave the batch, the releases asked for sequences
-     no task in the batch uses any more are carried out, and the pool's dropped blocks are zeroed
-     and freed (`KVPool.reclaim`): a block is freed only after every task that may write it has
-     left the batch, never between two forwards of one iteration;
+     the same function run as one call over all their items. At the iteration boundary, tasks
+     that finished or were cancelled leave the batch; then, there and between forwards, the
+     releases asked for sequences no task in the batch uses any more are carried out and the
+     pool's dropped blocks are zeroed and freed (`KVPool.reclaim`): a block is freed only after
+     every task that may write it has left the batch (a task cancelled during an iteration stays
+     in it, and may still be in a later forward of it, until the boundary);
   2. prefill: requests with tokens still to prefill (a local context prefill or a question),
      oldest first, each taking at most `prefill_chunk` tokens, together at most
      `max_batch_tokens` and `max_batch` rows (chunked prefill: a long local prefill never stops
@@ -18,6 +19,9 @@ An iteration:
      ragged rows under 2x (`pack`);
   3. one decode forward: requests with a sampled token to feed, up to `max_batch` rows, taken
      round-robin when there are more.
+A prefill task may keep the logits of its last positions (`keep_logits`): verified decoding's
+one forward over question + drafted tokens (consumer.verify) is such a prefill row, chunked and
+batched like any other.
 Requests join and leave between iterations. A request's rows sample with its own settings and
 stop ids; a row whose logits are not finite fails alone (DataLoss), the rest of the batch goes
 on. A cancelled request leaves at the next iteration. `max_batch = 1` gives one row per forward,
@@ -36,7 +40,7 @@ import collections
 import concurrent.futures
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -70,6 +74,11 @@ class Task:
     generated: int = 0
     cancelled: bool = False  # the frontend asked it to leave (any thread)
     done: bool = False  # it finished (engine thread): its outcome was sent
+    # > 0: keep the logits after each of the last `keep_logits` fed tokens (verified decoding's one
+    # forward over question + drafts, consumer.verify): chunks of [n, vocab] float32 in `scores`,
+    # complete when the task's Finished arrives (written on the engine thread before it is sent)
+    keep_logits: int = 0
+    scores: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def decoding(self) -> bool:
@@ -226,7 +235,8 @@ class BatchEngine(concurrent.futures.Executor):
 
     def _settle_releases(self) -> None:
         """The releases whose sequence no admitted or incoming task uses any more (engine thread,
-        at an iteration boundary)."""
+        between forwards): a task that finished or was cancelled still counts until it left the
+        batch at an iteration boundary."""
         if not self._releasing:
             return
         with self._cv:
@@ -348,7 +358,10 @@ class BatchEngine(concurrent.futures.Executor):
             group = [(task, take) for task, take in group if not task.leaving]  # cancelled meanwhile
             for part in split_gather(group, self.pool.block_tokens, self.runner.scratch_limit_blocks):
                 self._forward(part)
-            self._run_jobs()  # jobs only: nothing is freed before the boundary
+            self._run_jobs()
+            # releases of sequences no task in the batch uses (their task left at an earlier
+            # boundary): safe between forwards; a cancelled task's still wait for the boundary
+            self._settle_releases()
         decode = [t for t in self.tasks if t.decoding and t.pending and not t.leaving]
         if len(decode) > self.max_batch:
             start = self._rr % len(decode)
@@ -357,8 +370,14 @@ class BatchEngine(concurrent.futures.Executor):
         for part in split_gather([(t, 1) for t in decode], self.pool.block_tokens, self.runner.scratch_limit_blocks):
             self._forward(part)
 
+    @staticmethod
+    def _scored(task: Task, take: int) -> int:
+        """How many of this chunk's `take` positions fall among the task's last `keep_logits`."""
+        after = len(task.pending) - take  # tokens still to feed after this chunk
+        return min(take, task.keep_logits - after) if task.keep_logits > after else 0
+
     def _forward(self, chosen: list[tuple[Task, int]]) -> None:
-        rows = [Row(task.seq, task.pending[:take], task.seq.length) for task, take in chosen]
+        rows = [Row(task.seq, task.pending[:take], task.seq.length, self._scored(task, take)) for task, take in chosen]
         logits = self.runner.forward(rows)  # [B, vocab]
         self.progress.beat()
         self.stats.forwards += 1
@@ -369,6 +388,9 @@ class BatchEngine(concurrent.futures.Executor):
         finite = rows_finite(logits).tolist()  # shared.finite: isfinite() alone costs more than a small forward
         greedy = torch.argmax(logits, dim=1).tolist()
         for i, (task, take) in enumerate(chosen):
+            kept = rows[i].logits
+            if kept is not None:
+                task.scores.append(kept)
             del task.pending[:take]
             if task.pending:
                 continue  # more prefill chunks to come: no sampling yet

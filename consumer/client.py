@@ -1,10 +1,21 @@
 """A small async client of the consumer service, for orchestrators, the demo, benchmarks and
 tests: one `generate` call collected into an `Answer`. TLS when given a CA (a client
-certificate too under mTLS), a bearer token on every call when given one."""
+certificate too under mTLS), a bearer token on every call when given one.
+
+Verified decoding with provisional tokens (GenerateRequest.verify = VERIFY_POLICY_PROVISIONAL):
+token deltas before the one `commit` are drafts; the commit keeps the first `accepted_tokens` of
+them, appends its `ids` and replaces the text with its `text`; deltas after it are verified.
+`generate` applies it (`Answer.ids` is the verified answer; `provisional_ids` what was shown
+before the commit):
+
+    answer = await client.generate(context=prompt("..."), question=prompt(" Q ..."), mode="raw",
+                                   verify=consumer_pb2.VERIFY_POLICY_PROVISIONAL)
+    print(answer.provisional_ids, "->", answer.ids, answer.stats.verify_decision)
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared import security
 from shared.pb import common_pb2, consumer_pb2, consumer_pb2_grpc
@@ -15,6 +26,8 @@ class Answer:
     ids: list[int]
     text: str
     stats: consumer_pb2.GenerateStats
+    provisional_ids: list[int] = field(default_factory=list)  # the drafts streamed before a commit
+    commit: consumer_pb2.VerifyCommit | None = None
 
 
 def prompt(text: str | None = None, ids: list[int] | None = None) -> consumer_pb2.Prompt:
@@ -46,11 +59,18 @@ class ConsumerClient:
             fields["transfer"] = common_pb2.CodecSpec(name=mode, options=options or {})
         ids: list[int] = []
         text, stats = "", None
+        provisional: list[int] = []
+        commit: consumer_pb2.VerifyCommit | None = None
         async for msg in self.stub.Generate(consumer_pb2.GenerateRequest(**fields), timeout=timeout):
-            if msg.WhichOneof("kind") == "token":
+            kind = msg.WhichOneof("kind")
+            if kind == "token":
                 ids += msg.token.ids
                 text += msg.token.text
+            elif kind == "commit":  # the drafts so far were checked: keep the accepted ones, then its ids
+                commit, provisional = msg.commit, ids
+                ids = ids[: commit.accepted_tokens] + list(commit.ids)
+                text = commit.text
             else:
                 stats = msg.stats
         assert stats is not None, "Generate ended without stats"  # the consumer always ends with them
-        return Answer(ids, text, stats)
+        return Answer(ids, text, stats, provisional, commit)

@@ -25,16 +25,21 @@ class Sampler:
         if sampling.temperature > 0:
             self.generator = torch.Generator(device=device).manual_seed(sampling.seed)
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """logits: [vocab] of the last position -> next token id."""
-        if self.generator is None:
-            return int(torch.argmax(logits))
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [vocab] -> the distribution a token is drawn from (temperature, then top-p;
+        not renormalized: multinomial does not need it), [vocab] float32. Sampling only."""
         probs = torch.softmax(logits.float() / self.sampling.temperature, dim=-1)
         if self.sampling.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < self.sampling.top_p  # always keeps the top token
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return probs
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits: [vocab] of the last position -> next token id."""
+        if self.generator is None:
+            return int(torch.argmax(logits))
+        return int(torch.multinomial(self.probs(logits), 1, generator=self.generator))
 
 
 class Detokenizer:

@@ -5,16 +5,20 @@ calibrated loss meets the budget of the pair's artifact default schedule (lossle
 only without an artifact), so a caller who knows nothing about transfer modes gets the fastest
 answer that stays close to the consumer's own.
 
-`safest` still names the safest fixed mode the loaded artifacts allow, given what the consumer
-knows of its producer's weights; it says whether the default needs the producer (readiness):
-- `scd` (the artifact's lowest-loss schedule) when an SCD artifact calibrated for this consumer's
+`safest` names the safest fixed mode the loaded artifacts allow, given what the consumer knows of
+its producer's weights (shown in auto's reason):
+- `scd` (the artifact's default schedule) when an SCD artifact calibrated for this consumer's
   weights, and for the producer's as far as they are known, is loaded;
 - `raw` only when the producer's weights are known to equal the consumer's (raw K/V is then
   exact);
 - otherwise `oracle` (the consumer prefills the context itself: right by construction).
-Naive reuse of another model's K/V (`raw` across different weights) is served only when a
-request names it. It is recomputed whenever the producer link learns the producer's weight
-digest (consumer.readiness). Knows nothing about grpc.
+Naive reuse of another model's K/V (`raw`, `quant` or `recompute` across different weights) is
+served only when a request names it: a `--default-mode` that is naive reuse for these weights is a
+start-up error unless `--allow-naive-reuse-default` is set (`naive_reuse`; the producer's weights
+come from the link, else from the loaded artifacts calibrated for this consumer). Readiness
+(consumer.readiness.not_ready): a fixed transfer default needs the producer, `auto` and `oracle`
+do not. Recomputed whenever the producer link learns the producer's weight digest. Knows nothing
+about grpc.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from dataclasses import dataclass
 from shared import codecs as codec_lib
 from shared.codecs.scd import ScdCodec
 from shared.config import AUTO_MODE, ORACLE_MODE
+
+NAIVE_MODES = ("raw", "quant", "recompute")  # modes that reuse the producer's own K/V
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,32 @@ class DefaultMode:
         return before != self.choice
 
     @property
-    def uses_producer(self) -> bool:
-        """Whether the default needs the producer to serve well (auto: when its safest fixed mode does)."""
-        return self.choice.mode != ORACLE_MODE
+    def needs_producer(self) -> bool:
+        """Whether the default cannot be served without the producer: a fixed transfer mode (auto
+        falls back to the consumer's own prefill; oracle never calls it)."""
+        return self.mode not in (ORACLE_MODE, AUTO_MODE)
+
+    def naive_reuse(self, producer_digest: str, allowed: bool = False) -> str:
+        """Why the configured default is naive reuse of another model's K/V ("" when it is not, the
+        producer's weights are unknown, or `allowed`)."""
+        if allowed or self.configured not in NAIVE_MODES or not producer_digest or producer_digest == self.consumer_digest:
+            return ""
+        return (
+            f"--default-mode {self.configured}: naive reuse: the producer's weights ({producer_digest[:16]}...) differ from"
+            f" this consumer's ({self.consumer_digest[:16]}...), so its K/V do not fit this model; use --default-mode auto"
+            " (or scd with an artifact for the pair, or oracle), or set --allow-naive-reuse-default to serve it anyway"
+        )
+
+
+def producer_digest_known(codecs: Mapping[str, codec_lib.Codec], consumer_digest: str, linked: str) -> str:
+    """The producer's weight digest as far as it is known: the link's, else that of the loaded
+    artifacts calibrated for this consumer (they name the producer they were calibrated with)."""
+    if linked:
+        return linked
+    scd = codecs.get("scd")
+    theirs = {
+        a.meta["producer"]["weight_digest"]
+        for a in (scd.artifacts if isinstance(scd, ScdCodec) else [])
+        if a.meta["consumer"]["weight_digest"] == consumer_digest
+    }
+    return theirs.pop() if len(theirs) == 1 else ""

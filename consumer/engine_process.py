@@ -43,7 +43,7 @@ from consumer.batch import BatchEngine, EngineStats, Finished, Task
 from consumer.decoding import Sampler
 from consumer.kv_pool import KVPool, SequenceKV
 from shared import liveness, logs
-from shared.errors import ServiceError, Unavailable
+from shared.errors import FailedPrecondition, ServiceError, Unavailable
 from shared.models import LoadedModel, load_model, warm_up
 
 log = logs.get("consumer.engine_process")
@@ -271,6 +271,9 @@ class EngineProcess(concurrent.futures.Executor):
     def add(self, task: Task) -> Task:
         if not task.pending:
             raise ValueError("a task needs tokens to feed")
+        if task.keep_logits:  # verified decoding reads logits and draft distributions in process
+            task.sink(FailedPrecondition("verify: not available with --engine-process"))
+            return task
         seq = task.seq
         with self._lock:
             dead = self._dead

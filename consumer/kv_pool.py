@@ -246,6 +246,18 @@ class SequenceKV:
         Bt = self.pool.block_tokens
         return (self.table[:, None] * Bt + torch.arange(Bt, device=self.table.device)).reshape(-1)
 
+    def split_off(self, blocks: int) -> SequenceKV:
+        """Its last `blocks` blocks as a sequence of their own, before anything was written: one
+        admission reserves both caches of verified decoding (consumer.verify) at once, so a
+        request never holds one while it waits for the other. Each is released on its own."""
+        if not 0 < blocks <= len(self.blocks) - self.shared_blocks or self.length or "flat_slots" in self.__dict__:
+            raise ValueError(f"cannot split {blocks} blocks off a sequence of {len(self.blocks)} (used or shared)")
+        keep = len(self.blocks) - blocks
+        tail = SequenceKV(self.pool, self.blocks[keep:], self.table[keep:], blocks * self.pool.block_tokens)
+        self.blocks, self.table = self.blocks[:keep], self.table[:keep]
+        self.capacity = keep * self.pool.block_tokens
+        return tail
+
     def _span(self, layer: int, tokens: int) -> slice:
         """Positions a codec decoder's layer write of `tokens` tokens covers: first_write .. ;
         ValueError when they exceed the reservation or fall inside the shared prefix."""

@@ -1,11 +1,17 @@
 """The consumer's request pipeline, the same for every transfer codec:
 
   wait for KV memory (consumer.kv_admission: blocks for context + question + max_new_tokens,
-  starting with what the prefix cache holds) -> the context's KV: the transfer
-  (consumer.transfer) or the consumer's own prefill -> the audit's policy (consumer.audit_policy)
-  -> question and decode in the batch engine (consumer.engine_stream), yielding tokens as they
-  come -> keep the context's chunks (consumer.prefix_cache, named by consumer.prefix_keys) ->
-  release the blocks -> stats.
+  starting with what the prefix cache holds; twice that under verify) -> the context's KV: the
+  transfer (consumer.transfer) or the consumer's own prefill -> the audit's policy
+  (consumer.audit_policy) -> question and decode in the batch engine (consumer.engine_stream), or
+  under verify drafts on that cache checked against the exact one (consumer.verify), yielding
+  tokens as they come -> keep the context's chunks (consumer.prefix_cache, named by
+  consumer.prefix_keys) -> release the blocks -> stats.
+
+Policies compose in one order: transfer (its failure policy) -> audit (report, fallback or
+upgrade) -> verify. A cache the earlier steps made exact (LOCAL_PREFILL replaced the transfer, the
+audit fell back to the own prefill, mode oracle) is not verified: its answer is the oracle's
+already, and the second set of blocks goes back at once (`verify_decision` says "skipped: ...").
 
 Its parts, one job each: `Transfer` pulls a stream and rebuilds its layers; `AuditPolicy` checks a
 rebuilt cache and applies report / fallback / upgrade; `PrefixKeys` names KV by what made it;
@@ -45,15 +51,18 @@ from consumer.request import (
     AUDIT_OFF,
     LOCAL_PREFILL,
     ORACLE_MODE,
+    VERIFY_OFF,
+    Commit,
     GenerateJob,
     GenerateResult,
     TokenOut,
     left,
 )
 from consumer.transfer import Transfer, TransferSource, TransferTooSlow
+from consumer.verify import Verifier
 from shared import chunks, logs
 from shared.codecs import Codec
-from shared.errors import Cancelled, DataLoss, ServiceError
+from shared.errors import Cancelled, DataLoss, ResourceExhausted, ServiceError
 from shared.models import LoadedModel
 
 log = logs.get("consumer.pipeline")
@@ -85,7 +94,10 @@ class RequestPipeline:
         self.planner = planner  # running estimates: the mid-stream watch under LOCAL_PREFILL
         self.transfer = Transfer(loaded, engine, source, self.keys, planner)
         self.audits = AuditPolicy(loaded, self.transfer, self._local_prefill)
+        self.verifier = Verifier(loaded, engine)
         self.abandoned = 0  # transfers abandoned mid-stream
+        # prefix-cache inserts queued on the engine and not run yet, by their context's first chunk key
+        self._inserting: dict[str, asyncio.Future] = {}
 
     @property
     def rebuilt_layers(self) -> int:  # the metrics read these from the pipeline
@@ -149,12 +161,17 @@ class RequestPipeline:
         if job.audit != AUDIT_OFF:
             await self.audits.apply(job, result, seq, decoder)
 
-    async def run(self, job: GenerateJob) -> AsyncGenerator[TokenOut | GenerateResult, None]:
+    async def run(self, job: GenerateJob) -> AsyncGenerator[TokenOut | Commit | GenerateResult, None]:
         result = GenerateResult(job.request_id, job.mode, dict(job.options), len(job.context_ids), len(job.question_ids))
         result.auto = job.auto
         result.raw_kv_bytes = self.loaded.info.kv_bytes(len(job.context_ids))
         refs = self.keys.chain(job.codec, job.options, job.context_ids)
-        seq, partial = await self._admit(job, result, refs, reuse=True)
+        verify = job.verify != VERIFY_OFF and job.codec is not None
+        if verify:
+            self.verifier.check_supported()
+        elif job.verify != VERIFY_OFF:
+            result.verify_decision = "skipped: mode oracle is exact"
+        seq, exact, partial = await self._admit(job, result, refs, reuse=True, verify=verify)
         try:
             try:
                 await self._cache(job, result, seq, result.prefix_reused_tokens, partial)
@@ -163,20 +180,48 @@ class RequestPipeline:
                     raise
                 # the producer no longer holds what our prefix key names (or refused): whole context
                 log.warning("generate.partial_transfer_failed", code=exc.code, reason=str(exc)[:300], first_token=partial[0])
-                self._release(seq)
+                self._release(seq, exact)
                 result.bytes_received = 0
-                seq, partial = await self._admit(job, result, refs, reuse=False)
+                seq, exact, partial = await self._admit(job, result, refs, reuse=False, verify=verify)
                 await self._cache(job, result, seq, 0, None)
-            async with contextlib.aclosing(self._answer(job, result, seq)) as items:
+            if exact is not None and (result.codec == ORACLE_MODE or result.audit_decision.endswith("prefilled locally")):
+                result.verify_decision = "skipped: the context was prefilled locally"
+                self._release(exact)
+                exact = None
+            answer: AsyncGenerator[TokenOut | Commit | GenerateResult, None]
+            if exact is None:
+                answer = self._answer(job, result, seq)
+            else:
+                start = await self._exact_start(job, exact)
+                answer = self.verifier.answer(job, result, seq, exact, self._release, start)
+            async with contextlib.aclosing(answer) as items:
                 async for item in items:
                     yield item
-            # kept only once it answered (finite logits, no contract error), and never a flagged cache
-            if self.prefix is not None and not result.audit_decision.startswith("diverged"):
-                keep = self._made_as(job, result)
+            # kept only once it answered (finite logits, no contract error), and never a flagged cache;
+            # after verification the exact cache, the consumer's own prefill
+            if self.prefix is not None and (exact is not None or not result.audit_decision.startswith("diverged")):
+                keep = self._made_as(job, result) if exact is None else self.keys.chain(None, {}, job.context_ids)
                 if keep:  # on the engine thread, before the release queued after it
-                    await asyncio.wrap_future(self.engine.submit(self.prefix.insert, keep, seq))
+                    kept = seq if exact is None else exact
+                    self._insert(keep, kept)
         finally:
-            self._release(seq)
+            self._release(seq, exact)
+
+    async def _exact_start(self, job: GenerateJob, exact: SequenceKV) -> int:
+        """Verified decoding's exact cache starts with what the prefix cache holds of the context as
+        the consumer's own prefill, copied into its blocks (a copy: its question and answer follow
+        right after); the tokens copied."""
+        refs = self.keys.chain(None, {}, job.context_ids) if self.prefix is not None else []
+        if self.prefix is None or not refs:
+            return 0
+        hit = self.prefix.lookup(refs, hold=True)
+        blocks = hit.shared_blocks + hit.tail_blocks
+        try:
+            if blocks:
+                await logs.run_in(self.engine, self.engine.pool.copy_blocks, blocks, exact.blocks)
+        finally:
+            self.engine.pool.drop(blocks)
+        return hit.tokens
 
     def _made_as(self, job: GenerateJob, result: GenerateResult) -> list[chunks.ChunkRef]:
         """The chunk refs that name how seq's context KV was really made: the own prefill when a
@@ -195,16 +240,21 @@ class RequestPipeline:
         return self.prefix.peek(refs) if refs and self.prefix is not None else 0
 
     async def _admit(
-        self, job: GenerateJob, result: GenerateResult, refs: list[chunks.ChunkRef], reuse: bool
-    ) -> tuple[SequenceKV, tuple[int, str] | None]:
+        self, job: GenerateJob, result: GenerateResult, refs: list[chunks.ChunkRef], reuse: bool, verify: bool = False
+    ) -> tuple[SequenceKV, SequenceKV | None, tuple[int, str] | None]:
         """KV blocks for the request, starting with what the prefix cache holds of its context:
         the whole context, or (own prefill, or a codec that can send from a chunk boundary) its
-        cached full chunks; and the (first_token, prefix_key) to ask the producer with."""
+        cached full chunks; and the (first_token, prefix_key) to ask the producer with. Under
+        `verify` also the exact cache's own blocks (context + question + max_new_tokens again),
+        reserved in the same admission: a request never holds one set while it waits for the other."""
         T = len(job.context_ids)
         # an audited transfer audits its own stream (and its policy may rewrite the whole cache)
         reuse = reuse and (job.codec is None or job.audit == AUDIT_OFF)
         pool = self.engine.pool
         # held (pinned) by the lookup itself: the engine may evict them any time after it
+        pending = self._inserting.get(refs[0].key) if refs else None
+        if reuse and pending is not None:  # read your writes: this context's insert, queued, not run yet
+            await asyncio.shield(pending)
         hit = self.prefix.lookup(refs, hold=True) if (reuse and self.prefix is not None and refs) else Hit([])
         partial = None
         if job.codec is not None and hit.tokens < T:
@@ -215,26 +265,54 @@ class RequestPipeline:
         tail = hit.tail_blocks
         # the request's worst case: the last sampled token is never fed back
         need = T + len(job.question_ids) + job.max_new_tokens
+        per_cache = pool.blocks_for(need)
         try:
-            seq, waited = await self.admission.acquire(need, job.deadline, shared=hit.shared_blocks)
+            seq, waited = await self.admission.acquire(
+                2 * per_cache * pool.block_tokens if verify else need, job.deadline, shared=hit.shared_blocks
+            )
+            exact = seq.split_off(per_cache) if verify else None
             if tail:
                 try:
                     await logs.run_in(self.engine, pool.copy_blocks, tail, seq.blocks[len(hit.shared_blocks) :])
                 except BaseException:  # cancelled or deadline while copying: the blocks go back
-                    self._release(seq)
+                    self._release(seq, exact)
                     raise
+        except ResourceExhausted as exc:
+            if verify:  # why it needs twice what its tokens say
+                raise ResourceExhausted(f"{exc} (verify reserves context + question + max_new_tokens twice)") from None
+            raise
         finally:
             pool.drop(tail)
         result.queue_wait_ms += waited * 1e3
         result.prefix_reused_tokens = hit.tokens
-        return seq, partial
+        return seq, exact, partial
 
-    def _release(self, seq: SequenceKV) -> None:
-        """seq's blocks back to the pool, on the engine thread after anything still using them."""
-        try:
-            self.engine.release(seq).add_done_callback(lambda _: self.admission.wake())
-        except RuntimeError:  # the engine has stopped (server stop): nothing runs on the pool any more
-            self.engine.pool.release(seq)
+    def _insert(self, refs: list[chunks.ChunkRef], seq: SequenceKV) -> None:
+        """Keep seq's context chunks: a prefix-cache insert on the engine thread, queued before the
+        release that follows it, not awaited (the caller's stream ends without waiting for an
+        iteration boundary); a later lookup of the same context waits for it (`_admit`)."""
+        assert self.prefix is not None
+        inserting = asyncio.wrap_future(self.engine.submit(self.prefix.insert, refs, seq))
+
+        def failed(f: asyncio.Future) -> None:
+            if not f.cancelled() and f.exception() is not None:
+                log.error("prefix.insert_failed", error=f"{type(f.exception()).__name__}: {str(f.exception())[:200]}")
+
+        inserting.add_done_callback(failed)
+        first = refs[0].key
+        self._inserting[first] = inserting
+        inserting.add_done_callback(lambda f: self._inserting.pop(first, None) if self._inserting.get(first) is f else None)
+
+    def _release(self, *seqs: SequenceKV | None) -> None:
+        """The sequences' blocks back to the pool, on the engine thread after anything still using
+        them (a second release of one is a no-op)."""
+        for seq in seqs:
+            if seq is None:
+                continue
+            try:
+                self.engine.release(seq).add_done_callback(lambda _: self.admission.wake())
+            except RuntimeError:  # the engine has stopped (server stop): nothing runs on the pool any more
+                self.engine.pool.release(seq)
 
     async def _answer(
         self, job: GenerateJob, result: GenerateResult, seq: SequenceKV

@@ -9,11 +9,15 @@ token is seen without a request failing first. Each check gives a `LinkState`: `
 `unverified` (it answers but has no Describe). A change is logged once (`producer.link`), counted
 by the metric `scd_producer_link` (1 on the current state) and shown in Describe.
 
-Readiness (`not_ready`): NOT_SERVING when the producer is incompatible, or when the default mode
-needs the producer and the link is not `ok`/`unverified`. A consumer whose default is its own
-prefill stays SERVING and reports the link's state. `failure` names the cause of a failed
-producer call for callers: "producer rejected our token", "TLS handshake with producer failed:
-unknown CA (...)". Knows nothing about the servicer.
+One readiness rule (`not_ready`): ready = the default mode can be served now. `auto` always can
+(its candidates include the consumer's own prefill, and it leaves the producer out while the link
+is unusable), `oracle` needs no producer, a fixed transfer mode (`--default-mode raw`, `scd`, ...)
+needs a usable link (`ok`/`unverified`), and a default that would be naive reuse across different
+weights is not served at all. The link is reported apart from readiness: its own health service
+(`producer-link`, SERVING while usable), Describe's `producer_link`, the metric and the log line
+`producer.link` on each change. `failure` names the cause of a failed producer call for callers:
+"producer rejected our token", "TLS handshake with producer failed: unknown CA (...)". Knows
+nothing about the servicer.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 import grpc
 
 from consumer import compat
-from shared import logs
+from shared import logs, serving
 from shared.errors import FailedPrecondition, ServiceError, Unavailable
 from shared.pb import consumer_pb2, producer_pb2
 
@@ -35,6 +39,7 @@ log = logs.get("consumer.readiness")
 
 LINK_STATES = ("unknown", "ok", "unverified", "unreachable", "tls_failed", "unauthenticated", "incompatible")
 USABLE = ("ok", "unverified")
+HEALTH_SERVICE = "producer-link"  # grpc.health.v1 service name of the link's own state (not readiness)
 RETRY_S = 1.0  # re-check period while the link is not usable
 _TLS = re.compile(r"(?:Tls|Ssl|SSL) handshake failed[^:]*:(?:.*?OPENSSL_internal:)?\s*([A-Z_]+)?:?\s*([^:]*)", re.I)
 _TLS_NAMES = {
@@ -59,7 +64,10 @@ def failure(code: grpc.StatusCode, details: str, transport: str = "plaintext") -
     """A caller-facing error naming the cause of a failed producer call when it is an
     authentication or transport-security problem (None otherwise). transport: plaintext | tls | mtls."""
     if code == grpc.StatusCode.UNAUTHENTICATED:
-        return FailedPrecondition("producer rejected our token (UNAUTHENTICATED; check --producer-token-file)")
+        return FailedPrecondition(
+            "producer rejected our token (UNAUTHENTICATED; check --producer-token or --producer-token-file"
+            " against the producer's --token-file)"
+        )
     if code == grpc.StatusCode.PERMISSION_DENIED:
         return FailedPrecondition("producer refused our credentials (PERMISSION_DENIED)")
     if code != grpc.StatusCode.UNAVAILABLE:
@@ -87,8 +95,8 @@ def classify(exc: grpc.aio.AioRpcError, transport: str) -> LinkState:
     named = failure(code, details, transport)
     if named is not None:
         state = "unauthenticated" if isinstance(named, FailedPrecondition) else "tls_failed"
-        if str(named).startswith("producer closed"):
-            state = "unreachable"
+        if str(named).startswith("producer closed") and transport != "plaintext":
+            state = "unreachable"  # a TLS channel closed during setup: not necessarily the handshake
         return LinkState(state, str(named))
     if "Connection refused" in details:
         return LinkState("unreachable", "producer unreachable: connection refused")
@@ -143,23 +151,23 @@ class ProducerLink:
                 await self.check()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        await serving.stop_task(self._task)
+        self._task = None
 
 
-def not_ready(state: LinkState, default_uses_producer: bool) -> str:
-    """Why readiness is NOT_SERVING ("" when the consumer can serve its default mode)."""
-    if state.state == "incompatible":
-        return state.reason
-    if default_uses_producer and state.state not in USABLE:
-        return f"default mode needs the producer: {state.reason or state.state}"
+def not_ready(state: LinkState, default_mode: str, needs_producer: bool, naive_reuse: str = "") -> str:
+    """Why readiness is NOT_SERVING ("" when the consumer can serve its default mode now): the
+    default is naive reuse (`naive_reuse` says why), or it is a transfer mode and the link is not
+    usable. `auto` and `oracle` never need the producer."""
+    if naive_reuse:
+        return naive_reuse
+    if needs_producer and state.state not in USABLE:
+        return f"default mode {default_mode} needs the producer: {state.reason or state.state}"
     return ""
 
 
 def link_to_pb(link: ProducerLink | None) -> consumer_pb2.ProducerLink:
     if link is None:
         return consumer_pb2.ProducerLink(state="unknown")
-    return consumer_pb2.ProducerLink(state=link.state.state, reason=link.state.reason, changes=link.changes)
+    state = link.state
+    return consumer_pb2.ProducerLink(state=state.state, reason=state.reason, changes=link.changes, usable=state.state in USABLE)

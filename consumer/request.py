@@ -17,6 +17,7 @@ from shared.errors import DeadlineExceeded
 ORACLE_MODE = "oracle"  # the consumer's own prefill: only token ids cross
 FAIL, LOCAL_PREFILL = "fail", "local_prefill"  # on_transfer_failure policies
 AUDIT_OFF, AUDIT_REPORT, AUDIT_FALLBACK, AUDIT_UPGRADE = "off", "report", "fallback", "upgrade"  # cache audit policies
+VERIFY_OFF, VERIFY_VERIFIED, VERIFY_PROVISIONAL = "off", "verified", "provisional"  # verified decoding (consumer.verify)
 
 
 def left(job: GenerateJob, what: str) -> float:
@@ -46,6 +47,7 @@ class GenerateJob:
     audit_positions: int = 8
     audit_threshold: float = 0.05  # used when the codec has no calibrated threshold
     auto: AutoChoice | None = None  # how mode auto (or fallback_to_oracle) chose codec and options
+    verify: str = VERIFY_OFF  # VERIFY_OFF | VERIFY_VERIFIED (stream verified tokens only) | VERIFY_PROVISIONAL
 
     @property
     def mode(self) -> str:
@@ -54,6 +56,17 @@ class GenerateJob:
 
 @dataclass
 class TokenOut:
+    ids: list[int]
+    text: str
+
+
+@dataclass
+class Commit:
+    """Verified decoding, provisional delivery: of the provisional tokens streamed so far the first
+    `accepted` stand, the rest are withdrawn and `ids` follow in their place; `text` is the whole
+    verified answer's text so far."""
+
+    accepted: int
     ids: list[int]
     text: str
 
@@ -94,3 +107,8 @@ class GenerateResult:
     chunk_tokens: int = 0  # the producer's chunk size as the last stream header gave it
     stream_producer: tuple[str, str] | None = None  # (weight digest, kv dtype) the last stream's header named
     abandoned_span: tuple[int, float] | None = None  # (bytes, ms) an abandoned stream delivered after its first layer
+    verify_decision: str = ""  # what verified decoding did ("" off; "verified: ...", "skipped: ...")
+    drafted_tokens: int = 0  # tokens drafted on the transferred cache before the exact one was complete
+    accepted_tokens: int = 0  # the prefix of them the exact model accepted
+    time_to_verified_ms: float = 0.0  # receipt to the first verified token
+    verify_ms: float = 0.0  # the exact prefill and the verification forward, wall time (overlaps drafting)

@@ -22,6 +22,9 @@ from consumer.request import (
     FAIL,
     LOCAL_PREFILL,
     ORACLE_MODE,
+    VERIFY_OFF,
+    VERIFY_PROVISIONAL,
+    VERIFY_VERIFIED,
     GenerateJob,
 )
 from shared import codecs as codec_lib
@@ -42,6 +45,12 @@ AUDITS = {
     consumer_pb2.AUDIT_POLICY_REPORT: AUDIT_REPORT,
     consumer_pb2.AUDIT_POLICY_FALLBACK: AUDIT_FALLBACK,
     consumer_pb2.AUDIT_POLICY_UPGRADE: AUDIT_UPGRADE,
+}
+VERIFIES = {
+    consumer_pb2.VERIFY_POLICY_UNSPECIFIED: VERIFY_OFF,
+    consumer_pb2.VERIFY_POLICY_OFF: VERIFY_OFF,
+    consumer_pb2.VERIFY_POLICY_VERIFIED: VERIFY_VERIFIED,
+    consumer_pb2.VERIFY_POLICY_PROVISIONAL: VERIFY_PROVISIONAL,
 }
 MAX_AUDIT_POSITIONS = 64
 MIN_TRANSFER_SHARE = 0.2  # LOCAL_PREFILL never leaves the transfer less than this share of the deadline
@@ -72,8 +81,8 @@ def transfer_codec(
 def transfer_budget_s(planner: TransferPlanner, context_tokens: int, left_s: float) -> float:
     """LOCAL_PREFILL: how long the transfer may take and still leave time for the consumer's own
     prefill (twice its running estimate, or half the deadline before it has one)."""
-    per_token = planner.local_ms_per_token.value
-    reserve = left_s / 2 if per_token is None else 2 * per_token * context_tokens / 1e3 + 0.25
+    local_ms = planner.estimate_local(context_tokens).ms
+    reserve = left_s / 2 if local_ms is None else 2 * local_ms / 1e3 + 0.25
     return max(left_s - reserve, MIN_TRANSFER_SHARE * left_s)
 
 
@@ -125,6 +134,8 @@ class JobBuilder:
             raise InvalidArgument(f"on_transfer_failure: unknown value {request.on_transfer_failure}")
         if request.audit not in AUDITS:
             raise InvalidArgument(f"audit: unknown value {request.audit}")
+        if request.verify not in VERIFIES:
+            raise InvalidArgument(f"verify: unknown value {request.verify}")
         if request.audit_positions > MAX_AUDIT_POSITIONS:
             raise InvalidArgument(f"audit_positions: {request.audit_positions} > limit {MAX_AUDIT_POSITIONS}")
         vocab = self.loaded.info.vocab_size
@@ -178,6 +189,7 @@ class JobBuilder:
             audit_positions=request.audit_positions or 8,
             audit_threshold=cfg.audit_threshold,
             auto=auto,
+            verify=VERIFIES[request.verify],
         )
 
     def _chosen(self, auto: AutoChoice) -> tuple[codec_lib.Codec | None, dict[str, str]]:

@@ -37,6 +37,8 @@ class Row:
     seq: SequenceKV
     ids: list[int]  # new tokens, appended at positions seq.length ..
     start: int  # = seq.length when the forward is built
+    tail_logits: int = 0  # > 0: also the logits after each of the last n new tokens (verification)
+    logits: torch.Tensor | None = None  # [tail_logits, vocab] float32, set by forward when asked
 
 
 class _BatchKV:
@@ -112,7 +114,9 @@ class Runner:
     @torch.inference_mode()
     def forward(self, rows: list[Row]) -> torch.Tensor:
         """Append each row's ids to its sequence; the logits of each row's last new token, [B, vocab]
-        float32. Advances every row's `seq.length`."""
+        float32. A row with `tail_logits` n also gets the logits after each of its last n new
+        tokens in `row.logits` [n, vocab] (the norm and LM head over those positions only, so rows
+        that ask nothing cost nothing more). Advances every row's `seq.length`."""
         device, Bt = self.loaded.device, self.pool.block_tokens
         B = len(rows)
         n = max(len(r.ids) for r in rows)
@@ -143,6 +147,10 @@ class Runner:
             h = layer(h, attention_mask=attn_mask, position_ids=pos, cache=cache, use_cache=True, position_embeddings=emb)
         last = h[torch.arange(B, device=device), lens - 1]  # [B, d]
         logits = self.lm_head(self.inner.norm(last)).float()  # [B, vocab]
+        for i, r in enumerate(rows):
+            if r.tail_logits:
+                end = len(r.ids)
+                r.logits = self.lm_head(self.inner.norm(h[i, end - r.tail_logits : end])).float()  # [n, vocab]
         for r in rows:
             r.seq.length = r.start + len(r.ids)
         return logits

@@ -11,24 +11,26 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import structlog
+from grpc_health.v1 import health_pb2
 
 import shared
-from consumer import readiness
-from consumer.auto import AutoChoice, Candidate, Chooser
+from consumer import defaults, readiness
+from consumer.auto import AutoChoice, Budget, Candidate, Chooser
 from consumer.batch import BatchEngine
 from consumer.defaults import DefaultMode
 from consumer.engine_process import EngineProcess
 from consumer.kv_admission import KVAdmission
 from consumer.kv_pool import KVPool, default_pool_bytes
 from consumer.pipeline import RequestPipeline
-from consumer.planner import Observation, TransferPlanner, mode_key
+from consumer.planner import Observation, TransferPlanner
 from consumer.prefix_cache import PrefixCache
+from consumer.probe import BackgroundProbe
 from consumer.producer_client import ProducerClient
 from consumer.producer_memory import ProducerMemory
-from consumer.request import ORACLE_MODE, GenerateResult, TokenOut
+from consumer.request import ORACLE_MODE, Commit, GenerateResult, TokenOut
 from consumer.requests import JobBuilder
 from shared import codecs as codec_lib
-from shared import describe, handlers, logs, outcomes, serving
+from shared import describe, handlers, logs, outcomes, serving, startup
 from shared.config import ConsumerConfig
 from shared.errors import Unavailable
 from shared.metrics import Metrics
@@ -55,6 +57,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         self.outcomes = outcomes.Outcomes()
         self.transfer_fallbacks = 0
         self.auto_choices = 0
+        self.probe: BackgroundProbe | None = None  # ConsumerServer sets it: told of every Generate
 
     def attach(
         self,
@@ -114,6 +117,8 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         if item.abandoned_span is not None:
             self.planner.observe_abandoned(*item.abandoned_span)
         chosen = next((s for s in job.auto.scored if s.chosen), None) if job.auto is not None else None
+        if item.verify_decision.startswith("verified"):
+            chosen = None  # its first token waited for the exact cache: no sample of the transfer's overhead
         if chosen is not None and chosen.estimate.base_ms is not None and not item.transfer_failure and item.generated_tokens:
             self.planner.observe_overhead(
                 chosen.candidate.remote, item.ttft_ms - item.question_prefill_ms, chosen.estimate.base_ms
@@ -125,6 +130,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             item.bytes_received,
             item.rebuild_ms,
             local_tokens=item.local_tokens,
+            local_prefill_ms=item.local_prefill_ms,
             producer_prefill_ms=item.producer_prefill_ms,
             producer_encode_ms=item.producer_encode_ms,
             producer_store_hit=item.producer_store_hit,
@@ -144,7 +150,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             )
         self.planner.observe(observed)
         if t is not None and job.codec is not None:
-            key = mode_key(job.codec.name, job.options)
+            key = self.chooser.key(job.codec.name, job.options)
             if item.stream_producer is not None:  # what the stream's header said, not the link check
                 self.memory.remember(*item.stream_producer, key, job.context_ids, item.chunk_tokens)
 
@@ -162,6 +168,8 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
     async def Generate(self, request, context):
         received = time.perf_counter()
         request_id = serving.request_id(request.request_id)
+        if self.probe is not None:
+            self.probe.touch()
         with structlog.contextvars.bound_contextvars(request_id=request_id), self.admission.slot():
             async for message in self.outcomes.track(
                 self._generate(request, request_id, context, received), context, log, "generate"
@@ -184,8 +192,13 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             async for item in items:
                 if isinstance(item, TokenOut):
                     yield consumer_pb2.GenerateResponse(token=consumer_pb2.TokenDelta(ids=item.ids, text=item.text))
+                elif isinstance(item, Commit):
+                    commit = consumer_pb2.VerifyCommit(accepted_tokens=item.accepted, ids=item.ids, text=item.text)
+                    yield consumer_pb2.GenerateResponse(commit=commit)
                 elif isinstance(item, GenerateResult):
                     self._observe(job, item)
+                    if self.probe is not None:
+                        self.probe.touch()
                     self.auto_choices += job.auto is not None and not job.fallback
                     if job.fallback:
                         item.options["fallback"] = job.fallback
@@ -199,6 +212,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
                         bytes=item.bytes_received,
                         total_ms=round(item.total_ms, 2),
                         transfer_failure=item.transfer_failure or None,
+                        **auto_trail(job.auto),
                     )
                     yield consumer_pb2.GenerateResponse(stats=result_to_pb(item))
 
@@ -217,6 +231,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             server_version=shared.__version__,
             api_version=shared.API_VERSION,
             artifacts=describe.artifacts_to_pb(self.codecs),
+            auto_default_budget=budget_to_pb(self.chooser.default_budget()),
             default_mode=self.default.mode,
             default_mode_reason=self.default.why,
             producer_link=readiness.link_to_pb(self.link),
@@ -293,10 +308,20 @@ def result_to_pb(r: GenerateResult) -> consumer_pb2.GenerateStats:
         prefix_reused_tokens=r.prefix_reused_tokens,
         auto=auto_to_pb(r.auto) if r.auto is not None else None,
         transfer_abandoned=r.transfer_abandoned,
+        drafted_tokens=r.drafted_tokens,
+        accepted_draft_tokens=r.accepted_tokens,
+        time_to_verified_ms=r.time_to_verified_ms,
+        verify_decision=r.verify_decision,
+        verify_ms=r.verify_ms,
     )
 
 
 def auto_to_pb(a: AutoChoice) -> consumer_pb2.AutoChoice:
+    """The candidates within reach with their estimates; the others counted by why."""
+    excluded: dict[str, list[str]] = {}
+    for s in a.scored:
+        if not s.within:
+            excluded.setdefault(s.excluded or "not within the budget", []).append(s.key or s.candidate.key)
     return consumer_pb2.AutoChoice(
         max_loss=a.budget.max_loss if a.budget.max_loss != float("inf") else 0.0,
         exact=a.budget.exact,
@@ -305,17 +330,44 @@ def auto_to_pb(a: AutoChoice) -> consumer_pb2.AutoChoice:
         candidates=[
             consumer_pb2.CandidateEstimate(
                 mode=s.candidate.mode,
-                options=dict(s.candidate.options),
+                options={k: v for k, v in s.candidate.options.items() if v != ""},
                 calibrated_loss=s.candidate.loss,
                 how=s.candidate.how,
                 within_budget=s.within,
                 estimated_ms=s.estimate.ms if s.estimate.ms is not None else -1.0,
                 detail=s.estimate.detail,
                 chosen=s.chosen,
+                confident=s.estimate.confident and s.estimate.ms is not None,
+                key=s.key or s.candidate.key,
             )
             for s in a.scored
+            if s.within
         ],
+        excluded=[
+            consumer_pb2.ExcludedCandidates(reason=why, count=len(keys), candidates=keys) for why, keys in excluded.items()
+        ],
+        probe=a.reason.startswith("probe"),
     )
+
+
+def budget_to_pb(b: Budget) -> consumer_pb2.AutoBudget:
+    return consumer_pb2.AutoBudget(max_loss=b.max_loss, exact=b.exact, source=b.source)
+
+
+def auto_trail(a: AutoChoice | None) -> dict:
+    """generate.done's fields of an auto choice: what it chose, why, and the estimate (the
+    measured TTFT is the line's own ttft_ms)."""
+    if a is None:
+        return {}
+    chosen = next((s for s in a.scored if s.chosen), None)
+    estimate = chosen.estimate.ms if chosen is not None else None
+    return {
+        "auto_choice": chosen.key if chosen is not None and chosen.key else a.chosen.key,
+        "auto_reason": a.reason[:400],
+        "auto_estimate_ms": round(estimate, 2) if estimate is not None else None,
+        "auto_confident": chosen.estimate.confident if chosen is not None else None,
+        "auto_probe": a.reason.startswith("probe") or None,
+    }
 
 
 class ConsumerServer:
@@ -331,6 +383,7 @@ class ConsumerServer:
         handlers.add_servicer(self.server.server, self.servicer, consumer_pb2.DESCRIPTOR.services_by_name["ConsumerService"])
         self.client: ProducerClient | None = None
         self.link: readiness.ProducerLink | None = None
+        self.probe: BackgroundProbe | None = None
         self.engine_failure = ""  # why the engine process exited, once it has (--engine-process)
 
     @property
@@ -367,7 +420,10 @@ class ConsumerServer:
 
             def make_room(blocks: int, prefix: PrefixCache = prefix) -> concurrent.futures.Future:
                 """An intent: the engine evicts (only what frees blocks) and zeroes them between forwards."""
-                return batch.submit(lambda: (prefix.make_room(blocks), pool.reclaim()))
+                # with headroom (the need again, or a 16th of the pool), so that the next admissions
+                # under memory pressure find blocks free instead of waiting for the engine again
+                want = blocks + max(blocks, pool.num_blocks // 16)
+                return batch.submit(lambda: (prefix.make_room(want), pool.reclaim()))
 
         kv_admission = KVAdmission(pool, cfg.max_queue, make_room)
         # liveness from the engine's progress (and its local job thread's), not a place in its queue
@@ -379,12 +435,29 @@ class ConsumerServer:
             self.client.stub, self.servicer.codecs, self.client.transport, cfg.producer_check_interval_s, self._link_changed
         )
         self.servicer.link = link
+        self.server.health_reasons[readiness.HEALTH_SERVICE] = lambda: f"producer link {link.state.state}: {link.state.reason}"
         self.server.metrics.watch_state(
             "scd_producer_link", "producer link state (1: current)", readiness.LINK_STATES, lambda: link.state.state
         )
         await link.check()  # readiness and the default mode from what the producer says
+        known = defaults.producer_digest_known(self.servicer.codecs, loaded.info.weight_digest, link.state.producer_digest)
+        naive = self.servicer.default.naive_reuse(known, cfg.allow_naive_reuse_default)
+        if naive:
+            raise startup.StartupError(naive)
         await self.server.serving()
         link.start()
+        self.probe = BackgroundProbe(
+            self.servicer.chooser,
+            self.servicer.planner,
+            self.client,
+            self.servicer.codecs,
+            loaded.info,
+            cfg.probe_idle_s,
+            lambda: self.servicer.admission.inflight > 0,
+            cfg.max_context_tokens,
+        )
+        self.servicer.probe = self.probe
+        self.probe.start()
         log.info(
             "server.serving",
             model=loaded.info.model_id,
@@ -401,15 +474,23 @@ class ConsumerServer:
         asyncio.ensure_future(self.server.set_not_ready(reason))
 
     async def _link_changed(self, state: readiness.LinkState) -> None:
-        """A new producer link state: the default mode for what is now known, then readiness."""
+        """A new producer link state: the default mode for what is now known, the link's own health
+        service, then readiness (consumer.readiness.not_ready: whether the default can be served now)."""
         default = self.servicer.default
+        usable = state.state in readiness.USABLE
         if self.client is not None:
-            self.client.link_problem = "" if state.state in readiness.USABLE else state.reason
+            self.client.link_problem = "" if usable else state.reason
         if state.producer_digest and default.producer_known(state.producer_digest, state.producer_artifacts):
             log.info("consumer.default_mode", mode=default.mode, reason=default.why)
-        await self.server.set_not_ready(self.engine_failure or readiness.not_ready(state, default.uses_producer))
+        status = health_pb2.HealthCheckResponse.SERVING if usable else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.server.health.set(readiness.HEALTH_SERVICE, status)
+        naive = default.naive_reuse(state.producer_digest, self.config.allow_naive_reuse_default)
+        reason = readiness.not_ready(state, default.mode, default.needs_producer, naive)
+        await self.server.set_not_ready(self.engine_failure or reason)
 
     async def stop(self, grace_s: float | None = None) -> None:
+        if self.probe is not None:
+            await self.probe.stop()
         if self.link is not None:
             await self.link.stop()
         await self.server.drain(self.config.drain_grace_s if grace_s is None else grace_s, self.servicer.admission)

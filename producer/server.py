@@ -18,7 +18,7 @@ from producer.prefill import EncodedLayer, PrefillDone, PrefillEngine
 from producer.reuse import Roots
 from producer.sources import Sources
 from producer.store import ContextStore
-from shared import chunks, describe, handlers, liveness, logs, outcomes, serving, wire
+from shared import chunks, describe, handlers, liveness, logs, outcomes, serving, startup, wire
 from shared import codecs as codec_lib
 from shared.codecs.base import chunk_layouts
 from shared.config import ProducerConfig
@@ -317,6 +317,9 @@ class ProducerServer:
             loaded = await logs.run_in(self.executor, load_model, cfg.model, cfg.dtype, cfg.device)
         await logs.run_in(self.executor, warm_up, loaded)
         self.servicer.attach(loaded)
+        startup.loaded_artifacts(
+            "producer", self.servicer
+        )  # before readiness and `server.serving`: a wrong artifact never serves
         await self.server.serving()
         log.info(
             "server.serving",

@@ -47,6 +47,27 @@ def parse_bool(value: str | bool) -> bool:
     raise ValueError(f"not a boolean: {value!r}")
 
 
+parse_bool.__name__ = "boolean (true/false/1/0/yes/no/on/off)"  # argparse names a bad value's type by it
+
+
+def _integer(value: str | int) -> int:
+    return int(value)
+
+
+def _number(value: str | float) -> float:
+    return float(value)
+
+
+_integer.__name__ = "integer"
+_number.__name__ = "number"
+KINDS: dict[type, tuple[Callable[[Any], Any], str]] = {
+    bool: (parse_bool, "not a boolean (use true/false, 1/0, yes/no or on/off)"),
+    int: (_integer, "not an integer"),
+    float: (_number, "not a number"),
+    str: (str, "not text"),
+}
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"  # listen address of every port (API, health, metrics)
@@ -157,6 +178,8 @@ class ConsumerConfig(ServerConfig):
     audit_threshold: float = 0.05  # cache-audit error counted as divergence when the codec has no calibrated one
     default_timeout_s: float = 120.0  # deadline in seconds of a call whose caller sets none
     default_mode: str = ""  # mode of a request naming none; empty: auto (consumer.defaults)
+    allow_naive_reuse_default: bool = False  # allow a --default-mode raw/quant/recompute across unlike weights
+    probe_idle_s: float = 60.0  # idle this long: one small background transfer keeps auto's estimates fresh (0: off)
     producer_check_interval_s: float = 10.0  # re-check of the producer link (reachable, authenticated, compatible)
     # the batch engine (consumer/batch.py, docs/design.md "The serving engine")
     max_batch: int = 32  # rows per engine forward (1: one request per forward, the pre-batching behaviour)
@@ -189,6 +212,8 @@ class ConsumerConfig(ServerConfig):
             raise ValueError("keepalive_s: must be > 0")
         if self.producer_check_interval_s <= 0:
             raise ValueError("producer_check_interval_s: must be > 0")
+        if self.probe_idle_s < 0:
+            raise ValueError(f"probe_idle_s: {self.probe_idle_s} must be >= 0 (0: off)")
         for name in ("max_batch", "kv_block_tokens", "prefill_chunk", "max_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
@@ -247,11 +272,11 @@ def parser_for(cls: type[C], service: str, env: Mapping[str, str]) -> argparse.A
     helps = field_help(cls)
     for f in fields(cls):
         var = f"SCD_{service.upper()}_{f.name.upper()}"
-        kind: Callable[[Any], Any] = parse_bool if isinstance(f.default, bool) else type(f.default)
+        kind, what = KINDS[type(f.default)]
         try:
             default = kind(env.get(var, f.default))
-        except ValueError as exc:
-            raise FlagError(f"{var}={env.get(var)!r}: {exc}") from None
+        except ValueError:
+            raise FlagError(f"{var}={env.get(var)!r}: {what}") from None
         parser.add_argument(
             f"--{f.name.replace('_', '-')}",
             type=kind,

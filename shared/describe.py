@@ -68,6 +68,8 @@ def artifacts_to_pb(codecs: Mapping[str, Codec]) -> list[common_pb2.ArtifactInfo
                     )
                     for t in art.transfer_points()
                 ],
+                default_schedule=art.default_entry().name if art.schedules else "",
+                default_schedule_chosen_on=art.default_chosen_on() if art.schedules else "",
             )
         )
     return out

@@ -146,6 +146,12 @@ class Metrics:
         self.divergences = Counter(
             "scd_audit_divergences", "audits that flagged the rebuilt cache, by mode", ["mode"], registry=r
         )
+        self.verify_tokens = Counter(
+            "scd_verify_draft_tokens",
+            "verified decoding: drafted tokens by mode and outcome (accepted; discarded: the first rejected and all after it)",
+            ["mode", "outcome"],
+            registry=r,
+        )
 
     def _producer_families(self) -> None:
         r = self.registry
@@ -328,6 +334,10 @@ class Metrics:
             self.audits.labels("_".join(words)[:40]).inc()
             if result.audit_decision.startswith("diverged"):
                 self.divergences.labels(mode).inc()
+        drafted = getattr(result, "drafted_tokens", 0)
+        if drafted:
+            self.verify_tokens.labels(mode, "accepted").inc(result.accepted_tokens)
+            self.verify_tokens.labels(mode, "discarded").inc(drafted - result.accepted_tokens)
 
     # -- gRPC --------------------------------------------------------------------------------
     def interceptor(self) -> grpc.aio.ServerInterceptor:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import grpc
 
+from shared import logs
+
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 AUTH_HEADER = "authorization"
 
@@ -70,6 +72,10 @@ def _refuse(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
     return handler._replace(**{kind: streaming if kind.endswith("_stream") else unary})
 
 
+LOG_REJECTIONS = 100
+log = logs.get("security")
+
+
 class BearerTokenAuth(grpc.aio.ServerInterceptor):
     """Every call except health must carry `authorization: Bearer <token>`; compared in constant
     time. A wrong or missing token is UNAUTHENTICATED and names neither."""
@@ -77,6 +83,7 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):
     def __init__(self, token: str, exempt: Sequence[str] = (HEALTH_PREFIX,)):
         self.expected = f"Bearer {token}".encode()
         self.exempt = tuple(exempt)
+        self.rejected = 0  # calls refused (logged as `auth.rejected`: the first LOG_REJECTIONS, then 1 in LOG_REJECTIONS)
 
     def allowed(self, metadata) -> bool:
         got = next((v for k, v in metadata or () if k == AUTH_HEADER), "")
@@ -87,6 +94,15 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(self.exempt) or self.allowed(details.invocation_metadata):
             return handler
+        has_header = any(k == AUTH_HEADER for k, _ in details.invocation_metadata or ())
+        self.rejected += 1
+        if self.rejected <= LOG_REJECTIONS or self.rejected % LOG_REJECTIONS == 0:  # bounded: a flood logs 1 in LOG_REJECTIONS
+            log.warning(
+                "auth.rejected",
+                method=details.method,
+                why="wrong bearer token" if has_header else "no bearer token",
+                rejected_total=self.rejected,
+            )
         return _refuse(handler, "missing or invalid bearer token (metadata 'authorization: Bearer <token>')")
 
 

@@ -28,6 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
 import structlog
@@ -159,6 +160,14 @@ def stream_errors(fn: Callable[..., AsyncGenerator]) -> Callable[..., AsyncGener
     return wrapper
 
 
+async def stop_task(task: asyncio.Task | None) -> None:
+    """Cancel a background task and wait for it to end (whatever it raised)."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
 def remaining_s(context: grpc.aio.ServicerContext, default: float) -> float:
     """Seconds left before the caller's deadline (default when the caller set none)."""
     left = context.time_remaining()
@@ -166,6 +175,26 @@ def remaining_s(context: grpc.aio.ServicerContext, default: float) -> float:
 
 
 LIVENESS = "liveness"  # health service name of the compute-thread heartbeat
+REASON_KEY = "scd-health-reason"  # trailing metadata of a health Check that is not SERVING: why (shared.healthcheck prints it)
+
+
+class HealthServicer(health.aio.HealthServicer):
+    """grpc.health.v1 as grpc_health serves it, plus, on a Check that is not SERVING, one line
+    saying why in the trailing metadata (REASON_KEY)."""
+
+    def __init__(self, why: Callable[[str], str]):
+        super().__init__()
+        self._why = why
+
+    async def Check(self, request, context):
+        reply: Any = await super().Check(request, context)  # type: ignore[func-returns-value]  # annotated None upstream
+        if reply is not None and reply.status != health_pb2.HealthCheckResponse.SERVING:
+            why = " ".join(self._why(request.service).split())
+            if why:
+                context.set_trailing_metadata(((REASON_KEY, why.encode("ascii", "replace").decode()[:500]),))
+        return reply
+
+
 TRACE_FLUSH_S = 5.0  # how long a drain waits for queued spans to reach the collector
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
@@ -190,7 +219,9 @@ class Server:
             interceptors.append(security.BearerTokenAuth(token))
         self.auth = "token" if token else "none"
         self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
-        self.health = health.aio.HealthServicer()
+        self.health = HealthServicer(self.why_not_serving)
+        self.health_reasons: dict[str, Callable[[], str]] = {}  # other health services: why one is not SERVING
+        self._draining = False
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if config.reflection:
             self._enable_reflection()
@@ -231,6 +262,18 @@ class Server:
         }
         for name in (reflection.SERVICE_NAME, REFLECTION_V1):
             self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+
+    def why_not_serving(self, service: str) -> str:
+        """Why a health service is not SERVING, in one line (for REASON_KEY)."""
+        if service == LIVENESS:
+            return "" if self.alive else f"no progress for --liveness-timeout-s {self.config.liveness_timeout_s:g} s"
+        if service in self.health_reasons:
+            return self.health_reasons[service]()
+        if self._draining:
+            return "draining (SIGTERM)"
+        if not self._ready_phase:
+            return "the model is loading"
+        return self.not_ready
 
     def watch(
         self,
@@ -312,6 +355,7 @@ class Server:
         never holds the process once the work is done)."""
         started = time.perf_counter()
         self._ready_phase = False
+        self._draining = True
         await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
         inflight = 0
         if admission is not None:

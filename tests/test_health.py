@@ -9,6 +9,7 @@ import asyncio
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared import healthcheck, liveness, serving
@@ -101,9 +102,12 @@ def test_progress_reports_only_a_stuck_iteration():
     assert progress.stalled_s() == 0.0 and progress.iterations == 1
 
 
-async def test_consumer_not_ready_when_the_producer_is_incompatible(monkeypatch):
-    """Readiness stays NOT_SERVING (liveness SERVING) when the producer's Describe reports another
-    api_version; the check itself compares api_version and codec format versions."""
+@pytest.mark.parametrize("default_mode", ["raw", ""])
+async def test_consumer_not_ready_when_the_producer_is_incompatible(monkeypatch, default_mode):
+    """A fixed transfer default: readiness NOT_SERVING (liveness SERVING) when the producer's
+    Describe reports another api_version; the default auto stays ready (it serves by the own
+    prefill) and the link's own health service says the producer is unusable. The check itself
+    compares api_version and codec format versions."""
     from consumer import compat
     from consumer.server import ConsumerServer
     from producer.server import ProducerServer
@@ -116,15 +120,20 @@ async def test_consumer_not_ready_when_the_producer_is_incompatible(monkeypatch)
     monkeypatch.setattr(compat, "API_VERSION", "scd.v2")
     monkeypatch.setattr(compat.mismatch, "__defaults__", ("scd.v2",))
     consumer = ConsumerServer(
-        ConsumerConfig(port=0, model="tiny-llama", device="cpu", producer=producer.address, drain_grace_s=0.2)
+        ConsumerConfig(port=0, model="tiny-llama", device="cpu", producer=producer.address, drain_grace_s=0.2,
+                       default_mode=default_mode)
     )
     try:
         await consumer.start()
         await consumer.load()
+        assert await check(consumer.address, serving.LIVENESS) == SERVING
+        assert await check(consumer.address, "producer-link") == NOT_SERVING
+        if not default_mode:
+            assert not consumer.server.not_ready and await check(consumer.address, "") == SERVING
+            return
         assert "api_version 'scd.v1' != consumer 'scd.v2'" in consumer.server.not_ready
         assert await check(consumer.address, "") == NOT_SERVING
         assert await check(consumer.address, "scd.v1.ConsumerService") == NOT_SERVING
-        assert await check(consumer.address, serving.LIVENESS) == SERVING
     finally:
         await consumer.stop()
         await producer.stop()

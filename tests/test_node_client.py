@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from google.protobuf.json_format import MessageToDict
 
+from shared.pb import consumer_pb2
 from tests.conftest import prompt, running_pair
 
 NODE_DIR = Path(__file__).resolve().parent / "node"
@@ -88,3 +89,17 @@ async def test_node_client_gets_the_python_clients_answers(node_modules):
         assert isinstance(stats["bytes_received"], str)
         assert (int(stats["bytes_received"]) > 0) == (mode == "raw")
         assert stats["finish_reason"].startswith("FINISH_REASON_")
+
+
+async def test_node_client_applies_a_verify_commit(node_modules):
+    """Provisional tokens, then a commit: the Node client's answer is the Python client's."""
+    request = {"context": {"text": CONTEXT}, "question": {"text": QUESTION}, "max_new_tokens": 6,
+               "verify": "VERIFY_POLICY_PROVISIONAL"}
+    async with running_pair("tiny-llama", consumer_kw={"prefill_chunk": 16}) as pair:
+        got = await run_node_client(pair.consumer.address, request)
+        python = await pair.client.generate(mode="raw", context=prompt(CONTEXT), question=prompt(QUESTION), max_new_tokens=6,
+                                            verify=consumer_pb2.VERIFY_POLICY_PROVISIONAL)
+    node = got["generate"]["raw"]
+    assert node["ids"] == python.ids and node["text"] == python.text and python.commit is not None
+    assert node["stats"]["verify_decision"].startswith("verified") and "provisional_ids" in node
+    assert got["generate"]["oracle"]["stats"]["verify_decision"] == "skipped: mode oracle is exact"

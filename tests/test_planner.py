@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from consumer.planner import Observation, TransferPlanner, pipelined
+from consumer.planner import Fit, Observation, TransferPlanner, pipelined
 from shared.pb import common_pb2
 from tests.conftest import prompt, running_pair
 from tests.test_end_to_end import CONTEXT, QUESTION
@@ -35,10 +35,10 @@ def test_what_each_measurement_teaches():
     p = TransferPlanner()
     assert p.estimate_local(100).ms is None and p.estimate_remote("raw", 2, 100, 100, 100).ms is None
     p.observe(Observation("oracle", {}, 100, 0, 50.0, local_tokens=100, question_tokens=10, question_prefill_ms=2.0))
-    assert p.local_ms_per_token.value == 0.5 and p.question_ms_per_token.value == 0.2
+    assert p.estimate_local(100).ms == pytest.approx(50.0) and p.question.predict(10).ms == pytest.approx(2.0)
     p.observe(stream(100_000, 20.0, hit=True))  # a replay: the span is the link's -> 5000 B/ms
-    assert p.link_bytes_per_ms.value == pytest.approx(5000.0)
-    assert p.producer_ms_per_token.value is None  # a hit computed nothing
+    assert p.link_bytes_per_ms.value == pytest.approx(5000.0) and not p.link_lower_bound
+    assert p.producer_prefill.count == 0  # a hit computed nothing
     assert p.bytes_per_token["raw"].value == pytest.approx(1010.0) and p.rtt_ms == 5.0
 
 
@@ -46,12 +46,13 @@ def test_a_compute_paced_span_only_raises_the_link_estimate():
     p = TransferPlanner()
     p.observe(stream(100_000, 20.0, hit=True))  # 5000 B/ms
     p.observe(stream(100_000, 100.0, prefill_ms=90.0))  # paced by the forward: 1000 B/ms, a lower bound only
-    assert p.link_bytes_per_ms.value == pytest.approx(5000.0)
-    assert p.producer_ms_per_token.value == pytest.approx(0.9)
+    assert p.link_bytes_per_ms.value == pytest.approx(5000.0) and not p.link_lower_bound
+    assert p.producer_prefill.predict(100).ms == pytest.approx(90.0)
     p.observe(stream(1_000_000, 100.0, prefill_ms=90.0))  # 10000 B/ms even while computing: the link is faster
-    assert p.link_bytes_per_ms.value == pytest.approx(10000.0)
+    assert p.link_bytes_per_ms.value == pytest.approx(10000.0) and p.link_lower_bound  # marked a lower bound
+    assert p.snapshot()["link_lower_bound"] == 1.0
     p.observe(stream(100_000, 100.0, prefill_ms=10.0))  # the forward took a tenth of the span: a real sample
-    assert p.link_bytes_per_ms.value == pytest.approx(1000.0)  # 10x below the estimate: a step change
+    assert p.link_bytes_per_ms.value == pytest.approx(1000.0) and not p.link_lower_bound  # 10x below: a step change
     p.observe(stream(100_000, 80.0, prefill_ms=10.0))  # within 2x: averaged
     assert p.link_bytes_per_ms.value == pytest.approx(0.5 * 1000 + 0.5 * 1250)
     p.observe(stream(1000, 100.0, hit=True))  # under MIN_WIRE_BYTES: says nothing about bandwidth
@@ -73,13 +74,14 @@ def test_remote_estimate_is_pipelined_and_borrows_for_unseen_modes():
     p = TransferPlanner()
     p.observe(Observation("oracle", {}, 100, 0, 100.0, local_tokens=100))  # 1 ms/token locally
     p.observe(stream(100_000, 20.0, prefill_ms=0.0, hit=True, header_ms=4.0))
-    p.producer_ms_per_token.value = 0.5
+    p.producer_prefill.add(100, 50.0)
     e = p.estimate_remote("raw", 4, compute=100, encode=100, send=100)
     wire = 1010.0 * 100 / 5000.0
     assert e.ms == pytest.approx(4.0 + pipelined([50.0, wire, 10.0], 4))
+    assert not e.confident and "encode not measured" in e.why  # no encode measured for raw yet: borrowed (none)
     unseen = p.estimate_remote("quant(bits=8,group_size=32)", 4, 0, 0, 100, prior_bytes_per_token=300.0)
     assert unseen.ms == pytest.approx(4.0 + pipelined([0.0, 300.0 * 100 / 5000.0, 10.0], 4))  # raw's rebuild rate borrowed
-    assert "wire" in unseen.detail
+    assert "wire" in unseen.detail and not unseen.confident and "borrowed" in unseen.why
     assert pipelined([10.0, 2.0, 4.0], 2) == 13.0
 
 
@@ -92,18 +94,24 @@ async def test_services_fall_back_to_the_oracle_when_the_estimates_say_so():
         assert stats.transfer.options["fallback"].startswith("remote: cold start")
         assert [c.mode for c in stats.auto.candidates if c.chosen] == ["raw"]
         planner = pair.consumer.servicer.planner
-        assert planner.local_ms_per_token.value > 0 and planner.link_bytes_per_ms.value > 0
+        assert planner.estimate_local(100).ms > 0 and planner.link_bytes_per_ms.value > 0
         planner.link_bytes_per_ms.value = 1e-3  # as if the link had crawled on the last transfers
         ids, _, stats = await pair.generate(transfer=common_pb2.CodecSpec(name="raw"), fallback_to_oracle=True, **fields)
         assert stats.transfer.name == "oracle" and stats.bytes_received == 0 and ids == oracle
         assert stats.transfer.options["fallback"].startswith("local: fastest")
         planner.link_bytes_per_ms.value = 1e12
-        planner.local_ms_per_token.value = 1e6  # as if the consumer's own prefill were very slow
+        slow_own_prefill(planner)  # as if the consumer's own prefill were very slow
         ids, _, stats = await pair.generate(transfer=common_pb2.CodecSpec(name="raw"), fallback_to_oracle=True, **fields)
         assert stats.transfer.name == "raw" and ids == raw
         assert stats.transfer.options["fallback"].startswith("remote: fastest")
         _, _, stats = await pair.generate(transfer=common_pb2.CodecSpec(name="raw"), **fields)
         assert "fallback" not in stats.transfer.options and not stats.HasField("auto")  # not asked: no planning
+
+
+def slow_own_prefill(planner: TransferPlanner, ms_per_token: float = 1e6) -> None:
+    planner.local = Fit()
+    for tokens in (8, 4096):
+        planner.local.add(tokens, tokens * ms_per_token)
 
 
 def test_producer_memory_remembers_prefixes_per_mode_and_stays_bounded():

@@ -4,8 +4,8 @@ normalized input, from which the consumer computes K/V with its own weights), ra
 K/V. Schedules and fitted tensors come from a calibrated artifact (shared.scd).
 
 Options: `schedule` (name or text form), or `max_loss` (cheapest schedule whose calibrated loss
-is within it) or `max_bytes_per_token` (lowest loss within it); default: the lowest-loss
-schedule. `artifact` picks an artifact by id; default: the one calibrated for this pair.
+is within it) or `max_bytes_per_token` (lowest loss within it); default: the artifact's default
+schedule (the one chosen on validation, Artifact.default_entry; the lowest-loss one when none was). `artifact` picks an artifact by id; default: the one calibrated for this pair.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class ScdDecoder(KVDecoder):
 
     def richer_options(self) -> dict[str, str] | None:
         """The artifact's lowest-loss schedule, when this stream did not already use it."""
-        best = self.art.pick("", None, None)
+        best = self.art.lowest_loss()
         if best.schedule == str(self.schedule):
             return None
         return {

@@ -25,7 +25,7 @@ from shared.scd.schedule import Geometry, Schedule
 
 FORMAT_VERSION = 2  # written; 2 added optional learned predictors (layer.<l>.predictor.*)
 READABLE_VERSIONS = (1, 2)  # a version-1 artifact is a version-2 artifact without predictors
-MEASURED = ("schedules", "audit", "candidates")  # meta measured on the held-out set, not fitted: not in the id
+MEASURED = ("schedules", "audit", "candidates", "default_schedule")  # measured or chosen after fitting: not in the id
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,33 @@ class Artifact:
         points.append(TransferPoint("oracle", (), 0.0, 0.0, "exact"))
         return sorted(points, key=lambda p: (p.bytes_per_token, p.loss))
 
+    def default_entry(self) -> ScheduleEntry:
+        """The artifact's default schedule: the one chosen on validation (meta["default_schedule"],
+        written by `set_default`, e.g. bench.quality's headline), else the lowest-loss one."""
+        chosen = self.meta.get("default_schedule", {}).get("name")
+        for e in self.schedules:
+            if e.name == chosen:
+                return e
+        return self.lowest_loss()
+
+    def default_chosen_on(self) -> str:
+        """How the default schedule was chosen, in words."""
+        default = self.meta.get("default_schedule")
+        if default and any(e.name == default.get("name") for e in self.schedules):
+            return str(default.get("chosen_on", ""))
+        return "the lowest calibrated loss (no schedule chosen on validation recorded)"
+
+    def lowest_loss(self) -> ScheduleEntry:
+        return min(self.schedules, key=lambda e: (e.loss, e.bytes_per_token))
+
+    def set_default(self, name: str, chosen_on: str) -> None:
+        """Record the schedule chosen on validation as this artifact's default (its id unchanged;
+        `rewrite` writes it back)."""
+        if not any(e.name == name or e.schedule == name for e in self.schedules):
+            raise ValueError(f"artifact {self.artifact_id}: no schedule {name!r}")
+        entry = next(e for e in self.schedules if name in (e.name, e.schedule))
+        self.meta["default_schedule"] = {"name": entry.name, "schedule": entry.schedule, "chosen_on": chosen_on}
+
     def audit_thresholds(self, schedule: str) -> tuple[float, ...] | None:
         """The calibrated per-layer cache-audit thresholds of a schedule (text form), if calibrated."""
         value = self.meta.get("audit", {}).get("thresholds", {}).get(schedule)
@@ -159,10 +186,12 @@ class Artifact:
 
     def pick(self, schedule: str = "", max_loss: float | None = None, max_bytes: float | None = None) -> ScheduleEntry:
         """A named schedule (or a caller's own schedule text), or the cheapest meeting max_loss, or the
-        best loss within max_bytes, or (no budget) the lowest-loss schedule."""
+        best loss within max_bytes, or (no budget) the default schedule (`default_entry`)."""
         entries = self.schedules
         if schedule:
             return _within(self._named(schedule), max_loss, max_bytes)
+        if max_loss is None and max_bytes is None and entries:
+            return self.default_entry()
         fits = [
             e
             for e in entries

@@ -17,7 +17,8 @@
 //   enums: String    enum fields by name ("FINISH_REASON_STOP"), not number
 //   defaults: true   unset scalar fields present with their zero value, as proto3 defines them
 //   oneofs: true     a virtual field names the set member of each oneof: GenerateResponse.kind is
-//                    "token" for every TokenDelta and "stats" for the one final GenerateStats
+//                    "token" for every TokenDelta, "commit" for the one VerifyCommit of a request
+//                    with verify = "VERIFY_POLICY_PROVISIONAL", and "stats" for the final GenerateStats
 "use strict";
 
 const path = require("node:path");
@@ -42,6 +43,8 @@ function unary(client, method, request, timeoutS = 30) {
 }
 
 // Generate streams TokenDelta messages (kind "token") and then one GenerateStats (kind "stats").
+// With verify = "VERIFY_POLICY_PROVISIONAL" the tokens before the one VerifyCommit (kind "commit")
+// are drafts: keep the first accepted_tokens of them, append the commit's ids, take its text.
 function generate(client, request, timeoutS = 120) {
   return new Promise((resolve, reject) => {
     const answer = { ids: [], text: "", stats: null, messages: 0 };
@@ -51,6 +54,10 @@ function generate(client, request, timeoutS = 120) {
       if (msg.kind === "token") {
         answer.ids.push(...msg.token.ids);
         answer.text += msg.token.text;
+      } else if (msg.kind === "commit") {
+        answer.provisional_ids = answer.ids;
+        answer.ids = answer.ids.slice(0, msg.commit.accepted_tokens).concat(msg.commit.ids);
+        answer.text = msg.commit.text;
       } else if (msg.kind === "stats") {
         answer.stats = msg.stats;
       }

@@ -1,0 +1,398 @@
+"""Verified decoding (consumer/verify.py): the acceptance rules, the runner's and engine's logits at
+every position of a row, the sampled answer's distribution (the oracle's, by a total-variation
+bound over many seeded runs that the unverified draft distribution fails), and through the real
+services: greedy answers equal the oracle's on a heterogeneous pair and on a hostile-but-finite
+stream, provisional tokens followed by one commit, the composition with the audit, and every KV
+block back on every path (success, cancel, deadline, a broken stream)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import torch
+
+from consumer.batch import BatchEngine, Task
+from consumer.decoding import Sampler, Sampling
+from consumer.engine_stream import engine_task
+from consumer.kv_pool import KVPool
+from consumer.request import VERIFY_VERIFIED, GenerateJob, GenerateResult, TokenOut
+from consumer.runner import Row, Runner
+from consumer.verify import Verifier, accept_greedy, accept_sampled
+from shared import logs
+from shared.models import load_model
+from shared.pb import common_pb2, consumer_pb2
+from tests.conftest import ConsumerClient, perturbed_model, prompt, running_pair
+from tests.greedy import assert_greedy_agrees
+from tests.hostile import chunks, consumer_of, record, set_data
+from tests.test_end_to_end import local_greedy
+
+CONTEXT = "The producer reads a long context and the consumer writes the answer. " * 8
+QUESTION = " Which layers are patched?"
+VERIFIED, PROVISIONAL = consumer_pb2.VERIFY_POLICY_VERIFIED, consumer_pb2.VERIFY_POLICY_PROVISIONAL
+SMALL_CHUNKS = {"prefill_chunk": 8, "prefix_cache_bytes": 0}  # the exact prefill takes many iterations: drafts happen
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model("tiny-llama", "float32", "cpu")
+
+
+def ids(n: int, seed: int, vocab: int = 384) -> list[int]:
+    return torch.randint(4, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# --- the acceptance rules ------------------------------------------------------------------------
+
+
+def test_greedy_keeps_the_agreeing_prefix_and_replaces_the_first_disagreement():
+    logits = torch.full((4, 10), -1.0)
+    for row, best in enumerate((3, 5, 7, 2)):
+        logits[row, best] = 1.0
+    assert accept_greedy([3, 5, 9], logits) == (2, 7)  # 3, 5 stand; 9 -> the exact 7
+    assert accept_greedy([3, 5, 7], logits) == (3, 2)  # all stand; the exact next token follows
+    assert accept_greedy([4], logits[:2]) == (0, 3)
+    assert accept_greedy([], logits[:1]) == (0, 3)
+
+
+def chain_probs(prefix: tuple[int, ...], salt: int, vocab: int, sharp: float) -> torch.Tensor:
+    """A toy model's next-token distribution after `prefix` (fixed by prefix and salt)."""
+    g = torch.Generator().manual_seed(hash((prefix, salt)) & 0xFFFFFFFF)
+    return torch.softmax(sharp * torch.randn(vocab, generator=g), dim=-1)
+
+
+def sequence_distribution(length: int, vocab: int) -> dict[tuple[int, ...], float]:
+    """The exact model's (salt 0) distribution over whole sequences of `length` tokens."""
+    out = {(): 1.0}
+    for _ in range(length):
+        out = {s + (t,): w * float(chain_probs(s, 0, vocab, 2.0)[t]) for s, w in out.items() for t in range(vocab)}
+    return out
+
+
+def speculative_run(rng: torch.Generator, length: int, vocab: int, rule) -> tuple[int, ...]:
+    """Draft up to `length` tokens from the draft model (salt 1), check them with `rule`, then
+    sample the rest from the exact model: one answer."""
+    k = int(torch.randint(0, length + 1, (), generator=rng))
+    drafts, q = [], []
+    for _ in range(k):
+        qi = chain_probs(tuple(drafts), 1, vocab, 2.0)
+        q.append(qi)
+        drafts.append(int(torch.multinomial(qi, 1, generator=rng)))
+    p = torch.stack([chain_probs(tuple(drafts[:i]), 0, vocab, 2.0) for i in range(k + 1)])
+    accepted, following = rule(drafts, q, p, rng)
+    out = drafts[:accepted] + [following]
+    while len(out) < length:
+        out.append(int(torch.multinomial(chain_probs(tuple(out), 0, vocab, 2.0), 1, generator=rng)))
+    return tuple(out[:length])
+
+
+def total_variation(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float]) -> float:
+    counts: dict[tuple[int, ...], int] = {}
+    for s in samples:
+        counts[s] = counts.get(s, 0) + 1
+    return 0.5 * sum(abs(counts.get(s, 0) / len(samples) - w) for s, w in exact.items())
+
+
+def no_residual(drafts, q, p, rng):
+    """A wrong rule (on rejection draw from p, not from norm(max(0, p - q))): the test must catch it."""
+    for i, d in enumerate(drafts):
+        if float(torch.rand((), generator=rng)) * float(q[i][d]) >= float(p[i, d]):
+            return i, int(torch.multinomial(p[i], 1, generator=rng))
+    return len(drafts), int(torch.multinomial(p[-1], 1, generator=rng))
+
+
+def test_speculative_sampling_gives_the_exact_models_sequence_distribution():
+    """3-token answers over a 4-token vocabulary (64 outcomes), 6000 seeded runs: the empirical
+    distribution is within 0.045 total variation of the exact model's (expected ~0.03 from
+    sampling alone); the draft model's own distribution, and the rule without its residual, are
+    far outside it."""
+    length, vocab, runs = 3, 4, 6000
+    exact = sequence_distribution(length, vocab)
+    rng = torch.Generator().manual_seed(0)
+    got = total_variation([speculative_run(rng, length, vocab, accept_sampled) for _ in range(runs)], exact)
+    drafted = {}
+    for s in exact:
+        drafted[s] = float(torch.prod(torch.stack([chain_probs(s[:i], 1, vocab, 2.0)[s[i]] for i in range(length)])))
+    draft_tv = 0.5 * sum(abs(drafted[s] - w) for s, w in exact.items())
+    rng = torch.Generator().manual_seed(0)
+    wrong = total_variation([speculative_run(rng, length, vocab, no_residual) for _ in range(runs)], exact)
+    assert got < 0.045, got
+    assert draft_tv > 0.2 and wrong > 0.08, (draft_tv, wrong)
+
+
+# --- all-position logits in the runner and the engine --------------------------------------------
+
+
+@torch.inference_mode()
+def test_the_runner_returns_the_logits_of_a_rows_last_positions_only_when_asked(loaded):
+    pool = KVPool(loaded.info, loaded.device, 512 * loaded.info.kv_bytes(1))
+    runner = Runner(loaded, pool)
+    a, b = ids(40, 1), ids(25, 2)
+    sa, sb = pool.allocate(64), pool.allocate(64)
+    rows = [Row(sa, a, 0, tail_logits=6), Row(sb, b, 0)]
+    last = runner.forward(rows)
+    ref = loaded.model(torch.tensor([a])).logits[0]  # [40, vocab]
+    torch.testing.assert_close(rows[0].logits, ref[-6:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(last[0], ref[-1], atol=1e-4, rtol=1e-4)
+    assert rows[1].logits is None
+
+
+async def test_a_chunked_prefill_task_keeps_the_logits_of_its_last_positions(loaded):
+    pool = KVPool(loaded.info, loaded.device, 512 * loaded.info.kv_bytes(1))
+    engine = BatchEngine(loaded, pool, prefill_chunk=8)
+    try:
+        tokens = ids(30, 3)
+        task = Task(pool.allocate(32), list(tokens), sink=lambda _: None, keep_logits=12)  # 12 of 30, over 3 chunks
+        job = GenerateJob("t", tokens, [], None, {}, 1, Sampling(), frozenset(), time.monotonic() + 60)
+        async for _ in engine_task(engine, job, task):
+            pass
+        with torch.inference_mode():
+            ref = loaded.model(torch.tensor([tokens])).logits[0, -12:]
+        assert [s.shape[0] for s in task.scores] == [6, 6]  # positions 18..23 of chunk 16..23, then 24..29
+        torch.testing.assert_close(torch.cat(task.scores), ref, atol=1e-4, rtol=1e-4)
+    finally:
+        engine.shutdown()
+
+
+# --- the sampled answer's distribution on a tiny model ---------------------------------------------
+
+
+async def test_sampled_verified_answers_follow_the_exact_caches_distribution(loaded):
+    """The first token of 400 seeded verified answers whose drafts come from a wrong cache (the KV
+    of a context whose last 4 tokens differ: finite, its next-token distribution overlapping the
+    exact one by about half, so drafts are accepted and rejected): binned into the exact
+    distribution's 8 likeliest tokens and the rest, within 0.13 total variation of it (sampling
+    alone gives ~0.05), while the drafts' own distribution is more than 0.3 away."""
+    sampling = Sampling(temperature=0.3, top_p=1.0)
+    ctx, q = ids(64, 11), ids(4, 13)
+    wrong = ctx[:-4] + ids(4, 12)
+    with torch.inference_mode():
+        p = Sampler(sampling, loaded.device).probs(loaded.model(torch.tensor([ctx + q])).logits[0, -1])
+        d = Sampler(sampling, loaded.device).probs(loaded.model(torch.tensor([wrong + q])).logits[0, -1])
+    p, d = p / p.sum(), d / d.sum()
+    pool = KVPool(loaded.info, loaded.device, 32 * 160 * loaded.info.kv_bytes(1))
+    engine = BatchEngine(loaded, pool, prefill_chunk=16)
+    verifier = Verifier(loaded, engine)
+    runs, counts = 400, torch.zeros_like(p)
+    try:
+        template = pool.allocate(64)
+        fill = GenerateJob("fill", wrong, [], None, {}, 1, Sampling(), frozenset(), time.monotonic() + 60)
+        async for _ in engine_task(engine, fill, Task(template, list(wrong), sink=lambda _: None)):
+            pass
+
+        async def one(seed: int) -> int:
+            job = GenerateJob(f"r{seed}", ctx, q, None, {}, 1, Sampling(0.3, 1.0, seed), frozenset(), time.monotonic() + 60,
+                              verify=VERIFY_VERIFIED)
+            draft, exact = pool.allocate(69), pool.allocate(69)
+            await logs.run_in(engine, pool.copy_blocks, template.blocks, draft.blocks)
+            draft.length = 64
+            result = GenerateResult(job.request_id, "raw", {}, 64, 4)
+            out = [item async for item in verifier.answer(job, result, draft, exact, engine.release)]
+            await asyncio.wrap_future(engine.release(exact))
+            assert result.drafted_tokens == 1 and result.verify_decision.startswith("verified")
+            tokens = [i for item in out if isinstance(item, TokenOut) for i in item.ids]
+            assert len(tokens) == 1
+            return tokens[0]
+
+        for start in range(0, runs, 16):
+            for token in await asyncio.gather(*(one(seed) for seed in range(start, start + 16))):
+                counts[token] += 1
+        await asyncio.wrap_future(engine.release(template))
+    finally:
+        engine.shutdown()
+    top = p.topk(8).indices
+
+    def binned(dist: torch.Tensor) -> torch.Tensor:
+        return torch.cat([dist[top], (dist.sum() - dist[top].sum()).reshape(1)])
+
+    got = 0.5 * float((binned(counts / runs) - binned(p)).abs().sum())
+    draft_tv = 0.5 * float((binned(d) - binned(p)).abs().sum())
+    assert draft_tv > 0.3, draft_tv
+    assert got < 0.13, got
+    assert pool.free_blocks == pool.num_blocks
+
+
+# --- through the real services -----------------------------------------------------------------------
+
+
+def fields(mode: str, verify: int, new: int = 12, **kw) -> dict:
+    return dict(context=prompt(CONTEXT), question=prompt(QUESTION), max_new_tokens=new, verify=verify,
+                transfer=common_pb2.CodecSpec(name=mode), **kw)
+
+
+async def all_blocks_back(consumer) -> None:
+    """Every KV block free again (no prefix cache in these consumers), within 5 s."""
+    pool = consumer.servicer.batch.pool
+    for _ in range(100):
+        if pool.free_blocks == pool.num_blocks and consumer.servicer.admission.inflight == 0:
+            return
+        await asyncio.sleep(0.05)
+    assert pool.free_blocks == pool.num_blocks, f"{pool.num_blocks - pool.free_blocks} blocks not returned"
+
+
+@pytest.mark.numeric
+async def test_greedy_verified_answers_equal_the_oracles_on_a_heterogeneous_pair(tmp_path):
+    """Producer P, consumer a perturbed C: raw is naive reuse and its drafts go wrong; verified,
+    the answer is the oracle's (tests/greedy.py's near-tie rule against C's own in-process
+    answer), delivered as verified tokens only or as provisional ones and a commit."""
+    local = perturbed_model("tiny-llama", 7, 0.05, save_to=tmp_path)
+    tok = local.tokenizer
+    ctx_ids, q_ids = tok(CONTEXT)["input_ids"], tok(QUESTION, add_special_tokens=False)["input_ids"]
+    own, margins = local_greedy(local.model, ctx_ids, q_ids, 64, tok.eos_token_id)
+    async with running_pair("tiny-llama", consumer_model=str(tmp_path), consumer_kw=SMALL_CHUNKS) as pair:
+        oracle, _, _ = await pair.generate(**fields("oracle", consumer_pb2.VERIFY_POLICY_OFF, 64))
+        assert_greedy_agrees(oracle, own, margins, what="oracle")
+        naive, _, _ = await pair.generate(**fields("raw", consumer_pb2.VERIFY_POLICY_OFF, 12))
+        assert naive[:12] != oracle[:12]  # the drafts are wrong somewhere: verification has work to do
+
+        answer = await pair.client.generate(timeout=120, **fields("raw", VERIFIED))  # all 12 drafted first
+        s = answer.stats
+        assert_greedy_agrees(answer.ids, own[:12], margins, what="verified")
+        assert answer.text == tok.decode(answer.ids, skip_special_tokens=True) and answer.commit is None
+        assert s.drafted_tokens == 12 and s.accepted_draft_tokens < 12 and s.generated_tokens == len(answer.ids)
+        assert s.verify_decision.startswith(f"verified: {s.accepted_draft_tokens} of 12 drafts accepted, draft ")
+        assert s.time_to_verified_ms >= s.ttft_ms > 0 and s.verify_ms > 0 and s.transfer.name == "raw"
+
+        # drafts, the commit, then decoding on the exact cache (its prefill: ~24 iterations; 64 drafts would take 64)
+        answer = await pair.client.generate(timeout=120, **fields("raw", PROVISIONAL, 64))
+        s = answer.stats
+        assert_greedy_agrees(answer.ids, own, margins, what="provisional")
+        assert answer.text == tok.decode(answer.ids, skip_special_tokens=True)
+        assert answer.commit is not None and len(answer.provisional_ids) == s.drafted_tokens > 0
+        assert answer.ids[: s.accepted_draft_tokens] == answer.provisional_ids[: s.accepted_draft_tokens]
+        assert answer.commit.accepted_tokens == s.accepted_draft_tokens and len(answer.commit.ids) == 1
+        assert s.ttft_ms < s.time_to_verified_ms  # provisional tokens came first
+        assert s.drafted_tokens < 64 == len(answer.ids)  # the exact cache was complete before the draft: decoded on it
+
+        # composition: audit first, then verify (or not, when the audit's fallback made the cache exact)
+        audited = await pair.client.generate(timeout=120, audit=consumer_pb2.AUDIT_POLICY_REPORT, **fields("raw", VERIFIED))
+        assert audited.stats.audit_decision == "diverged" and audited.stats.verify_decision.startswith("verified")
+        assert_greedy_agrees(audited.ids, own[:12], margins, what="audit report + verify")
+        fell_back = await pair.client.generate(timeout=120, audit=consumer_pb2.AUDIT_POLICY_FALLBACK, **fields("raw", VERIFIED))
+        assert fell_back.stats.audit_decision == "diverged: prefilled locally"
+        assert fell_back.stats.verify_decision == "skipped: the context was prefilled locally"
+        assert fell_back.stats.drafted_tokens == 0 and fell_back.ids == oracle[:12]
+        own_prefill = await pair.client.generate(timeout=120, **fields("oracle", VERIFIED))
+        assert own_prefill.stats.verify_decision == "skipped: mode oracle is exact" and own_prefill.ids == oracle[:12]
+        await all_blocks_back(pair.consumer)
+
+
+async def test_sampled_verification_through_the_services(tmp_path):
+    perturbed_model("tiny-llama", 7, 0.05, save_to=tmp_path)
+    async with running_pair("tiny-llama", consumer_model=str(tmp_path), consumer_kw=SMALL_CHUNKS) as pair:
+        sampling = consumer_pb2.SamplingParams(temperature=0.8, top_p=0.9, seed=5)
+        answer = await pair.client.generate(timeout=120, sampling=sampling, **fields("raw", PROVISIONAL, 20))
+        s = answer.stats
+        assert answer.commit is not None and s.accepted_draft_tokens <= s.drafted_tokens == len(answer.provisional_ids)
+        assert len(answer.ids) == s.generated_tokens
+        assert len(answer.ids) == 20 or s.finish_reason == consumer_pb2.FINISH_REASON_STOP
+        await all_blocks_back(pair.consumer)
+
+
+def garbled(messages, seed: int = 0) -> list:
+    """A raw stream whose every payload is replaced by finite noise of the same size (CRCs fixed):
+    it passes the stream contract, and every draft from it is wrong."""
+    g = torch.Generator().manual_seed(seed)
+    out = [type(m)() for m in messages]
+    for o, m in zip(out, messages):
+        o.CopyFrom(m)
+    for i in chunks(out):
+        n = len(out[i].chunk.data) // 4
+        set_data(out[i], (torch.randn(n, generator=g) * 3).numpy().tobytes())
+    return out
+
+
+@pytest.mark.numeric  # greedy tokens compared across kernels (tests/greedy.py)
+async def test_a_hostile_but_finite_stream_still_gives_the_oracles_answer(loaded):
+    async with running_pair("tiny-llama") as real:
+        ctx_ids = loaded.tokenizer(CONTEXT)["input_ids"]
+        stream = garbled(await record(real.producer.address, ctx_ids, "raw"))
+    own, margins = local_greedy(loaded.model, ctx_ids, loaded.tokenizer(QUESTION, add_special_tokens=False)["input_ids"], 24,
+                                loaded.tokenizer.eos_token_id)
+    async with consumer_of(lambda request: stream, **SMALL_CHUNKS) as (consumer, _):
+        async with ConsumerClient(consumer.address) as client:
+            wrong = await client.generate(**fields("raw", consumer_pb2.VERIFY_POLICY_OFF, 24))
+            assert wrong.ids != own  # the stream was accepted, and its answer is wrong
+            answer = await client.generate(**fields("raw", PROVISIONAL, 24))
+            assert_greedy_agrees(answer.ids, own, margins, what="verified over a garbled stream")
+            assert answer.stats.drafted_tokens > 0 and answer.stats.accepted_draft_tokens < answer.stats.drafted_tokens
+        await all_blocks_back(consumer)
+
+
+@pytest.mark.numeric  # greedy tokens compared across kernels (tests/greedy.py)
+async def test_every_block_comes_back_after_cancel_deadline_and_a_broken_stream(loaded):
+    async with running_pair("tiny-llama") as real:
+        ctx_ids = loaded.tokenizer(CONTEXT)["input_ids"]
+        stream = await record(real.producer.address, ctx_ids, "raw")
+    script = {"messages": stream}
+    async with consumer_of(lambda request: script["messages"], **SMALL_CHUNKS) as (consumer, _):
+        async with ConsumerClient(consumer.address) as client:
+            # cancelled after the first provisional token, while the exact prefill is running
+            call = client.stub.Generate(consumer_pb2.GenerateRequest(**fields("raw", PROVISIONAL, 200)), timeout=60)
+            first = await call.read()
+            assert first.WhichOneof("kind") == "token"
+            call.cancel()
+            await all_blocks_back(consumer)
+            # the deadline passes while drafting and verifying
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.generate(timeout=0.15, **fields("raw", VERIFIED, 400))
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await all_blocks_back(consumer)
+            # a stream that breaks mid-way (after its first layer): DATA_LOSS, both caches' blocks back
+            broken = list(stream)
+            last = chunks(broken)[-1]
+            broken[last] = type(broken[last])()
+            broken[last].CopyFrom(stream[last])
+            broken[last].chunk.crc32c ^= 1
+            script["messages"] = broken
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.generate(**fields("raw", VERIFIED))
+            assert err.value.code() == grpc.StatusCode.DATA_LOSS
+            await all_blocks_back(consumer)
+            script["messages"] = stream
+            answer = await client.generate(**fields("raw", VERIFIED))  # same weights: every draft stands
+            assert answer.stats.accepted_draft_tokens == answer.stats.drafted_tokens
+        await all_blocks_back(consumer)
+
+
+async def test_admission_names_the_double_reservation_and_the_engine_process_refuses(loaded):
+    """A request whose KV fits the pool once but not twice: refused under verify, naming why; and
+    the engine in its own process refuses verification (FAILED_PRECONDITION) before any work."""
+    from consumer.engine_process import EngineProcess
+    from shared.errors import FailedPrecondition
+
+    tok = loaded.tokenizer
+    tokens = len(tok(CONTEXT)["input_ids"]) + len(tok(QUESTION, add_special_tokens=False)["input_ids"]) + 12
+    pool_bytes = (tokens + 48) * loaded.info.kv_bytes(1)  # room for one cache of this request, not two
+    async with running_pair("tiny-llama", consumer_kw={"kv_pool_bytes": pool_bytes, "prefix_cache_bytes": 0}) as pair:
+        once, _, _ = await pair.generate(**fields("raw", consumer_pb2.VERIFY_POLICY_OFF))
+        assert len(once) == 12
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pair.generate(**fields("raw", VERIFIED))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "verify reserves context + question + max_new_tokens twice" in err.value.details()
+        await all_blocks_back(pair.consumer)
+    process = object.__new__(EngineProcess)  # no child started: the refusals come before any message
+    with pytest.raises(FailedPrecondition, match="--engine-process"):
+        Verifier(loaded, process).check_supported()
+    got: list = []
+    process.add(Task(None, [1, 2], got.append, keep_logits=3))  # type: ignore[arg-type]
+    assert isinstance(got[0], FailedPrecondition)
+
+
+@pytest.mark.numeric  # greedy tokens compared across kernels (tests/greedy.py)
+async def test_the_exact_cache_starts_from_the_consumers_own_cached_prefill(tmp_path):
+    """With the prefix cache on, a context the consumer prefilled before (here by mode oracle) is
+    copied into the exact cache instead of prefilled again; a verified answer's exact cache is kept
+    as the own prefill for the next request."""
+    perturbed_model("tiny-llama", 7, 0.05, save_to=tmp_path)
+    async with running_pair("tiny-llama", consumer_model=str(tmp_path), consumer_kw={"prefill_chunk": 8}) as pair:
+        first = await pair.client.generate(timeout=120, **fields("raw", VERIFIED))
+        assert "prefix cache" not in first.stats.verify_decision
+        oracle, _, _ = await pair.generate(**fields("oracle", consumer_pb2.VERIFY_POLICY_OFF))
+        again = await pair.client.generate(timeout=120, **fields("raw", VERIFIED))
+        tokens = again.stats.context_tokens
+        assert again.stats.verify_decision.endswith(f"; exact cache: {tokens} context tokens from the prefix cache")
+        assert again.ids == first.ids and oracle == first.ids
