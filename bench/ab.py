@@ -1,4 +1,4 @@
-"""`python -m bench.ab --before GLOB --after GLOB`: two sets of bench.throughput rows (runs of one
+"""`python -m bench.ab --before FILE... --after FILE...`: two sets of bench.throughput rows (runs of one
 commit against runs of another, taken alternately on one machine) compared cell by cell: per
 (model, mode, output, concurrency, max_batch) the median over runs of requests/s or output
 tokens/s, p50 TTFT and the consumer's CPU ms per request, each side's range, and after/before.
@@ -14,8 +14,9 @@ import json
 import statistics
 
 
-def load(pattern: str) -> list[dict]:
-    return [json.loads(line) for path in sorted(glob.glob(pattern)) for line in open(path) if line.strip()]
+def load(patterns: list[str]) -> list[dict]:
+    paths = sorted({path for pattern in patterns for path in glob.glob(pattern)})
+    return [json.loads(line) for path in paths for line in open(path) if line.strip()]
 
 
 def cell(r: dict) -> tuple:
@@ -49,8 +50,8 @@ def table(before: list[dict], after: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--before", required=True, help="glob of throughput.jsonl files (quoted)")
-    parser.add_argument("--after", required=True, help="glob of throughput.jsonl files (quoted)")
+    parser.add_argument("--before", required=True, nargs="+", help="throughput.jsonl files (paths or quoted globs)")
+    parser.add_argument("--after", required=True, nargs="+", help="throughput.jsonl files (paths or quoted globs)")
     args = parser.parse_args(argv)
     print(table(load(args.before), load(args.after)))
 

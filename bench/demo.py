@@ -1,8 +1,10 @@
-"""`make demo`: start producer and consumer on loopback, ask one question per transfer mode the
-consumer supports, print each answer and one JSON line per mode, then stop both services.
+"""`make demo`: start producer and consumer on loopback, ask one question with no mode (the
+default: what auto chose and why), then once per transfer mode the consumer supports, print each
+answer and one JSON line per request, then stop both services.
 
-JSON keys: mode, tokens (generated), ttft_ms, bytes (payload bytes received), raw_kv_bytes
-(the producer's full KV in its dtype), match_oracle (same tokens as the consumer's own prefill).
+JSON keys: mode ("default" for the request naming none), served (the mode that answered),
+tokens (generated), ttft_ms, bytes (payload bytes received), raw_kv_bytes (the producer's full KV
+in its dtype), match_oracle (same tokens as the consumer's own prefill).
 """
 
 from __future__ import annotations
@@ -45,15 +47,23 @@ async def ask_all(address: str, context: str, question: str, max_new_tokens: int
         described = await client.describe()
         modes = [c.name for c in described.codecs]
         modes = ["oracle"] + [m for m in modes if m != "oracle" and (m != "scd" or has_artifact)]
-        oracle_ids = None
-        for mode in modes:
+        answers = {}
+        # the default first, as a caller naming no mode gets it (mode auto: what it chose and why)
+        for mode in [None, *modes]:
             answer = await client.generate(mode=mode, context=prompt(context), question=prompt(question),
                                            max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
-            oracle_ids = answer.ids if mode == "oracle" else oracle_ids
+            answers[mode] = answer
             chosen = dict(answer.stats.transfer.options)
-            detail = chosen.get("schedule") or options_label(chosen)
-            print(f"[{mode:>9}] {answer.text.strip()!r}  ({detail or 'no options'})", file=sys.stderr)
-            rows.append({"mode": mode, "tokens": answer.stats.generated_tokens, "ttft_ms": round(answer.stats.ttft_ms, 2),
+            detail = chosen.get("schedule") or options_label(chosen) or "no options"
+            if mode is None:
+                served = answer.stats.transfer.name
+                why = answer.stats.auto.reason if answer.stats.HasField("auto") else described.default_mode_reason
+                detail = f"{described.default_mode or 'auto'} chose {served} ({detail}): {why}"
+            print(f"[{mode or 'default':>9}] {answer.text.strip()!r}  ({detail})", file=sys.stderr)
+        oracle_ids = answers["oracle"].ids
+        for mode, answer in answers.items():
+            rows.append({"mode": mode or "default", "served": answer.stats.transfer.name,
+                         "tokens": answer.stats.generated_tokens, "ttft_ms": round(answer.stats.ttft_ms, 2),
                          "bytes": answer.stats.bytes_received, "raw_kv_bytes": answer.stats.raw_kv_bytes,
                          "match_oracle": answer.ids == oracle_ids})
     return rows
