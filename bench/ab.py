@@ -40,8 +40,8 @@ def table(before: list[dict], after: list[dict]) -> str:
             if b and a:
                 ratio = statistics.median(a) / statistics.median(b) if statistics.median(b) else float("nan")
                 lines.append(f"| {' | '.join(map(str, key))} | {metric} | {summary(b)} | {summary(a)} | {ratio:.2f} |")
-    codes = lambda rows: sorted({r.get("code", "?") for r in rows})  # noqa: E731
-    loads = lambda rows: f"{min(r['load_avg_1m'] for r in rows):.2f}-{max(r['load_avg_1m'] for r in rows):.2f}"  # noqa: E731
+    codes = lambda rows: sorted({r.get("code", "?") for r in rows})
+    loads = lambda rows: f"{min(r['load_avg_1m'] for r in rows):.2f}-{max(r['load_avg_1m'] for r in rows):.2f}"
     lines.append("")
     lines.append(f"before: code {codes(before)}, {len({r['run'] for r in before})} runs, load_avg_1m {loads(before)}")
     lines.append(f"after: code {codes(after)}, {len({r['run'] for r in after})} runs, load_avg_1m {loads(after)}")
