@@ -3,8 +3,10 @@ default: what auto chose and why), then once per transfer mode the consumer supp
 answer and one JSON line per request, then stop both services.
 
 JSON keys: mode ("default" for the request naming none), served (the mode that answered),
-tokens (generated), ttft_ms, bytes (payload bytes received), raw_kv_bytes (the producer's full KV
-in its dtype), match_oracle (same tokens as the consumer's own prefill).
+dtype (the consumer's compute dtype: the services run the default `--dtype auto`, bfloat16 where
+this machine computes it natively, else float32; why is printed first), tokens (generated),
+ttft_ms, bytes (payload bytes received), raw_kv_bytes (the producer's full KV in its dtype),
+match_oracle (same tokens as the consumer's own prefill).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ async def ask_all(address: str, context: str, question: str, max_new_tokens: int
     rows = []
     async with ConsumerClient(address) as client:
         described = await client.describe()
+        print(f"# consumer computes in {described.model.dtype}: {described.model.dtype_reason}", file=sys.stderr)
         modes = [c.name for c in described.codecs]
         modes = ["oracle"] + [m for m in modes if m != "oracle" and (m != "scd" or has_artifact)]
         answers = {}
@@ -62,7 +65,7 @@ async def ask_all(address: str, context: str, question: str, max_new_tokens: int
             print(f"[{mode or 'default':>9}] {answer.text.strip()!r}  ({detail})", file=sys.stderr)
         oracle_ids = answers["oracle"].ids
         for mode, answer in answers.items():
-            rows.append({"mode": mode or "default", "served": answer.stats.transfer.name,
+            rows.append({"mode": mode or "default", "served": answer.stats.transfer.name, "dtype": described.model.dtype,
                          "tokens": answer.stats.generated_tokens, "ttft_ms": round(answer.stats.ttft_ms, 2),
                          "bytes": answer.stats.bytes_received, "raw_kv_bytes": answer.stats.raw_kv_bytes,
                          "match_oracle": answer.ids == oracle_ids})
@@ -75,7 +78,7 @@ def main() -> None:
     parser.add_argument("--producer-model", default=p_model)
     parser.add_argument("--consumer-model", default=c_model)
     parser.add_argument("--artifacts", default=artifacts, help="SCD artifact file(s) for both services")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="both services' --dtype (auto: bfloat16 where native, else float32)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--consumer", help="use a running consumer at HOST:PORT instead of starting services")
     args = parser.parse_args()

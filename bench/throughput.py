@@ -80,10 +80,10 @@ def qa_model() -> Model:
 
 
 def qwen05b_model() -> Model:
-    from bench.workloads import ensure_qwen05b
+    from bench.workloads import ensure_qwen05b, resolved_dtype
 
     path = str(ensure_qwen05b())
-    return Model("qwen05b-random", path, path, "bfloat16", "random", "", 512)
+    return Model("qwen05b-random", path, path, resolved_dtype("auto"), "random", "", 512)  # the services' default
 
 
 def requests_for(model: Model, n: int) -> tuple[list[tuple[list[int], list[int]]], int | None]:

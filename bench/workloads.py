@@ -12,7 +12,23 @@ from pathlib import Path
 from bench import services
 
 CHECKPOINTS = services.ROOT / "checkpoints"
-SCALE_DTYPE = {"tiny": "float32", "trained": "float32", "qwen05b": "bfloat16", "qwen7b": "bfloat16"}
+# tiny and trained stay float32 (their rows compare answers token for token across settings);
+# the Qwen shapes run the services' default, auto: bfloat16 where the device computes it natively,
+# else float32 (resolved here, so the rows and the services' --dtype name the dtype that ran)
+SCALE_DTYPE = {"tiny": "float32", "trained": "float32", "qwen05b": "auto", "qwen7b": "auto"}
+
+
+def resolved_dtype(requested: str, device: str = "auto") -> str:
+    """The dtype the services compute in for `--dtype requested` on `device` of this machine
+    (shared.compute_dtype's rule), noted with its reason when it was auto."""
+    from shared.compute_dtype import AUTO, resolve
+    from shared.models import resolve_device
+
+    if requested != AUTO:
+        return requested
+    choice = resolve(requested, resolve_device(device))
+    note(choice.reason)
+    return choice.dtype
 
 
 def note(msg: str) -> None:
@@ -98,7 +114,7 @@ def workload_for(scale: str, args) -> Workload | None:
     from bench.provenance import weights_of
     from shared.models import resolve_path
 
-    dtype = args.dtype or SCALE_DTYPE[scale]
+    dtype = resolved_dtype(args.dtype or SCALE_DTYPE[scale], getattr(args, "device", None) or "auto")
     if scale == "trained":
         base, tuned = CHECKPOINTS / "qa-base", CHECKPOINTS / "qa-tuned"
         if not ((base / "config.json").exists() and (tuned / "config.json").exists()):

@@ -3,15 +3,19 @@
   wait for KV memory (consumer.kv_admission: blocks for context + question + max_new_tokens,
   starting with what the prefix cache holds; twice that under verify) -> the context's KV: the
   transfer (consumer.transfer) or the consumer's own prefill -> the audit's policy
-  (consumer.audit_policy) -> question and decode in the batch engine (consumer.engine_stream), or
+  (consumer.audit_policy) -> anchor-token repair (consumer.repair) -> question and decode in the batch engine (consumer.engine_stream), or
   under verify drafts on that cache checked against the exact one (consumer.verify), yielding
   tokens as they come -> keep the context's chunks (consumer.prefix_cache, named by
   consumer.prefix_keys) -> release the blocks -> stats.
 
 Policies compose in one order: transfer (its failure policy) -> audit (report, fallback or
-upgrade) -> verify. A cache the earlier steps made exact (LOCAL_PREFILL replaced the transfer, the
-audit fell back to the own prefill, mode oracle) is not verified: its answer is the oracle's
-already, and the second set of blocks goes back at once (`verify_decision` says "skipped: ...").
+upgrade) -> repair (the transfer option `repair`: recompute the K/V of the context tokens the
+question attends to most, over the cache the audit's policy left) -> verify. A cache the earlier
+steps made exact (LOCAL_PREFILL replaced the transfer, the audit fell back to the own prefill, mode
+oracle) is neither repaired nor verified: its answer is the oracle's already, and the second set
+of blocks goes back at once (`repair_choice` and `verify_decision` say "skipped: ..."). A repaired
+cache is its own thing: it is never kept in the prefix cache, and a request that asks for repair
+reuses no cached chunks (its repair writes into every block of its context).
 
 Its parts, one job each: `Transfer` pulls a stream and rebuilds its layers; `AuditPolicy` checks a
 rebuilt cache and applies report / fallback / upgrade; `PrefixKeys` names KV by what made it;
@@ -47,6 +51,7 @@ from consumer.kv_pool import SequenceKV
 from consumer.planner import TransferPlanner
 from consumer.prefix_cache import Hit, PrefixCache
 from consumer.prefix_keys import PrefixKeys
+from consumer.repair import Repairer
 from consumer.request import (
     AUDIT_OFF,
     LOCAL_PREFILL,
@@ -94,6 +99,7 @@ class RequestPipeline:
         self.planner = planner  # running estimates: the mid-stream watch under LOCAL_PREFILL
         self.transfer = Transfer(loaded, engine, source, self.keys, planner)
         self.audits = AuditPolicy(loaded, self.transfer, self._local_prefill)
+        self.repairer = Repairer(loaded, engine)
         self.verifier = Verifier(loaded, engine)
         self.abandoned = 0  # transfers abandoned mid-stream
         # prefix-cache inserts queued on the engine and not run yet, by their context's first chunk key
@@ -184,6 +190,8 @@ class RequestPipeline:
                 result.bytes_received = 0
                 seq, exact, partial = await self._admit(job, result, refs, reuse=False, verify=verify)
                 await self._cache(job, result, seq, 0, None)
+            if job.repair is not None:
+                await self._repair(job, result, seq)
             if exact is not None and (result.codec == ORACLE_MODE or result.audit_decision.endswith("prefilled locally")):
                 result.verify_decision = "skipped: the context was prefilled locally"
                 self._release(exact)
@@ -199,13 +207,27 @@ class RequestPipeline:
                     yield item
             # kept only once it answered (finite logits, no contract error), and never a flagged cache;
             # after verification the exact cache, the consumer's own prefill
-            if self.prefix is not None and (exact is not None or not result.audit_decision.startswith("diverged")):
+            # nor a repaired one (its K/V are neither the codec's nor the own prefill's)
+            repaired = result.repair_tokens > 0 and result.codec != ORACLE_MODE
+            kept_ok = not result.audit_decision.startswith("diverged") and not repaired
+            if self.prefix is not None and (exact is not None or kept_ok):
                 keep = self._made_as(job, result) if exact is None else self.keys.chain(None, {}, job.context_ids)
                 if keep:  # on the engine thread, before the release queued after it
                     kept = seq if exact is None else exact
                     self._insert(keep, kept)
         finally:
             self._release(seq, exact)
+
+    async def _repair(self, job: GenerateJob, result: GenerateResult, seq: SequenceKV) -> None:
+        """Anchor-token repair of seq's rebuilt context (consumer.repair), after the audit's policy;
+        skipped when the context is the consumer's own prefill already."""
+        assert job.repair is not None
+        if job.codec is None:
+            result.repair_choice = "skipped: mode oracle is exact"
+        elif result.codec == ORACLE_MODE or result.audit_decision.endswith("prefilled locally"):
+            result.repair_choice = "skipped: the context was prefilled locally"
+        else:
+            await self.repairer.apply(job, result, seq, job.repair)
 
     async def _exact_start(self, job: GenerateJob, exact: SequenceKV) -> int:
         """Verified decoding's exact cache starts with what the prefix cache holds of the context as
@@ -249,7 +271,8 @@ class RequestPipeline:
         reserved in the same admission: a request never holds one set while it waits for the other."""
         T = len(job.context_ids)
         # an audited transfer audits its own stream (and its policy may rewrite the whole cache)
-        reuse = reuse and (job.codec is None or job.audit == AUDIT_OFF)
+        # and a repaired one writes into all of its context's blocks (consumer.repair)
+        reuse = reuse and (job.codec is None or (job.audit == AUDIT_OFF and job.repair is None))
         pool = self.engine.pool
         # held (pinned) by the lookup itself: the engine may evict them any time after it
         pending = self._inserting.get(refs[0].key) if refs else None

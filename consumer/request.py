@@ -5,6 +5,7 @@ policy names they use. Plain data: knows nothing about gRPC, the engine or codec
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +29,23 @@ def left(job: GenerateJob, what: str) -> float:
     return remaining
 
 
+@dataclass(frozen=True)
+class Repair:
+    """What the request asked: a fraction of the context's tokens or a token count."""
+
+    fraction: float | None = None
+    count: int | None = None
+
+    def tokens(self, context_tokens: int) -> int:
+        """Anchors for a context of `context_tokens` tokens: at least 1, at most all of them."""
+        want = math.ceil(self.fraction * context_tokens) if self.fraction is not None else self.count or 0
+        return max(1, min(context_tokens, want))
+
+    def label(self) -> str:
+        """As the request can write it back: a fraction always with its point ("1.0"; "1" is a count)."""
+        return str(self.fraction) if self.fraction is not None else str(self.count)
+
+
 @dataclass
 class GenerateJob:
     request_id: str
@@ -48,6 +66,7 @@ class GenerateJob:
     audit_threshold: float = 0.05  # used when the codec has no calibrated threshold
     auto: AutoChoice | None = None  # how mode auto (or fallback_to_oracle) chose codec and options
     verify: str = VERIFY_OFF  # VERIFY_OFF | VERIFY_VERIFIED (stream verified tokens only) | VERIFY_PROVISIONAL
+    repair: Repair | None = None  # anchor-token repair after the rebuild (consumer.repair); None: off
 
     @property
     def mode(self) -> str:
@@ -112,3 +131,6 @@ class GenerateResult:
     accepted_tokens: int = 0  # the prefix of them the exact model accepted
     time_to_verified_ms: float = 0.0  # receipt to the first verified token
     verify_ms: float = 0.0  # the exact prefill and the verification forward, wall time (overlaps drafting)
+    repair_tokens: int = 0  # context tokens whose K/V anchor repair recomputed (consumer.repair)
+    repair_ms: float = 0.0  # the repair's engine job: anchor choice, recompute and write
+    repair_choice: str = ""  # "" off; "attention: 12 of 120 context tokens (0.1); layer 0 whole", "skipped: ..."

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from consumer.auto import AUTO_MODE, AutoChoice, Budget, Candidate, Chooser
 from consumer.decoding import Sampling
 from consumer.planner import TransferPlanner
+from consumer.repair import REPAIR_OPTION, parse_repair
 from consumer.request import (
     AUDIT_FALLBACK,
     AUDIT_OFF,
@@ -26,6 +27,7 @@ from consumer.request import (
     VERIFY_PROVISIONAL,
     VERIFY_VERIFIED,
     GenerateJob,
+    Repair,
 )
 from shared import codecs as codec_lib
 from shared.config import ConsumerConfig
@@ -145,13 +147,14 @@ class JobBuilder:
         if bad is not None:
             raise InvalidArgument(f"stop_token_ids: id {bad} >= vocab_size {vocab}")
         mode = request.transfer.name or self.default_mode()
+        spec, repair = self._repair(request.transfer)
         budget: Budget | None = None
         options: dict[str, str]
         if mode == AUTO_MODE:
-            budget = self.chooser.budget(dict(request.transfer.options))
+            budget = self.chooser.budget(dict(spec.options))
             codec, options = None, {}
         else:
-            codec, options = transfer_codec(self.codecs, request.transfer, mode)
+            codec, options = transfer_codec(self.codecs, spec, mode)
         context_ids = await self._ids(request.context, "context", cfg.max_context_tokens, special=True)
         question_ids = await self._ids(request.question, "question", cfg.max_question_tokens, special=False)
         fallback = ""
@@ -190,7 +193,19 @@ class JobBuilder:
             audit_threshold=cfg.audit_threshold,
             auto=auto,
             verify=VERIFIES[request.verify],
+            repair=repair,
         )
+
+    def _repair(self, spec: common_pb2.CodecSpec) -> tuple[common_pb2.CodecSpec, Repair | None]:
+        """The transfer spec without the option `repair` (the consumer's, never a codec's), and the
+        repair it asks for (consumer.repair; None when absent)."""
+        if REPAIR_OPTION not in spec.options:
+            return spec, None
+        asked = parse_repair(spec.options[REPAIR_OPTION], self.config.max_context_tokens)
+        rest = common_pb2.CodecSpec()
+        rest.CopyFrom(spec)
+        del rest.options[REPAIR_OPTION]
+        return rest, asked
 
     def _chosen(self, auto: AutoChoice) -> tuple[codec_lib.Codec | None, dict[str, str]]:
         chosen = auto.chosen

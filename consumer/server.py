@@ -313,6 +313,9 @@ def result_to_pb(r: GenerateResult) -> consumer_pb2.GenerateStats:
         time_to_verified_ms=r.time_to_verified_ms,
         verify_decision=r.verify_decision,
         verify_ms=r.verify_ms,
+        repair_tokens=r.repair_tokens,
+        repair_ms=r.repair_ms,
+        repair_choice=r.repair_choice,
     )
 
 
@@ -462,6 +465,7 @@ class ConsumerServer:
             "server.serving",
             model=loaded.info.model_id,
             dtype=loaded.info.dtype,
+            dtype_reason=loaded.info.dtype_reason,
             device=loaded.info.device,
             digest=loaded.info.weight_digest[:16],
             kv_pool_bytes=pool.capacity_bytes,

@@ -325,6 +325,7 @@ class ProducerServer:
             "server.serving",
             model=loaded.info.model_id,
             dtype=loaded.info.dtype,
+            dtype_reason=loaded.info.dtype_reason,
             device=loaded.info.device,
             digest=loaded.info.weight_digest[:16],
         )

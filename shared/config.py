@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, NoReturn, Protocol, TypeVar
 
+from shared.compute_dtype import AUTO as AUTO_DTYPE
 from shared.models import DTYPES
 from shared.tracing import TRACE_MODES
 from shared.wire import DEFAULT_MAX_CHUNK_BYTES
@@ -73,7 +74,7 @@ class ServerConfig:
     host: str = "127.0.0.1"  # listen address of every port (API, health, metrics)
     port: int = 0  # API port (0: any free port); services set their own default
     model: str = "tiny-llama"  # local directory, builtin tiny name, or hub id in the local cache (HF_HUB_OFFLINE=0 downloads)
-    dtype: str = "float32"  # float32, bfloat16 or float16 (the shipped QA pair was trained in bfloat16)
+    dtype: str = "auto"  # auto (bfloat16 where the device computes it natively, else float32; shared.compute_dtype), float32, bfloat16 or float16
     device: str = "auto"  # auto (cuda:0 when present, else cpu), cpu, cuda or cuda:N
     max_context_tokens: int = 8192  # longest context a request may carry, in tokens
     drain_grace_s: float = 30.0  # SIGTERM: admitted calls get this long to finish; new ones get UNAVAILABLE
@@ -102,8 +103,8 @@ class ServerConfig:
     def validate(self) -> None:
         if self.trace not in TRACE_MODES:
             raise ValueError(f"trace: {self.trace!r} not in {', '.join(TRACE_MODES)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: {self.dtype!r} not in {sorted(DTYPES)}")
+        if self.dtype not in DTYPES and self.dtype != AUTO_DTYPE:
+            raise ValueError(f"dtype: {self.dtype!r} not in {[AUTO_DTYPE, *sorted(DTYPES)]}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port: {self.port} not in 0..65535")
         if self.max_context_tokens < 1:

@@ -1,8 +1,10 @@
 """Loading a causal LM for serving, and what both services need to know about it.
 
-Owns: device/dtype resolution, `from_pretrained` on a path or hub id (or a builtin tiny name),
-the dtype-independent weight digest, warm-up, and the `LoadedModel` handle with the model's
-layer geometry. Knows nothing about gRPC or codecs.
+Owns: device resolution, applying the compute dtype (`--dtype auto` is chosen by
+`shared.compute_dtype`; weights are cast to it at load, bf16 checkpoints upcast),
+`from_pretrained` on a path or hub id (or a builtin tiny name), the dtype-independent weight
+digest, warm-up, and the `LoadedModel` handle with the model's layer geometry. Knows nothing
+about gRPC or codecs.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from typing import cast
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from shared import tiny
+from shared import compute_dtype, logs, tiny
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logs.get("models")
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class ModelInfo:
     head_dim: int
     hidden_size: int
     vocab_size: int
+    dtype_reason: str = ""  # why `dtype` computes (shared.compute_dtype.choose), e.g. "--dtype auto: ...: float32"
 
     def kv_bytes(self, tokens: int) -> int:
         """Bytes of the full K and V cache for `tokens` tokens in this model's dtype."""
@@ -89,9 +93,15 @@ def weight_digest(model: torch.nn.Module) -> str:
 
 
 def load_model(model_id: str, dtype: str = "float32", device: str = "auto") -> LoadedModel:
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)}")
+    """`dtype` is one of DTYPES or "auto" (bfloat16 where the device computes it natively, else
+    float32: shared.compute_dtype); an explicit bfloat16 the device emulates logs a warning."""
+    if dtype not in DTYPES and dtype != compute_dtype.AUTO:
+        raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)} or {compute_dtype.AUTO!r}")
     target = resolve_device(device)
+    choice = compute_dtype.resolve(dtype, target)  # auto/bfloat16: the device's facts (CPU: a probe, milliseconds)
+    if choice.warning:
+        log.warning("model.dtype_slow", dtype=choice.dtype, device=str(target), warning=choice.warning)
+    dtype = choice.dtype
     path = resolve_path(model_id)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="sdpa")
     cast(torch.nn.Module, model).to(target).eval()  # transformers' decorated `to` stub rejects a device
@@ -109,6 +119,7 @@ def load_model(model_id: str, dtype: str = "float32", device: str = "auto") -> L
         head_dim=head_dim,
         hidden_size=cfg.hidden_size,
         vocab_size=cfg.vocab_size,
+        dtype_reason=choice.reason,
     )
     return LoadedModel(model=model, tokenizer=tokenizer, info=info)
 

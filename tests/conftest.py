@@ -15,12 +15,25 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from consumer.client import ConsumerClient, prompt  # noqa: F401  (re-exported for tests)
 from consumer.server import ConsumerServer
 from producer.server import ProducerServer
-from shared import logs
+from shared import compute_dtype, logs
 from shared.config import ConsumerConfig, ProducerConfig
 from shared.pb import consumer_pb2, producer_pb2_grpc
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 logs.configure("tests", os.environ.get("SCD_TEST_LOG_LEVEL", "WARNING"))
+
+# What `--dtype auto` (the configs' default) sees in tests: a CPU without native bf16, so every
+# server a test starts without naming a dtype computes in float32 on any host, as before auto
+# (a host's real facts would make answers host-dependent). tests/test_compute_dtype.py injects its own.
+NO_NATIVE_BF16 = compute_dtype.DeviceFacts("cpu", cpu_flags=frozenset(), probe_ratio=None)
+real_device_facts = compute_dtype.device_facts
+
+
+@pytest.fixture(scope="session", autouse=True)
+def float32_under_auto():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compute_dtype, "device_facts", lambda device: NO_NATIVE_BF16)
+        yield
 
 
 async def wait_serving(address: str, timeout_s: float = 60.0) -> None:

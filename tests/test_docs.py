@@ -104,7 +104,7 @@ async def test_the_certificate_recipe_serves_a_request_over_mtls(tmp_path):
 def test_the_guide_names_the_cache_dir_and_the_readme_runs_the_trained_pair():
     guide, readme = (ROOT / "docs/operations.md").read_text(), (ROOT / "README.md").read_text()
     assert "SCD_CACHE_DIR" in guide
-    assert "-m producer --model checkpoints/qa-base --dtype bfloat16" in readme
+    assert "-m producer --model checkpoints/qa-base --port 50051" in readme  # the default --dtype auto
     assert "on_transfer_failure=2" not in readme and "asyncio.run(" in readme
 
 
