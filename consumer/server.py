@@ -8,7 +8,9 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import time
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import structlog
 from grpc_health.v1 import health_pb2
@@ -21,6 +23,7 @@ from consumer.defaults import DefaultMode
 from consumer.engine_process import EngineProcess
 from consumer.kv_admission import KVAdmission
 from consumer.kv_pool import KVPool, default_pool_bytes
+from consumer.openai_api import OpenAIServer
 from consumer.pipeline import RequestPipeline
 from consumer.planner import Observation, TransferPlanner
 from consumer.prefix_cache import PrefixCache
@@ -167,35 +170,41 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
     @serving.stream_errors
     async def Generate(self, request, context):
         received = time.perf_counter()
+        timeout_s = serving.remaining_s(context, self.config.default_timeout_s)
+        async with contextlib.aclosing(self.generate_items(request, timeout_s, context, received)) as items:
+            async for item in items:
+                yield item_to_pb(item)
+
+    async def generate_items(
+        self, request: consumer_pb2.GenerateRequest, timeout_s: float, caller: Any, received: float
+    ) -> AsyncGenerator[TokenOut | Commit | GenerateResult, None]:
+        """One Generate whatever the transport (gRPC here, HTTP in consumer.openai_api): admission
+        (max_inflight), outcome counting, the job, the pipeline, the result's bookkeeping; `caller`
+        answers cancelled() (the grpc context, or the HTTP request's stand-in)."""
         request_id = serving.request_id(request.request_id)
         if self.probe is not None:
             self.probe.touch()
         with structlog.contextvars.bound_contextvars(request_id=request_id), self.admission.slot():
-            async for message in self.outcomes.track(
-                self._generate(request, request_id, context, received), context, log, "generate"
+            async for item in self.outcomes.track(
+                self._generate(request, request_id, timeout_s, received), caller, log, "generate"
             ):
-                yield message
+                yield item
 
-    async def _generate(self, request, request_id: str, context, received: float):
+    async def _generate(self, request, request_id: str, timeout_s: float, received: float):
         self._ready()
-        job = await self.jobs.build(request, request_id, serving.remaining_s(context, self.config.default_timeout_s))
+        job = await self.jobs.build(request, request_id, timeout_s)
         job.received_at = received
         log.info(
             "generate.start",
             mode=job.mode,
             context_tokens=len(job.context_ids),
             question_tokens=len(job.question_ids),
-            deadline_s=context.time_remaining(),
+            deadline_s=timeout_s,
             on_failure=job.on_failure,
         )
         async with contextlib.aclosing(self.pipeline.run(job)) as items:
             async for item in items:
-                if isinstance(item, TokenOut):
-                    yield consumer_pb2.GenerateResponse(token=consumer_pb2.TokenDelta(ids=item.ids, text=item.text))
-                elif isinstance(item, Commit):
-                    commit = consumer_pb2.VerifyCommit(accepted_tokens=item.accepted, ids=item.ids, text=item.text)
-                    yield consumer_pb2.GenerateResponse(commit=commit)
-                elif isinstance(item, GenerateResult):
+                if isinstance(item, GenerateResult):
                     self._observe(job, item)
                     if self.probe is not None:
                         self.probe.touch()
@@ -214,7 +223,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
                         transfer_failure=item.transfer_failure or None,
                         **auto_trail(job.auto),
                     )
-                    yield consumer_pb2.GenerateResponse(stats=result_to_pb(item))
+                yield item
 
     @serving.unary_errors
     async def Describe(self, request, context):
@@ -258,6 +267,17 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
                 **prefix_stats(self.prefix),
             ),
         )
+
+
+def item_to_pb(item: TokenOut | Commit | GenerateResult) -> consumer_pb2.GenerateResponse:
+    """One pipeline item as the Generate stream's message."""
+    if isinstance(item, TokenOut):
+        return consumer_pb2.GenerateResponse(token=consumer_pb2.TokenDelta(ids=item.ids, text=item.text))
+    if isinstance(item, Commit):
+        return consumer_pb2.GenerateResponse(
+            commit=consumer_pb2.VerifyCommit(accepted_tokens=item.accepted, ids=item.ids, text=item.text)
+        )
+    return consumer_pb2.GenerateResponse(stats=result_to_pb(item))
 
 
 def prefix_stats(prefix: PrefixCache | None) -> dict[str, int]:
@@ -388,6 +408,9 @@ class ConsumerServer:
         self.link: readiness.ProducerLink | None = None
         self.probe: BackgroundProbe | None = None
         self.engine_failure = ""  # why the engine process exited, once it has (--engine-process)
+        # the OpenAI-compatible HTTP port (--http-port), on this servicer: the same admission and pipeline
+        self.http = OpenAIServer(self.servicer, config) if config.http_port >= 0 else None
+        self.http_port = -1
 
     @property
     def address(self) -> str:
@@ -395,7 +418,15 @@ class ConsumerServer:
 
     async def start(self) -> None:
         await self.server.start()
-        log.info("server.started", address=self.address, model=self.config.model, producer=self.config.producer)
+        if self.http is not None:  # open before the model loads, as the gRPC port: 503 until then
+            self.http_port = await self.http.start()
+        log.info(
+            "server.started",
+            address=self.address,
+            model=self.config.model,
+            producer=self.config.producer,
+            http_port=self.http_port,
+        )
 
     async def load(self, loaded: LoadedModel | None = None) -> None:
         cfg = self.config
@@ -498,6 +529,8 @@ class ConsumerServer:
         if self.link is not None:
             await self.link.stop()
         await self.server.drain(self.config.drain_grace_s if grace_s is None else grace_s, self.servicer.admission)
+        if self.http is not None:  # its calls were drained with the gRPC ones (one admission)
+            await self.http.stop()
         if self.client is not None:
             await self.client.close()
         if self.executor is not None:  # the engine thread ends its iteration and exits before the interpreter does

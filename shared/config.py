@@ -192,6 +192,7 @@ class ConsumerConfig(ServerConfig):
     engine_process: bool = False  # the engine's forwards in a child process, the KV pool in shared memory
     chunk_tokens: int = 256  # context chunk size of the prefix cache (a multiple of kv_block_tokens)
     prefix_cache_bytes: int = -1  # KV pool bytes the prefix cache may keep; -1: half the pool, 0: off
+    http_port: int = -1  # OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models; consumer.openai_api); -1 off, 0 any free port
 
     def validate(self) -> None:
         super().validate()
@@ -224,6 +225,8 @@ class ConsumerConfig(ServerConfig):
             raise ValueError(
                 f"chunk_tokens: {self.chunk_tokens} must be a positive multiple of kv_block_tokens {self.kv_block_tokens}"
             )
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError(f"http_port: {self.http_port} not in -1..65535 (-1 off, 0 any free port)")
         if self.prefix_cache_bytes < -1:
             raise ValueError("prefix_cache_bytes: must be >= -1 (-1: half the KV pool, 0: off)")
         modes = default_modes()

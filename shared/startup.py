@@ -9,7 +9,7 @@ Checks (each failure is one plain sentence naming the flag and what to fix):
 - `--artifacts`: every path exists and holds artifacts this build reads (which weights they were
   calibrated for is checked once the model is loaded: `artifacts_for`).
 - TLS and tokens: every PEM and token file exists; each certificate matches its key; CA files parse.
-- Ports: the API, health and metrics ports are free (and distinct), each named by its flag.
+- Ports: the API, health, metrics and (consumer) HTTP ports are free (and distinct), each named by its flag.
 
 `fail` reports a failure as one JSON log line (`startup.failed`) plus one plain sentence on
 stderr and exits with status 2: no traceback. Knows no servicer.
@@ -145,6 +145,7 @@ def check_security(cfg: ServerConfig) -> None:
 def check_ports(cfg: ServerConfig) -> None:
     """Every port this service will listen on is free now; two flags never name the same port."""
     ports = [("--port", cfg.port), ("--health-port", cfg.health_port), ("--metrics-port", cfg.metrics_port)]
+    ports.append(("--http-port", getattr(cfg, "http_port", -1)))  # the consumer's OpenAI-compatible API
     named = [(flag, p) for flag, p in ports if p > 0]
     seen: dict[int, str] = {}
     for flag, port in named:

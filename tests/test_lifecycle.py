@@ -167,8 +167,14 @@ async def test_a_lost_cancel_of_the_liveness_watchdog_does_not_hold_the_stop(mon
     from shared.config import ProducerConfig
 
     real_wait_for, real_sleep = asyncio.wait_for, asyncio.sleep
+    watched: list[float] = []  # the watchdog's sleeps that went through the losing patch
 
     async def losing_sleep(delay, *args):
+        task = asyncio.current_task()
+        if task is None or "_watchdog" not in task.get_coro().__qualname__:
+            return await real_sleep(delay, *args)  # only the watchdog's sleep loses its cancels: a global
+            # patch also swallowed the cancels of other tasks' sleeps and could hold the test's teardown
+        watched.append(delay)
         try:
             return await real_sleep(delay, *args)
         except asyncio.CancelledError:
@@ -182,3 +188,4 @@ async def test_a_lost_cancel_of_the_liveness_watchdog_does_not_hold_the_stop(mon
     started = time.perf_counter()
     await real_wait_for(server.stop(), 20)  # stop() itself must return
     assert time.perf_counter() - started < 5.0
+    assert watched  # the patch reached the watchdog
