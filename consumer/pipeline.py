@@ -283,7 +283,8 @@ class RequestPipeline:
         if job.codec is not None and hit.tokens < T:
             partial = self.keys.partial(job.codec, job.options, job.context_ids, len(hit.shared))
             kept = Hit(hit.shared) if partial is not None else Hit([])  # a tail is re-sent with the rest
-            pool.drop([b for b in hit.shared_blocks + hit.tail_blocks if b not in set(kept.shared_blocks)])
+            keep = set(kept.shared_blocks)
+            pool.drop([b for b in hit.shared_blocks + hit.tail_blocks if b not in keep])
             hit = kept
         tail = hit.tail_blocks
         # the request's worst case: the last sampled token is never fed back

@@ -64,6 +64,16 @@ class _BatchKV:
         return k_out.view(shape).transpose(1, 2), v_out.view(shape).transpose(1, 2)  # [B, n_kv, L, hd]
 
 
+def scratch_limit_blocks(pool: KVPool) -> int:
+    """The most blocks one forward gathers (consumer.batch.split_gather keeps batches under it)."""
+    return max(1, 2 * pool.num_blocks)
+
+
+def scratch_limit_bytes(pool: KVPool) -> int:
+    """The gather buffers' bound: K and V of two of the pool's layers (2 / num_layers of it)."""
+    return scratch_limit_blocks(pool) * pool.block_bytes // max(1, pool.info.num_layers)
+
+
 class Runner:
     def __init__(self, loaded: LoadedModel, pool: KVPool):
         cfg = loaded.model.config.get_text_config(decoder=True)
@@ -74,7 +84,7 @@ class Runner:
         self.inner = inner
         self.lm_head: Any = loaded.model.get_output_embeddings()
         self._scratch = self._buffers(0)
-        self.scratch_limit_blocks = max(1, 2 * pool.num_blocks)  # a forward never gathers more (consumer.batch)
+        self.scratch_limit_blocks = scratch_limit_blocks(pool)  # a forward never gathers more (consumer.batch)
         self._recent_peak = 0  # the most blocks a forward needed since the last shrink check
         self._since_check = 0
 
@@ -91,7 +101,7 @@ class Runner:
         return self._scratch[0].nbytes + self._scratch[1].nbytes
 
     def scratch_limit_bytes(self) -> int:
-        return self.scratch_limit_blocks * self.pool.block_bytes // max(1, self.pool.info.num_layers)
+        return scratch_limit_bytes(self.pool)
 
     def scratch(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The gather's K and V buffers, at least `blocks` blocks each: one pair for every layer

@@ -32,6 +32,7 @@ from consumer.producer_client import ProducerClient
 from consumer.producer_memory import ProducerMemory
 from consumer.request import ORACLE_MODE, Commit, GenerateResult, TokenOut
 from consumer.requests import JobBuilder
+from consumer.runner import scratch_limit_bytes
 from shared import codecs as codec_lib
 from shared import describe, handlers, logs, outcomes, serving, startup
 from shared.config import ConsumerConfig
@@ -292,11 +293,6 @@ def prefix_stats(prefix: PrefixCache | None) -> dict[str, int]:
         prefix_evictions=prefix.evictions,
         prefix_kept_shared=prefix.kept_shared,
     )
-
-
-def scratch_limit_bytes(pool: KVPool) -> int:
-    """The runner's gather bound (consumer.runner): K and V of two of the pool's layers."""
-    return 2 * pool.num_blocks * pool.block_bytes // max(1, pool.info.num_layers)
 
 
 def result_to_pb(r: GenerateResult) -> consumer_pb2.GenerateStats:
