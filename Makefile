@@ -137,6 +137,13 @@ AUDIT_ARGS ?=
 bench-audit: $(PB_GEN)
 	$(PYTHON) -m bench.audit $(AUDIT_ARGS)
 
+# scd alone, + repair, + the audit's fallback, + verify, and the oracle on the trained QA pairs and
+# qa.shifted's sets; then the 0.5B shape's 256-token answers over a tc-shaped 100 Mbit link (needs
+# root; VERIFY_ARGS="--link loopback" without). Rows: bench/results/verify.jsonl.
+VERIFY_ARGS ?=
+bench-verify: $(PB_GEN)
+	$(PYTHON) -m bench.verify $(VERIFY_ARGS)
+
 # Needs root (network namespaces + tc). TTFT_ARGS narrows the grid, e.g. TTFT_ARGS="--quick".
 TTFT_ARGS ?=
 bench-ttft: $(PB_GEN)
@@ -150,7 +157,7 @@ TTFT_GRID_05B := --model-scale qwen05b --artifacts .cache/artifacts --contexts 5
 	--bandwidths 10 100 1000 --stores cold warm --warmup 1 --runs 5 \
 	--modes oracle raw quant:bits=8 quant:bits=4 scd
 
-.PHONY: bench-transport gpu-check pool-test load-test bench-throughput results-doc bench-prefix bench-adaptive
+.PHONY: bench-transport gpu-check pool-test load-test bench-throughput results-doc bench-prefix bench-adaptive bench-verify
 
 # The consumer's batch engine vs --max-batch 1, same run, interleaved: QA pair and the
 # 0.5B-shaped model, modes oracle/raw/scd, concurrency 1-64 -> bench/results/throughput.{jsonl,png}.

@@ -32,6 +32,11 @@ load_avg_1m; step rows add phase, requests_to_adapt, picks. Then OUT_DIR/adaptiv
 bandwidth, one line per fixed mode, auto on top) and the targets checked on the rows
 (`check`): auto's median TTFT <= 1.1x the fastest fixed candidate within the budget in every
 cell, its loss never over the budget, and after a step its choice settles within 3 requests.
+
+`--mixed`: instead of the grid, the mixed workload of bench.mixed (the trained pair, loopback,
+context lengths 16-2048 in random order, no-mode and named requests interleaved): rows and a
+summary of auto's TTFT estimates against the measured TTFT, to --out-dir (default
+bench/runs/adaptive: not committed). A few minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -333,6 +338,30 @@ def run_scale(scale: str, args, emit) -> None:
             asyncio.run(bench_delay(w, consumer.address, link, delay, args, emit))
 
 
+def run_mixed(args) -> None:
+    """bench.mixed's workload on the trained pair, services on loopback with their defaults
+    (auto's default budget; prefix cache off: every context is new anyway)."""
+    from bench import mixed
+
+    w = workload_for("trained", args)
+    if w is None:
+        sys.exit(1)
+    common = ["--dtype", w.dtype, "--device", args.device, "--log-level", "WARNING", "--max-context-tokens", "8192",
+              "--artifacts", args.artifacts or ARTIFACTS["trained"]]
+    rows: list[dict] = []
+
+    def emit(r: dict) -> None:
+        print(json.dumps(r), flush=True)
+
+    with services.running(["--model", w.producer_model, *common],
+                          ["--model", w.consumer_model, *common, *services.NO_PREFIX_CACHE],
+                          log_dir=services.ROOT / "bench/runs/adaptive", timeout_s=args.timeout_s) as (_, consumer):
+        rows = asyncio.run(mixed.mixed_run(w, consumer.address, args, emit))
+    summary = mixed.mixed_summary(rows)
+    print(json.dumps(summary), flush=True)
+    mixed.write(rows, summary, args.out_dir)
+
+
 # -- output ---------------------------------------------------------------------------------
 
 def plot(rows: list[dict], png: Path) -> None:
@@ -396,7 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--quick", action="store_true", help=f"the QA pair at two rates, a few minutes: {QUICK} (explicit flags win)")
     p.add_argument("--no-shaping", action="store_true", help="loopback, no namespaces (no root)")
-    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument("--out-dir", type=Path, default=None, help="default: bench/results (--mixed: bench/runs/adaptive)")
+    p.add_argument("--mixed", action="store_true", help="the mixed workload of bench.mixed instead of the grid (loopback)")
+    p.add_argument("--mixed-requests", type=int, default=40, help="steps of the mixed workload (each 1-2 requests)")
+    p.add_argument("--mixed-seed", type=int, default=0)
     p.add_argument("--append", action="store_true")
     p.add_argument("--inside-link", choices=["netem", "tbf"], help=argparse.SUPPRESS)
     return p
@@ -412,6 +444,10 @@ def resolve(args) -> argparse.Namespace:
     contexts.update({k: int(v) for k, v in (args.contexts or {}).items()})
     args.contexts = contexts
     args.scale_of = {}
+    if args.mixed:
+        args.no_shaping = True
+    if args.out_dir is None:
+        args.out_dir = services.ROOT / "bench/runs/adaptive" if args.mixed else RESULTS
     return args
 
 
@@ -425,6 +461,9 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(130)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.mixed:
+        run_mixed(args)
+        return
     out = args.out_dir / "adaptive.jsonl"
     rows: list[dict] = []
     with open(out, "a" if args.append else "w") as f:

@@ -32,6 +32,7 @@ from bench.service_figures import (
     throughput,
     transport,
 )
+from bench.verify_figures import verify
 from shared.labels import mode_label
 
 # ---- the trained pairs (qa.evaluate pair) -------------------------------------------------------
@@ -318,4 +319,5 @@ def figures(root: Path = ROOT) -> dict:
         "prefix": prefix(root),
         "adaptive": adaptive(root),
         "link": link(root),
+        "verify": verify(root),
     }

@@ -9,6 +9,13 @@ the services' shipped limits, then (labelled) with the limits raised.
    RESOURCE_EXHAUSTED (the consumer's --max-inflight) or UNAVAILABLE "producer overloaded" (the
    producer's, passed on by the consumer after gRPC's retries); they are counted by status. An
    unexpected error is any other status than those and the client's own cancel or tiny deadline.
+   Beside them, HTTP streams (`--http-streams`, default a quarter of --streams) through the
+   consumer's OpenAI-compatible port (--http-port): /v1/completions, streamed (SSE), the same modes
+   and contexts as one prompt, about a third closed by the client mid-stream. A wrong answer is a
+   finished stream whose token ids (return_token_ids) differ from the same request run alone over
+   HTTP; 429 (max_inflight) and 503 "overloaded" are refusals; any other status, or an error
+   event in the stream, is an unexpected error (counted with the gRPC ones, and apart:
+   http_unexpected_errors).
 3. Settle, then read both services' Describe counters: slots in flight must be 0 and
    started == completed + cancelled + failed on both. RSS of both processes is read from /proc
    after round 2 and after the last round.
@@ -21,10 +28,10 @@ the services' shipped limits, then (labelled) with the limits raised.
 consumer 64), `raised` with --max-inflight RAISED on both; `both` (the default) runs the two in
 turn. One JSON line per run and one for the head-of-line check, each with `limits`,
 `producer_max_inflight`, `consumer_max_inflight` and `weights`; the run lines are
-{"streams", "rounds", "requests", "ok", "cancelled", "refused", "refused_by_status",
+{"streams", "http_streams", "rounds", "requests", "ok", "cancelled", "refused", "refused_by_status",
  "unexpected_errors", "wrong_answers", "rss_growth_pct", "slots_leaked", "accounting_balanced",
  "admitted_p50_ms", "admitted_p95_ms" (end-to-end latency of the calls answered OK), ...}.
-`--quick` is a smoke run (8 streams, 2 rounds, 2 head-of-line repetitions).
+`--quick` is a smoke run (8 streams and 2 HTTP streams, 2 rounds, 2 head-of-line repetitions).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import grpc
 
 from bench import provenance, services
@@ -140,6 +148,62 @@ async def one(stub, rng: random.Random, refs: dict, args, tally: dict) -> None:
             print(f"# unexpected {err.code().name}: {err.details()[:200]}", file=sys.stderr)
 
 
+def http_body(mode: str, options: dict, context: str, max_new: int) -> dict:
+    """The OpenAI-compatible request for (mode, context): the context and question as one prompt."""
+    return {"prompt": context + QUESTION, "max_tokens": max_new, "temperature": 0, "scd_mode": mode,
+            "scd_options": options, "return_token_ids": True, "stream": True}
+
+
+async def http_answer(session: aiohttp.ClientSession, url: str, body: dict, cancel_at: float | None = None) -> tuple[int, list[int], str]:
+    """(HTTP status, token ids, error) of one streamed /v1/completions; raises TimeoutError at cancel_at
+    (the client closes the connection mid-stream)."""
+    ids: list[int] = []
+    async with asyncio.timeout(cancel_at):
+        async with session.post(url, json=body) as r:
+            if r.status != 200:
+                return r.status, ids, (await r.text())[:200]
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    return 500, ids, json.dumps(event["error"])[:200]
+                for choice in event.get("choices", []):
+                    ids += choice.get("token_ids") or []
+    return 200, ids, ""
+
+
+async def one_http(session, url: str, rng: random.Random, refs: dict, args, tally: dict) -> None:
+    key = rng.randrange(len(MODES)), rng.randrange(len(CONTEXTS))
+    mode, options = MODES[key[0]]
+    cancel_at = rng.uniform(0.0, 1.5) if rng.random() < 1 / 3 else None
+    started = time.perf_counter()
+    try:
+        status, ids, error = await http_answer(session, url, http_body(mode, options, CONTEXTS[key[1]], args.max_new_tokens), cancel_at)
+    except TimeoutError:
+        tally["cancelled"] += 1
+        return
+    except aiohttp.ClientError as err:
+        tally["unexpected_errors"] += 1
+        tally["http_unexpected_errors"] += 1
+        print(f"# unexpected HTTP client error: {err!r:.200}", file=sys.stderr)
+        return
+    if status == 200:
+        tally["ok"] += 1
+        tally["latency_ms"].append((time.perf_counter() - started) * 1e3)
+        if ids != refs[key]:
+            tally["wrong_answers"] += 1
+            print(f"# WRONG HTTP ANSWER {mode} {options} ctx {key[1]}: {ids} != {refs[key]}", file=sys.stderr)
+    elif status == 429 or (status == 503 and "overloaded" in error):
+        name = f"HTTP {status}"
+        tally["refused"][name] = tally["refused"].get(name, 0) + 1
+    else:
+        tally["unexpected_errors"] += 1
+        tally["http_unexpected_errors"] += 1
+        print(f"# unexpected HTTP {status}: {error}", file=sys.stderr)
+
+
 async def settle(consumer_stub, producer_stub, timeout_s: float = 30.0):
     until = time.monotonic() + timeout_s
     while True:
@@ -166,23 +230,32 @@ def percentile(values: list[float], q: float) -> float | None:
     return round(ordered[int(q * (len(ordered) - 1))], 1) if ordered else None
 
 
-async def storm(stub, pstub, producer, consumer, args, refs: dict) -> dict:
-    """The rounds of concurrent streams, then the counters and RSS: one run's row."""
+async def storm(stub, pstub, producer, consumer, args, refs: dict, http_url: str = "", http_refs: dict | None = None) -> dict:
+    """The rounds of concurrent streams (gRPC, and HTTP beside them), then the counters and RSS: one run's row."""
     rng = random.Random(args.seed)
-    tally: dict = {"ok": 0, "cancelled": 0, "refused": {}, "unexpected_errors": 0, "wrong_answers": 0, "latency_ms": []}
+    tally: dict = {"ok": 0, "cancelled": 0, "refused": {}, "unexpected_errors": 0, "wrong_answers": 0, "latency_ms": [],
+                   "http_unexpected_errors": 0}
     rss_round2 = None
+    http_streams = args.http_streams if http_url else 0
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) if http_streams else None
     for r in range(args.rounds):
-        await asyncio.gather(*(one(stub, rng, refs, args, tally) for _ in range(args.streams)))
+        calls = [one(stub, rng, refs, args, tally) for _ in range(args.streams)]
+        calls += [one_http(session, http_url, rng, http_refs or {}, args, tally) for _ in range(http_streams)]
+        rng.shuffle(calls)
+        await asyncio.gather(*calls)
         await settle(stub, pstub)
         if r == 1:
             rss_round2 = rss_kib(producer.process.pid) + rss_kib(consumer.process.pid)
         print(f"# round {r + 1}/{args.rounds}: {tally['ok']} ok, {tally['cancelled']} cancelled, "
               f"{sum(tally['refused'].values())} refused, {tally['unexpected_errors']} unexpected", file=sys.stderr)
+    if session is not None:
+        await session.close()
     c, p, balanced = await settle(stub, pstub)
     rss_last = rss_kib(producer.process.pid) + rss_kib(consumer.process.pid)
     lat = tally["latency_ms"]
     return {
-        "streams": args.streams, "rounds": args.rounds, "requests": args.streams * args.rounds,
+        "streams": args.streams, "http_streams": http_streams, "rounds": args.rounds,
+        "requests": (args.streams + http_streams) * args.rounds, "http_unexpected_errors": tally["http_unexpected_errors"],
         "ok": tally["ok"], "cancelled": tally["cancelled"], "refused": sum(tally["refused"].values()),
         "refused_by_status": dict(sorted(tally["refused"].items())),
         "unexpected_errors": tally["unexpected_errors"], "wrong_answers": tally["wrong_answers"],
@@ -230,6 +303,8 @@ async def run_at(limits: str, args, artifacts: str, log_dir: Path) -> list[dict]
     flags = [] if limits == "defaults" else ["--max-inflight", str(args.raised)]
     common = ["--model", "tiny-llama", "--device", "cpu", "--artifacts", artifacts]
     split = ["--engine-process"] if args.engine_process else []
+    http_port = services.free_port() if args.http_streams else -1
+    split += ["--http-port", str(http_port)] if http_port > 0 else []
     labels = {"limits": limits, "producer_max_inflight": inflight["producer"], "consumer_max_inflight": inflight["consumer"],
               "engine_process": args.engine_process, "weights": provenance.weights_of("tiny-llama"),
               "code": services.code_version()}
@@ -243,7 +318,18 @@ async def run_at(limits: str, args, artifacts: str, log_dir: Path) -> list[dict]
             for m, (mode, options) in enumerate(MODES):
                 for c, context in enumerate(CONTEXTS):
                     refs[(m, c)], _ = await answer(stub, request(mode, options, context, args.max_new_tokens), 120)
-            lines.append({**await storm(stub, pstub, producer, consumer, args, refs), **labels})
+            http_url, http_refs = "", {}
+            if http_port > 0:  # the HTTP references: each request alone, over HTTP (its own prompt split)
+                host = consumer.address.rsplit(":", 1)[0]
+                http_url = f"http://{host}:{http_port}/v1/completions"
+                async with aiohttp.ClientSession() as session:
+                    for m, (mode, options) in enumerate(MODES):
+                        for c, context in enumerate(CONTEXTS):
+                            status, ids, error = await http_answer(session, http_url, http_body(mode, options, context, args.max_new_tokens))
+                            if status != 200:
+                                raise RuntimeError(f"HTTP reference {mode} {options}: {status} {error}")
+                            http_refs[(m, c)] = ids
+            lines.append({**await storm(stub, pstub, producer, consumer, args, refs, http_url, http_refs), **labels})
             print(json.dumps(lines[-1]), flush=True)
             if limits == "defaults" and args.hol_runs:
                 lines.append({**await head_of_line(stub, pstub, producer.address, args), **labels})
@@ -271,6 +357,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--http-streams", type=int, default=-1,
+                   help="concurrent HTTP streams (/v1/completions) per round beside the gRPC ones; -1: a quarter of --streams, 0: none")
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--hol-runs", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
@@ -284,6 +372,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = p.parse_args(argv)
     if args.quick:
         args.streams, args.rounds, args.hol_runs, args.max_new_tokens = 8, 2, 2, 4
+    if args.http_streams < 0:
+        args.http_streams = max(1, args.streams // 4)
     return asyncio.run(main_async(args))
 
 

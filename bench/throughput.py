@@ -32,7 +32,18 @@ consumer's main thread (its asyncio event loop: gRPC calls, stream parsing, the 
 /proc, and of the client (this process, every thread); and `cpu_bound_requests_per_s`: the
 machine's cores divided by the three processes' CPU per request, the rate at which this pipeline
 would saturate every core. What batching can amortize (the forward) and what it cannot
-(per-request work in every process) can be read from them.
+(per-request work in every process) can be read from them. The services run at `--log-level`
+(default INFO, what they ship with; the row says `log_level`).
+
+The consumer's CPU per request is also split (bench.cpu_stages): `consumer_engine_cpu_ms_per_request`
+(the batch engine's thread, and the engine process under --engine-process),
+`consumer_other_threads_cpu_ms_per_request` (gRPC's poller, tokenizer, torch workers), and, when py-spy
+is installed (`--stages auto`, the default; it samples the consumer from outside, `--nonblocking`, so
+the consumer runs no extra code), its event loop's CPU by stage: `consumer_loop_<stage>_cpu_ms_per_request`
+for grpc, loop_native (uvloop's C loop, gRPC's Cython core and waits for the interpreter lock: no
+Python frame), stream_parsing, rebuild_dispatch, answer_streaming, logging_metrics, request_setup,
+other (`cpu_stages_by` names the sampler and `consumer_loop_samples` its samples; null without it;
+the sampled stacks are kept under <out-dir>/cpu_stages/).
 
 One JSON line per cell to bench/results/throughput.jsonl (--out-dir to change), a table on stdout
 and a plot (tokens/s and p95 TTFT vs concurrency). `--quick`: the QA pair in float32, modes raw
@@ -54,7 +65,7 @@ from pathlib import Path
 
 import grpc
 
-from bench import services
+from bench import cpu_stages, services
 from shared.pb import common_pb2, consumer_pb2, consumer_pb2_grpc
 
 RESULTS = services.ROOT / "bench" / "results"
@@ -200,6 +211,33 @@ def cpu_split(producer_pid: int, consumer_pid: int) -> dict[str, float]:
     return {"producer": cpu_s(producer_pid), "consumer": consumer, "consumer_loop": cpu_s(consumer_pid, consumer_pid)}
 
 
+def consumer_split(pid: int, threads_before: dict[int, float], used: dict[str, float], n: int,
+                   profile: cpu_stages.Sampler | None) -> dict:
+    """The consumer's CPU ms per request by thread (engine, other threads; the loop is
+    consumer_loop_cpu_ms_per_request) and the loop's by stage (None without a sampler)."""
+    after = cpu_stages.thread_cpu_s(pid)
+    names = cpu_stages.thread_names(pid)
+    delta = {tid: after[tid] - threads_before.get(tid, 0.0) for tid in after}
+    engine = sum(d for tid, d in delta.items() if names.get(tid) == cpu_stages.ENGINE_THREAD)
+    engine += used["consumer"] - sum(delta.values())  # child processes (the engine process), threads gone
+    other = sum(d for tid, d in delta.items() if tid != pid and names.get(tid) != cpu_stages.ENGINE_THREAD)
+    cols: dict = {
+        "consumer_engine_cpu_ms_per_request": round(engine * 1e3 / n, 2),
+        "consumer_other_threads_cpu_ms_per_request": round(other * 1e3 / n, 2),
+        "cpu_stages_by": None,
+        "consumer_loop_samples": None,
+        **{f"consumer_loop_{s}_cpu_ms_per_request": None for s in cpu_stages.STAGES},
+    }
+    got = profile.stages() if profile is not None else None
+    if got is not None:
+        samples, _ = got
+        cols["cpu_stages_by"] = f"py-spy {profile.rate}Hz nonblocking" if profile is not None else None
+        cols["consumer_loop_samples"] = sum(samples.values())
+        for stage, ms in cpu_stages.split_ms(used["consumer_loop"] * 1e3 / n, samples).items():
+            cols[f"consumer_loop_{stage}_cpu_ms_per_request"] = round(ms, 3)
+    return cols
+
+
 def own_cpu_s() -> float:
     """CPU seconds (user + system) this process has used, every thread (the closed-loop client)."""
     t = os.times()
@@ -226,7 +264,8 @@ async def describe_pool(address: str) -> int:
 
 
 def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, requests: int | None, out, log_dir: Path,
-              torch_threads: int = 0, repeat: int = 1, engine_process: str = "off") -> list[dict]:
+              torch_threads: int = 0, repeat: int = 1, engine_process: str = "off", log_level: str = "INFO",
+              stages: str = "auto") -> list[dict]:
     from shared.models import load_model
 
     n_distinct = 16
@@ -234,7 +273,7 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
     code = services.code_version()  # what every row of this run measured
     run_id = time.strftime("%Y%m%dT%H%M%S")  # the rows of one invocation (repetitions of a cell share it)
     limit = str(max(*concurrencies, WARM_CONCURRENCY) * 2)  # the warm-up pass runs WARM_CONCURRENCY streams
-    common = ["--model", "{m}", "--dtype", model.dtype, "--max-inflight", limit, "--log-level", "WARNING",
+    common = ["--model", "{m}", "--dtype", model.dtype, "--max-inflight", limit, "--log-level", log_level,
               "--torch-threads", str(torch_threads)]
     if model.artifact:
         common += ["--artifacts", model.artifact]
@@ -258,6 +297,9 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
         for service in consumers.values():
             services.wait_healthy(service, 300)
         reference = load_model(model.consumer, model.dtype, "auto")
+        sample = stages == "on" or (stages == "auto" and cpu_stages.py_spy() is not None)
+        if stages == "on" and cpu_stages.py_spy() is None:
+            raise SystemExit("--stages on: py-spy is not installed (pip install py-spy)")
         for mode in modes:
             if mode == "scd" and not model.artifact:
                 continue
@@ -275,10 +317,21 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
                         by_batch = {}
                         order = list(consumers.items())
                         for (split, mb), service in order[::-1] if rep % 2 else order:  # alternate which runs first
-                            before = cpu_split(producer.process.pid, service.process.pid)
+                            pid = service.process.pid
+                            cell = f"{run_id}-{model.name.replace('>', '')}-{mode}-{output}-c{concurrency}-mb{mb}-r{rep}"
+                            cell += "-ep" if split else ""
+                            raw = Path(out.name).parent / "cpu_stages" / f"{cell}.raw"  # the stacks, kept to read
+                            profile = cpu_stages.Sampler(pid, raw) if sample else None
+                            threads_before = cpu_stages.thread_cpu_s(pid)
+                            before = cpu_split(producer.process.pid, pid)
                             client_before = own_cpu_s()
-                            results, wall = asyncio.run(closed_loop(service.address, reqs, concurrency))
-                            used = {k: v - before[k] for k, v in cpu_split(producer.process.pid, service.process.pid).items()}
+                            if profile is not None:
+                                with profile:
+                                    results, wall = asyncio.run(closed_loop(service.address, reqs, concurrency))
+                            else:
+                                results, wall = asyncio.run(closed_loop(service.address, reqs, concurrency))
+                            used = {k: v - before[k] for k, v in cpu_split(producer.process.pid, pid).items()}
+                            split_cols = consumer_split(pid, threads_before, used, len(results), profile)
                             used["client"] = own_cpu_s() - client_before
                             total_ms = (used["producer"] + used["consumer"] + used["client"]) * 1e3 / len(results)
                             by_batch[(split, mb)] = results
@@ -305,6 +358,8 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
                                 **{f"{k}_cpu_ms_per_request": round(v * 1e3 / len(results), 2) for k, v in used.items()},
                                 "cpus": os.cpu_count(),
                                 "cpu_bound_requests_per_s": round((os.cpu_count() or 1) * 1e3 / total_ms, 1) if total_ms else None,
+                                "log_level": log_level,
+                                **split_cols,
                             }
                             rows.append(row)
                         ceiling = max(ceiling, forward_ceiling(reference, concurrency, ctx))
@@ -378,6 +433,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out-dir", default=str(RESULTS), help="where throughput.jsonl and the plot go")
     parser.add_argument("--torch-threads", type=int, default=0, help="every service's --torch-threads (0: torch's default)")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each cell's pair, one after another (rows per run)")
+    parser.add_argument("--log-level", default="INFO", help="every service's --log-level (INFO: as shipped)")
+    parser.add_argument("--stages", choices=("auto", "on", "off"), default="auto",
+                        help="the consumer loop's CPU by stage from py-spy (auto: when installed)")
     parser.add_argument("--engine-process", choices=("off", "on", "both"), default="off",
                         help="the consumers' --engine-process (the engine in a child process; rows say engine_process);"
                         " both: a max-batch-1 and a batched consumer of each kind, all interleaved cell by cell")
@@ -396,7 +454,7 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.models.split(","):
             rows += run_model(builders[name](), args.modes.split(","), args.outputs.split(","),
                               [int(c) for c in args.concurrency.split(",")], args.max_batch, args.requests, out, Path(logs),
-                              args.torch_threads, args.repeat, args.engine_process)
+                              args.torch_threads, args.repeat, args.engine_process, args.log_level, args.stages)
     print(table(rows))
     if rows:
         plot(rows, out_dir / "throughput.png")

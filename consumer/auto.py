@@ -370,6 +370,23 @@ class Chooser:
             return min(scored, key=lambda ce: ce[1].ms or 0.0)[0]
         return None
 
+    def exact_transfer(self, context_ids: list[int]) -> Candidate | None:
+        """Verified decoding's exact cache (consumer.verify): the exact transfer (raw or recompute
+        from a producer with these weights in this dtype) estimated faster than the own prefill of
+        the context, or None: the own prefill (also while either estimate is missing)."""
+        if not self.producer_usable():
+            return None
+        remote = [c for c in self.candidates() if c.remote and c.how == "exact"]
+        local = self.planner.estimate_local(len(context_ids)).ms
+        if not remote or local is None:
+            return None
+        scored = [(c, self._estimate(c, self.key(c.mode, c.options), context_ids).ms) for c in remote]
+        known = [(c, ms) for c, ms in scored if ms is not None]
+        if not known:
+            return None
+        best, ms = min(known, key=lambda cm: cm[1])
+        return best if ms < local else None
+
     def _estimate_cold(self, c: Candidate, tokens: int) -> Estimate:
         """A remote candidate's estimate for a context nobody holds (no cache, no producer store)."""
         key = self.key(c.mode, c.options)

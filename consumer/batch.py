@@ -143,6 +143,17 @@ def split_gather(rows: list[tuple[Task, int]], block_tokens: int, limit: int) ->
     return groups
 
 
+def name_os_thread(name: str) -> None:
+    """Give the calling thread its name at the OS level too (Linux: 15 bytes; elsewhere nothing)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 class BatchEngine(concurrent.futures.Executor):
     def __init__(
         self,
@@ -260,6 +271,7 @@ class BatchEngine(concurrent.futures.Executor):
     # --- the engine thread -----------------------------------------------------------------------
 
     def _loop(self) -> None:
+        name_os_thread(self._thread.name)  # per-thread CPU (/proc, top -H, bench.cpu_stages) names it
         while True:
             with self._cv:
                 while not (self._stopping or self.jobs or self._incoming or self._runnable() or self._reclaim_due()):

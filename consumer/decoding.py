@@ -42,47 +42,91 @@ class Sampler:
         return int(torch.multinomial(self.probs(logits), 1, generator=self.generator))
 
 
+def backend_decode(tokenizer: object):
+    """The Rust tokenizer's own decode when the Hugging Face wrapper's decode is exactly it (a fast
+    tokenizer whose decode and _decode are transformers' own, no clean-up of spaces): the same
+    text without the wrapper's per-call conversions; None otherwise."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    if not isinstance(tokenizer, TokenizersBackend):
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    cls = type(tokenizer)
+    if (
+        backend is None
+        or cls._decode is not TokenizersBackend._decode
+        or cls.decode is not PreTrainedTokenizerBase.decode
+        or getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    ):
+        return None
+    return backend.decode
+
+
 class Detokenizer:
     """Turns a growing list of ids into text deltas, holding back an unfinished UTF-8 sequence.
 
-    Incremental: each step decodes only a short window, from the token before the last emitted
-    text (`prefix`) to the end, and emits what that window's text adds to the text of its
-    already-emitted part (`read`). A tokenizer that renders a token differently at the start of
-    a sequence (a leading space) renders it the same way in both, so the deltas join to the
-    whole sequence's decode; the cost per step is the window, not the whole answer so far.
+    Incremental: each step decodes only a short window, from an earlier emitted token (`prefix`)
+    to the end, and emits what that window's text adds to the text of its already-emitted part
+    (`read`). A tokenizer that renders a token differently at the start of a sequence (a leading
+    space) renders it the same way in both, so the deltas join to the whole sequence's decode; the
+    cost per step is the window, not the whole answer so far. The emitted part's text is kept, so
+    a step decodes once; the window start moves up to the last emitted step once the window holds
+    `WINDOW` tokens (the step after that decodes twice).
     """
+
+    WINDOW = 4  # tokens in the decoded window before its start moves up
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = tokenizer
         self.ids: list[int] = []  # the ids so far, special ids left out
-        self.prefix = 0  # window start: the last emitted step's first token
+        self.prefix = 0  # window start
         self.read = 0  # tokens whose text has been emitted
+        self._before: str | None = ""  # the text of ids[prefix:read], None when not decoded yet
         self.special = frozenset(tokenizer.all_special_ids)  # never in the text (skip_special_tokens): never kept
+        self._backend = backend_decode(tokenizer)
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend(ids, skip_special_tokens=True)
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         assert isinstance(text, str)  # one sequence of ids decodes to one string
         return text
+
+    def _emitted(self) -> str:
+        if self._before is None:
+            self._before = self._decode(self.ids[self.prefix : self.read]) if self.read > self.prefix else ""
+        return self._before
 
     def push(self, token_id: int) -> str:
         return self.push_many([token_id])
 
     def push_many(self, token_ids: list[int]) -> str:
         """The text the new ids add (\"\" while it ends in an unfinished UTF-8 sequence)."""
-        kept = [t for t in token_ids if t not in self.special]
+        special = self.special
+        kept = [t for t in token_ids if t not in special]
         if not kept:
             return ""
         self.ids.extend(kept)
-        before = self._decode(self.ids[self.prefix : self.read])
+        before = self._emitted()
         text = self._decode(self.ids[self.prefix :])
         if len(text) <= len(before) or text.endswith("\ufffd") or not text.startswith(before):
             return ""  # no complete text yet (part of a character)
-        self.prefix, self.read = self.read, len(self.ids)
+        if len(self.ids) - self.prefix >= self.WINDOW:
+            self.prefix, self._before = self.read, None  # the window starts at the last emitted step
+        else:
+            self._before = text  # the window keeps its start: its emitted text is this one
+        self.read = len(self.ids)
         return text[len(before) :]
 
     def flush(self) -> str:
         """Text still held back once generation has ended (e.g. an incomplete byte sequence)."""
-        before = self._decode(self.ids[self.prefix : self.read])
+        if self.read == len(self.ids):
+            return ""
+        before = self._emitted()
         text = self._decode(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
+        self._before = ""
         return text[len(before) :] if text.startswith(before) else ""

@@ -1,12 +1,16 @@
 """A task in the batch engine as an async stream: what the pipeline awaits for a local prefill or
 an answer. The engine's sink (called on its thread) feeds an asyncio queue; whatever arrived since
 the caller last took from it comes out as one list, so a loaded event loop sends fewer, fuller
-messages. Knows nothing about gRPC or codecs.
+messages. The sinks of every task on one event loop post through one `Mailbox`: what the engine
+delivers in one burst (every row of a forward, or one message of the engine process) wakes the
+loop once, not once per request. Knows nothing about gRPC or codecs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import weakref
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -16,6 +20,40 @@ from consumer.request import GenerateJob, left
 from shared.errors import DeadlineExceeded
 
 Engine = BatchEngine | EngineProcess
+
+
+class Mailbox:
+    """Items posted from any thread for queues of one event loop: the first post after a delivery
+    schedules the next delivery; posts until it runs ride along (one wakeup per burst)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._items: list[tuple[asyncio.Queue, Any]] = []
+        self._lock = threading.Lock()
+
+    def post(self, queue: asyncio.Queue, item: Any) -> None:
+        with self._lock:
+            self._items.append((queue, item))
+            first = len(self._items) == 1
+        if first:
+            self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_MAILBOXES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
+
+
+def mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
+    """The loop's one mailbox (made at its first use, on the loop's thread)."""
+    box = _MAILBOXES.get(loop)
+    if box is None:
+        box = _MAILBOXES[loop] = Mailbox(loop)
+    return box
 
 
 def take_ready(first: Any, events: asyncio.Queue) -> tuple[list[Any], BaseException | None]:
@@ -35,9 +73,10 @@ async def engine_task(engine: Engine, job: GenerateJob, task: Task) -> AsyncGene
     early (deadline, cancel, error) takes the task out of the engine at its next iteration."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
+    box = mailbox(loop)
 
     def sink(item: Any) -> None:
-        loop.call_soon_threadsafe(events.put_nowait, item)
+        box.post(events, item)
 
     remaining = left(job, "the engine")
     task.sink = sink

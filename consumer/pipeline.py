@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncGenerator, Callable
 
@@ -84,8 +85,12 @@ class RequestPipeline:
         producer_digest: Callable[[], str] = lambda: "",
         planner: TransferPlanner | None = None,
         producer_dtype: Callable[[], str] = lambda: "",
+        exact_transfer: Callable[[GenerateJob], GenerateJob | None] = lambda job: None,
     ):
         self.loaded = loaded
+        # verified decoding's exact cache by a transfer (identical weights, same dtype: raw) when
+        # estimated faster than the own prefill: the job of that transfer, or None (consumer.auto)
+        self.exact_transfer = exact_transfer
         self.engine = engine  # the device's only executor: jobs and batched forwards
         self.admission = admission
         self.source = source
@@ -197,11 +202,14 @@ class RequestPipeline:
                 self._release(exact)
                 exact = None
             answer: AsyncGenerator[TokenOut | Commit | GenerateResult, None]
+            via: GenerateJob | None = None  # verify: the exact cache's transfer, when one is faster
             if exact is None:
                 answer = self._answer(job, result, seq)
             else:
                 start = await self._exact_start(job, exact)
-                answer = self.verifier.answer(job, result, seq, exact, self._release, start)
+                via = self.exact_transfer(job) if start == 0 and self.source is not None else None
+                fill = functools.partial(self._exact_by_transfer, job, via, result) if via is not None else None
+                answer = self.verifier.answer(job, result, seq, exact, self._release, start, fill)
             async with contextlib.aclosing(answer) as items:
                 async for item in items:
                     yield item
@@ -211,7 +219,7 @@ class RequestPipeline:
             repaired = result.repair_tokens > 0 and result.codec != ORACLE_MODE
             kept_ok = not result.audit_decision.startswith("diverged") and not repaired
             if self.prefix is not None and (exact is not None or kept_ok):
-                keep = self._made_as(job, result) if exact is None else self.keys.chain(None, {}, job.context_ids)
+                keep = self._made_as(job, result) if exact is None else self._exact_made_as(job, result, via)
                 if keep:  # on the engine thread, before the release queued after it
                     kept = seq if exact is None else exact
                     self._insert(keep, kept)
@@ -228,6 +236,30 @@ class RequestPipeline:
             result.repair_choice = "skipped: the context was prefilled locally"
         else:
             await self.repairer.apply(job, result, seq, job.repair)
+
+    async def _exact_by_transfer(self, job: GenerateJob, via: GenerateJob, result: GenerateResult, exact: SequenceKV) -> str:
+        """Verified decoding's exact cache by a second transfer (`via`: raw from a producer with the
+        consumer's weights and dtype), beside the drafting; the own prefill when it fails or its
+        stream's header names another producer (then its K/V are not the consumer's own). A note."""
+        scratch = GenerateResult(job.request_id, via.mode, dict(via.options), len(job.context_ids), len(job.question_ids))
+        own = (self.loaded.info.weight_digest, self.loaded.info.dtype)
+        started = time.perf_counter()
+        try:
+            await self.transfer.pull(via, scratch, exact)
+            if scratch.stream_producer != own:
+                raise DataLoss(f"the stream's producer {scratch.stream_producer} is not this model in {own[1]}")
+        except ServiceError as exc:
+            if isinstance(exc, Cancelled):
+                raise
+            log.warning("generate.exact_transfer_failed", mode=via.mode, code=exc.code, reason=str(exc)[:200])
+            result.bytes_received += scratch.bytes_received
+            return f"; exact cache: own prefill (the {via.mode} transfer failed: {exc.code})" + (
+                await self.verifier.own_fill(job, exact)
+            ).removeprefix("; exact cache: own prefill")
+        result.bytes_received += scratch.bytes_received
+        result.exact_transfer = via.mode
+        ms = (time.perf_counter() - started) * 1e3
+        return f"; exact cache: {via.mode} transfer ({scratch.bytes_received} bytes, {ms:.0f} ms)"
 
     async def _exact_start(self, job: GenerateJob, exact: SequenceKV) -> int:
         """Verified decoding's exact cache starts with what the prefix cache holds of the context as
@@ -254,6 +286,14 @@ class RequestPipeline:
         if result.stream_producer is None:
             return []  # nothing streamed: the whole context came from the cache, already kept
         return self.keys.chain(job.codec, job.options, job.context_ids, result.stream_producer)
+
+    def _exact_made_as(self, job: GenerateJob, result: GenerateResult, via: GenerateJob | None) -> list[chunks.ChunkRef]:
+        """The chunk refs of a verified answer's exact cache: the own prefill's, or the exact
+        transfer's (keyed by that transfer, its producer checked to be this model and dtype)."""
+        if via is None or result.exact_transfer != via.mode:
+            return self.keys.chain(None, {}, job.context_ids)
+        own = (self.loaded.info.weight_digest, self.loaded.info.dtype)
+        return self.keys.chain(via.codec, via.options, job.context_ids, own)
 
     def cached_tokens(self, codec: Codec | None, options: dict[str, str], context_ids: list[int]) -> int:
         """Context tokens the prefix cache holds made by `codec` (None: the own prefill), without

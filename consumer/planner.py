@@ -2,9 +2,10 @@
 its own finished requests (and background probes), and the time estimate of one candidate for
 one request.
 
-Every cost that grows with the context is a `Fit`: a fixed term plus a per-token term, fitted by
-weighted least squares over the last FIT_WINDOW samples of different lengths (recent samples
-weigh more: each new one multiplies the older weights by 1 - FIT_ALPHA). A per-token rate is
+Every cost that grows with the context is a `Fit`: a fixed term plus a per-token term, fitted over
+the last FIT_WINDOW samples of different lengths to the least absolute relative error (a request
+a load spike slowed moves it little; recent samples weigh more: each new one multiplies the older
+weights by 1 - FIT_ALPHA). A per-token rate is
 never stretched from a handful of tokens: while the samples' lengths lie within MIN_SPREAD of each
 other the two terms cannot be told apart, and a prediction far outside the lengths measured
 (more than MIN_SPREAD beyond them) is marked uncertain, with the reason. Learned:
@@ -20,7 +21,9 @@ other the two terms cannot be told apart, and a prediction far outside the lengt
   a sample; a span the producer's forward paced is only a lower bound on the link (it raises the
   estimate, never lowers it): the estimate says which (`link_lower_bound`). Transfers under
   MIN_WIRE_BYTES say nothing;
-- the round trip: the smallest of the last RTT_WINDOW times from call start to the header.
+- the round trip: the smallest of the last RTT_WINDOW times from call start to the header;
+- per kind (remote, local), the overhead the model leaves out: the median of the last misses of
+  auto's confident estimates for its own choices (`observe_overhead`).
 
 One canonical key per candidate (`key`, set by consumer.auto: a named mode with its default
 options and auto's candidate for the same codec and options are one key), so a request that
@@ -50,7 +53,9 @@ OVERHEAD_RATIO = 2.0  # an estimate this far off the actual time is not a lesson
 RATE_JUMP = 2.0  # a link sample this far off the estimate (either way) replaces it
 LINK_BOUND_SHARE = 0.5  # a span counts as link-bound when the producer's forward took less than this share of it
 FIT_WINDOW = 24  # samples a Fit keeps
-FIT_ALPHA = 0.25  # each new sample multiplies the weight of the older ones by 1 - FIT_ALPHA
+FIT_ALPHA = 0.1  # each new sample multiplies the weight of the older ones by 1 - FIT_ALPHA
+ROBUST_ROUNDS = 6  # reweighting rounds of a Fit (towards the least absolute relative error)
+ROBUST_FLOOR = 0.02  # residuals under this share of the sample count as this (no sample weighs unboundedly)
 MIN_SPREAD = 2.0  # lengths within this ratio cannot separate the fixed term; predictions beyond it are extrapolations
 
 
@@ -98,25 +103,33 @@ class Fit:
 
     def coefficients(self) -> tuple[float, float, bool] | None:
         """(fixed ms, ms per token, separated); separated is False while the samples' lengths are
-        too close (within MIN_SPREAD) to tell the two terms apart. None without samples."""
+        too close (within MIN_SPREAD) to tell the two terms apart. None without samples.
+
+        Robust: a fit of the relative error in absolute value (ROBUST_ROUNDS of iteratively
+        reweighted least squares), so a request slowed by something else (a load spike: the
+        noise is one-sided and proportional) moves it little, and a long request's ms do not
+        outweigh a short one's."""
         if not self.samples:
             return None
         n = len(self.samples)
-        w = [(1 - self.alpha) ** (n - 1 - i) for i in range(n)]
+        recency = [(1 - self.alpha) ** (n - 1 - i) for i in range(n)]
         xs, ys = [x for x, _ in self.samples], [y for _, y in self.samples]
-        sw = sum(w)
-        mx, my = sum(wi * x for wi, x in zip(w, xs)) / sw, sum(wi * y for wi, y in zip(w, ys)) / sw
         if max(xs) < MIN_SPREAD * min(xs):
-            return my, my / mx, False  # as if all per-token: only used near the lengths measured
-        sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
-        sxy = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys))
-        per_token = sxy / sxx
-        fixed = my - per_token * mx
-        if per_token < 0:  # longer was not slower: the noise is larger than the per-token cost
-            return my, 0.0, True
-        if fixed < 0:
-            per_token = sum(wi * x * y for wi, x, y in zip(w, xs, ys)) / sum(wi * x * x for wi, x in zip(w, xs))
-            fixed = 0.0
+            # as if all per-token: only used near the lengths measured; the weighted median rate
+            rates = sorted(zip((y / x for x, y in zip(xs, ys)), recency))
+            half, acc, rate = sum(recency) / 2, 0.0, rates[-1][0]
+            for r, wi in rates:
+                acc += wi
+                if acc >= half:
+                    rate = r
+                    break
+            mx = sum(wi * x for wi, x in zip(recency, xs)) / sum(recency)
+            return rate * mx, rate, False
+        w = [wi / max(y, 1e-3) ** 2 for wi, y in zip(recency, ys)]  # relative: ms off over ms measured
+        fixed, per_token = _weighted_line(xs, ys, w)
+        for _ in range(ROBUST_ROUNDS):
+            scale = [max(abs(y - fixed - per_token * x), ROBUST_FLOOR * y, 1e-3) for x, y in zip(xs, ys)]
+            fixed, per_token = _weighted_line(xs, ys, [wi / (max(y, 1e-3) * r) for wi, y, r in zip(recency, ys, scale)])
         return fixed, per_token, True
 
     def predict(self, tokens: int) -> Cost | None:
@@ -147,6 +160,46 @@ class Fit:
             f"{name}.samples": float(self.count),
             f"{name}.age_s": now - self.at,
         }
+
+
+def _weighted_line(xs: list[float], ys: list[float], w: list[float]) -> tuple[float, float]:
+    """(fixed, per_token) >= 0 of the weighted least-squares line through (xs, ys)."""
+    sw = sum(w)
+    mx, my = sum(wi * x for wi, x in zip(w, xs)) / sw, sum(wi * y for wi, y in zip(w, ys)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
+    sxy = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys))
+    per_token = sxy / sxx if sxx > 0 else 0.0
+    fixed = my - per_token * mx
+    if per_token < 0:  # longer was not slower: the noise is larger than the per-token cost
+        return my, 0.0
+    if fixed < 0:
+        return 0.0, sum(wi * x * y for wi, x, y in zip(w, xs, ys)) / sum(wi * x * x for wi, x in zip(w, xs))
+    return fixed, per_token
+
+
+@dataclass
+class RunningMedian:
+    """The median of the last `window` samples (an outlier moves it at most one rank)."""
+
+    window: int = 9
+    samples: collections.deque = field(default_factory=collections.deque)
+    count: int = 0
+    at: float = 0.0
+
+    def add(self, x: float) -> None:
+        self.samples.append(x)
+        while len(self.samples) > self.window:
+            self.samples.popleft()
+        self.count += 1
+        self.at = time.monotonic()
+
+    @property
+    def value(self) -> float | None:
+        if not self.samples:
+            return None
+        ordered = sorted(self.samples)
+        mid = len(ordered) // 2
+        return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 class Keyed(dict):
@@ -190,7 +243,9 @@ class Observation:
 class Estimate:
     ms: float | None  # None: an estimate it needs has no sample yet
     detail: str  # the parts, or what is missing
-    base_ms: float | None = None  # ms before the learned overhead of its kind (remote / local) was added
+    # ms before the learned overhead of its kind (remote / local) was added; set only on a
+    # confident estimate: what observe_overhead learns from (an uncertain one's miss is the model's)
+    base_ms: float | None = None
     confident: bool = True  # every part measured near this length for this candidate
     why: str = ""  # what makes it uncertain
 
@@ -215,7 +270,7 @@ class TransferPlanner:
         self.rebuild: dict[str, Fit] = Keyed(self.aliases)
         self.bytes_per_token: dict[str, Ewma] = Keyed(self.aliases)
         self.header_ms: collections.deque = collections.deque(maxlen=RTT_WINDOW)
-        self.overhead_ms: dict[str, Ewma] = {"remote": Ewma(), "local": Ewma()}
+        self.overhead_ms: dict[str, RunningMedian] = {"remote": RunningMedian(), "local": RunningMedian()}
         self.choices_since_link_sample = 0  # auto choices made since the link was last measured
         self.link_sampled_at = 0.0  # time.monotonic() of the last link measurement
 
@@ -302,7 +357,9 @@ class TransferPlanner:
         the model leaves out (call setup, queueing, decode of the last layer, ...). Only a model
         that was roughly right (within OVERHEAD_RATIO either way) teaches it: a far-off one had a
         stale input (a link reshaped since it was measured), which the request's own measurements
-        correct, and learning it as overhead would bias every later choice of its kind."""
+        correct, and learning it as overhead would bias every later choice of its kind. Only a
+        confident estimate carries base_ms (Estimate): an extrapolated or borrowed one's miss is
+        the fit's, and learned as overhead it would shift every length of its kind."""
         if base_ms > 0 and 1 / OVERHEAD_RATIO <= actual_ms / base_ms <= OVERHEAD_RATIO:
             self.overhead_ms["remote" if remote else "local"].add(actual_ms - base_ms)
 
@@ -311,7 +368,7 @@ class TransferPlanner:
         if extra is not None:
             detail = f"{detail} + learned overhead {extra:.1f}"
         ms = base if extra is None else max(base + extra, 0.0)
-        return Estimate(ms, detail + (f"; uncertain: {why}" if why else ""), base, confident, why)
+        return Estimate(ms, detail + (f"; uncertain: {why}" if why else ""), base if confident else None, confident, why)
 
     def estimate_local(self, tokens: int) -> Estimate:
         cost, source = self.local_cost(tokens)

@@ -76,7 +76,7 @@ class Hit:
 
 
 class PrefixCache:
-    def __init__(self, pool: KVPool, budget_bytes: int, chunk_tokens: int):
+    def __init__(self, pool: KVPool, budget_bytes: int, chunk_tokens: int, events=None):
         if chunk_tokens % pool.block_tokens:
             raise ValueError(f"chunk_tokens {chunk_tokens}: must be a multiple of kv_block_tokens {pool.block_tokens}")
         self.pool, self.budget_bytes, self.chunk_tokens = pool, budget_bytes, chunk_tokens
@@ -87,6 +87,9 @@ class PrefixCache:
         self._heap: list[tuple[float, float, int, int, str]] = []  # (value/byte, last_used, order, version, key)
         self._order = itertools.count()
         self._lock = threading.Lock()
+        # KV events (shared.kv_events.KVEventPublisher, --kv-events-endpoint): insert, eviction and
+        # clear enqueue a record (the engine thread never waits); None: off
+        self.events = events
 
     @property
     def nbytes(self) -> int:
@@ -182,6 +185,8 @@ class PrefixCache:
                     parent.version += 1  # its leaf items are stale now
                 self._push(entry)
                 added += 1
+                if self.events is not None:
+                    self.events.stored(ref.key, ref.parent, ref.start, ref.tokens)
         return added
 
     def _fit(self, blocks: int, keep: str = "") -> bool:
@@ -232,8 +237,10 @@ class PrefixCache:
                 return entry
         return None
 
-    def _evict(self, victim: CachedChunk) -> None:
+    def _evict(self, victim: CachedChunk, publish: bool = True) -> None:
         del self.entries[victim.ref.key]
+        if publish and self.events is not None:
+            self.events.removed(victim.ref.key)
         self._blocks -= len(victim.blocks)
         parent = self.entries.get(victim.ref.parent)
         if parent is not None:
@@ -246,4 +253,6 @@ class PrefixCache:
     def clear(self) -> None:
         with self._lock:
             while (victim := self._pop()) is not None:
-                self._evict(victim)
+                self._evict(victim, publish=False)
+            if self.events is not None:
+                self.events.cleared()  # one AllBlocksCleared, as vLLM's prefix cache reset

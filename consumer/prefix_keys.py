@@ -51,6 +51,7 @@ class PrefixKeys:
         self.chunk_tokens = chunk_tokens  # the prefix cache's chunk size; None: no prefix cache
         self.producer_digest, self.producer_dtype = producer_digest, producer_dtype  # as the link last saw them
         self.stream_roots: dict[str, StreamRoot] = {}  # per codec and options: what the last header said
+        self.chains = chunks.Chains()  # a request's chains hashed once, whoever asks
 
     def root(self, codec: Codec | None, options: dict[str, str], producer: tuple[str, str] | None = None) -> str | None:
         """The root of KV made by `codec` (None: the own prefill) from `producer`'s (weight digest,
@@ -74,7 +75,7 @@ class PrefixKeys:
         root = self.root(codec, options, producer)
         if root is None or self.chunk_tokens is None:
             return []
-        return chunks.chain(root, context_ids, self.chunk_tokens)
+        return self.chains.chain(root, context_ids, self.chunk_tokens)
 
     def made_by(self, codec: Codec, options: dict[str, str], context_ids: list[int], stream: StreamInfo) -> list[chunks.ChunkRef]:
         """The refs naming KV a stream rebuilt: under the producer its own header named."""

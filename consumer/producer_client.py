@@ -8,7 +8,7 @@ conversation and other questions about its document land on the same producer an
 store hits survive scale-out, or `round_robin` / `pick_first`. TLS / mTLS and a bearer token come
 from shared.security; keepalive pings find a dead producer between calls.
 
-Feeds every message to a `StreamReader` (the stream contract, consumer.stream_reader) and yields
+Feeds every message, as its received bytes, to a `StreamReader` (the stream contract, consumer.stream_reader) and yields
 its events; maps the producer's statuses to the consumer's documented ones, without the
 producer's address. The channel's service config retries UNAVAILABLE and RESOURCE_EXHAUSTED
 before the first response (gRPC's own retry policy: nothing was received, so it is safe).
@@ -133,6 +133,10 @@ class ProducerClient:
         self.consumer_digest = consumer_digest
         self.channel = channel or grpc.aio.insecure_channel(target, options=channel_options())
         self.stub = producer_pb2_grpc.ProducerServiceStub(self.channel)
+        # Prefill's responses as received bytes: the stream reader takes payloads from them in place
+        self.prefill = self.channel.unary_stream(
+            f"/{SERVICE}/Prefill", request_serializer=producer_pb2.PrefillRequest.SerializeToString, response_deserializer=None
+        )
 
     @classmethod
     def from_config(cls, cfg, consumer_digest: str = "", tracer: tracing.Tracing | None = None) -> ProducerClient:
@@ -159,9 +163,10 @@ class ProducerClient:
             consumer_weight_digest=self.consumer_digest,
             first_token=expect.first_token,
             prefix_key=expect.prefix_key,
+            accept_layer_chunks=True,
         )
         reader = StreamReader(expect)
-        call = self.stub.Prefill(
+        call = self.prefill(
             request, timeout=timeout_s, metadata=(("x-request-id", request_id), (HASH_HEADER, context_hash(context_ids)))
         )
         try:

@@ -6,7 +6,10 @@ A memory, not a view: the producer evicts on its own budget, and other consumers
 estimate it gives errs both ways and the planner's measured times correct the rest. Keys chain
 like the stores' (shared.chunks) at the producer's chunk size as its last stream header gave it
 (a producer without chunked reuse stores whole contexts: one key for the whole context). Bounded:
-the least recently used keys go first. Knows nothing about grpc or torch.
+the least recently used keys go first. Lazy: a transfer's chains are hashed only once `held` is
+asked (auto), so a consumer whose requests never use auto does no work for it; at most
+`PENDING` transfers wait (older ones are dropped: a memory errs anyway). Knows nothing about grpc or
+torch.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import collections
 from shared import chunks
 
 CAPACITY = 1 << 16  # chunk keys remembered
+PENDING = 32  # transfers remembered but not hashed yet (each holds its context's ids until then)
 
 
 class ProducerMemory:
@@ -23,31 +27,41 @@ class ProducerMemory:
         self.capacity = capacity
         self.keys: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.chunk_tokens = chunks.DEFAULT_CHUNK_TOKENS
+        self.pending: collections.deque[tuple[str, str, str, list[int], int]] = collections.deque(maxlen=PENDING)
+        self.chains = chunks.Chains()  # one context's token bytes packed once for its chains
 
-    def _chains(self, producer: str, dtype: str, mode_key: str, context_ids: list[int]) -> tuple[list, list]:
-        size = self.chunk_tokens or max(len(context_ids), 1)
+    def _chains(self, producer: str, dtype: str, mode_key: str, context_ids: list[int], size: int) -> tuple[list, list]:
+        size = size or max(len(context_ids), 1)
         kv_root = chunks.model_root(producer, dtype or "?")
         payload_root = chunks.codec_root(producer, dtype or "?", mode_key, 0, {}, {})
-        return chunks.chain(kv_root, context_ids, size), chunks.chain(payload_root, context_ids, size)
+        return self.chains.chain(kv_root, context_ids, size), self.chains.chain(payload_root, context_ids, size)
 
     def remember(self, producer: str, dtype: str, mode_key: str, context_ids: list[int], chunk_tokens: int) -> None:
-        """A transfer of mode_key over context_ids completed: the producer holds its KV and payloads."""
+        """A transfer of mode_key over context_ids completed: the producer holds its KV and payloads
+        (hashed when `held` is next asked)."""
         if not producer:
             return
-        self.chunk_tokens = chunk_tokens
-        for refs in self._chains(producer, dtype, mode_key, context_ids):
-            for ref in refs:
-                self.keys[ref.key] = None
-                self.keys.move_to_end(ref.key)
-        while len(self.keys) > self.capacity:
-            self.keys.popitem(last=False)
+        self.pending.append((producer, dtype, mode_key, context_ids, chunk_tokens))
+
+    def _settle(self) -> None:
+        """The transfers remembered since the last `held`, in order, into the keys."""
+        while self.pending:
+            producer, dtype, mode_key, context_ids, chunk_tokens = self.pending.popleft()
+            self.chunk_tokens = chunk_tokens
+            for refs in self._chains(producer, dtype, mode_key, context_ids, chunk_tokens):
+                for ref in refs:
+                    self.keys[ref.key] = None
+                    self.keys.move_to_end(ref.key)
+            while len(self.keys) > self.capacity:
+                self.keys.popitem(last=False)
 
     def held(self, producer: str, dtype: str, mode_key: str, context_ids: list[int]) -> tuple[int, int]:
         """(tokens of KV, tokens of mode_key's payloads) the producer is believed to hold: the
         longest remembered prefix of each chain."""
         if not producer or not context_ids:
             return 0, 0
-        kv, payloads = self._chains(producer, dtype, mode_key, context_ids)
+        self._settle()
+        kv, payloads = self._chains(producer, dtype, mode_key, context_ids, self.chunk_tokens)
         held = []
         for refs in (kv, payloads):
             n = chunks.longest(refs, self.keys.__contains__)

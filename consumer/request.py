@@ -102,6 +102,7 @@ class GenerateResult:
     transfer_ms: float = 0.0
     rebuild_ms: float = 0.0  # the context's KV: codec rebuild plus any own prefill (local_prefill_ms)
     local_prefill_ms: float = 0.0  # the part of rebuild_ms that was the consumer's own context prefill
+    exact_transfer: str = ""  # verified decoding's exact cache came from this transfer ("": own prefill)
     question_prefill_ms: float = 0.0
     decode_ms: float = 0.0
     total_ms: float = 0.0

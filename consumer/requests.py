@@ -116,8 +116,8 @@ class JobBuilder:
         if not 1 <= len(ids) <= limit:
             raise InvalidArgument(f"{field}: {len(ids)} tokens not in 1..{limit}")
         vocab = self.loaded.info.vocab_size
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
+        if max(ids) >= vocab:  # one pass in C; the first bad id only for the message
+            bad = next(t for t in ids if t >= vocab)
             raise InvalidArgument(f"{field}.token_ids: id {bad} >= vocab_size {vocab}")
         return ids
 

@@ -30,13 +30,14 @@ from consumer.prefix_cache import PrefixCache
 from consumer.probe import BackgroundProbe
 from consumer.producer_client import ProducerClient
 from consumer.producer_memory import ProducerMemory
-from consumer.request import ORACLE_MODE, Commit, GenerateResult, TokenOut
+from consumer.request import AUDIT_OFF, FAIL, ORACLE_MODE, VERIFY_OFF, Commit, GenerateJob, GenerateResult, TokenOut
 from consumer.requests import JobBuilder
 from consumer.runner import scratch_limit_bytes
 from shared import codecs as codec_lib
 from shared import describe, handlers, logs, outcomes, serving, startup
 from shared.config import ConsumerConfig
 from shared.errors import Unavailable
+from shared.kv_events import KVEventPublisher
 from shared.metrics import Metrics
 from shared.models import LoadedModel, load_model, warm_up
 from shared.pb import common_pb2, consumer_pb2, consumer_pb2_grpc
@@ -76,7 +77,15 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         self.planner = TransferPlanner()
         self.memory = ProducerMemory()
         self.pipeline = RequestPipeline(
-            loaded, batch, kv_admission, client, prefix, self._producer_digest, self.planner, self._producer_dtype
+            loaded,
+            batch,
+            kv_admission,
+            client,
+            prefix,
+            self._producer_digest,
+            self.planner,
+            self._producer_dtype,
+            self._exact_transfer,
         )
         self.chooser = Chooser(
             loaded,
@@ -93,6 +102,25 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         self.jobs.default_mode = lambda: self.default.mode
         self.link: readiness.ProducerLink | None = None  # ConsumerServer sets it
         self.loaded = loaded
+
+    def _exact_transfer(self, job: GenerateJob) -> GenerateJob | None:
+        """Verified decoding's exact cache by a transfer (consumer.auto.Chooser.exact_transfer):
+        the transfer's job, or None for the own prefill."""
+        c = self.chooser.exact_transfer(job.context_ids)
+        if c is None:
+            return None
+        return dataclasses.replace(
+            job,
+            codec=self.codecs[c.mode],
+            options=dict(c.options),
+            on_failure=FAIL,
+            transfer_budget_s=None,
+            audit=AUDIT_OFF,
+            verify=VERIFY_OFF,
+            repair=None,
+            auto=None,
+            fallback="",
+        )
 
     def _producer_digest(self) -> str:
         """The producer's weight digest as the link last saw it ("" before it answered)."""
@@ -407,6 +435,7 @@ class ConsumerServer:
         # the OpenAI-compatible HTTP port (--http-port), on this servicer: the same admission and pipeline
         self.http = OpenAIServer(self.servicer, config) if config.http_port >= 0 else None
         self.http_port = -1
+        self.kv_events: KVEventPublisher | None = None  # set by load when --kv-events-endpoint is given
 
     @property
     def address(self) -> str:
@@ -444,7 +473,10 @@ class ConsumerServer:
         self.executor = batch
         await logs.run_in(batch, warm_up, loaded)
         budget = pool.capacity_bytes // 2 if cfg.prefix_cache_bytes < 0 else cfg.prefix_cache_bytes
-        prefix = PrefixCache(pool, budget, cfg.chunk_tokens) if budget > 0 else None
+        # KV events (--kv-events-endpoint): the prefix cache's chunks as vLLM blocks, medium GPU (the
+        # serving pool, whatever its device: what routers treat as the engine's own cache)
+        self.kv_events = KVEventPublisher.from_config(cfg, medium="GPU") if budget > 0 else None
+        prefix = PrefixCache(pool, budget, cfg.chunk_tokens, self.kv_events) if budget > 0 else None
         make_room = None
         if prefix is not None:
 
@@ -461,6 +493,9 @@ class ConsumerServer:
         self.client = ProducerClient.from_config(cfg, loaded.info.weight_digest, self.server.tracing)
         self.servicer.attach(loaded, batch, kv_admission, prefix, self.client)
         self.server.metrics.watch_engine(batch, pool, kv_admission, prefix, self.servicer.pipeline)
+        self.server.metrics.watch_router(
+            loaded.info.model_id, self.servicer.admission, kv_admission, pool, prefix, self.kv_events
+        )
         self.link = link = readiness.ProducerLink(
             self.client.stub, self.servicer.codecs, self.client.transport, cfg.producer_check_interval_s, self._link_changed
         )
@@ -531,4 +566,6 @@ class ConsumerServer:
             await self.client.close()
         if self.executor is not None:  # the engine thread ends its iteration and exits before the interpreter does
             await asyncio.to_thread(self.executor.shutdown, wait=True, cancel_futures=True)
+        if self.kv_events is not None:  # after the engine: its last changes are published
+            await asyncio.to_thread(self.kv_events.close)
         self.servicer.tokenizer_pool.shutdown(wait=False, cancel_futures=True)

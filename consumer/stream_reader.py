@@ -15,7 +15,10 @@ Contract (protos/scd/v1/producer.proto, README "Stream contract"):
 Violations raise DataLoss (corrupt or inconsistent) or FailedPrecondition (incompatible),
 naming the layer, payload and field. Memory is bounded by the request: a payload's buffer is
 allocated from the schema (the request's token count and the codec), never from a peer's number,
-and a chunk is checked before it is copied. Knows nothing about grpc: it reads protobuf messages.
+and a chunk is checked before it is copied. Knows nothing about grpc: it reads a message's
+serialized bytes (shared.wire_bytes: a payload's bytes are used where they arrived, or copied once
+into the payload's buffer when it spans chunks; one CRC pass) or, from tests and tools, protobuf
+messages.
 """
 
 from __future__ import annotations
@@ -24,10 +27,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import google_crc32c
 import torch
 
-from shared import wire
+from shared import wire, wire_bytes
 from shared.codecs import CacheDecoder, Codec, PayloadSpec, StreamInfo
 from shared.errors import DataLoss, FailedPrecondition
 from shared.models import DTYPES, ModelInfo
@@ -89,7 +91,7 @@ class _Open:
     kind: str
     spec: PayloadSpec
     count: int
-    buffer: bytearray
+    buffer: bytearray | None  # None for a one-chunk payload: its tensor views the received bytes
     next_index: int = 0
     filled: int = 0
 
@@ -124,26 +126,48 @@ class StreamReader:
         self.span_bytes = 0
 
     # --- one message ----------------------------------------------------------------------
-    def feed(self, message: producer_pb2.PrefillResponse) -> list[Event]:
-        kind = message.WhichOneof("kind")
+    def feed(self, message: producer_pb2.PrefillResponse | bytes) -> list[Event]:
+        """One message: its serialized bytes (the serving path) or a protobuf message."""
+        chunks: list[wire_bytes.ChunkView] = []
+        if isinstance(message, bytes):
+            kind, value = wire_bytes.parse_response(message)
+            if kind in ("chunk", "layer_chunks"):
+                chunks = value  # type: ignore[assignment]
+        else:
+            kind = message.WhichOneof("kind") or ""
+            value = getattr(message, kind) if kind else None
+            if kind == "chunk":
+                chunks = [wire_bytes.ChunkView.of(message.chunk)]
+            elif kind == "layer_chunks":
+                chunks = [wire_bytes.ChunkView.of(c) for c in message.layer_chunks.chunks]
         if self.state == "done":
             raise DataLoss(f"producer sent a {kind or 'empty'} message after the trailer")
         if kind == "header":
             self.header_at = time.perf_counter()
-            return [self._header(message.header)]
+            return [self._header(value)]  # type: ignore[arg-type]
         if self.state == "header":
             raise DataLoss(f"producer sent a {kind or 'empty'} message before the header")
-        if kind == "chunk":
+        if kind in ("chunk", "layer_chunks"):
             now = time.perf_counter()
-            data = message.chunk.data  # protobuf copies a bytes field on every read: read it once
+            nbytes = sum(len(c.data) for c in chunks)
+            if not chunks:
+                raise DataLoss("layer_chunks: a message with no chunks")
+            if kind == "layer_chunks" and nbytes > wire_bytes.MAX_MESSAGE_DATA:  # a chunk's own bound is checked below
+                raise DataLoss(
+                    f"layer_chunks: {nbytes} data bytes in one message, more than {wire_bytes.MAX_MESSAGE_DATA} "
+                    f"(MAX_MESSAGE_DATA)"
+                )
             if self.first_chunk_at:
-                self.span_bytes += len(data)
+                self.span_bytes += nbytes  # bytes that arrived after the first chunk's message
             else:
                 self.first_chunk_at = now
             self.last_chunk_at = now
-            return self._chunk(message.chunk, data)
+            events: list[Event] = []
+            for c in chunks:
+                events += self._chunk(c)
+            return events
         if kind == "trailer":
-            return self._trailer(message.trailer)
+            return self._trailer(value)  # type: ignore[arg-type]
         raise DataLoss("producer sent a message with no header, chunk or trailer")
 
     def end(self) -> None:
@@ -235,7 +259,8 @@ class StreamReader:
         self._next_layer = index
         return events
 
-    def _chunk(self, c: producer_pb2.LayerChunk, data: bytes) -> list[Event]:
+    def _chunk(self, c: wire_bytes.ChunkView) -> list[Event]:
+        data = c.data
         where = f"layer {c.layer}, payload {c.kind[:64]!r}, chunk {c.chunk_index}/{c.chunk_count}"
         events: list[Event] = []
         if self.layer is None or c.layer != self.layer.index:
@@ -263,7 +288,7 @@ class StreamReader:
                 raise DataLoss(f"{where}: a payload must start at chunk 0")
             count = max(1, -(-spec.nbytes // self.max_chunk))
             self._check_spec(c, spec, count, where)
-            self.open = _Open(c.kind, spec, count, bytearray(spec.nbytes))
+            self.open = _Open(c.kind, spec, count, bytearray(spec.nbytes) if count > 1 else None)
         part = self.open
         if c.kind != part.kind:
             raise DataLoss(f"{where}: payload {part.kind!r} is incomplete ({part.next_index}/{part.count} chunks)")
@@ -276,9 +301,10 @@ class StreamReader:
                 f"{where}: {len(data)} data bytes, the contract says {want} "
                 f"(payload {part.spec.nbytes} bytes in chunks of {self.max_chunk})"
             )
-        if google_crc32c.value(data) != c.crc32c:
+        if wire_bytes.crc32c(data) != c.crc32c:
             raise DataLoss(f"{where}: CRC32C mismatch")
-        part.buffer[part.filled : part.filled + want] = data
+        if part.buffer is not None:
+            part.buffer[part.filled : part.filled + want] = data
         part.filled += want
         part.next_index += 1
         layer.nbytes += len(data)
@@ -287,13 +313,12 @@ class StreamReader:
         if part.next_index == part.count:
             self.open = None
             self.totals["payload_count"] += 1
-            layer.done[part.kind] = wire.payload_from_bytes(
-                part.buffer, wire.dtype_to_pb(part.spec.dtype), part.spec.shape, where
-            )
+            whole = part.buffer if part.buffer is not None else data  # one chunk: the received bytes themselves
+            layer.done[part.kind] = wire.payload_from_bytes(whole, wire.dtype_to_pb(part.spec.dtype), part.spec.shape, where)
         return events
 
     @staticmethod
-    def _check_spec(c: producer_pb2.LayerChunk, spec: PayloadSpec, count: int, where: str) -> None:
+    def _check_spec(c: wire_bytes.ChunkView, spec: PayloadSpec, count: int, where: str) -> None:
         if c.dtype != wire.dtype_to_pb(spec.dtype):
             raise DataLoss(f"{where}: dtype {c.dtype}, the codec sends {spec.dtype} ({wire.dtype_to_pb(spec.dtype)})")
         if tuple(c.shape) != spec.shape:

@@ -1,7 +1,8 @@
 """One transfer into a request's KV blocks: pull the producer's stream (through a `TransferSource`,
 the contract enforced by consumer.stream_reader) and rebuild each layer into the blocks on the
-engine thread as soon as its payloads arrive, while later layers are still in flight. The stream
-pump and the rebuild run as two tasks; the first failure of either cancels the other.
+engine thread as soon as its payloads arrive, while later layers are still in flight: each layer is
+handed to the engine as it arrives, without awaiting the one before (`Rebuilds`); the first
+failure of a rebuild ends the stream, and a failed stream cancels the rebuilds not yet run.
 
 Under LOCAL_PREFILL the stream is watched as it arrives (`watch`): when, at the throughput
 observed since its first layer, the rest would take longer than the consumer's own prefill of
@@ -12,7 +13,9 @@ pipeline prefills instead. Knows nothing about gRPC, the prefix cache or answeri
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
@@ -27,7 +30,7 @@ from consumer.stream_reader import Event, Expectation, LayerPayloads, StreamHead
 from shared import logs
 from shared.codecs import CacheDecoder
 from shared.codecs.base import LayerJob, add_layers
-from shared.errors import DataLoss, DeadlineExceeded, ServiceError
+from shared.errors import DataLoss, DeadlineExceeded, ServiceError, Unavailable
 from shared.models import LoadedModel
 
 log = logs.get("consumer.transfer")
@@ -46,6 +49,80 @@ class TransferSource(Protocol):
     ) -> AsyncGenerator[Event, None]: ...
 
 
+class Rebuilds:
+    """One transfer's layer rebuilds in flight on the engine: their futures complete on the engine
+    thread, and the event loop hears of them twice at most (the first failure, or all done), not
+    once per layer."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.failed: asyncio.Future = loop.create_future()  # set with the first failure's exception
+        self._done: asyncio.Future = loop.create_future()
+        self._futures: list[concurrent.futures.Future] = []
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._closed = False  # the stream ended: the last rebuild to finish completes `_done`
+        self._cancelling = False
+        self.took_ms = 0.0
+
+    def add(self, layer: int, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._pending += 1
+        self._futures.append(future)
+        future.add_done_callback(lambda f: self._finished(layer, f))
+
+    def _finished(self, layer: int, future: concurrent.futures.Future) -> None:  # any thread
+        error: BaseException | None
+        if future.cancelled():  # by cancel() below, or by an engine that stopped: never a layer left unbuilt unsaid
+            error = None if self._cancelling else Unavailable(f"the engine stopped before layer {layer} was rebuilt")
+        else:
+            error = future.exception()
+        with self._lock:
+            self._pending -= 1
+            if error is None and not future.cancelled():  # (a result: its ms)
+                self.took_ms += future.result()
+            last = self._closed and self._pending == 0
+        if error is not None:
+            self.loop.call_soon_threadsafe(self._fail, layer, error)
+        elif last:
+            self.loop.call_soon_threadsafe(self._all)
+
+    def _fail(self, layer: int, error: BaseException) -> None:
+        if self.failed.done():
+            return
+        if not isinstance(error, ServiceError):  # peer data the decoder could not use: never a crash, never INTERNAL
+            log.warning("generate.rebuild_failed", layer=layer, error=f"{type(error).__name__}: {str(error)[:200]}")
+            error = DataLoss(f"layer {layer}: payloads could not be decoded ({type(error).__name__})")
+        self.failed.set_exception(error)
+
+    def _all(self) -> None:
+        if not self._done.done():
+            self._done.set_result(None)
+
+    def raise_failure(self) -> None:
+        if self.failed.done():
+            self.failed.result()  # raises the failure
+
+    async def all_done(self) -> None:
+        """Wait for every layer handed over; the first failure raised."""
+        with self._lock:
+            self._closed = True
+            idle = self._pending == 0
+        if idle:
+            self._all()
+        await asyncio.wait([self._done, self.failed], return_when=asyncio.FIRST_COMPLETED)
+        self.raise_failure()
+
+    def cancel(self) -> None:
+        self._cancelling = True
+        for future in self._futures:
+            future.cancel()  # no-op for those running or done: the engine skips the rest
+        if not self.failed.done():
+            self.failed.cancel()
+        elif not self.failed.cancelled():
+            self.failed.exception()  # retrieved: no "never retrieved" warning
+
+
 class Transfer:
     def __init__(
         self,
@@ -61,14 +138,37 @@ class Transfer:
 
     def _rebuild_many(self, jobs: list[LayerJob]) -> list[float | BaseException]:
         """Several requests' layer rebuilds queued together, on the engine thread (a grouped
-        engine job): batched where their decoders allow (shared.codecs.base.add_layers); per job
-        the ms the call took, or the exception its own rebuild raised."""
-        started = time.perf_counter()
-        errors, batched = add_layers(jobs)
-        took = (time.perf_counter() - started) * 1e3
-        self.rebuilt_layers += len(jobs)
-        self.batched_layers += batched
-        return [took if error is None else error for error in errors]
+        engine job): batched where their decoders allow (shared.codecs.base.add_layers), in waves
+        that hold one layer per request, so that each request's layers are added in order (its
+        layers are handed over without waiting for each other); per job the ms its wave took, or
+        the exception its own rebuild raised (a request's layers after a failed one are not run)."""
+        out: list[float | BaseException | None] = [None] * len(jobs)
+        waves: list[list[int]] = []
+        seen: dict[int, int] = {}  # id(decoder) -> its jobs so far
+        for i, job in enumerate(jobs):
+            n = seen.get(id(job.decoder), 0)
+            seen[id(job.decoder)] = n + 1
+            if n == len(waves):
+                waves.append([])
+            waves[n].append(i)
+        failed: dict[int, BaseException] = {}
+        for wave in waves:
+            skipped = [i for i in wave if id(jobs[i].decoder) in failed]
+            for i in skipped:
+                out[i] = failed[id(jobs[i].decoder)]
+            live = [i for i in wave if id(jobs[i].decoder) not in failed]
+            if not live:
+                continue
+            started = time.perf_counter()
+            errors, batched = add_layers([jobs[i] for i in live])
+            took = (time.perf_counter() - started) * 1e3
+            self.rebuilt_layers += len(live)
+            self.batched_layers += batched
+            for i, error in zip(live, errors):
+                out[i] = took if error is None else error
+                if error is not None:
+                    failed[id(jobs[i].decoder)] = error
+        return [r if r is not None else 0.0 for r in out]
 
     async def _timed(self, fn, *args) -> tuple[Any, float]:
         def run():
@@ -130,14 +230,24 @@ class Transfer:
         budget = left(job, "transfer")
         if job.transfer_budget_s is not None:
             budget = min(budget, job.transfer_budget_s)
-        layers: asyncio.Queue[LayerPayloads | None] = asyncio.Queue()
         state: dict[str, Any] = {}
+        rebuilds = Rebuilds(asyncio.get_running_loop())
 
         async def pump() -> None:
             stream = source.open(job.request_id, job.context_ids, expect, budget)
             try:
                 async for event in stream:
-                    if isinstance(event, StreamHeader):
+                    if isinstance(event, LayerPayloads):
+                        result.bytes_received += event.nbytes
+                        # handed to the engine at once: no round trip awaited per layer
+                        layer = LayerJob(state["decoder"], event.layer, event.payloads)
+                        try:
+                            rebuilds.add(event.layer, self.engine.submit_grouped(self._rebuild_many, layer))
+                        except RuntimeError:  # stopping
+                            raise Unavailable("the consumer's engine stopped") from None
+                        if watch is not None:
+                            watch(result.bytes_received)
+                    elif isinstance(event, StreamHeader):
                         event.decoder.bind(seq)  # rebuilt layers go straight into the request's blocks
                         state["decoder"] = event.decoder
                         info = event.stream
@@ -147,41 +257,23 @@ class Transfer:
                         result.options = {**event.stream.options, **event.stream.metadata}
                         producer_kv = dataclasses.replace(self.loaded.info, dtype=event.stream.kv_dtype)
                         result.raw_kv_bytes = producer_kv.kv_bytes(event.stream.num_tokens)
-                    elif isinstance(event, LayerPayloads):
-                        result.bytes_received += event.nbytes
-                        layers.put_nowait(event)
-                        if watch is not None:
-                            watch(result.bytes_received)
                     elif isinstance(event, StreamTrailer):
                         state["trailer"] = event
             finally:
                 await stream.aclose()
-            layers.put_nowait(None)
 
-        async def rebuild() -> None:
-            while (item := await layers.get()) is not None:
-                decoder: CacheDecoder = state["decoder"]
-                try:
-                    job = LayerJob(decoder, item.layer, item.payloads)
-                    took = await asyncio.wrap_future(self.engine.submit_grouped(self._rebuild_many, job))
-                except ServiceError:
-                    raise
-                except Exception as exc:  # peer data the decoder could not use: never a crash, never INTERNAL
-                    log.warning("generate.rebuild_failed", layer=item.layer, error=f"{type(exc).__name__}: {str(exc)[:200]}")
-                    raise DataLoss(f"layer {item.layer}: payloads could not be decoded ({type(exc).__name__})") from None
-                result.rebuild_ms += took
-
-        tasks = [asyncio.ensure_future(pump()), asyncio.ensure_future(rebuild())]
+        pumping = asyncio.ensure_future(pump())
         try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for task in tasks:
-                if task in done and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
-            await asyncio.gather(*tasks)
+            # the stream, unless a rebuild fails first (that ends the stream at once)
+            await asyncio.wait([pumping, rebuilds.failed], return_when=asyncio.FIRST_COMPLETED)
+            rebuilds.raise_failure()
+            await pumping
+            await rebuilds.all_done()
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            pumping.cancel()
+            rebuilds.cancel()  # layers not rebuilt yet never run once the transfer failed
+            await asyncio.gather(pumping, return_exceptions=True)
+        result.rebuild_ms += rebuilds.took_ms
         trailer: StreamTrailer = state["trailer"]
         result.transfer_ms += (time.perf_counter() - started) * 1e3
         result.producer_prefill_ms = trailer.prefill_ms

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import torch
@@ -105,18 +105,22 @@ class Verifier:
         if isinstance(self.engine, EngineProcess):
             raise FailedPrecondition("verify: not available with --engine-process")
 
-    async def _fill(self, job: GenerateJob, exact: SequenceKV, start: int) -> float:
+    async def _fill(self, job: GenerateJob, exact: SequenceKV, start: int) -> str:
         """The exact cache: the consumer's own prefill of context tokens [start, T) into `exact`
-        (those before `start` are there already), chunked in the engine's batches; the ms it took."""
+        (those before `start` are there already), chunked in the engine's batches; a note."""
         started = time.perf_counter()
         exact.length = start
         if start == len(job.context_ids):
-            return 0.0
+            return ""
         task = Task(exact, list(job.context_ids[start:]), sink=_ignore)
         async with contextlib.aclosing(engine_task(self.engine, job, task)) as events:
             async for _ in events:
                 pass
-        return (time.perf_counter() - started) * 1e3
+        return f"; exact cache: own prefill ({(time.perf_counter() - started) * 1e3:.0f} ms)" if not start else ""
+
+    async def own_fill(self, job: GenerateJob, exact: SequenceKV) -> str:
+        """The own prefill of the whole context into `exact` (an exact transfer's fallback)."""
+        return await self._fill(job, exact, 0)
 
     def _accept(self, job: GenerateJob, drafts: list[int], sampler: DraftSampler, check: Task) -> tuple[int, int]:
         """On the engine thread: the verification forward's logits -> (drafts that stand, next)."""
@@ -138,11 +142,14 @@ class Verifier:
         exact: SequenceKV,
         release: Callable[[SequenceKV], None],
         exact_from: int = 0,
+        fill: Callable[[SequenceKV], Awaitable[str]] | None = None,
     ) -> AsyncGenerator[TokenOut | Commit | GenerateResult, None]:
-        """Draft on `draft` (the transferred context, length T) while `exact` is filled (from
-        `exact_from`: tokens the caller copied in from the prefix cache); verify; continue on
-        `exact`. Yields token deltas (provisional ones and a Commit under VERIFY_PROVISIONAL), then
-        the result. `release(draft)` once drafting stopped."""
+        """Draft on `draft` (the transferred context, length T) while `exact` is filled: by `fill`
+        when given (the pipeline's exact transfer, identical weights; it returns a note for
+        verify_decision), else by the own prefill from `exact_from` (tokens the caller copied in
+        from the prefix cache); verify; continue on `exact`. Yields token deltas (provisional ones
+        and a Commit under VERIFY_PROVISIONAL), then the result. `release(draft)` once drafting
+        stopped."""
         self.check_supported()
         tokenizer, M = self.loaded.tokenizer, job.max_new_tokens
         base = len(job.context_ids) + len(job.question_ids)
@@ -155,13 +162,13 @@ class Verifier:
                 result.ttft_ms = (at - job.received_at) * 1e3
 
         draft.length = len(job.context_ids)  # (a context the prefix cache held whole was never streamed)
-        filling = asyncio.ensure_future(self._fill(job, exact, exact_from))
+        filling = asyncio.ensure_future(fill(exact) if fill is not None else self._fill(job, exact, exact_from))
         try:
             sampler = DraftSampler(job.sampling, self.loaded.device)
             drafting = Task(draft, list(job.question_ids), _ignore, sampler, M, job.stop_ids)
             drafts: list[int] = []
             drafted_to = ""  # the draft's own finish ("stop" | "length"), when it got there
-            note = f"; exact cache: {exact_from} context tokens from the prefix cache" if exact_from else ""
+            note = f"; exact cache: {exact_from} context tokens from the prefix cache" if exact_from and fill is None else ""
             provisional = Detokenizer(tokenizer)
             try:
                 async with contextlib.aclosing(engine_task(self.engine, job, drafting)) as events:
@@ -183,7 +190,8 @@ class Verifier:
                 note += "; drafting stopped: non-finite logits"
                 log.warning("generate.draft_failed", mode=job.mode, reason=str(exc)[:200])
             release(draft)  # freed once the draft task has left the batch
-            fill_ms = await filling
+            fill_note = await filling
+            note = fill_note + note
 
             k = len(drafts)
             check = Task(exact, list(job.question_ids) + drafts, _ignore, keep_logits=k + 1)
@@ -203,7 +211,7 @@ class Verifier:
             result.verify_ms = (now - started) * 1e3
             replaced = f", draft {accepted + 1} replaced" if accepted < k else ""
             result.verify_decision = f"verified: {accepted} of {k} drafts accepted{replaced}{note}"
-            log.info("generate.verified", drafted=k, accepted=accepted, exact_prefill_ms=round(fill_ms, 2))
+            log.info("generate.verified", drafted=k, accepted=accepted, exact_cache=fill_note.removeprefix("; exact cache: "))
 
             detok = Detokenizer(tokenizer)
             text = detok.push_many(verified)

@@ -42,6 +42,7 @@ class ChunkEntry:
     parent: str  # the previous chunk's key, or the chain's root
     end: int  # token position where the chunk ends: the prefill it saves
     tensors: dict[str, torch.Tensor]  # "<layer>.<name>" -> CPU tensor over the chunk's tokens
+    tokens: tuple[int, ...] = field(default=(), repr=False)  # its token ids when known (KV events); () from disk
 
     @property
     def nbytes(self) -> int:
@@ -180,9 +181,20 @@ class LowerTier(Protocol):
     def close(self) -> None: ...
 
 
+class Events(Protocol):
+    """What the store tells about its RAM tier (shared.kv_events.KVEventPublisher): calls that only enqueue."""
+
+    def stored(self, key: str, parent: str, start: int, tokens: Sequence[int]) -> None: ...
+
+    def removed(self, key: str) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
 class ChunkStore:
-    def __init__(self, budget_bytes: int, policy: str = "cost", disk: LowerTier | None = None):
+    def __init__(self, budget_bytes: int, policy: str = "cost", disk: LowerTier | None = None, events: Events | None = None):
         self.index = Index(budget_bytes, policy)
+        self.events = events  # KV events of the RAM tier (vLLM's format), or None
         self.entries: dict[str, ChunkEntry] = {}
         self.disk = disk
         self._lock = threading.RLock()
@@ -282,8 +294,14 @@ class ChunkStore:
                 return False
             for key in evicted:
                 del self.entries[key]
+            new = entry.key not in self.entries
             self.entries[entry.key] = entry
             self.index.add(entry.key, Slot(nbytes, entry.parent, entry.end))
+            if self.events is not None:
+                for key in evicted:
+                    self.events.removed(key)
+                if new:
+                    self.events.stored(entry.key, entry.parent, entry.end - len(entry.tokens), entry.tokens)
         return True
 
     def clear(self) -> None:
@@ -292,6 +310,8 @@ class ChunkStore:
             self.entries.clear()
             for key in list(self.index.slots):
                 self.index.drop(key)
+            if self.events is not None:
+                self.events.cleared()
 
     def tiers(self) -> list[TierStats]:
         """Each tier's index and counters, for Describe and metrics."""

@@ -204,10 +204,10 @@ class Continuation:
         for j in sorted(set(self._new_kv) | set(self._new_payloads)):
             if j in self._new_kv:
                 r = self.kv_refs[j]
-                out.append(ChunkEntry(r.key, r.parent, r.end, self._new_kv[j]))
+                out.append(ChunkEntry(r.key, r.parent, r.end, self._new_kv[j], r.tokens))
             if j in self._new_payloads:
                 r = self.payload_refs[j]
-                out.append(ChunkEntry(r.key, r.parent, r.end, self._new_payloads[j]))
+                out.append(ChunkEntry(r.key, r.parent, r.end, self._new_payloads[j], r.tokens))
         return out
 
 

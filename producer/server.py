@@ -1,5 +1,5 @@
 """Producer gRPC servicer (thin: validate, check the prefix, send the header, the layers that
-producer.sources gives and the trailer, converted with shared.wire) and process wiring (config,
+producer.sources gives, serialized once by shared.wire_bytes, and the trailer) and process wiring (config,
 model load, health, drain). Stores, single flight and replays are producer.sources'."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from producer.prefill import EncodedLayer, PrefillDone, PrefillEngine
 from producer.reuse import Roots
 from producer.sources import Sources
 from producer.store import ContextStore
-from shared import chunks, describe, handlers, liveness, logs, outcomes, serving, startup, wire
+from shared import chunks, describe, handlers, liveness, logs, outcomes, serving, startup, wire_bytes
 from shared import codecs as codec_lib
 from shared.codecs.base import chunk_layouts
 from shared.config import ProducerConfig
@@ -174,8 +174,8 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             )
         )
 
-        def pack(layer, payloads):
-            return [r for kind, t in payloads.items() for r in wire.payload_to_responses(layer, kind, t, max_chunk)]
+        def pack(layer, payloads) -> wire_bytes.PackedLayer:  # on an encode thread
+            return wire_bytes.pack_layer(layer, payloads, max_chunk)
 
         source, shared, store_hit = await self.sources.open(
             request.token_ids, request.first_token, codec.name, options, encoder, roots, pack, info.num_layers
@@ -184,10 +184,12 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         async with contextlib.aclosing(source) as layers:
             async for item in layers:
                 if isinstance(item, EncodedLayer):
-                    for response in item.packed:  # built once at encode time, replayed as is from the store
-                        yield response
-                    sent_chunks += len(item.packed)
-                    sent_payloads += len({r.chunk.kind for r in item.packed})
+                    packed: wire_bytes.PackedLayer = item.packed
+                    # serialized once at encode time, sent as is (and replayed as is from the store)
+                    for message in packed.messages(request.accept_layer_chunks):
+                        yield message
+                    sent_chunks += packed.chunk_count
+                    sent_payloads += packed.payload_count
                     sent_bytes += item.payload_bytes
                 elif isinstance(item, PrefillDone):
                     total_ms = (time.perf_counter() - started) * 1e3

@@ -33,8 +33,9 @@ from producer.reuse import Continuation, Roots, plan
 from producer.store import ContextStore, StoredPrefill, store_key
 from shared import chunks
 from shared.config import ProducerConfig
+from shared.kv_events import KVEventPublisher
 
-Pack = Callable[[int, dict], list]  # (layer, payloads) -> the layer's packed messages
+Pack = Callable[[int, dict], Any]  # (layer, payloads) -> the layer's packed messages (opaque here)
 
 
 class Sources:
@@ -44,13 +45,16 @@ class Sources:
         self.engine: PrefillEngine | None = None  # set once the model is loaded
         self.whole = ContextStore(config.store_bytes)  # whole contexts (chunk_tokens = 0)
         self.chunks: ChunkStore | None = None  # per chunk (chunk_tokens > 0): prefix reuse
+        self.events: KVEventPublisher | None = None
         if config.chunk_tokens:
             disk = None
             if config.store_disk_dir and config.store_disk_bytes:
                 disk = DiskTier(
                     config.store_disk_dir, config.store_disk_bytes, config.store_eviction, config.store_disk_queue_bytes
                 )
-            self.chunks = ChunkStore(config.store_bytes, config.store_eviction, disk)
+            # KV events (--kv-events-endpoint): the RAM tier's chunks as vLLM blocks, medium CPU (host memory)
+            self.events = KVEventPublisher.from_config(config, medium="CPU")
+            self.chunks = ChunkStore(config.store_bytes, config.store_eviction, disk, self.events)
         # the store in use: its counters (hits: whole contexts replayed; misses: calls that ran a
         # forward), bytes and entries are the scd_store_* metrics
         self.store: ContextStore | ChunkStore = self.chunks if self.chunks is not None else self.whole

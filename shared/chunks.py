@@ -18,17 +18,22 @@ sha256 strings, safe as file names.
 Routing (`route_key`) hashes only the first chunk(s) of token ids: the turns of one conversation
 and the questions of one document share it, whatever comes later.
 
+`Chains` computes a request's chains once: its token ids packed to bytes once for every root, and
+each (root, chunk size) chain hashed once, however many callers ask (the prefix cache's lookup and
+insert, auto's candidates, the producer memory). Same keys as `chain`, byte for byte.
+
 Knows nothing about stores, models or the wire.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import sys
 from array import array
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_CHUNK_TOKENS = 256
 ROUTE_CHUNKS = 1  # chunks of a context its ring_hash routing key covers
@@ -42,6 +47,7 @@ class ChunkRef:
     parent: str  # the previous chunk's key, or the root for the first chunk
     start: int
     end: int
+    tokens: tuple[int, ...] = field(default=(), compare=False, repr=False)  # its token ids (KV events: shared.kv_events)
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
@@ -84,18 +90,77 @@ def chunk_key(parent: str, token_ids: Sequence[int]) -> str:
     return _digest(b"scd.chunks.chunk.v1", parent.encode(), _token_bytes(token_ids))
 
 
+_CHUNK_TAG = b"scd.chunks.chunk.v1"
+_CHUNK_HASH = hashlib.sha256(len(_CHUNK_TAG).to_bytes(8, "little") + _CHUNK_TAG)  # chunk_key's first part, fed once
+
+
 def chain(root: str, token_ids: Sequence[int], chunk_tokens: int) -> list[ChunkRef]:
     """Every chunk of the context in order, the tail (shorter than chunk_tokens) included."""
+    return _chain(root, token_ids, _token_bytes(token_ids), chunk_tokens)
+
+
+def _chain(root: str, token_ids: Sequence[int], packed: bytes, chunk_tokens: int) -> list[ChunkRef]:
+    """`chain` with the ids already packed (`_token_bytes(token_ids)`): the keys of `chunk_key`."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     refs: list[ChunkRef] = []
     parent = root
     for start in range(0, len(token_ids), chunk_tokens):
         end = min(start + chunk_tokens, len(token_ids))
-        key = chunk_key(parent, token_ids[start:end])
-        refs.append(ChunkRef(key, parent, start, end))
+        part = packed[4 * start : 4 * end]
+        p = parent.encode()
+        h = _CHUNK_HASH.copy()  # = chunk_key(parent, token_ids[start:end])
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+        key = h.hexdigest()
+        refs.append(ChunkRef(key, parent, start, end, tuple(token_ids[start:end])))
         parent = key
     return refs
+
+
+class Chains:
+    """Chains computed once per context: token ids packed once for every root, each (root, chunk
+    size) chain hashed once. Remembers the last `size` contexts by identity (their length and end
+    tokens checked): a context's list must not change once it was named (a request's never does).
+    Returns a fresh list each call (the refs themselves are frozen)."""
+
+    def __init__(self, size: int = 8):
+        self.size = size
+        self._packed: collections.OrderedDict[int, tuple[Sequence[int], bytes]] = collections.OrderedDict()
+        self._chains: dict[tuple[int, str, int], list[ChunkRef]] = {}
+
+    def packed(self, token_ids: Sequence[int]) -> bytes:
+        ident, n = id(token_ids), len(token_ids)
+        held = self._packed.get(ident)
+        if held is not None:
+            ids, packed = held
+            same = ids is token_ids and len(packed) == 4 * n
+            if same and n:
+                same = packed[:4] == _token_bytes(token_ids[:1]) and packed[-4:] == _token_bytes(token_ids[-1:])
+            if same:
+                self._packed.move_to_end(ident)
+                return packed
+            self._forget(ident)
+        packed = _token_bytes(token_ids)
+        self._packed[ident] = (token_ids, packed)  # held here: its id is not reused meanwhile
+        while len(self._packed) > self.size:
+            self._forget(next(iter(self._packed)))
+        return packed
+
+    def _forget(self, ident: int) -> None:
+        self._packed.pop(ident, None)
+        for key in [k for k in self._chains if k[0] == ident]:
+            del self._chains[key]
+
+    def chain(self, root: str, token_ids: Sequence[int], chunk_tokens: int) -> list[ChunkRef]:
+        packed = self.packed(token_ids)
+        key = (id(token_ids), root, chunk_tokens)
+        refs = self._chains.get(key)
+        if refs is None:
+            refs = self._chains[key] = _chain(root, token_ids, packed, chunk_tokens)
+        return list(refs)
 
 
 def prefix_key(root: str, token_ids: Sequence[int], upto: int, chunk_tokens: int) -> str:

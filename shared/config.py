@@ -95,6 +95,14 @@ class ServerConfig:
     trace: str = "off"  # OpenTelemetry spans: off | console (JSON on stderr) | memory (tests) | otlp; shared.tracing
     liveness_timeout_s: float = 30.0  # an iteration without progress this long: liveness NOT_SERVING
     torch_threads: int = 0  # torch's intra-op threads (0: torch's default, one per core); 1 where services share cores
+    # KV cache events in vLLM's wire format (shared.kv_events): the producer's chunk store, the consumer's prefix cache
+    kv_events_endpoint: str = ""  # ZMQ PUB address of KV events (tcp://*:5557 binds, tcp://host:port connects); "" off
+    kv_events_replay_endpoint: str = ""  # ZMQ ROUTER address answering replay requests (tcp://*:5558); "" off
+    kv_events_topic: str = ""  # topic frame of every event message (vLLM's default: empty)
+    kv_events_block_size: int = 16  # vLLM block size the events' hashes use (a divisor of chunk_tokens)
+    kv_events_hash: str = "sha256_cbor"  # block hash: sha256_cbor (cross-language) | sha256 (vLLM's pickle default)
+    kv_events_hash_seed: str = "0"  # vLLM's PYTHONHASHSEED: the first block's parent is hash(seed); routers must use the same
+    kv_events_layout: str = "array"  # event encoding: array (msgspec array_like, tagged arrays) | map (newer vLLM, tagged maps)
 
     @property
     def artifact_paths(self) -> list[str]:
@@ -122,6 +130,20 @@ class ServerConfig:
             raise ValueError(f"torch_threads: {self.torch_threads} must be >= 0 (0: torch's default)")
         if self.liveness_interval_s <= 0 or self.liveness_timeout_s <= 0:
             raise ValueError("liveness_interval_s and liveness_timeout_s: must be > 0")
+        if self.kv_events_hash not in ("sha256_cbor", "sha256"):
+            raise ValueError(f"kv_events_hash: {self.kv_events_hash!r} not in sha256_cbor, sha256")
+        if self.kv_events_layout not in ("array", "map"):
+            raise ValueError(f"kv_events_layout: {self.kv_events_layout!r} not in array, map")
+        if self.kv_events_block_size < 1:
+            raise ValueError(f"kv_events_block_size: {self.kv_events_block_size} must be >= 1")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint: needs kv_events_endpoint")
+        chunk_tokens = getattr(self, "chunk_tokens", 0)
+        if self.kv_events_endpoint and (not chunk_tokens or chunk_tokens % self.kv_events_block_size):
+            raise ValueError(
+                f"kv_events_endpoint: needs chunk_tokens ({chunk_tokens}) a positive multiple of kv_events_block_size "
+                f"{self.kv_events_block_size} (events name the chunk stores' blocks)"
+            )
 
 
 @dataclass(frozen=True)

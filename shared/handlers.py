@@ -1,5 +1,5 @@
 """Registering a servicer on a grpc.aio server from its service descriptor, with request
-deserializers that never fail: undecodable request bytes become INVALID_ARGUMENT naming the
+deserializers that never fail and stream responses that may be pre-serialized bytes: undecodable request bytes become INVALID_ARGUMENT naming the
 message type (the generated `add_..._to_server` would answer UNKNOWN with the parser's text).
 
 Knows nothing about the services' logic; used by both servers instead of the generated helper.
@@ -33,6 +33,17 @@ def _deserializer(cls):
     return parse
 
 
+def _serializer(cls):
+    """Messages are serialized; bytes (a message serialized once, ahead: the producer's layers)
+    pass through untouched."""
+    serialize = cls.SerializeToString
+
+    def write(message) -> bytes:
+        return message if isinstance(message, bytes) else serialize(message)
+
+    return write
+
+
 def _refusal(request: Undecodable) -> str:
     return f"request: {request.size} bytes do not parse as {request.type_name}"
 
@@ -54,7 +65,7 @@ def add_servicer(server: grpc.aio.Server, servicer: object, service: ServiceDesc
                     yield item
 
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                stream, request_deserializer=_deserializer(request_cls), response_serializer=response_cls.SerializeToString
+                stream, request_deserializer=_deserializer(request_cls), response_serializer=_serializer(response_cls)
             )
         else:
 

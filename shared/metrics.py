@@ -77,6 +77,7 @@ class Metrics:
     def __init__(self, service: str):
         self.service = service
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], object] = {}  # labelled children by metric and labels
         r = self.registry
         self.rpcs = Counter("scd_rpc", "gRPC calls finished, by method and status code", ["method", "code"], registry=r)
         self.rpc_seconds = Histogram(
@@ -273,6 +274,49 @@ class Metrics:
 
         self.registry.register(_Callback(families))
 
+    def watch_router(self, model_name: str, admission, kv_admission, pool, prefix=None, events=None) -> None:
+        """The Model Server Protocol gauges routers read (the Gateway API Inference Extension's
+        endpoint picker, llm-d, Dynamo), under vLLM's names and `model_name` label, beside scd_*:
+        - vllm:num_requests_waiting: requests waiting for KV memory (scd_kv_queue);
+        - vllm:num_requests_running: the other calls in flight (gRPC and HTTP: one admission);
+        - vllm:kv_cache_usage_perc (and its older name vllm:gpu_cache_usage_perc): the KV pool's
+          fraction (0..1) held by requests; blocks only the prefix cache holds count as free, as
+          vLLM counts its evictable cached blocks (a block a request shares with the cache counts
+          as the cache's);
+        - vllm:cache_config_info{block_size, num_gpu_blocks}: 1 (the pool's block size and count).
+        With KV events on: scd_kv_events_{batches,events,dropped} counters."""
+
+        def families():
+            waiting = kv_admission.queued
+            running = max(0, admission.inflight - waiting)
+            held = pool.used_bytes - pool.reclaimable_blocks * pool.block_bytes - (prefix.nbytes if prefix is not None else 0)
+            usage = min(1.0, max(0.0, held / pool.capacity_bytes)) if pool.capacity_bytes else 0.0
+            for name, help_, value in (
+                ("vllm:num_requests_waiting", "requests waiting for KV memory (Model Server Protocol)", waiting),
+                ("vllm:num_requests_running", "requests running: in flight, not waiting for KV memory", running),
+                ("vllm:kv_cache_usage_perc", "fraction of the KV pool held by requests (0..1)", usage),
+                ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc under its older name", usage),
+            ):
+                g = GaugeMetricFamily(name, help_, labels=["model_name"])
+                g.add_metric([model_name], value)
+                yield g
+            info = GaugeMetricFamily(
+                "vllm:cache_config_info",
+                "KV cache configuration (labels); value 1",
+                labels=["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+            )
+            info.add_metric([model_name, str(pool.block_tokens), str(pool.num_blocks), str(prefix is not None)], 1)
+            yield info
+            if events is not None:
+                yield from unlabelled(
+                    CounterMetricFamily,
+                    ("scd_kv_events_batches", "KV event batches published (shared.kv_events)", events.batches),
+                    ("scd_kv_events_events", "KV events published", events.events),
+                    ("scd_kv_events_dropped", "KV event records dropped: the publisher queue was full", events.dropped),
+                )
+
+        self.registry.register(_Callback(families))
+
     def watch_prefill(self, servicer) -> None:
         """The producer's prefill engine: single-flight joins, batched forwards and the contexts
         they prefilled, prefills waiting for the compute thread (read from the servicer at
@@ -311,33 +355,43 @@ class Metrics:
         self.registry.register(_Callback(families))
 
     # -- the consumer's per-request figures --------------------------------------------------
+    def _child(self, metric, *labels: str):
+        """metric.labels(*labels), looked up once: label values here are bounded (modes, methods,
+        codes, short reasons), and `labels` validates and locks on every call."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def observe_generate(self, result) -> None:
         """One finished Generate (consumer.pipeline.GenerateResult)."""
         mode = result.codec
-        self.generates.labels(mode).inc()
+        self._child(self.generates, mode).inc()
         for stage in GENERATE_STAGES:
-            self.generate_seconds.labels(stage, mode).observe(getattr(result, f"{stage}_ms") / 1e3)
-        self.generate_bytes.labels(mode).inc(result.bytes_received)
-        self.generate_bytes_per_request.labels(mode).observe(result.bytes_received)
+            self._child(self.generate_seconds, stage, mode).observe(getattr(result, f"{stage}_ms") / 1e3)
+        self._child(self.generate_bytes, mode).inc(result.bytes_received)
+        self._child(self.generate_bytes_per_request, mode).observe(result.bytes_received)
         if result.transfer_failure:
-            self.fallbacks.labels(result.transfer_failure.split(":", 1)[0][:40]).inc()
+            self._child(self.fallbacks, result.transfer_failure.split(":", 1)[0][:40]).inc()
         if getattr(result, "auto", None) is not None:
-            self.auto_choices.labels(result.auto.chosen.mode, str(result.auto.reason.startswith("cold start")).lower()).inc()
+            cold = str(result.auto.reason.startswith("cold start")).lower()
+            self._child(self.auto_choices, result.auto.chosen.mode, cold).inc()
         if getattr(result, "transfer_abandoned", False):
             self.abandoned.inc()
-        self.raw_kv_bytes.labels(mode).inc(result.raw_kv_bytes)
+        self._child(self.raw_kv_bytes, mode).inc(result.raw_kv_bytes)
         if result.bytes_received > 0 and result.raw_kv_bytes > 0:
-            self.compression.labels(mode).observe(result.raw_kv_bytes / result.bytes_received)
+            self._child(self.compression, mode).observe(result.raw_kv_bytes / result.bytes_received)
         if result.audit_decision:
             # "diverged: upgraded to s3: ok" -> "diverged_upgraded": bounded label values
             words = [w.split()[0] for w in result.audit_decision.split(": ")[:2] if w.split()]
-            self.audits.labels("_".join(words)[:40]).inc()
+            self._child(self.audits, "_".join(words)[:40]).inc()
             if result.audit_decision.startswith("diverged"):
-                self.divergences.labels(mode).inc()
+                self._child(self.divergences, mode).inc()
         drafted = getattr(result, "drafted_tokens", 0)
         if drafted:
-            self.verify_tokens.labels(mode, "accepted").inc(result.accepted_tokens)
-            self.verify_tokens.labels(mode, "discarded").inc(drafted - result.accepted_tokens)
+            self._child(self.verify_tokens, mode, "accepted").inc(result.accepted_tokens)
+            self._child(self.verify_tokens, mode, "discarded").inc(drafted - result.accepted_tokens)
 
     # -- gRPC --------------------------------------------------------------------------------
     def interceptor(self) -> grpc.aio.ServerInterceptor:
@@ -345,10 +399,10 @@ class Metrics:
 
     def record(self, method: str, code: str, seconds: float) -> None:
         """One finished call; `method` is the short RPC name (short_method)."""
-        self.rpcs.labels(method, code).inc()
-        self.rpc_seconds.labels(method).observe(seconds)
+        self._child(self.rpcs, method, code).inc()
+        self._child(self.rpc_seconds, method).observe(seconds)
         if code in CONTRACT_CODES:
-            self.contract.labels(method, code).inc()
+            self._child(self.contract, method, code).inc()
 
 
 def _code(context, exc: BaseException | None) -> str:

@@ -200,7 +200,9 @@ REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
 class Server:
-    """A grpc.aio server whose port is bound before the model loads, so health can say so.
+    """A grpc.aio server whose port is bound before the model is ready (loaded by `main` before
+    the bind, so that a wrong artifact fails first; warmed and attached after it), so health
+    can say so.
 
     From `config`: TLS (tls_cert/tls_key, client certificates with tls_client_ca), a bearer
     token (token/token_file; health exempt), reflection, the health-only plaintext port and the
@@ -402,9 +404,11 @@ def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
 
 
 def main(service: str, config_cls: type[ServerConfig], server_cls: type, argv: list[str] | None) -> None:
-    """`python -m <service>`: config from flags/env, logs, start-up checks (shared.startup), then
-    start -> load -> serve until SIGTERM/SIGINT -> drain. `server_cls(config)` has async start(),
-    load() and stop(). Any start-up failure: one JSON log line, one sentence on stderr, exit 2."""
+    """`python -m <service>`: config from flags/env, logs, start-up checks (shared.startup), the
+    model loaded and the artifacts chosen for its weights (so a wrong artifact fails before the
+    server binds or logs anything), then start -> load(loaded) -> serve until SIGTERM/SIGINT ->
+    drain. `server_cls(config)` has async start(), load(loaded) and stop(). Any start-up failure:
+    one JSON log line, one sentence on stderr, exit 2."""
     from shared import config as config_lib
     from shared import core_log, startup
 
@@ -426,13 +430,19 @@ def main(service: str, config_cls: type[ServerConfig], server_cls: type, argv: l
         startup.check(cfg)
     except startup.StartupError as exc:
         startup.fail(service, str(exc))
+    try:
+        loaded, cfg = _load_checked(service, cfg)
+    except startup.StartupError as exc:
+        startup.fail(service, str(exc))
+    except Exception as exc:  # one line, not a traceback: the message says what to fix
+        startup.fail(service, f"{type(exc).__name__}: {exc}")
     failed: list[str] = []
 
     async def serve(stop: asyncio.Event) -> None:
         server = server_cls(cfg)
         try:
             await server.start()
-            await server.load()
+            await server.load(loaded)
             startup.loaded_artifacts(service, server.servicer)
         except Exception as exc:  # one line, not a traceback: the message says what to fix
             failed.append(str(exc) if isinstance(exc, startup.StartupError) else f"{type(exc).__name__}: {exc}")
@@ -445,3 +455,19 @@ def main(service: str, config_cls: type[ServerConfig], server_cls: type, argv: l
     run(serve)
     if failed:
         startup.fail(service, failed[0])
+
+
+def _load_checked(service: str, cfg: ServerConfig):
+    """The model loaded, and `cfg` with --artifacts narrowed to the artifact files calibrated for
+    its weights in this role (others logged as skipped: shared.startup.select_artifacts)."""
+    import dataclasses
+
+    from shared import startup
+    from shared.models import load_model
+
+    loaded = load_model(cfg.model, cfg.dtype, cfg.device)
+    if cfg.artifact_paths:
+        info = loaded.info
+        kept = startup.select_artifacts(service, info.weight_digest, info.model_id, cfg.artifact_paths)
+        cfg = dataclasses.replace(cfg, artifacts=",".join(kept))
+    return loaded, cfg

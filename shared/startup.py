@@ -6,8 +6,10 @@ Checks (each failure is one plain sentence naming the flag and what to fix):
   already in the local Hugging Face cache. The services run with the Hub offline unless
   `HF_HUB_OFFLINE=0` is set, so a mistyped path fails at once instead of retrying the Hub.
 - `--device`: a device this torch build has (`cuda` without a CUDA device is refused here).
-- `--artifacts`: every path exists and holds artifacts this build reads (which weights they were
-  calibrated for is checked once the model is loaded: `artifacts_for`).
+- `--artifacts`: every path exists and holds artifacts this build reads. Which weights each was
+  calibrated for is checked once the model is loaded, still before the server binds
+  (`select_artifacts`): the ones for these weights in this role are kept, every other one is
+  logged as skipped (`startup.artifact_skipped`, naming it and why); none kept is a failure.
 - TLS and tokens: every PEM and token file exists; each certificate matches its key; CA files parse.
 - Ports: the API, health, metrics and (consumer) HTTP ports are free (and distinct), each named by its flag.
 
@@ -175,16 +177,53 @@ def loaded_artifacts(role: str, servicer) -> None:
     artifacts_for(role, info.weight_digest, info.model_id, getattr(codec, "artifacts", []))
 
 
+def _name(art) -> str:
+    return art.path.name if art.path is not None else art.artifact_id
+
+
+def mismatch(role: str, digest: str, model_id: str, art) -> str:
+    """Why `art` was not calibrated with these weights in this role (producer|consumer), or ""."""
+    want = art.meta[role]["weight_digest"]
+    if want == digest:
+        return ""
+    return (
+        f"calibrated for {role} {art.meta[role]['model_id']} (digest {want[:16]}...), "
+        f"not for the loaded --model {model_id} (digest {digest[:16]}...)"
+    )
+
+
 def artifacts_for(role: str, digest: str, model_id: str, artifacts) -> None:
     """Every loaded artifact was calibrated with these weights in this role (producer|consumer)."""
     for art in artifacts:
-        want = art.meta[role]["weight_digest"]
-        if want != digest:
-            name = art.path.name if art.path is not None else art.artifact_id
-            raise StartupError(
-                f"--artifacts {name}: calibrated for {role} {art.meta[role]['model_id']} (digest {want[:16]}...), "
-                f"not for the loaded --model {model_id} (digest {digest[:16]}...)"
-            )
+        why = mismatch(role, digest, model_id, art)
+        if why:
+            raise StartupError(f"--artifacts {_name(art)}: {why}")
+
+
+def select_artifacts(role: str, digest: str, model_id: str, paths: list[str]) -> list[str]:
+    """The files among `paths` (--artifacts: files or directories) holding an artifact calibrated
+    with these weights in this role; each other artifact is one `startup.artifact_skipped` line
+    naming it and why. Artifacts were given but none is for these weights: StartupError naming
+    each (one given: the same sentence as `artifacts_for`)."""
+    from shared.scd.artifact import discover
+
+    found = discover(paths)
+    kept, skipped = [], []
+    for art in found:
+        why = mismatch(role, digest, model_id, art)
+        if why:
+            log.warning("startup.artifact_skipped", artifact=str(art.path or art.artifact_id), reason=why)
+            skipped.append(f"{_name(art)} (for {role} {art.meta[role]['model_id']})")
+        else:
+            kept.append(str(art.path))
+    if found and not kept:
+        if len(found) == 1:
+            artifacts_for(role, digest, model_id, found)
+        raise StartupError(
+            f"--artifacts {','.join(paths)}: none of the {len(found)} artifacts was calibrated for {role} "
+            f"--model {model_id} (digest {digest[:16]}...): {', '.join(skipped)}"
+        )
+    return kept
 
 
 def fail(service: str, reason: str) -> None:

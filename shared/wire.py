@@ -3,9 +3,14 @@
 Owns: element-type mapping, splitting a payload tensor into CRC32C-checked `LayerChunk`s
 (`payload_to_responses`, `payload_to_pb`) and reassembling one (`payload_from_bytes`, `payload_from_pb`). It knows
 nothing about codecs, models or transport.
+
+The serving path's bytes go through shared.wire_bytes (a layer packed once into serialized
+messages; a received message read without copying its payload bytes).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import google_crc32c
 import torch
@@ -73,9 +78,18 @@ def payload_to_pb(layer: int, kind: str, tensor: torch.Tensor, max_chunk_bytes: 
     return [r.chunk for r in payload_to_responses(layer, kind, tensor, max_chunk_bytes)]
 
 
-def payload_from_bytes(buffer: bytearray, dtype_pb: int, shape: tuple[int, ...], where: str = "") -> torch.Tensor:
+def payload_from_bytes(
+    buffer: bytearray | memoryview | bytes, dtype_pb: int, shape: tuple[int, ...], where: str = ""
+) -> torch.Tensor:
+    """A tensor over `buffer`'s memory (no copy). A read-only buffer (a received message's bytes,
+    which nothing else references) gives a tensor torch calls non-writable: its warning is muted."""
     dtype = dtype_from_pb(dtype_pb)
-    flat = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
+    if not len(buffer):
+        flat = torch.empty(0, dtype=torch.uint8)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(buffer, dtype=torch.uint8)
     try:
         return flat.view(dtype).reshape(shape)
     except RuntimeError as exc:

@@ -354,8 +354,14 @@ def test_grouped_jobs_queued_together_run_as_one_call(loaded):
         return [ValueError(f"item {i}") if i == 2 else i * 10 for i in items]
 
     try:
-        gate = threading.Event()
-        blocker = engine.submit(gate.wait, 10)  # holds the engine while the others queue
+        gate, holding = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            holding.set()
+            gate.wait(10)
+
+        blocker = engine.submit(hold)  # holds the engine while the others queue ...
+        assert holding.wait(10)  # ... once it runs: the engine took its jobs before the next ones came
         futures = [engine.submit_grouped(many, i) for i in (1, 2, 3)]
         plain = engine.submit(lambda: "plain")
         cancelled = engine.submit_grouped(many, 4)

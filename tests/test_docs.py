@@ -52,9 +52,10 @@ async def test_python_blocks_run_as_pasted_against_a_running_consumer(doc, tmp_p
 
     blocks = code_blocks(doc, "python")
     assert blocks, f"{doc} has no python block"
-    async with running_pair("tiny-llama") as pair:
+    async with running_pair("tiny-llama", consumer_kw={"http_port": 0}) as pair:
         for block in blocks:
             code = block.replace("127.0.0.1:50052", pair.consumer.address)
+            code = code.replace("127.0.0.1:8000", f"127.0.0.1:{pair.consumer.http_port}")  # the openai client's
             out = io.StringIO()
 
             def run(code=code, out=out):

@@ -2,7 +2,9 @@
 - the stream reader, fed a real recorded stream with random structural damage (messages dropped,
   repeated, swapped, truncated, fields rewritten, bytes flipped), either refuses it with
   DATA_LOSS / FAILED_PRECONDITION or hands over payloads byte-identical to the original ones:
-  never a different tensor with no error;
+  never a different tensor with no error; the same as protobuf messages and as their serialized
+  bytes (the serving path's own parser, shared.wire_bytes), and for raw bytes damaged anywhere in
+  a message (one chunk per message, or a layer's chunks in one `layer_chunks` message);
 - the consumer, sent random GenerateRequests (and undecodable bytes), answers OK or a documented
   client-side status, never INTERNAL/UNKNOWN, and keeps serving.
 """
@@ -24,6 +26,7 @@ from shared.config import ProducerConfig
 from shared.errors import ServiceError
 from shared.models import load_model
 from shared.pb import common_pb2, consumer_pb2, producer_pb2
+from shared.serving import GRPC_OPTIONS
 from tests.conftest import running_pair
 from tests.hostile import copy, record
 
@@ -41,11 +44,21 @@ def recorded():
         ids = producer.servicer.loaded.tokenizer(CONTEXT)["input_ids"]
         try:
             return ids, {"raw": await record(producer.address, ids, "raw"),
-                         "quant": await record(producer.address, ids, "quant", {"bits": "4", "group_size": "32"})}
+                         "quant": await record(producer.address, ids, "quant", {"bits": "4", "group_size": "32"}),
+                         "raw_batched": await record_bytes(producer.address, ids)}
         finally:
             await producer.stop(0)
 
     return asyncio.run(go())
+
+
+async def record_bytes(address: str, ids: list[int]) -> list[bytes]:
+    """A raw stream as the serving consumer receives it: serialized, layer_chunks accepted."""
+    async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+        prefill = channel.unary_stream("/scd.v1.ProducerService/Prefill",
+                                       request_serializer=producer_pb2.PrefillRequest.SerializeToString)
+        request = producer_pb2.PrefillRequest(token_ids=ids, codec=common_pb2.CodecSpec(name="raw"), accept_layer_chunks=True)
+        return [m async for m in prefill(request, timeout=60)]
 
 
 MODEL = load_model("tiny-llama", "float32", "cpu")
@@ -53,10 +66,11 @@ CODECS = create_codecs(MODEL)
 OPTIONS = {"raw": {}, "quant": {"bits": "4", "group_size": "32"}}
 
 
-def read(ids, codec: str, messages) -> dict[int, dict[str, torch.Tensor]]:
+def read(ids, codec: str, messages, as_bytes: bool = False) -> dict[int, dict[str, torch.Tensor]]:
     reader = StreamReader(Expectation(len(ids), CODECS[codec], OPTIONS[codec], MODEL.info))
     out = {}
     for m in messages:
+        m = m.SerializeToString() if as_bytes and not isinstance(m, bytes) else m
         for event in reader.feed(m):
             if isinstance(event, LayerPayloads):
                 out[event.layer] = event.payloads
@@ -111,22 +125,69 @@ def apply(messages, ops):
     return out
 
 
+@pytest.mark.parametrize("as_bytes", [False, True], ids=["messages", "bytes"])
 @pytest.mark.parametrize("codec", ["raw", "quant"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=damage)
-def test_a_damaged_stream_is_refused_or_identical(recorded, codec, ops):
+def test_a_damaged_stream_is_refused_or_identical(recorded, codec, as_bytes, ops):
     ids, streams = recorded
     original = read(ids, codec, streams[codec])
     try:
-        got = read(ids, codec, apply(streams[codec], ops))
+        got = read(ids, codec, apply(streams[codec], ops), as_bytes)
     except ServiceError as exc:
         assert exc.code in ("DATA_LOSS", "FAILED_PRECONDITION"), exc
         return
+    same(got, original, ops)
+
+
+def same(got, original, ops) -> None:
     assert sorted(got) == sorted(original)
     for layer, payloads in original.items():
         assert sorted(got[layer]) == sorted(payloads)
         for name, tensor in payloads.items():
             assert got[layer][name].dtype == tensor.dtype and torch.equal(got[layer][name], tensor), (layer, name, ops)
+
+
+byte_damage = st.lists(
+    st.one_of(
+        st.tuples(st.just("flip"), st.integers(0, 10_000), st.integers(0, 1 << 24), st.integers(1, 255)),
+        st.tuples(st.just("cut"), st.integers(0, 10_000), st.integers(0, 1 << 24)),
+        st.tuples(st.just("insert"), st.integers(0, 10_000), st.integers(0, 1 << 24), st.binary(min_size=1, max_size=12)),
+    ),
+    min_size=1,
+    max_size=3,
+)
+
+
+@pytest.mark.parametrize("stream", ["raw", "raw_batched"])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=byte_damage)
+def test_damaged_bytes_are_refused_or_identical(recorded, stream, ops):
+    """Any byte of a serialized message damaged (flipped, cut off, inserted): the serving path's
+    parser and the reader refuse it with DATA_LOSS / FAILED_PRECONDITION, never another error,
+    or (damage protobuf skips: an unknown field) hand over the original payloads."""
+    ids, streams = recorded
+    messages = [m if isinstance(m, bytes) else m.SerializeToString() for m in streams[stream]]
+    if stream == "raw_batched":
+        assert {producer_pb2.PrefillResponse.FromString(m).WhichOneof("kind") for m in messages[1:-1]} == {"layer_chunks"}
+    original = read(ids, "raw", messages)
+    for op in ops:
+        i = op[1] % len(messages)
+        m = bytearray(messages[i])
+        at = op[2] % (len(m) + 1)
+        if op[0] == "flip" and m:
+            m[at % len(m)] ^= op[3]
+        elif op[0] == "cut":
+            del m[at:]
+        elif op[0] == "insert":
+            m[at:at] = op[3]
+        messages[i] = bytes(m)
+    try:
+        got = read(ids, "raw", messages)
+    except ServiceError as exc:
+        assert exc.code in ("DATA_LOSS", "FAILED_PRECONDITION"), exc
+        return
+    same(got, original, ops)
 
 
 OK_OR_CLIENT_ERROR = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,

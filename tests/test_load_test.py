@@ -1,5 +1,5 @@
-"""bench.load_test at the shipped limits (its --quick smoke run): what a user of the defaults
-gets, with refusals counted by status apart from errors, rows that carry the limits they ran at,
+"""bench.load_test at the shipped limits (its --quick smoke run, gRPC and HTTP streams): what a
+user of the defaults gets, with refusals counted by status apart from errors, rows that carry the limits they ran at,
 and the head-of-line probe timing cold requests."""
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ async def test_quick_run_at_the_shipped_defaults(tmp_path):
                                                                             ConsumerConfig.max_inflight)
     assert run["limits"] == hol["limits"] == "defaults" and run["weights"] == "random"
     assert run["unexpected_errors"] == 0 and run["wrong_answers"] == 0 and run["slots_leaked"] == 0
+    assert run["http_streams"] == 2 and run["http_unexpected_errors"] == 0  # HTTP (/v1/completions) beside gRPC
     assert run["accounting_balanced"] and run["ok"] + run["cancelled"] + run["refused"] == run["requests"]
     assert run["refused"] == sum(run["refused_by_status"].values())
     assert hol["hol_request"] == "cold" and hol["hol_runs"] == 2 and hol["hol_ttft_alone_ms"] > 0

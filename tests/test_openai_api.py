@@ -1,8 +1,9 @@
 """The consumer's OpenAI-compatible HTTP port (consumer.openai_api) on a real producer/consumer
 pair: /v1/completions and /v1/chat/completions, streaming and not, answer with the same tokens as
 gRPC Generate for the same prompt and mode (greedy, float32); /v1/models; bad input answers
-OpenAI's error JSON with the right status and the field named. Plain HTTP (aiohttp's client):
-the `openai` SDK is not installed here."""
+OpenAI's error JSON with the right status and the field named. Plain HTTP (aiohttp's client) and
+the official `openai` Python client (chat.completions.create and completions.create, streamed or
+not: the same token ids as gRPC Generate)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import ssl
 from collections.abc import AsyncIterator
 
 import aiohttp
+import openai
 import pytest
 import trustme
 
@@ -236,3 +238,45 @@ async def test_without_scd_mode_the_consumers_default_mode_answers(pair):
     status, reply = await post(pair, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
     assert status == 200 and reply["usage"]["completion_tokens"] == 2
     assert reply["scd"]["mode"] in pair.consumer.servicer.codecs or reply["scd"]["mode"] == "oracle"
+
+
+def sdk(pair: Pair) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url(pair, "/v1"), api_key="unused", max_retries=0)
+
+
+def token_ids(choice) -> list[int]:
+    """vLLM's return_token_ids extension: an extra field the SDK keeps on the choice."""
+    return list((choice.model_extra or {}).get("token_ids") or [])
+
+
+@pytest.mark.numeric
+async def test_the_openai_client_answers_as_grpc_generate(pair):
+    client = sdk(pair)
+    model = pair.consumer.servicer.loaded.info.model_id
+    extra = {"scd_mode": "oracle", "return_token_ids": True}
+    _, want, want_text = await grpc_answer(pair, PROMPT, True, "oracle")
+    reply = await client.completions.create(model=model, prompt=PROMPT, max_tokens=NEW, temperature=0, extra_body=extra)
+    assert token_ids(reply.choices[0]) == want and reply.choices[0].text == want_text
+    assert reply.usage is not None and reply.usage.completion_tokens == len(want)
+    streamed = await client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=NEW, temperature=0, stream=True, extra_body=extra
+    )
+    pieces = [c async for c in streamed]
+    assert [t for c in pieces if c.choices for t in token_ids(c.choices[0])] == want
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == want_text
+
+    messages = [{"role": "system", "content": "answer briefly"}, {"role": "user", "content": PROMPT}]
+    rendered, special = schema.render_chat({"messages": messages}, pair.consumer.servicer.loaded.tokenizer)
+    _, want, want_text = await grpc_answer(pair, rendered, special, "oracle")
+    chat = await client.chat.completions.create(model=model, messages=messages, max_tokens=NEW, temperature=0, extra_body=extra)
+    assert token_ids(chat.choices[0]) == want and chat.choices[0].message.content == want_text
+    assert chat.choices[0].message.role == "assistant"
+    streamed_chat = await client.chat.completions.create(
+        model=model, messages=messages, max_tokens=NEW, temperature=0, stream=True, extra_body=extra
+    )
+    deltas = [c async for c in streamed_chat]
+    assert [t for c in deltas if c.choices for t in token_ids(c.choices[0])] == want
+    assert "".join(c.choices[0].delta.content or "" for c in deltas if c.choices) == want_text
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model="gpt-4", prompt="hi there", max_tokens=2)
+    await client.close()

@@ -115,7 +115,7 @@ def slow_own_prefill(planner: TransferPlanner, ms_per_token: float = 1e6) -> Non
 
 
 def test_producer_memory_remembers_prefixes_per_mode_and_stays_bounded():
-    from consumer.producer_memory import ProducerMemory
+    from consumer.producer_memory import PENDING, ProducerMemory
 
     m = ProducerMemory(capacity=16)
     ids = list(range(1000))
@@ -129,7 +129,12 @@ def test_producer_memory_remembers_prefixes_per_mode_and_stays_bounded():
     m.remember("", "float32", "raw", ids, chunk_tokens=256)  # producer not known: nothing to remember
     for n in range(20):
         m.remember("p" * 64, "float32", "raw", [n] * 300, chunk_tokens=256)
-    assert len(m.keys) == 16
+    assert len(m.pending) == 20  # hashed only once auto asks: no work for requests that never use auto
+    m.held("p" * 64, "float32", "raw", ids)
+    assert len(m.keys) == 16 and not m.pending
+    for n in range(100):
+        m.remember("p" * 64, "float32", "raw", [n] * 300, chunk_tokens=256)
+    assert len(m.pending) == PENDING  # bounded while auto never asks
 
 
 def test_overhead_is_learned_only_from_roughly_right_estimates():

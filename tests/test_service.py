@@ -122,11 +122,12 @@ class CorruptingProxy(producer_pb2_grpc.ProducerServiceServicer):
     async def Prefill(self, request, context):
         seen = 0
         async for message in self.stub.Prefill(request, timeout=context.time_remaining()):
-            if message.WhichOneof("kind") == "chunk":
+            kind = message.WhichOneof("kind")  # a layer's chunks come in one layer_chunks message
+            for chunk in [message.chunk] if kind == "chunk" else message.layer_chunks.chunks if kind == "layer_chunks" else []:
                 if seen == self.corrupt_chunk:
-                    data = bytearray(message.chunk.data)
+                    data = bytearray(chunk.data)
                     data[len(data) // 2] ^= 0x10
-                    message.chunk.data = bytes(data)
+                    chunk.data = bytes(data)
                 seen += 1
             yield message
 

@@ -60,6 +60,47 @@ def test_an_artifact_of_other_weights_fails_the_start(tmp_path):
     save_file({"unused": torch.zeros(1)}, str(path), metadata={"scd": json.dumps(meta)})
     proc = run_service("producer", "--model", "tiny-llama", "--device", "cpu", "--artifacts", str(path))
     assert_one_line_failure(proc, "--artifacts other-pair.safetensors: calibrated for producer other-base")
+    # checked before the server announces itself: nothing says started or serving first
+    assert '"server.started"' not in proc.stderr and '"server.serving"' not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_folder_of_several_pairs_artifacts_loads_the_ones_for_these_weights(tmp_path):
+    """--artifacts artifacts/ (the four shipped pairs): the producer on qa-base keeps
+    qa-base-to-tuned, logs the three others as skipped (one line each, naming it and why) and
+    serves; a folder holding only other pairs' artifacts fails the start naming each."""
+    events = []
+    with subprocess.Popen(
+        [sys.executable, "-m", "producer", "--port", "0", "--model", "checkpoints/qa-base", "--device", "cpu",
+         "--artifacts", "artifacts"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True,
+    ) as proc:  # fmt: skip
+        try:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                if line.startswith("{"):
+                    events.append(json.loads(line))
+                if events and events[-1]["event"] in ("server.serving", "startup.failed"):
+                    break
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    names = [e["event"] for e in events]
+    assert names[-1] == "server.serving", events
+    skipped = {Path(e["artifact"]).name: e["reason"] for e in events if e["event"] == "startup.artifact_skipped"}
+    shipped = {p.name for p in (ROOT / "artifacts").glob("*.safetensors")}
+    assert set(skipped) == shipped - {"qa-base-to-tuned.safetensors"}, skipped
+    assert all("calibrated for producer" in why and "checkpoints/qa-base" in why for why in skipped.values())
+    assert max(i for i, n in enumerate(names) if n == "startup.artifact_skipped") < names.index("server.started")
+
+    others = tmp_path / "others"
+    others.mkdir()
+    for name in ("qa-tuned-to-tuned", "qa-deep-base-to-lora"):
+        for ext in (".safetensors", ".json"):
+            (others / f"{name}{ext}").write_bytes((ROOT / "artifacts" / f"{name}{ext}").read_bytes())
+    failed = run_service("producer", "--model", "checkpoints/qa-base", "--device", "cpu", "--artifacts", str(others))
+    assert_one_line_failure(failed, "none of the 2 artifacts was calibrated for producer --model checkpoints/qa-base")
+    assert "qa-tuned-to-tuned.safetensors (for producer checkpoints/qa-tuned)" in failed.stderr
+    assert '"server.started"' not in failed.stderr
 
 
 def test_devices_this_build_lacks_are_refused_before_start():

@@ -396,3 +396,70 @@ async def test_the_exact_cache_starts_from_the_consumers_own_cached_prefill(tmp_
         tokens = again.stats.context_tokens
         assert again.stats.verify_decision.endswith(f"; exact cache: {tokens} context tokens from the prefix cache")
         assert again.ids == first.ids and oracle == first.ids
+
+
+@pytest.mark.numeric  # greedy tokens compared across kernels (tests/greedy.py)
+async def test_identical_weights_build_the_exact_cache_by_a_raw_transfer_beside_the_drafts(loaded):
+    """Producer and consumer with the same weights and dtype: when auto's estimates say the raw
+    transfer beats the own prefill, verified decoding of a lossy (4-bit) transfer takes its exact
+    cache from a second, raw, transfer; the answer is the oracle's, both transfers' bytes count,
+    and every block comes back."""
+    tok = loaded.tokenizer
+    ctx_ids, q_ids = tok(CONTEXT)["input_ids"], tok(QUESTION, add_special_tokens=False)["input_ids"]
+    own, margins = local_greedy(loaded.model, ctx_ids, q_ids, 24, tok.eos_token_id)
+    async with running_pair("tiny-llama", consumer_kw=SMALL_CHUNKS) as pair:
+        servicer = pair.consumer.servicer
+        raw = next(c for c in servicer.chooser.candidates() if c.mode == "raw")
+        asked: list[int] = []
+
+        def raw_is_faster(context_ids: list[int]):
+            asked.append(len(context_ids))
+            return raw  # the decision under test below is the mechanism, not the estimate
+
+        servicer.chooser.exact_transfer = raw_is_faster
+        lossy = common_pb2.CodecSpec(name="quant", options={"bits": "4"})
+        quant = await pair.client.generate(timeout=120, **{**fields("quant", consumer_pb2.VERIFY_POLICY_OFF, 24), "transfer": lossy})
+        answer = await pair.client.generate(timeout=120, **{**fields("quant", VERIFIED, 24), "transfer": lossy})
+        s = answer.stats
+        assert asked == [len(ctx_ids)]
+        assert_greedy_agrees(answer.ids, own, margins, what="verified, exact cache by raw")
+        assert "; exact cache: raw transfer (" in s.verify_decision, s.verify_decision
+        raw_bytes = loaded.info.kv_bytes(len(ctx_ids))
+        assert s.bytes_received > raw_bytes  # the quant stream's and the raw stream's bytes
+        assert quant.stats.bytes_received < raw_bytes
+        await all_blocks_back(pair.consumer)
+
+
+async def test_the_exact_transfer_is_chosen_only_when_estimated_faster_than_the_own_prefill():
+    """Chooser.exact_transfer: None without estimates, without an exact remote candidate (other
+    weights) or when the own prefill is faster; the raw candidate when its estimate is lower."""
+    from consumer.planner import Observation
+
+    async with running_pair("tiny-llama") as pair:
+        chooser, planner = pair.consumer.servicer.chooser, pair.consumer.servicer.planner
+        ids = list(range(4, 260))
+        assert chooser.exact_transfer(ids) is None  # nothing measured yet
+        fresh = type(planner)()
+        chooser.planner = fresh
+        for tokens in (64, 128, 256, 512):  # the own prefill: 1 ms per token
+            fresh.observe(Observation("oracle", {}, tokens, 0, float(tokens), local_tokens=tokens))
+        for tokens in (64, 128, 256, 512):  # raw: the producer prefill at 0.01 ms per token, a fast link
+            fresh.observe(Observation("raw", {}, tokens, tokens * 100, 0.01 * tokens, sent_tokens=tokens,
+                                      producer_prefill_ms=0.01 * tokens, computed_tokens=tokens, header_ms=0.1,
+                                      span_ms=0.01 * tokens, span_bytes=tokens * 100))
+        picked = chooser.exact_transfer(ids)
+        raw = next(c for c in chooser.candidates() if c.mode == "raw")
+        why = (chooser._estimate(raw, chooser.key("raw", raw.options), ids), fresh.estimate_local(len(ids)))
+        assert picked is not None and picked.mode in ("raw", "recompute"), why
+        slow = type(planner)()
+        slow.key, chooser.planner = chooser.key, slow
+        for tokens in (64, 128, 256, 512):  # now the own prefill is cheap and the producer slow
+            slow.observe(Observation("oracle", {}, tokens, 0, 0.001 * tokens, local_tokens=tokens))
+            slow.observe(Observation("raw", {}, tokens, tokens * 100, 5.0 * tokens, sent_tokens=tokens,
+                                     producer_prefill_ms=5.0 * tokens, computed_tokens=tokens, header_ms=0.1,
+                                     span_ms=0.01 * tokens, span_bytes=tokens * 100))
+        assert chooser.exact_transfer(ids) is None
+        chooser.planner = fresh
+        chooser.producer_digest = lambda: "another"  # other weights: raw is naive reuse, never exact
+        chooser._cached = None
+        assert chooser.exact_transfer(ids) is None

@@ -1,0 +1,75 @@
+"""The figures of `make bench-verify` (bench/results/verify.jsonl) for docs/results.md: the quality
+table (per pair and set: each policy's identical-to-oracle share and cost), the speed table (the
+0.5B shape's 256-token answers) and the targets checked on the rows. Measures nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.rows import ROOT, rows_of
+
+QUALITY_POLICIES = ("scd", "scd+repair", "scd+audit_fallback", "scd+verify")
+
+
+def _name(r: dict) -> str:
+    return f"{r['policy']} {r['repair_fraction']:.0%}" if r["policy"] == "scd+repair" else r["policy"]
+
+
+def _quality_table(rows: list[dict]) -> str:
+    names = list(dict.fromkeys(_name(r) for r in rows if r["policy"] in QUALITY_POLICIES))
+    out = [
+        "| pair | set | n | oracle F1 | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 4) + "|",
+    ]
+    groups: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in rows:
+        groups.setdefault((r["pair"], r["set"]), {})[_name(r)] = r
+    for (pair, name), by in groups.items():
+        oracle = by.get("oracle", {})
+        f1 = "-" if oracle.get("f1") is None else f"{oracle['f1']:.1f}"
+        cells = []
+        for n in names:
+            r = by.get(n)
+            if r is None:
+                cells.append("-")
+                continue
+            accepted = f", {r['accepted_draft_fraction']:.0%} accepted" if r.get("accepted_draft_fraction") is not None else ""
+            cells.append(f"{r['identical_to_oracle']:.2f} ({r['cost_ratio_vs_prefill']:.2f}x{accepted})")
+        out.append(f"| {pair} | {name} | {oracle.get('n', '-')} | {f1} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def _speed_table(rows: list[dict]) -> str:
+    out = [
+        "| model | weights | dtype | link | policy | n | TTFT p50 | first verified p50 | completion p50 | identical | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['model']} ({r['set']}) | {r['weights']} | {r['dtype']} | {r['link']} | {r['policy']} | {r['n']} |"
+            f" {r['ttft_ms_p50']:.0f} ms | {r['time_to_verified_ms_p50']:.0f} ms | {r['completion_ms_p50']:.0f} ms |"
+            f" {r['identical_to_oracle']:.2f} | {r['load_avg_1m']} |"
+        )
+    return "\n".join(out)
+
+
+def verify(root: Path = ROOT) -> dict:
+    path = root / "bench/results/verify.jsonl"
+    rows = rows_of(path) if path.exists() else []
+    quality = [r for r in rows if r["weights"] == "trained"]
+    speed = [r for r in rows if r["weights"] != "trained"]
+    verified = [r for r in quality if r["policy"] == "scd+verify"]
+    shifted_repair = [r for r in quality if r["policy"] == "scd+repair" and r["set"] != "in_distribution"]
+    by_policy = {r["policy"]: r for r in speed}
+    raw, ver = by_policy.get("raw"), next((r for r in speed if r["policy"].endswith("+verify")), None)
+    return {
+        "rows": len(rows),
+        "quality_table": _quality_table(quality) if quality else "(no rows)",
+        "speed_table": _speed_table(speed) if speed else "(no rows)",
+        "verify_min_identical": min((r["identical_to_oracle"] for r in verified), default=float("nan")),
+        "verify_sets": len(verified),
+        "repair_best_shifted": max((r["identical_to_oracle"] for r in shifted_repair), default=float("nan")),
+        "repair_worst_shifted": min((r["identical_to_oracle"] for r in shifted_repair), default=float("nan")),
+        "speed_ratio": (ver["completion_ms_p50"] / raw["completion_ms_p50"]) if raw and ver else float("nan"),
+        "speed_policy": ver["policy"] if ver else "",
+    }

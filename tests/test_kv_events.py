@@ -1,0 +1,304 @@
+"""KV events in vLLM's wire format (shared.kv_events) from a real producer/consumer pair, read by a
+subscriber that knows only vLLM's schema: the msgspec structs below are written here as vLLM
+declares them (vllm/distributed/kv_events.py), not imported from the service. Block hashes are
+checked against a reference computed here the way vLLM documents them (hash_block_tokens over
+cbor2's canonical encoding / pickle, NONE_HASH = hash(PYTHONHASHSEED), the low 64 bits on the
+wire). Also the Model Server Protocol gauges on the consumer's real metrics port under load."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import pickle
+import re
+import time
+import urllib.request
+from typing import Any
+
+import cbor2
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from shared import kv_events
+from tests.conftest import prompt, running_pair
+
+# --- vLLM's schema, as the subscriber knows it -----------------------------------------------------
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base class for all KV cache-related events"""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+# --- vLLM's block hashes, computed independently ------------------------------------------------------
+
+
+def vllm_hashes(token_ids: list[int], algo: str = "sha256_cbor", seed: str = "0", block_size: int = 16) -> list[int]:
+    """hash_block_tokens chained from NONE_HASH = H(PYTHONHASHSEED), extra_keys None; external form."""
+
+    def h(obj) -> bytes:
+        raw = cbor2.dumps(obj, canonical=True) if algo == "sha256_cbor" else pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        return hashlib.sha256(raw).digest()
+
+    parent, out = h(seed), []
+    for i in range(0, len(token_ids) // block_size * block_size, block_size):
+        parent = h((parent, tuple(token_ids[i : i + block_size]), None))
+        out.append(int.from_bytes(parent, "big") & ((1 << 64) - 1))
+    return out
+
+
+@pytest.mark.parametrize("algo", ["sha256_cbor", "sha256"])
+def test_block_hashes_are_vllms(algo):
+    ids = list(range(1000, 1000 + 70)) + [0, 1, 23, 24, 255, 256, 65535, 65536, 1 << 32]
+    hasher = kv_events.BlockHasher(algo, "0", 16)
+    assert [kv_events.external(d) for d in hasher.chain(ids)] == vllm_hashes(ids, algo)
+    assert len(vllm_hashes(ids, algo)) == len(ids) // 16
+    assert kv_events.cbor((b"\x00" * 32, tuple(ids), None)) == cbor2.dumps((b"\x00" * 32, tuple(ids), None), canonical=True)
+
+
+def test_a_chunk_chains_from_its_parents_last_block_and_shared_blocks_are_counted():
+    tracker = kv_events.BlockTracker(kv_events.BlockHasher(), "GPU")
+    ids = list(range(100, 180))  # 5 blocks; chunks of 32 tokens: [0, 32), [32, 64), tail [64, 80)
+    first = tracker.stored("a", "root", 0, ids[:32])
+    second = tracker.stored("b", "a", 32, ids[32:64])
+    tail = tracker.stored("c", "b", 64, ids[64:80])
+    want = vllm_hashes(ids)
+    assert [h for e in first + second + tail for h in e["block_hashes"]] == want
+    assert first[0]["parent_block_hash"] is None and second[0]["parent_block_hash"] == want[1]
+    assert tracker.stored("a-payloads", "root", 0, ids[:32]) == []  # same blocks under another key: no event
+    assert tracker.removed("a") == []  # a-payloads still holds them
+    assert tracker.removed("a-payloads")[0]["block_hashes"] == want[:2]
+
+
+# --- the wire: the service's bytes decode with vLLM's structs ---------------------------------------------
+
+
+def test_the_encoding_is_vllms_array_layout_and_the_map_layout_decodes_too():
+    ours = kv_events.structs(array_like=True)
+    event = ours["BlockStored"]([1, 2], None, list(range(32)), 16, None, "GPU", None, [None, None], 0, "full_attention")
+    batch = ours["EventBatch"](ts=1.5, events=[event, ours["BlockRemoved"]([1], "GPU", 0), ours["AllBlocksCleared"]()], data_parallel_rank=0)
+    raw = msgspec.msgpack.encode(batch)
+    theirs = KVEventBatch(
+        ts=1.5,
+        events=[
+            BlockStored([1, 2], None, list(range(32)), 16, None, "GPU", None, [None, None], 0, "full_attention"),
+            BlockRemoved([1], "GPU", 0),
+            AllBlocksCleared(),
+        ],
+        data_parallel_rank=0,
+    )
+    assert raw == msgspec.msgpack.encode(theirs)  # byte for byte
+    plain = msgspec.msgpack.decode(raw)
+    assert plain[0] == 1.5 and plain[2] == 0 and plain[1][0][0] == "BlockStored" and plain[1][2] == ["AllBlocksCleared"]
+    maps = kv_events.structs(array_like=False)
+    raw = msgspec.msgpack.encode(maps["EventBatch"](ts=1.0, events=[maps["BlockRemoved"]([7], "GPU", 0)], data_parallel_rank=0))
+    assert msgspec.msgpack.decode(raw) == [1.0, [{"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU", "group_idx": 0}], 0]
+
+
+# --- a running pair ----------------------------------------------------------------------------------------
+
+EVENTS = {"kv_events_endpoint": "tcp://127.0.0.1:*", "kv_events_replay_endpoint": "tcp://127.0.0.1:*"}
+
+
+class Subscriber:
+    def __init__(self, endpoint: str):
+        self.ctx = zmq.asyncio.Context.instance()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.connect(endpoint)
+        self.seen: list[tuple[int, KVEventBatch]] = []
+
+    async def until(self, found, timeout: float = 20.0) -> list:
+        """Batches until `found(events so far)` is true."""
+        deadline = time.monotonic() + timeout
+        while not found([e for _, b in self.seen for e in b.events]):
+            left = deadline - time.monotonic()
+            assert left > 0, f"no such event in {self.seen}"
+            if await self.sub.poll(int(left * 1000)):
+                topic, seq, payload = await self.sub.recv_multipart()
+                assert topic == b"" and len(seq) == 8
+                self.seen.append((int.from_bytes(seq, "big"), DECODER.decode(payload)))
+        return [e for _, b in self.seen for e in b.events]
+
+    def close(self) -> None:
+        self.sub.close()
+
+
+async def replay(endpoint: str, start: int) -> list[tuple[int, KVEventBatch]]:
+    """vLLM's replay protocol: the start sequence number (8 bytes, big-endian); batches until seq -1."""
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        await sock.send_multipart([b"", start.to_bytes(8, "big")])
+        out = []
+        while True:
+            assert await sock.poll(10_000), "no replay answer"
+            _, seq, payload = await sock.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                return out
+            out.append((int.from_bytes(seq, "big"), DECODER.decode(payload)))
+    finally:
+        sock.close()
+
+
+def stored_hashes(events) -> list[int]:
+    return [h for e in events if isinstance(e, BlockStored) for h in e.block_hashes]
+
+
+@pytest.fixture(scope="module")
+async def pair():
+    async with running_pair(
+        "tiny-llama",
+        producer_kw={**EVENTS, "chunk_tokens": 32},
+        consumer_kw={**EVENTS, "chunk_tokens": 32, "metrics_port": 0, "max_batch": 8},
+    ) as p:
+        yield p
+        p.producer.servicer.sources.events.close()
+
+
+CONTEXT = [(7 * i + 3) % 350 + 10 for i in range(80)]  # 2 whole chunks of 32 and a tail of 16: 5 blocks
+
+
+async def test_a_context_s_blocks_are_stored_evicted_and_replayed(pair):
+    events = pair.consumer.kv_events
+    assert events is not None and pair.consumer.servicer.prefix.events is events
+    sub = Subscriber(events.endpoint)
+    try:
+        await asyncio.sleep(0.3)  # the SUB socket joins before anything is published
+        await pair.generate(context=prompt(ids=CONTEXT), question=prompt(ids=[5, 6, 7]), max_new_tokens=2, mode="oracle")
+        want = vllm_hashes(CONTEXT)
+        seen = await sub.until(lambda evs: set(want) <= set(stored_hashes(evs)))
+        stored = [e for e in seen if isinstance(e, BlockStored)]
+        assert all(e.block_size == 16 and e.medium == "GPU" and e.lora_id is None for e in stored)
+        first = next(e for e in stored if e.block_hashes[0] == want[0])
+        assert first.parent_block_hash is None and first.token_ids == CONTEXT[: 16 * len(first.block_hashes)]
+        later = next(e for e in stored if e.block_hashes[0] == want[2])
+        assert later.parent_block_hash == want[1]  # chained across the chunk boundary
+        assert all(len(e.token_ids) == 16 * len(e.block_hashes) for e in stored)
+
+        # eviction: the engine frees every block only the cache holds
+        prefix, pool = pair.consumer.servicer.prefix, pair.consumer.servicer.prefix.pool
+        await asyncio.wrap_future(pair.consumer.executor.submit(lambda: (prefix.make_room(pool.num_blocks + 1), pool.reclaim())))
+        seen = await sub.until(lambda evs: set(want) <= {h for e in evs if isinstance(e, BlockRemoved) for h in e.block_hashes})
+        assert not prefix.entries
+
+        # clear: one AllBlocksCleared
+        await pair.generate(context=prompt(ids=CONTEXT), question=prompt(ids=[5, 6]), max_new_tokens=1, mode="oracle")
+        await asyncio.wrap_future(pair.consumer.executor.submit(prefix.clear))
+        await sub.until(lambda evs: any(isinstance(e, AllBlocksCleared) for e in evs))
+        seqs = [s for s, _ in sub.seen]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no gap
+
+        # a subscriber that joins late replays what it missed, byte for byte what was published
+        replayed = await replay(events.replay_endpoint, seqs[1])
+        assert [s for s, _ in replayed][: len(seqs) - 1] == seqs[1:]
+        assert [b for _, b in replayed][: len(seqs) - 1] == [b for _, b in sub.seen[1:]]
+        assert events.dropped == 0
+    finally:
+        sub.close()
+
+
+async def test_the_producer_publishes_its_chunk_store_under_the_same_block_hashes(pair):
+    events = pair.producer.servicer.sources.events
+    assert events is not None and events.tracker.hasher.block_size == 16
+    sub = Subscriber(events.endpoint)
+    try:
+        await asyncio.sleep(0.3)
+        context = [(11 * i + 5) % 340 + 20 for i in range(64)]
+        await pair.generate(context=prompt(ids=context), question=prompt(ids=[5, 6, 7]), max_new_tokens=2, mode="raw")
+        want = vllm_hashes(context)
+        seen = await sub.until(lambda evs: set(want) <= set(stored_hashes(evs)))
+        assert {e.medium for e in seen if isinstance(e, BlockStored)} == {"CPU"}
+        # its K/V and its payloads are two entries of one chunk: each block announced once
+        assert sorted(stored_hashes(seen)) == sorted(set(stored_hashes(seen)))
+        chunks = pair.producer.servicer.chunks
+        await asyncio.to_thread(chunks.clear)
+        await sub.until(lambda evs: any(isinstance(e, AllBlocksCleared) for e in evs))
+    finally:
+        sub.close()
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(vllm:[a-z_]+)(\{[^}]*\})? (\S+)$", line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+async def test_model_server_protocol_gauges_on_the_metrics_port_under_load(pair):
+    port = pair.consumer.server.metrics_port
+    model = pair.consumer.servicer.loaded.info.model_id
+    idle = scrape(port)
+    assert idle[f'vllm:num_requests_running{{model_name="{model}"}}'] == 0
+    assert idle[f'vllm:num_requests_waiting{{model_name="{model}"}}'] == 0
+    pool = pair.consumer.servicer.prefix.pool
+    info = [k for k in idle if k.startswith("vllm:cache_config_info")]
+    assert len(info) == 1 and f'block_size="{pool.block_tokens}"' in info[0] and f'num_gpu_blocks="{pool.num_blocks}"' in info[0]
+
+    calls = [
+        asyncio.create_task(
+            pair.generate(context=prompt(ids=[(i * 13 + j) % 330 + 30 for j in range(96)]), question=prompt(ids=[9, 8]),
+                          max_new_tokens=24, mode="oracle")
+        )
+        for i in range(8)
+    ]
+    running, usage = [], []
+    while not all(c.done() for c in calls):
+        got = await asyncio.to_thread(scrape, port)
+        running.append(got[f'vllm:num_requests_running{{model_name="{model}"}}'])
+        usage.append(got[f'vllm:kv_cache_usage_perc{{model_name="{model}"}}'])
+        assert 0 <= got[f'vllm:num_requests_waiting{{model_name="{model}"}}'] <= 8
+        await asyncio.sleep(0.02)
+    await asyncio.gather(*calls)
+    assert max(running) >= 1 and max(running) <= 8
+    assert all(0.0 <= u <= 1.0 for u in usage) and max(usage) > 0
+    settled = {f'vllm:num_requests_running{{model_name="{model}"}}': 0.0, f'vllm:kv_cache_usage_perc{{model_name="{model}"}}': 0.0}
+    deadline = time.monotonic() + 10
+    while True:  # the calls' slots and blocks are released just after their last message
+        done = await asyncio.to_thread(scrape, port)
+        if {k: done[k] for k in settled} == settled or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert {k: done[k] for k in settled} == settled  # only the prefix cache holds blocks now: counted as free
