@@ -66,11 +66,16 @@ def take_ready(first: Any, events: asyncio.Queue) -> tuple[list[Any], BaseExcept
     return batch, error
 
 
-async def engine_task(engine: Engine, job: GenerateJob, task: Task) -> AsyncGenerator[list[int | Finished], None]:
+async def engine_task(
+    engine: Engine, job: GenerateJob, task: Task, interval: int = 1
+) -> AsyncGenerator[list[int | Finished], None]:
     """Hand task to the batch engine; its sampled token ids, then its Finished, in lists of
     whatever arrived since the last one was taken (one item while the caller keeps up; more
-    when the event loop falls behind, so a loaded loop sends fewer, fuller messages). Leaving
-    early (deadline, cancel, error) takes the task out of the engine at its next iteration."""
+    when the event loop falls behind, so a loaded loop sends fewer, fuller messages). With
+    `interval` N > 1 the first token goes out alone and then up to N together (vLLM's
+    --stream-interval: fewer messages, each per-message cost paid once for N tokens); the end, an
+    error or the deadline sends what is held first. Leaving early (deadline, cancel, error) takes
+    the task out of the engine at its next iteration."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     box = mailbox(loop)
@@ -84,13 +89,15 @@ async def engine_task(engine: Engine, job: GenerateJob, task: Task) -> AsyncGene
     # one timer for the task's whole life, not a wait_for (a task and a timer) per token: the
     # deadline arrives in the queue as an error, after whatever the engine delivered before it
     expiry = loop.call_later(remaining, events.put_nowait, DeadlineExceeded("deadline passed while waiting for the engine"))
-    finished = False
+    finished, held, sent = False, [], False
     try:
         while not finished:
             batch, error = take_ready(await events.get(), events)
             finished = bool(batch) and isinstance(batch[-1], Finished)
-            if batch:
-                yield batch  # the tokens before an error still go out
+            held += batch
+            if held and (finished or error is not None or not sent or len(held) >= interval):
+                yield held  # the tokens before an error still go out
+                held, sent = [], True
             if error is not None:
                 raise error
     finally:

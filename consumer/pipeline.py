@@ -399,7 +399,7 @@ class RequestPipeline:
             submitted = time.perf_counter()
             first_at = submitted
             try:
-                async with contextlib.aclosing(engine_task(self.engine, job, task)) as events:
+                async with contextlib.aclosing(engine_task(self.engine, job, task, job.stream_interval)) as events:
                     async for items in events:
                         ids = [item for item in items if not isinstance(item, Finished)]
                         if ids:

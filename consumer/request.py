@@ -67,6 +67,7 @@ class GenerateJob:
     auto: AutoChoice | None = None  # how mode auto (or fallback_to_oracle) chose codec and options
     verify: str = VERIFY_OFF  # VERIFY_OFF | VERIFY_VERIFIED (stream verified tokens only) | VERIFY_PROVISIONAL
     repair: Repair | None = None  # anchor-token repair after the rebuild (consumer.repair); None: off
+    stream_interval: int = 1  # tokens per streamed message after the first (--stream-interval)
 
     @property
     def mode(self) -> str:

@@ -194,6 +194,7 @@ class JobBuilder:
             auto=auto,
             verify=VERIFIES[request.verify],
             repair=repair,
+            stream_interval=cfg.stream_interval,
         )
 
     def _repair(self, spec: common_pb2.CodecSpec) -> tuple[common_pb2.CodecSpec, Repair | None]:

@@ -227,7 +227,7 @@ class Verifier:
                     self.loaded.device,
                 )
                 task = Task(exact, [verified[-1]], _ignore, cont, M, job.stop_ids, generated=len(verified))
-                async with contextlib.aclosing(engine_task(self.engine, job, task)) as events:
+                async with contextlib.aclosing(engine_task(self.engine, job, task, job.stream_interval)) as events:
                     async for items in events:
                         ids = [item for item in items if not isinstance(item, Finished)]
                         if ids:
