@@ -525,7 +525,26 @@ def adaptive(root: Path = ROOT) -> dict:
         "worst": f"{max(ratios):.2f}" if ratios else "-",
         "median": f"{sorted(ratios)[len(ratios) // 2]:.2f}" if ratios else "-",
         "steps": "\n".join(f"- {line}" for line in step_lines) or "- (no step run in the rows)",
+        "mixed": _mixed(root),
     }
+
+
+def _mixed(root: Path) -> str:
+    """The mixed-workload run (`python -m bench.adaptive --mixed`, bench/results/adaptive-mixed.jsonl):
+    one sentence from its summary line."""
+    path = root / "bench/results/adaptive-mixed.jsonl"
+    summary = next((r for r in rows_of(path) if r.get("summary") == "mixed"), None) if path.exists() else None
+    if summary is None:
+        return "(no mixed-workload run in the rows)"
+    by = ", ".join(f"{k} {v:.2f}" for k, v in summary["by_candidate"].items())
+    return (
+        f"{summary['requests']} requests, contexts 16-2048 tokens in random order, named and no-mode requests"
+        f" interleaved (load {summary['load_avg_1m']}): the median absolute error of auto's TTFT estimate for its"
+        f" choice after 10 requests is {summary['median_abs_error']:.3f} (target <= {summary['error_target']}:"
+        f" {'met' if summary['error_met'] else 'not met'}); every candidate that ran in the last"
+        f" {summary['window']} requests within 2x of its measured TTFT: {'met' if summary['ratio_met'] else 'not met'}"
+        f" (median error by candidate: {by})"
+    )
 
 
 def link(root: Path = ROOT) -> dict:

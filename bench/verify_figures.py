@@ -59,7 +59,9 @@ def verify(root: Path = ROOT) -> dict:
     quality = [r for r in rows if r["weights"] == "trained"]
     speed = [r for r in rows if r["weights"] != "trained"]
     verified = [r for r in quality if r["policy"] == "scd+verify"]
-    shifted_repair = [r for r in quality if r["policy"] == "scd+repair" and r["set"] != "in_distribution"]
+    shifted_repair = [
+        r for r in quality if r["policy"] == "scd+repair" and r["set"] != "in_distribution" and r["repair_fraction"] < 1
+    ]
     by_policy = {r["policy"]: r for r in speed}
     raw, ver = by_policy.get("raw"), next((r for r in speed if r["policy"].endswith("+verify")), None)
     return {
