@@ -242,24 +242,28 @@ class RequestPipeline:
         consumer's weights and dtype), beside the drafting; the own prefill when it fails or its
         stream's header names another producer (then its K/V are not the consumer's own). A note."""
         scratch = GenerateResult(job.request_id, via.mode, dict(via.options), len(job.context_ids), len(job.question_ids))
-        own = (self.loaded.info.weight_digest, self.loaded.info.dtype)
         started = time.perf_counter()
         try:
-            await self.transfer.pull(via, scratch, exact)
-            if scratch.stream_producer != own:
-                raise DataLoss(f"the stream's producer {scratch.stream_producer} is not this model in {own[1]}")
+            try:
+                await self.transfer.pull(via, scratch, exact)
+            finally:
+                result.bytes_received += scratch.bytes_received  # both streams' bytes count, also a failed one's
+            if scratch.stream_producer != self._own_kv:
+                raise DataLoss(f"the stream's producer {scratch.stream_producer} is not this model in {self._own_kv[1]}")
         except ServiceError as exc:
             if isinstance(exc, Cancelled):
                 raise
             log.warning("generate.exact_transfer_failed", mode=via.mode, code=exc.code, reason=str(exc)[:200])
-            result.bytes_received += scratch.bytes_received
-            return f"; exact cache: own prefill (the {via.mode} transfer failed: {exc.code})" + (
-                await self.verifier.own_fill(job, exact)
-            ).removeprefix("; exact cache: own prefill")
-        result.bytes_received += scratch.bytes_received
+            note = await self.verifier.own_fill(job, exact)
+            return f"{note} after the {via.mode} transfer failed ({exc.code})"
         result.exact_transfer = via.mode
         ms = (time.perf_counter() - started) * 1e3
         return f"; exact cache: {via.mode} transfer ({scratch.bytes_received} bytes, {ms:.0f} ms)"
+
+    @property
+    def _own_kv(self) -> tuple[str, str]:
+        """(weight digest, dtype) of this consumer's KV: what an exact transfer's producer must be."""
+        return self.loaded.info.weight_digest, self.loaded.info.dtype
 
     async def _exact_start(self, job: GenerateJob, exact: SequenceKV) -> int:
         """Verified decoding's exact cache starts with what the prefix cache holds of the context as
@@ -292,8 +296,7 @@ class RequestPipeline:
         transfer's (keyed by that transfer, its producer checked to be this model and dtype)."""
         if via is None or result.exact_transfer != via.mode:
             return self.keys.chain(None, {}, job.context_ids)
-        own = (self.loaded.info.weight_digest, self.loaded.info.dtype)
-        return self.keys.chain(via.codec, via.options, job.context_ids, own)
+        return self.keys.chain(via.codec, via.options, job.context_ids, self._own_kv)
 
     def cached_tokens(self, codec: Codec | None, options: dict[str, str], context_ids: list[int]) -> int:
         """Context tokens the prefix cache holds made by `codec` (None: the own prefill), without
