@@ -86,12 +86,22 @@ def codec_root(
     return _digest(b"scd.chunks.codec.v2", model_root(weight_digest, dtype).encode(), spec.encode())
 
 
-def chunk_key(parent: str, token_ids: Sequence[int]) -> str:
-    return _digest(b"scd.chunks.chunk.v1", parent.encode(), _token_bytes(token_ids))
-
-
 _CHUNK_TAG = b"scd.chunks.chunk.v1"
-_CHUNK_HASH = hashlib.sha256(len(_CHUNK_TAG).to_bytes(8, "little") + _CHUNK_TAG)  # chunk_key's first part, fed once
+_CHUNK_HASH = hashlib.sha256(len(_CHUNK_TAG).to_bytes(8, "little") + _CHUNK_TAG)  # the tag, fed once
+
+
+def chunk_key(parent: str, token_ids: Sequence[int]) -> str:
+    return _packed_chunk_key(parent, _token_bytes(token_ids))
+
+
+def _packed_chunk_key(parent: str, packed: bytes) -> str:
+    """_digest(_CHUNK_TAG, parent, packed ids), the tag's part hashed once for every key."""
+    p = parent.encode()
+    h = _CHUNK_HASH.copy()
+    for part in (p, packed):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()
 
 
 def chain(root: str, token_ids: Sequence[int], chunk_tokens: int) -> list[ChunkRef]:
@@ -107,14 +117,7 @@ def _chain(root: str, token_ids: Sequence[int], packed: bytes, chunk_tokens: int
     parent = root
     for start in range(0, len(token_ids), chunk_tokens):
         end = min(start + chunk_tokens, len(token_ids))
-        part = packed[4 * start : 4 * end]
-        p = parent.encode()
-        h = _CHUNK_HASH.copy()  # = chunk_key(parent, token_ids[start:end])
-        h.update(len(p).to_bytes(8, "little"))
-        h.update(p)
-        h.update(len(part).to_bytes(8, "little"))
-        h.update(part)
-        key = h.hexdigest()
+        key = _packed_chunk_key(parent, packed[4 * start : 4 * end])  # = chunk_key(parent, token_ids[start:end])
         refs.append(ChunkRef(key, parent, start, end, tuple(token_ids[start:end])))
         parent = key
     return refs
