@@ -35,7 +35,6 @@ many candidates were excluded and why. Knows nothing about grpc.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -57,6 +56,7 @@ PROBE_EVERY = 20  # a user request is a probe at most once in this many auto cho
 PROBE_STALE_CHOICES = 3  # a link estimate not measured for this many choices ...
 PROBE_AFTER_S = 5.0  # ... and this long is stale
 UNCERTAIN_PENALTY = 1.5  # an uncertain estimate must beat a confident one by this factor to win
+KEYS_MEMO = 1024  # candidate keys kept computed (cleared when full: named requests' options vary)
 DOUBT_MARGIN = 1.2  # an uncertain remote estimate this much below the pick is worth a probe
 TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no", "")
 
@@ -141,6 +141,7 @@ class Chooser:
         self.producer_dtype = producer_dtype  # the dtype the producer computes its KV in ("" unknown)
         self._cached: tuple[tuple[str, str], list[Candidate]] | None = None  # ((digest, dtype), candidates) last built
         self.choices_since_probe = PROBE_EVERY  # auto choices since a user request was last a probe
+        self._keys: dict[tuple, str] = {}  # key() memo: (producer digest, mode, options) -> key
         planner.key = self.key  # the planner learns under the candidates' canonical keys
 
     # -- the candidate set ------------------------------------------------------------------
@@ -228,6 +229,17 @@ class Chooser:
 
     # -- the choice -------------------------------------------------------------------------
     def key(self, mode: str, options: Mapping[str, str]) -> str:
+        """`_key`, computed once per (mode, options) while the producer's artifacts stay the same
+        (every choice asks it for every candidate)."""
+        memo_key = (self.producer_digest(), mode, tuple(sorted(options.items())))
+        key = self._keys.get(memo_key)
+        if key is None:
+            if len(self._keys) >= KEYS_MEMO:
+                self._keys.clear()
+            key = self._keys[memo_key] = self._key(mode, options)
+        return key
+
+    def _key(self, mode: str, options: Mapping[str, str]) -> str:
         """The one key of a candidate in the planner and the producer memory: a named mode with
         its default options and auto's candidate for the same codec and options are one key. SCD
         is keyed by the artifact and the schedule the options choose from it
@@ -262,6 +274,13 @@ class Chooser:
         compute = 0 if payload_held >= T else T - kv_held
         encode = max(0, T - max(payload_held, cached))
         return self.planner.estimate_remote(key, self.loaded.info.num_layers, compute, encode, T - cached, c.bytes_per_token)
+
+    def estimate_named(self, mode: str, options: Mapping[str, str], context_ids: list[int]) -> Estimate:
+        """The estimate for a mode the request named (nothing to choose): its measured TTFT is
+        compared with it afterwards, so named requests teach the learned overhead as auto's own
+        choices do (consumer.server `_observe`)."""
+        c = Candidate(mode, options, math.nan, "named by the request")
+        return self._estimate(c, self.key(mode, options), context_ids)
 
     def _excluded(self, c: Candidate, budget: Budget, usable: bool) -> str:
         """Why a candidate is not within this request's reach ("" when it is)."""
@@ -328,7 +347,7 @@ class Chooser:
             reason = f"cold start: {pick.estimate.detail}; picked {pick.key}, the only candidate"
         if not usable:
             reason += "; the producer link is unusable: remote candidates left out"
-        marked = [dataclasses.replace(s, chosen=s is pick) for s in scored]
+        marked = [Scored(s.candidate, s.within, s.estimate, s is pick, s.key, s.excluded) for s in scored]
         marked.sort(key=lambda s: (not s.within, s.estimate.ms is None, s.estimate.ms or 0.0))
         return AutoChoice(budget, pick.candidate, reason, marked)
 

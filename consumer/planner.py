@@ -93,6 +93,7 @@ class Fit:
     samples: collections.deque = field(default_factory=lambda: collections.deque(maxlen=FIT_WINDOW))
     count: int = 0  # samples taken (the window keeps the last FIT_WINDOW)
     at: float = 0.0  # time.monotonic() of the last one
+    _fitted: tuple[float, float, bool] | None = field(default=None, repr=False, compare=False)  # until the next add
 
     def add(self, tokens: int, ms: float) -> None:
         if tokens <= 0 or not ms >= 0:
@@ -100,8 +101,15 @@ class Fit:
         self.samples.append((float(tokens), float(ms)))
         self.count += 1
         self.at = time.monotonic()
+        self._fitted = None
 
     def coefficients(self) -> tuple[float, float, bool] | None:
+        """`_coefficients`, fitted once per sample added (every choice predicts from every fit)."""
+        if self._fitted is None:
+            self._fitted = self._coefficients()
+        return self._fitted
+
+    def _coefficients(self) -> tuple[float, float, bool] | None:
         """(fixed ms, ms per token, separated); separated is False while the samples' lengths are
         too close (within MIN_SPREAD) to tell the two terms apart. None without samples.
 

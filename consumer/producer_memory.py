@@ -20,6 +20,7 @@ from shared import chunks
 
 CAPACITY = 1 << 16  # chunk keys remembered
 PENDING = 32  # transfers remembered but not hashed yet (each holds its context's ids until then)
+ROOTS_MEMO = 256  # (producer, dtype, candidate) roots kept hashed (cleared when full)
 
 
 class ProducerMemory:
@@ -29,11 +30,22 @@ class ProducerMemory:
         self.chunk_tokens = chunks.DEFAULT_CHUNK_TOKENS
         self.pending: collections.deque[tuple[str, str, str, list[int], int]] = collections.deque(maxlen=PENDING)
         self.chains = chunks.Chains()  # one context's token bytes packed once for its chains
+        self._root_memo: dict[tuple[str, str, str], tuple[str, str]] = {}
+
+    def _roots(self, producer: str, dtype: str, mode_key: str) -> tuple[str, str]:
+        """(KV root, payload root) of a producer, dtype and candidate: hashed once each."""
+        key = (producer, dtype, mode_key)
+        roots = self._root_memo.get(key)
+        if roots is None:
+            if len(self._root_memo) >= ROOTS_MEMO:
+                self._root_memo.clear()
+            kv_root = chunks.model_root(producer, dtype or "?")
+            roots = self._root_memo[key] = (kv_root, chunks.codec_root(producer, dtype or "?", mode_key, 0, {}, {}))
+        return roots
 
     def _chains(self, producer: str, dtype: str, mode_key: str, context_ids: list[int], size: int) -> tuple[list, list]:
         size = size or max(len(context_ids), 1)
-        kv_root = chunks.model_root(producer, dtype or "?")
-        payload_root = chunks.codec_root(producer, dtype or "?", mode_key, 0, {}, {})
+        kv_root, payload_root = self._roots(producer, dtype, mode_key)
         return self.chains.chain(kv_root, context_ids, size), self.chains.chain(payload_root, context_ids, size)
 
     def remember(self, producer: str, dtype: str, mode_key: str, context_ids: list[int], chunk_tokens: int) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from consumer.auto import AutoChoice
 from consumer.decoding import Sampling
+from consumer.planner import Estimate
 from consumer.stream_reader import StreamTrailer
 from shared.codecs import Codec
 from shared.errors import DeadlineExceeded
@@ -65,6 +66,7 @@ class GenerateJob:
     audit_positions: int = 8
     audit_threshold: float = 0.05  # used when the codec has no calibrated threshold
     auto: AutoChoice | None = None  # how mode auto (or fallback_to_oracle) chose codec and options
+    estimate: Estimate | None = None  # a named mode's TTFT estimate at admission (teaches the learned overhead)
     verify: str = VERIFY_OFF  # VERIFY_OFF | VERIFY_VERIFIED (stream verified tokens only) | VERIFY_PROVISIONAL
     repair: Repair | None = None  # anchor-token repair after the rebuild (consumer.repair); None: off
     stream_interval: int = 1  # tokens per streamed message after the first (--stream-interval)

@@ -149,12 +149,14 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         if item.abandoned_span is not None:
             self.planner.observe_abandoned(*item.abandoned_span)
         chosen = next((s for s in job.auto.scored if s.chosen), None) if job.auto is not None else None
+        # what the model said before the request ran: auto's choice's estimate, or a named mode's
+        remote, base_ms = (chosen.candidate.remote, chosen.estimate.base_ms) if chosen else (job.codec is not None, None)
+        if job.auto is None and job.estimate is not None:
+            base_ms = job.estimate.base_ms
         if item.verify_decision.startswith("verified"):
-            chosen = None  # its first token waited for the exact cache: no sample of the transfer's overhead
-        if chosen is not None and chosen.estimate.base_ms is not None and not item.transfer_failure and item.generated_tokens:
-            self.planner.observe_overhead(
-                chosen.candidate.remote, item.ttft_ms - item.question_prefill_ms, chosen.estimate.base_ms
-            )
+            base_ms = None  # its first token waited for the exact cache: no sample of the transfer's overhead
+        if base_ms is not None and not item.transfer_failure and item.generated_tokens:
+            self.planner.observe_overhead(remote, item.ttft_ms - item.question_prefill_ms, base_ms)
         observed = Observation(
             item.codec,
             item.options if item.transfer_failure else job.options,

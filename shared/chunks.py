@@ -47,7 +47,16 @@ class ChunkRef:
     parent: str  # the previous chunk's key, or the root for the first chunk
     start: int
     end: int
-    tokens: tuple[int, ...] = field(default=(), compare=False, repr=False)  # its token ids (KV events: shared.kv_events)
+    # its token ids as keyed (uint32 little-endian; the bytes its key hashed, so no copy is made
+    # for requests that never read them): `tokens` decodes them (KV events: shared.kv_events)
+    token_bytes: bytes = field(default=b"", compare=False, repr=False)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        ids = array("I", self.token_bytes)
+        if sys.byteorder == "big":
+            ids.byteswap()
+        return tuple(ids)
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
@@ -117,8 +126,9 @@ def _chain(root: str, token_ids: Sequence[int], packed: bytes, chunk_tokens: int
     parent = root
     for start in range(0, len(token_ids), chunk_tokens):
         end = min(start + chunk_tokens, len(token_ids))
-        key = _packed_chunk_key(parent, packed[4 * start : 4 * end])  # = chunk_key(parent, token_ids[start:end])
-        refs.append(ChunkRef(key, parent, start, end, tuple(token_ids[start:end])))
+        piece = packed[4 * start : 4 * end]
+        key = _packed_chunk_key(parent, piece)  # = chunk_key(parent, token_ids[start:end])
+        refs.append(ChunkRef(key, parent, start, end, piece))
         parent = key
     return refs
 

@@ -76,6 +76,21 @@ async def test_auto_follows_the_estimates():
         assert stats.transfer.name == "oracle" and [c.mode for c in stats.auto.candidates if c.within_budget] == ["oracle"]
 
 
+async def test_named_requests_teach_the_overhead():
+    """A named mode's TTFT, compared with the estimate made when it was admitted, teaches the
+    learned overhead as auto's own choices do: an estimate for a mode that only callers name
+    (no request asked auto) still comes to include what the model leaves out."""
+    async with running_pair("tiny-llama", consumer_kw={"prefix_cache_bytes": 0}) as pair:
+        planner = pair.consumer.servicer.planner
+        raw = common_pb2.CodecSpec(name="raw")
+        for i in range(5):  # new contexts of about the same length: confident estimates after the first
+            await pair.generate(transfer=raw, **fields(f"{i} " + CONTEXT))
+        learned = planner.overhead_ms["remote"]
+        assert learned.count >= 1 and learned.value is not None
+        described = await pair.client.describe()
+        assert described.stats.auto_choices == 0  # no auto request taught it
+
+
 @pytest.mark.parametrize(
     "options, text",
     [
