@@ -1,6 +1,7 @@
 """`make bench-verify` (`python -m bench.verify`): what each way of making an SCD answer the
 consumer's own costs and buys: scd alone, scd + anchor-token repair (consumer/repair.py) at a few
-fractions of the context, scd + the audit's fallback, scd + verified decoding (consumer/verify.py),
+fractions of the context, scd + the audit's fallback, scd + the audit's repair (a flagged cache
+repaired at 10%, audited again, else the own prefill), scd + verified decoding (consumer/verify.py),
 and the oracle (the consumer's own prefill), through the real services.
 
 Part 1, quality (`--pairs`, trained QA pairs, float32, greedy, 8-token answers, loopback): per
@@ -79,6 +80,7 @@ def quality_policies(fractions: list[float]) -> list[Policy]:
         Policy("scd", "scd"),
         *(Policy("scd+repair", "scd", {"repair": str(f)}, repair_fraction=f) for f in fractions),
         Policy("scd+audit_fallback", "scd", fields=fallback),
+        Policy("scd+audit_repair", "scd", fields={"audit": consumer_pb2.AUDIT_POLICY_REPAIR}, repair_fraction=0.1),
         Policy("scd+verify", "scd", fields=verify),
     ]
 

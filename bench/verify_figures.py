@@ -8,7 +8,7 @@ from pathlib import Path
 
 from bench.rows import ROOT, rows_of
 
-QUALITY_POLICIES = ("scd", "scd+repair", "scd+audit_fallback", "scd+verify")
+QUALITY_POLICIES = ("scd", "scd+repair", "scd+audit_fallback", "scd+audit_repair", "scd+verify")
 
 
 def _name(r: dict) -> str:

@@ -1,7 +1,9 @@
 """The cache audit's policies over a rebuilt cache (shared.audit spot-checks it): report answers
 from it anyway; fallback prefills locally when it is flagged; upgrade transfers once more with the
 codec's richer options and audits that, prefilling locally when that is flagged too, no richer
-option exists or the second transfer fails. Knows nothing about gRPC or the prefix cache.
+option exists or the second transfer fails; repair recomputes anchor tokens of a flagged cache
+(consumer.repair, through the pipeline's `repair` step) and audits it again, prefilling locally
+when it is still flagged. Knows nothing about gRPC or the prefix cache.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from consumer.kv_pool import SequenceKV
-from consumer.request import AUDIT_REPORT, AUDIT_UPGRADE, GenerateJob, GenerateResult, left
+from consumer.request import AUDIT_REPAIR, AUDIT_REPORT, AUDIT_UPGRADE, GenerateJob, GenerateResult, left
 from consumer.transfer import Transfer
 from shared import audit, logs
 from shared.codecs import CacheDecoder
@@ -27,18 +29,29 @@ class AuditPolicy:
         loaded: LoadedModel,
         transfer: Transfer,
         local_prefill: Callable[[GenerateJob, GenerateResult, SequenceKV], Awaitable[None]],
+        repair: Callable[[GenerateJob, GenerateResult, SequenceKV], Awaitable[None]],
     ):
-        self.loaded, self.transfer, self.local_prefill = loaded, transfer, local_prefill
+        self.loaded, self.transfer, self.local_prefill, self.repair = loaded, transfer, local_prefill, repair
 
     async def apply(self, job: GenerateJob, result: GenerateResult, seq: SequenceKV, decoder: CacheDecoder) -> None:
         """Spot-check the rebuilt cache (shared.audit). Policy report: answer from it anyway;
         fallback: prefill locally when it is flagged; upgrade: when flagged, transfer once more
         with the codec's richer options and audit that, prefilling locally if it is flagged too,
-        no richer option exists or the second transfer fails."""
+        no richer option exists or the second transfer fails; repair: when flagged, repair anchor
+        tokens and audit again, prefilling locally if it is flagged again."""
         if not await self.check(job, result, seq, decoder):
+            if job.audit == AUDIT_REPAIR:
+                result.repair_choice = "skipped: the audit did not flag the cache"
             return
         if job.audit == AUDIT_REPORT:
             return
+        if job.audit == AUDIT_REPAIR:
+            first = result.audit_decision
+            await self.repair(job, result, seq)
+            flagged = await self.check(job, result, seq, decoder)
+            result.audit_decision = f"{first}: repaired {result.repair_tokens} tokens: {result.audit_decision}"
+            if not flagged:
+                return
         if job.audit == AUDIT_UPGRADE:
             richer = decoder.richer_options()
             if richer is None:

@@ -19,9 +19,10 @@ An iteration:
      ragged rows under 2x (`pack`);
   3. one decode forward: requests with a sampled token to feed, up to `max_batch` rows, taken
      round-robin when there are more.
-A prefill task may keep the logits of its last positions (`keep_logits`): verified decoding's
-one forward over question + drafted tokens (consumer.verify) is such a prefill row, chunked and
-batched like any other.
+A prefill task may keep the logits of its last positions (`keep_logits`; only their argmax ids
+with `keep_argmax`): verified decoding's one forward over question + drafted tokens
+(consumer.verify) is such a prefill row, chunked and batched like any other; a kept row that is
+not finite fails it (DataLoss).
 Requests join and leave between iterations. A request's rows sample with its own settings and
 stop ids; a row whose logits are not finite fails alone (DataLoss), the rest of the batch goes
 on. A cancelled request leaves at the next iteration. `max_batch = 1` gives one row per forward,
@@ -76,8 +77,10 @@ class Task:
     done: bool = False  # it finished (engine thread): its outcome was sent
     # > 0: keep the logits after each of the last `keep_logits` fed tokens (verified decoding's one
     # forward over question + drafts, consumer.verify): chunks of [n, vocab] float32 in `scores`,
-    # complete when the task's Finished arrives (written on the engine thread before it is sent)
+    # complete when the task's Finished arrives (written on the engine thread before it is sent).
+    # A kept row that is not finite fails the task (DataLoss)
     keep_logits: int = 0
+    keep_argmax: bool = False  # keep each kept row's argmax id ([n] chunks) instead: greedy needs no more
     scores: list[torch.Tensor] = field(default_factory=list)
 
     @property
@@ -401,8 +404,8 @@ class BatchEngine(concurrent.futures.Executor):
         greedy = torch.argmax(logits, dim=1).tolist()
         for i, (task, take) in enumerate(chosen):
             kept = rows[i].logits
-            if kept is not None:
-                task.scores.append(kept)
+            if kept is not None and not self._keep(task, kept):
+                continue
             del task.pending[:take]
             if task.pending:
                 continue  # more prefill chunks to come: no sampling yet
@@ -422,6 +425,16 @@ class BatchEngine(concurrent.futures.Executor):
                 self._finish(task, Finished("length"))
             else:
                 task.pending = [token]
+
+    def _keep(self, task: Task, kept: torch.Tensor) -> bool:
+        """A chunk's kept logits into task.scores (their argmax ids under keep_argmax); False when
+        one row is not finite: the task failed (DataLoss), since the acceptance would read it."""
+        if not bool(rows_finite(kept).all()):
+            self.stats.failed_rows += 1
+            self._finish(task, DataLoss("the exact cache gives non-finite logits"))
+            return False
+        task.scores.append(torch.argmax(kept, dim=-1) if task.keep_argmax else kept)
+        return True
 
     def _finish(self, task: Task, outcome: Any) -> None:
         task.done = True  # leaves at the next iteration boundary

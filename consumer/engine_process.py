@@ -14,6 +14,12 @@ many the host has. With `--engine-process` the engine runs in a child process:
 - One pipe. The frontend sends add / cancel / stop. After each iteration the child sends what its
   tasks produced (token ids; a Finished with the sequence's new length; errors), the tasks that
   left its batch after a cancel, and its counters.
+- Verified decoding (consumer.verify) drafts, checks and continues in the child like any task;
+  its acceptance stays in the frontend (one implementation) and reads what the child sends beside
+  the item that completes it, once: with each sampled draft token its q row (a DraftSampler,
+  named by class in the add), with the verification task's Finished its kept rows (k + 1 argmax
+  ids when greedy, k + 1 logits rows when sampling). A kept row that is not finite fails the
+  task in the child (DataLoss), as in process.
 - A request's blocks are freed only once the child has said its task left. A cancelled task may
   still be in the forward being run, and freed blocks are handed to the next request.
 - Liveness: the child's Progress lives in shared memory (`SharedProgress`), and the frontend's
@@ -40,10 +46,9 @@ import torch
 import torch.multiprocessing as mp
 
 from consumer.batch import BatchEngine, EngineStats, Finished, Task
-from consumer.decoding import Sampler
 from consumer.kv_pool import KVPool, SequenceKV
 from shared import liveness, logs
-from shared.errors import FailedPrecondition, ServiceError, Unavailable
+from shared.errors import ServiceError, Unavailable
 from shared.models import LoadedModel, load_model, warm_up
 
 log = logs.get("consumer.engine_process")
@@ -110,6 +115,38 @@ def _portable(item: Any) -> Any:
     return item
 
 
+def _drawn(task: Task) -> list[torch.Tensor] | None:
+    """The distributions a sampler that keeps them drew from (consumer.verify.DraftSampler)."""
+    return getattr(task.sampler, "drawn", None)
+
+
+def _rows(task: Task, item: Any) -> Any:
+    """Child: what verified decoding reads in the frontend, sent once beside the item that
+    completes it: a drafted token's q row (popped: the child keeps none), a verification task's
+    kept rows with its Finished; None for everything else. As numpy: pickled by value, no
+    shared-memory handle per tensor."""
+    drawn = _drawn(task)
+    if isinstance(item, int) and drawn:
+        return drawn.pop().float().cpu().numpy()
+    if isinstance(item, Finished) and task.keep_logits and task.scores:
+        return torch.cat(task.scores).cpu().numpy()
+    return None
+
+
+def _take_rows(task: Task, item: Any, rows: Any) -> None:
+    """Frontend: the rows `_rows` sent, where the in-process engine would have left them."""
+    if isinstance(item, Finished):
+        task.scores = [torch.from_numpy(rows)]
+        return
+    drawn = _drawn(task)
+    if drawn is not None:
+        drawn.append(torch.from_numpy(rows))
+
+
+def _no_sink(_: Any) -> None:
+    pass
+
+
 def _child(spec: dict[str, Any], k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, conn: Any) -> None:
     """The engine process: load the model, attach the pool, run tasks the frontend sends."""
     # the frontend decides when it stops (its drain first): a Ctrl-C or a SIGTERM sent to the
@@ -130,13 +167,14 @@ def _child(spec: dict[str, Any], k: torch.Tensor, v: torch.Tensor, state: torch.
     lock = threading.Lock()
     tasks: dict[int, Task] = {}
     cancelled: set[int] = set()
-    outbox: list[tuple[int, Any, int]] = []  # (task id, item, the sequence's length after a terminal item)
+    # (task id, item, the sequence's length after a terminal item, what verification reads: rows)
+    outbox: list[tuple[int, Any, int, Any]] = []
     sent_stats: list[tuple[int, ...]] = [()]
 
-    def sink_for(tid: int, seq: SequenceKV):
+    def sink_for(tid: int, task: Task):
         def sink(item: Any) -> None:  # engine thread
             terminal = isinstance(item, (Finished, BaseException))
-            outbox.append((tid, _portable(item), seq.length if terminal else 0))
+            outbox.append((tid, _portable(item), task.seq.length if terminal else 0, _rows(task, item)))
             if terminal:
                 with lock:
                     tasks.pop(tid, None)
@@ -174,11 +212,14 @@ def _child(spec: dict[str, Any], k: torch.Tensor, v: torch.Tensor, state: torch.
             except (EOFError, OSError):  # the frontend went away
                 break
             if msg[0] == "add":
-                _, tid, blocks, capacity, length, shared_blocks, pending, sampling, max_new, stop_ids = msg
+                _, tid, blocks, capacity, length, shared_blocks, pending, sampler_of, sampling, rest = msg
                 table = torch.tensor(blocks, dtype=torch.long, device=loaded.device)
                 seq = SequenceKV(pool, blocks, table, capacity, length, shared_blocks=shared_blocks)
-                sampler = Sampler(sampling, loaded.device) if sampling is not None else None
-                task = Task(seq, pending, sink_for(tid, seq), sampler, max_new, frozenset(stop_ids))
+                sampler = sampler_of(sampling, loaded.device) if sampling is not None else None
+                max_new, stop_ids, generated, keep_logits, keep_argmax = rest
+                task = Task(seq, pending, _no_sink, sampler, max_new, frozenset(stop_ids), generated)
+                task.keep_logits, task.keep_argmax = keep_logits, keep_argmax
+                task.sink = sink_for(tid, task)
                 with lock:
                     tasks[tid] = task
                 engine.add(task)
@@ -271,9 +312,6 @@ class EngineProcess(concurrent.futures.Executor):
     def add(self, task: Task) -> Task:
         if not task.pending:
             raise ValueError("a task needs tokens to feed")
-        if task.keep_logits:  # verified decoding reads logits and draft distributions in process
-            task.sink(FailedPrecondition("verify: not available with --engine-process"))
-            return task
         seq = task.seq
         with self._lock:
             dead = self._dead
@@ -287,8 +325,9 @@ class EngineProcess(concurrent.futures.Executor):
             return task
         sampling = task.sampler.sampling if task.sampler is not None else None
         msg = (
-            *("add", tid, seq.blocks, seq.capacity, seq.length, seq.shared_blocks, list(task.pending), sampling),
-            *(task.max_new, sorted(task.stop_ids)),
+            *("add", tid, seq.blocks, seq.capacity, seq.length, seq.shared_blocks, list(task.pending)),
+            *(type(task.sampler), sampling),  # the class by name: a DraftSampler drafts there too
+            (task.max_new, sorted(task.stop_ids), task.generated, task.keep_logits, task.keep_argmax),
         )
         if self.loaded.device.type != "cuda":
             self._send_add(tid, task, msg)
@@ -369,7 +408,7 @@ class EngineProcess(concurrent.futures.Executor):
                 return
             st = self.stats
             st.forwards, st.rows, st.last_batch, st.failed_rows, st.max_batch_seen, st.scratch_bytes = stats
-            for tid, item, length in items:
+            for tid, item, length, rows in items:
                 with self._lock:
                     task = self._tasks.get(tid)
                 if task is None:
@@ -377,6 +416,8 @@ class EngineProcess(concurrent.futures.Executor):
                 terminal = isinstance(item, (Finished, BaseException))
                 if isinstance(item, Finished):
                     task.seq.length = length  # what the child's prefill or decode advanced it to
+                if rows is not None:
+                    _take_rows(task, item, rows)  # before the sink: the item's reader finds them
                 task.sink(item)
                 if terminal:
                     self._left(tid)

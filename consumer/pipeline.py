@@ -8,8 +8,9 @@
   tokens as they come -> keep the context's chunks (consumer.prefix_cache, named by
   consumer.prefix_keys) -> release the blocks -> stats.
 
-Policies compose in one order: transfer (its failure policy) -> audit (report, fallback or
-upgrade) -> repair (the transfer option `repair`: recompute the K/V of the context tokens the
+Policies compose in one order: transfer (its failure policy) -> audit (report, fallback,
+upgrade, or repair: a flagged cache is repaired as below and audited again before the own
+prefill replaces it) -> repair (the transfer option `repair`: recompute the K/V of the context tokens the
 question attends to most, over the cache the audit's policy left) -> verify. A cache the earlier
 steps made exact (LOCAL_PREFILL replaced the transfer, the audit fell back to the own prefill, mode
 oracle) is neither repaired nor verified: its answer is the oracle's already, and the second set
@@ -52,9 +53,10 @@ from consumer.kv_pool import SequenceKV
 from consumer.planner import TransferPlanner
 from consumer.prefix_cache import Hit, PrefixCache
 from consumer.prefix_keys import PrefixKeys
-from consumer.repair import Repairer
+from consumer.repair import DEFAULT_AUDIT_REPAIR, Repairer
 from consumer.request import (
     AUDIT_OFF,
+    AUDIT_REPAIR,
     LOCAL_PREFILL,
     ORACLE_MODE,
     VERIFY_OFF,
@@ -103,7 +105,7 @@ class RequestPipeline:
         self.keys = PrefixKeys(loaded.info, chunk, lambda: self.producer_digest(), lambda: self.producer_dtype())
         self.planner = planner  # running estimates: the mid-stream watch under LOCAL_PREFILL
         self.transfer = Transfer(loaded, engine, source, self.keys, planner)
-        self.audits = AuditPolicy(loaded, self.transfer, self._local_prefill)
+        self.audits = AuditPolicy(loaded, self.transfer, self._local_prefill, self._audit_repair)
         self.repairer = Repairer(loaded, engine)
         self.verifier = Verifier(loaded, engine)
         self.abandoned = 0  # transfers abandoned mid-stream
@@ -178,9 +180,7 @@ class RequestPipeline:
         result.raw_kv_bytes = self.loaded.info.kv_bytes(len(job.context_ids))
         refs = self.keys.chain(job.codec, job.options, job.context_ids)
         verify = job.verify != VERIFY_OFF and job.codec is not None
-        if verify:
-            self.verifier.check_supported()
-        elif job.verify != VERIFY_OFF:
+        if job.verify != VERIFY_OFF and not verify:
             result.verify_decision = "skipped: mode oracle is exact"
         seq, exact, partial = await self._admit(job, result, refs, reuse=True, verify=verify)
         try:
@@ -195,7 +195,7 @@ class RequestPipeline:
                 result.bytes_received = 0
                 seq, exact, partial = await self._admit(job, result, refs, reuse=False, verify=verify)
                 await self._cache(job, result, seq, 0, None)
-            if job.repair is not None:
+            if job.repair is not None and job.audit != AUDIT_REPAIR:  # under AUDIT_REPAIR: only when flagged
                 await self._repair(job, result, seq)
             if exact is not None and (result.codec == ORACLE_MODE or result.audit_decision.endswith("prefilled locally")):
                 result.verify_decision = "skipped: the context was prefilled locally"
@@ -236,6 +236,10 @@ class RequestPipeline:
             result.repair_choice = "skipped: the context was prefilled locally"
         else:
             await self.repairer.apply(job, result, seq, job.repair)
+
+    async def _audit_repair(self, job: GenerateJob, result: GenerateResult, seq: SequenceKV) -> None:
+        """AUDIT_REPAIR's response to a flagged cache: the request's repair, else DEFAULT_AUDIT_REPAIR."""
+        await self.repairer.apply(job, result, seq, job.repair or DEFAULT_AUDIT_REPAIR)
 
     async def _exact_by_transfer(self, job: GenerateJob, via: GenerateJob, result: GenerateResult, exact: SequenceKV) -> str:
         """Verified decoding's exact cache by a second transfer (`via`: raw from a producer with the

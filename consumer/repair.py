@@ -55,6 +55,7 @@ from shared.models import LoadedModel
 REPAIR_OPTION = "repair"  # the transfer option's name
 ATTENTION = "attention"  # the anchor choice built (named in GenerateStats.repair_choice)
 ANCHOR_CHUNK = 256  # anchors per recompute forward
+DEFAULT_AUDIT_REPAIR = Repair(fraction=0.1)  # AUDIT_POLICY_REPAIR without the option (bench.verify's curve)
 
 log = logs.get("consumer.repair")
 

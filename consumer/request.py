@@ -19,6 +19,7 @@ from shared.errors import DeadlineExceeded
 ORACLE_MODE = "oracle"  # the consumer's own prefill: only token ids cross
 FAIL, LOCAL_PREFILL = "fail", "local_prefill"  # on_transfer_failure policies
 AUDIT_OFF, AUDIT_REPORT, AUDIT_FALLBACK, AUDIT_UPGRADE = "off", "report", "fallback", "upgrade"  # cache audit policies
+AUDIT_REPAIR = "repair"  # audit; when flagged, anchor-repair, audit again, else the own prefill
 VERIFY_OFF, VERIFY_VERIFIED, VERIFY_PROVISIONAL = "off", "verified", "provisional"  # verified decoding (consumer.verify)
 
 
@@ -62,7 +63,7 @@ class GenerateJob:
     fallback: str = ""  # why the transfer planner kept or replaced the requested mode ("" = not asked)
     on_failure: str = FAIL  # FAIL | LOCAL_PREFILL
     transfer_budget_s: float | None = None  # LOCAL_PREFILL: the share of the deadline the transfer may use
-    audit: str = AUDIT_OFF  # AUDIT_OFF | AUDIT_REPORT | AUDIT_FALLBACK | AUDIT_UPGRADE
+    audit: str = AUDIT_OFF  # AUDIT_OFF | AUDIT_REPORT | AUDIT_FALLBACK | AUDIT_UPGRADE | AUDIT_REPAIR
     audit_positions: int = 8
     audit_threshold: float = 0.05  # used when the codec has no calibrated threshold
     auto: AutoChoice | None = None  # how mode auto (or fallback_to_oracle) chose codec and options

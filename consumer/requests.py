@@ -18,6 +18,7 @@ from consumer.repair import REPAIR_OPTION, parse_repair
 from consumer.request import (
     AUDIT_FALLBACK,
     AUDIT_OFF,
+    AUDIT_REPAIR,
     AUDIT_REPORT,
     AUDIT_UPGRADE,
     FAIL,
@@ -47,6 +48,7 @@ AUDITS = {
     consumer_pb2.AUDIT_POLICY_REPORT: AUDIT_REPORT,
     consumer_pb2.AUDIT_POLICY_FALLBACK: AUDIT_FALLBACK,
     consumer_pb2.AUDIT_POLICY_UPGRADE: AUDIT_UPGRADE,
+    consumer_pb2.AUDIT_POLICY_REPAIR: AUDIT_REPAIR,
 }
 VERIFIES = {
     consumer_pb2.VERIFY_POLICY_UNSPECIFIED: VERIFY_OFF,

@@ -20,8 +20,10 @@ checked); VERIFY_PROVISIONAL streams drafts as they come, then one `Commit` (how
 stand, the tokens that follow instead of the rest, the verified text), then verified tokens only.
 
 The engine alone runs forwards and writes or frees blocks: this module hands it tasks and one job
-(the acceptance, on the engine thread beside the logits). Knows nothing about gRPC, codecs or the
-prefix cache.
+(the acceptance, on the engine thread beside the kept rows). With `--engine-process` the tasks run
+in the engine's process and the acceptance on the frontend's job thread, over the rows that
+process sends back (consumer.engine_process: the drafts' q rows, the check's kept rows): the same
+functions either way. Knows nothing about gRPC, codecs or the prefix cache.
 """
 
 from __future__ import annotations
@@ -41,8 +43,7 @@ from consumer.engine_stream import engine_task
 from consumer.kv_pool import SequenceKV
 from consumer.request import VERIFY_PROVISIONAL, Commit, GenerateJob, GenerateResult, TokenOut
 from shared import logs
-from shared.errors import DataLoss, FailedPrecondition
-from shared.finite import rows_finite
+from shared.errors import DataLoss
 from shared.models import LoadedModel
 
 log = logs.get("consumer.verify")
@@ -57,7 +58,8 @@ def _ignore(_: Any) -> None:
 
 class DraftSampler(Sampler):
     """A Sampler that keeps the distribution each draft token was drawn from (q), in order (engine
-    thread); greedy drafts keep nothing."""
+    thread; under --engine-process the child's copy sends each row to this one, which keeps it);
+    greedy drafts keep nothing."""
 
     def __init__(self, sampling: Sampling, device: torch.device):
         super().__init__(sampling, device)
@@ -71,10 +73,9 @@ class DraftSampler(Sampler):
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-def accept_greedy(drafts: list[int], logits: torch.Tensor) -> tuple[int, int]:
-    """logits [k + 1, vocab]: row i the exact model's after the question and drafts[:i]. Returns
+def accept_greedy(drafts: list[int], exact: list[int]) -> tuple[int, int]:
+    """exact: k + 1 ids, i the exact model's argmax after the question and drafts[:i]. Returns
     (how many drafts in a row are its argmax, its argmax at the first that is not, or after all)."""
-    exact = torch.argmax(logits, dim=-1).tolist()
     accepted = next((i for i, d in enumerate(drafts) if exact[i] != d), len(drafts))
     return accepted, exact[accepted]
 
@@ -99,12 +100,6 @@ class Verifier:
     def __init__(self, loaded: LoadedModel, engine: BatchEngine | EngineProcess):
         self.loaded, self.engine = loaded, engine
 
-    def check_supported(self) -> None:
-        """FailedPrecondition where verified decoding cannot run: the engine in its own process
-        (the acceptance reads the logits and draft distributions in this one)."""
-        if isinstance(self.engine, EngineProcess):
-            raise FailedPrecondition("verify: not available with --engine-process")
-
     async def _fill(self, job: GenerateJob, exact: SequenceKV, start: int) -> str:
         """The exact cache: the consumer's own prefill of context tokens [start, T) into `exact`
         (those before `start` are there already), chunked in the engine's batches; a note."""
@@ -123,14 +118,14 @@ class Verifier:
         return await self._fill(job, exact, 0)
 
     def _accept(self, job: GenerateJob, drafts: list[int], sampler: DraftSampler, check: Task) -> tuple[int, int]:
-        """On the engine thread: the verification forward's logits -> (drafts that stand, next)."""
+        """On the engine thread (the frontend's, under --engine-process): the verification
+        forward's kept rows (finite: the engine failed the task otherwise) -> (drafts that stand,
+        next)."""
         k = len(drafts)
-        logits = torch.cat(check.scores)[-(k + 1) :]  # [k + 1, vocab]
-        if not all(rows_finite(logits).tolist()):
-            raise DataLoss("the exact cache gives non-finite logits")
+        kept = torch.cat(check.scores)[-(k + 1) :]  # [k + 1] argmax ids (greedy) or [k + 1, vocab] logits
         if sampler.generator is None:
-            return accept_greedy(drafts, logits)
-        p = torch.stack([sampler.probs(row) for row in logits]).cpu()
+            return accept_greedy(drafts, kept.tolist())
+        p = torch.stack([sampler.probs(row) for row in kept]).cpu()
         generator = torch.Generator().manual_seed((job.sampling.seed ^ ACCEPT_SEED) & SEED_MASK)
         return accept_sampled(drafts, [q.cpu() for q in sampler.drawn[:k]], p, generator)
 
@@ -150,7 +145,6 @@ class Verifier:
         from the prefix cache); verify; continue on `exact`. Yields token deltas (provisional ones
         and a Commit under VERIFY_PROVISIONAL), then the result. `release(draft)` once drafting
         stopped."""
-        self.check_supported()
         tokenizer, M = self.loaded.tokenizer, job.max_new_tokens
         base = len(job.context_ids) + len(job.question_ids)
         started = time.perf_counter()
@@ -194,7 +188,8 @@ class Verifier:
             note = fill_note + note
 
             k = len(drafts)
-            check = Task(exact, list(job.question_ids) + drafts, _ignore, keep_logits=k + 1)
+            greedy = sampler.generator is None
+            check = Task(exact, list(job.question_ids) + drafts, _ignore, keep_logits=k + 1, keep_argmax=greedy)
             async with contextlib.aclosing(engine_task(self.engine, job, check)) as events:
                 async for _ in events:
                     pass

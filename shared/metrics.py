@@ -140,7 +140,7 @@ class Metrics:
         )
         self.audits = Counter(
             "scd_audit_decisions",
-            "cache audits by decision (ok, diverged, diverged_prefilled, diverged_upgraded, ...)",
+            "cache audits by decision (ok, diverged, diverged_prefilled, diverged_upgraded, diverged_repaired, ...)",
             ["decision"],
             registry=r,
         )

@@ -125,3 +125,59 @@ def test_a_pool_larger_than_shared_memory_is_refused_by_name(tmp_path):
     big.k = big.v = torch.empty(free // 2 + 1, dtype=torch.uint8, device="meta")  # sizes only: nothing allocated
     with pytest.raises(ValueError, match="does not fit .* raise the container's shm_size or lower kv_pool_bytes"):
         check_shm(big, str(tmp_path))
+
+
+async def test_verified_decodings_tasks_run_in_the_engine_process_as_in_this_one():
+    """What verified decoding hands the engine (consumer.verify) gives the same outcome in the
+    child as in process: a sampled draft's tokens and the q rows it drew them from (sent back to
+    the frontend's DraftSampler), a check task's kept logits (or only their argmax ids), and a
+    continuation that counts on from the tokens it was given (`generated`)."""
+    from consumer.batch import BatchEngine
+    from consumer.engine_stream import engine_task
+    from consumer.request import GenerateJob
+    from consumer.verify import DraftSampler
+
+    loaded = load_model("tiny-llama", "float32", "cpu")
+    context = list(range(5, 45))
+    job = GenerateJob("t", context, [], None, {}, 1, Sampling(), frozenset(), time.monotonic() + 120)
+
+    async def run(engine, pool) -> dict:
+        async def drain(task: Task) -> list:
+            return [item async for items in engine_task(engine, job, task) for item in items]
+
+        seqs = [pool.allocate(64) for _ in range(4)]
+        for seq in seqs:
+            await drain(Task(seq, list(context), sink=lambda _: None))
+        draft = DraftSampler(Sampling(0.8, 0.9, 3), loaded.device)
+        out = {"draft": await drain(Task(seqs[0], [50, 51], lambda _: None, draft, 6))}
+        out["q"] = torch.stack(draft.drawn)
+        logits = Task(seqs[1], [50, 51, 52, 53], lambda _: None, keep_logits=3)
+        argmax = Task(seqs[2], [50, 51, 52, 53], lambda _: None, keep_logits=3, keep_argmax=True)
+        out["filled"] = (await drain(logits), await drain(argmax))
+        out["logits"], out["argmax"] = torch.cat(logits.scores), torch.cat(argmax.scores)
+        cont = Task(seqs[3], [50], lambda _: None, Sampler(Sampling(), loaded.device), 5, generated=3)
+        out["cont"] = (await drain(cont), seqs[3].length)
+        for seq in seqs:
+            await asyncio.wrap_future(engine.release(seq))
+        assert pool.free_blocks == pool.num_blocks
+        return out
+
+    pool = KVPool(loaded.info, loaded.device, 512 * loaded.info.kv_bytes(1), 16)
+    local = BatchEngine(loaded, pool)
+    try:
+        want = await run(local, pool)
+    finally:
+        local.shutdown()
+    pool = KVPool(loaded.info, loaded.device, 512 * loaded.info.kv_bytes(1), 16)
+    split = EngineProcess(loaded, pool, "tiny-llama", torch_threads=1)
+    try:
+        got = await run(split, pool)
+    finally:
+        split.shutdown()
+    assert len(want["draft"]) == 7 and got["draft"] == want["draft"]  # 6 tokens, then Finished
+    assert got["q"].shape[0] == 6
+    torch.testing.assert_close(got["q"], want["q"], atol=1e-5, rtol=1e-4)
+    assert got["filled"] == want["filled"] == ([Finished("filled")], [Finished("filled")])
+    torch.testing.assert_close(got["logits"], want["logits"], atol=1e-4, rtol=1e-4)
+    assert got["argmax"].tolist() == want["argmax"].tolist() == torch.argmax(want["logits"], dim=-1).tolist()
+    assert len(want["cont"][0]) == 3 and got["cont"] == want["cont"]  # 2 tokens (3 of 5 were given), then Finished

@@ -214,6 +214,32 @@ async def test_repair_on_a_heterogeneous_pair_and_its_place_among_the_policies(t
         await all_blocks_back(pair.consumer)
 
 
+@pytest.mark.numeric
+async def test_audit_policy_repair_repairs_only_a_flagged_cache(tmp_path):
+    """AUDIT_POLICY_REPAIR: an exact transfer passes the audit and nothing is repaired; naive reuse
+    on a heterogeneous pair is flagged, repaired (whole: the option "1.0") and audited again,
+    which it then passes with the consumer's own answer; repaired by the default 10% it is
+    still flagged and the own prefill answers. Every block comes back."""
+    async with running_pair("tiny-llama", consumer_kw=NO_CACHE) as pair:
+        _, _, s = await pair.generate(audit=consumer_pb2.AUDIT_POLICY_REPAIR, **fields("raw", 4))
+        assert s.audit_decision == "ok" and s.repair_tokens == 0
+        assert s.repair_choice == "skipped: the audit did not flag the cache"
+    local = perturbed_model("tiny-llama", 7, 0.05, save_to=tmp_path)
+    tok = local.tokenizer
+    ctx_ids, q_ids = tok(CONTEXT)["input_ids"], tok(QUESTION, add_special_tokens=False)["input_ids"]
+    own, margins = local_greedy(local.model, ctx_ids, q_ids, 12, tok.eos_token_id)
+    T = len(ctx_ids)
+    async with running_pair("tiny-llama", consumer_model=str(tmp_path), consumer_kw=NO_CACHE) as pair:
+        ids, _, s = await pair.generate(audit=consumer_pb2.AUDIT_POLICY_REPAIR, **fields("raw", 12, "1.0"))
+        assert s.audit_decision == f"diverged: repaired {T} tokens: ok" and s.repair_tokens == T
+        assert_greedy_agrees(ids, own, margins, what="raw flagged, then repaired whole")
+        ids, _, s = await pair.generate(audit=consumer_pb2.AUDIT_POLICY_REPAIR, **fields("raw", 12))
+        k = -(-T // 10)
+        assert s.repair_tokens == k and s.repair_choice.startswith(f"attention: {k} of {T} context tokens (0.1)")
+        assert s.audit_decision == f"diverged: repaired {k} tokens: diverged: prefilled locally" and ids == own
+        await all_blocks_back(pair.consumer)
+
+
 async def test_a_repaired_cache_is_never_kept_nor_built_on_a_cached_one():
     """Under repair the request reuses no cached chunks (its repair writes into its context's
     blocks) and keeps none (its K/V are neither the codec's nor the own prefill's)."""

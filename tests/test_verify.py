@@ -16,12 +16,14 @@ import torch
 
 from consumer.batch import BatchEngine, Task
 from consumer.decoding import Sampler, Sampling
+from consumer.engine_process import EngineProcess
 from consumer.engine_stream import engine_task
 from consumer.kv_pool import KVPool
 from consumer.request import VERIFY_VERIFIED, GenerateJob, GenerateResult, TokenOut
 from consumer.runner import Row, Runner
 from consumer.verify import Verifier, accept_greedy, accept_sampled
 from shared import logs
+from shared.errors import DataLoss
 from shared.models import load_model
 from shared.pb import common_pb2, consumer_pb2
 from tests.conftest import ConsumerClient, perturbed_model, prompt, running_pair
@@ -48,13 +50,11 @@ def ids(n: int, seed: int, vocab: int = 384) -> list[int]:
 
 
 def test_greedy_keeps_the_agreeing_prefix_and_replaces_the_first_disagreement():
-    logits = torch.full((4, 10), -1.0)
-    for row, best in enumerate((3, 5, 7, 2)):
-        logits[row, best] = 1.0
-    assert accept_greedy([3, 5, 9], logits) == (2, 7)  # 3, 5 stand; 9 -> the exact 7
-    assert accept_greedy([3, 5, 7], logits) == (3, 2)  # all stand; the exact next token follows
-    assert accept_greedy([4], logits[:2]) == (0, 3)
-    assert accept_greedy([], logits[:1]) == (0, 3)
+    exact = [3, 5, 7, 2]  # the exact model's argmax after the question and drafts[:i]
+    assert accept_greedy([3, 5, 9], exact) == (2, 7)  # 3, 5 stand; 9 -> the exact 7
+    assert accept_greedy([3, 5, 7], exact) == (3, 2)  # all stand; the exact next token follows
+    assert accept_greedy([4], exact[:2]) == (0, 3)
+    assert accept_greedy([], exact[:1]) == (0, 3)
 
 
 def chain_probs(prefix: tuple[int, ...], salt: int, vocab: int, sharp: float) -> torch.Tensor:
@@ -152,6 +152,32 @@ async def test_a_chunked_prefill_task_keeps_the_logits_of_its_last_positions(loa
             ref = loaded.model(torch.tensor([tokens])).logits[0, -12:]
         assert [s.shape[0] for s in task.scores] == [6, 6]  # positions 18..23 of chunk 16..23, then 24..29
         torch.testing.assert_close(torch.cat(task.scores), ref, atol=1e-4, rtol=1e-4)
+        greedy = Task(pool.allocate(32), list(tokens), sink=lambda _: None, keep_logits=12, keep_argmax=True)
+        async for _ in engine_task(engine, job, greedy):
+            pass
+        assert torch.cat(greedy.scores).tolist() == torch.argmax(ref, dim=-1).tolist()
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["in_process", "engine_process"])
+async def test_non_finite_kept_logits_fail_the_verification_task(loaded, split):
+    """Keys of 3e38 in the cache (finite, absurd) make the kept logits non-finite: the check task
+    fails DataLoss in the engine (in this process or its own) instead of handing them to the
+    acceptance; its blocks come back."""
+    pool = KVPool(loaded.info, loaded.device, 256 * loaded.info.kv_bytes(1), 16)
+    engine = EngineProcess(loaded, pool, "tiny-llama", torch_threads=1) if split else BatchEngine(loaded, pool)
+    try:
+        seq = pool.allocate(48)
+        pool.k[:, seq.blocks] = 3e38
+        seq.length = 32
+        job = GenerateJob("t", ids(32, 4), [], None, {}, 1, Sampling(), frozenset(), time.monotonic() + 60)
+        check = Task(seq, ids(5, 5), sink=lambda _: None, keep_logits=5, keep_argmax=True)
+        with pytest.raises(DataLoss, match="non-finite logits"):
+            async for _ in engine_task(engine, job, check):
+                pass
+        await asyncio.wrap_future(engine.release(seq))
+        assert pool.free_blocks == pool.num_blocks
     finally:
         engine.shutdown()
 
@@ -159,12 +185,14 @@ async def test_a_chunked_prefill_task_keeps_the_logits_of_its_last_positions(loa
 # --- the sampled answer's distribution on a tiny model ---------------------------------------------
 
 
-async def test_sampled_verified_answers_follow_the_exact_caches_distribution(loaded):
+@pytest.mark.parametrize("split", [False, True], ids=["in_process", "engine_process"])
+async def test_sampled_verified_answers_follow_the_exact_caches_distribution(loaded, split):
     """The first token of 400 seeded verified answers whose drafts come from a wrong cache (the KV
     of a context whose last 4 tokens differ: finite, its next-token distribution overlapping the
     exact one by about half, so drafts are accepted and rejected): binned into the exact
     distribution's 8 likeliest tokens and the rest, within 0.13 total variation of it (sampling
-    alone gives ~0.05), while the drafts' own distribution is more than 0.3 away."""
+    alone gives ~0.05), while the drafts' own distribution is more than 0.3 away. The same with
+    the engine in its own process (the drafts' q rows and the check's logits sent back)."""
     sampling = Sampling(temperature=0.3, top_p=1.0)
     ctx, q = ids(64, 11), ids(4, 13)
     wrong = ctx[:-4] + ids(4, 12)
@@ -173,7 +201,11 @@ async def test_sampled_verified_answers_follow_the_exact_caches_distribution(loa
         d = Sampler(sampling, loaded.device).probs(loaded.model(torch.tensor([wrong + q])).logits[0, -1])
     p, d = p / p.sum(), d / d.sum()
     pool = KVPool(loaded.info, loaded.device, 32 * 160 * loaded.info.kv_bytes(1))
-    engine = BatchEngine(loaded, pool, prefill_chunk=16)
+    engine: BatchEngine | EngineProcess
+    if split:
+        engine = EngineProcess(loaded, pool, "tiny-llama", torch_threads=1, prefill_chunk=16)
+    else:
+        engine = BatchEngine(loaded, pool, prefill_chunk=16)
     verifier = Verifier(loaded, engine)
     runs, counts = 400, torch.zeros_like(p)
     try:
@@ -183,8 +215,18 @@ async def test_sampled_verified_answers_follow_the_exact_caches_distribution(loa
             pass
 
         async def one(seed: int) -> int:
-            job = GenerateJob(f"r{seed}", ctx, q, None, {}, 1, Sampling(0.3, 1.0, seed), frozenset(), time.monotonic() + 60,
-                              verify=VERIFY_VERIFIED)
+            job = GenerateJob(
+                f"r{seed}",
+                ctx,
+                q,
+                None,
+                {},
+                1,
+                Sampling(0.3, 1.0, seed),
+                frozenset(),
+                time.monotonic() + 60,
+                verify=VERIFY_VERIFIED,
+            )
             draft, exact = pool.allocate(69), pool.allocate(69)
             await logs.run_in(engine, pool.copy_blocks, template.blocks, draft.blocks)
             draft.length = 64
@@ -218,8 +260,14 @@ async def test_sampled_verified_answers_follow_the_exact_caches_distribution(loa
 
 
 def fields(mode: str, verify: int, new: int = 12, **kw) -> dict:
-    return dict(context=prompt(CONTEXT), question=prompt(QUESTION), max_new_tokens=new, verify=verify,
-                transfer=common_pb2.CodecSpec(name=mode), **kw)
+    return dict(
+        context=prompt(CONTEXT),
+        question=prompt(QUESTION),
+        max_new_tokens=new,
+        verify=verify,
+        transfer=common_pb2.CodecSpec(name=mode),
+        **kw,
+    )
 
 
 async def all_blocks_back(consumer) -> None:
@@ -291,6 +339,56 @@ async def test_sampled_verification_through_the_services(tmp_path):
         await all_blocks_back(pair.consumer)
 
 
+@pytest.mark.numeric  # greedy tokens compared across kernels (tests/greedy.py)
+async def test_verified_answers_with_the_engine_in_its_own_process(tmp_path):
+    """--engine-process: drafting, the exact prefill, the check and the continuation run in the
+    engine's process, the acceptance in the frontend over the rows it sends back. Greedy (drafts
+    from a perturbed consumer's transfer, so some are replaced): the same consumer's oracle answer
+    token for token, as verified tokens and as provisional ones and a commit; sampled: the
+    acceptance's counts and lengths hold; every answered request, one cancelled mid-way and one
+    past its deadline give every block back."""
+    perturbed_model("tiny-llama", 7, 0.05, save_to=tmp_path)
+    async with running_pair(
+        "tiny-llama", consumer_model=str(tmp_path), consumer_kw={**SMALL_CHUNKS, "engine_process": True}
+    ) as pair:
+        assert isinstance(pair.consumer.executor, EngineProcess)
+        oracle, _, _ = await pair.generate(**fields("oracle", consumer_pb2.VERIFY_POLICY_OFF, 64))
+        naive, _, _ = await pair.generate(**fields("raw", consumer_pb2.VERIFY_POLICY_OFF, 12))
+        assert naive[:12] != oracle[:12]  # the drafts are wrong somewhere: verification has work to do
+
+        answer = await pair.client.generate(timeout=120, **fields("raw", VERIFIED))
+        s = answer.stats
+        assert answer.ids == oracle[:12] and answer.commit is None
+        assert s.drafted_tokens == 12 and s.accepted_draft_tokens < 12 and s.generated_tokens == 12
+        assert s.verify_decision.startswith(f"verified: {s.accepted_draft_tokens} of 12 drafts accepted, draft ")
+
+        answer = await pair.client.generate(timeout=120, **fields("raw", PROVISIONAL, 64))
+        s = answer.stats
+        assert answer.ids == oracle and s.generated_tokens == 64  # the continuation counts on from the verified tokens
+        assert answer.commit is not None and len(answer.provisional_ids) == s.drafted_tokens > 0
+        assert answer.ids[: s.accepted_draft_tokens] == answer.provisional_ids[: s.accepted_draft_tokens]
+        assert s.drafted_tokens < 64
+
+        sampling = consumer_pb2.SamplingParams(temperature=0.8, top_p=0.9, seed=5)
+        for verify in (VERIFIED, PROVISIONAL):
+            answer = await pair.client.generate(timeout=120, sampling=sampling, **fields("raw", verify, 20))
+            s = answer.stats
+            assert s.verify_decision.startswith("verified: ") and s.accepted_draft_tokens <= s.drafted_tokens
+            assert len(answer.ids) == s.generated_tokens <= 20
+            assert len(answer.ids) == 20 or s.finish_reason == consumer_pb2.FINISH_REASON_STOP
+        await all_blocks_back(pair.consumer)
+
+        call = pair.client.stub.Generate(consumer_pb2.GenerateRequest(**fields("raw", PROVISIONAL, 200)), timeout=60)
+        first = await call.read()
+        assert first.WhichOneof("kind") == "token"
+        call.cancel()
+        await all_blocks_back(pair.consumer)
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # the deadline passes while drafting and verifying
+            await pair.client.generate(timeout=0.15, **fields("raw", VERIFIED, 400))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await all_blocks_back(pair.consumer)
+
+
 def garbled(messages, seed: int = 0) -> list:
     """A raw stream whose every payload is replaced by finite noise of the same size (CRCs fixed):
     it passes the stream contract, and every draft from it is wrong."""
@@ -309,8 +407,13 @@ async def test_a_hostile_but_finite_stream_still_gives_the_oracles_answer(loaded
     async with running_pair("tiny-llama") as real:
         ctx_ids = loaded.tokenizer(CONTEXT)["input_ids"]
         stream = garbled(await record(real.producer.address, ctx_ids, "raw"))
-    own, margins = local_greedy(loaded.model, ctx_ids, loaded.tokenizer(QUESTION, add_special_tokens=False)["input_ids"], 24,
-                                loaded.tokenizer.eos_token_id)
+    own, margins = local_greedy(
+        loaded.model,
+        ctx_ids,
+        loaded.tokenizer(QUESTION, add_special_tokens=False)["input_ids"],
+        24,
+        loaded.tokenizer.eos_token_id,
+    )
     async with consumer_of(lambda request: stream, **SMALL_CHUNKS) as (consumer, _):
         async with ConsumerClient(consumer.address) as client:
             wrong = await client.generate(**fields("raw", consumer_pb2.VERIFY_POLICY_OFF, 24))
@@ -357,12 +460,8 @@ async def test_every_block_comes_back_after_cancel_deadline_and_a_broken_stream(
         await all_blocks_back(consumer)
 
 
-async def test_admission_names_the_double_reservation_and_the_engine_process_refuses(loaded):
-    """A request whose KV fits the pool once but not twice: refused under verify, naming why; and
-    the engine in its own process refuses verification (FAILED_PRECONDITION) before any work."""
-    from consumer.engine_process import EngineProcess
-    from shared.errors import FailedPrecondition
-
+async def test_admission_names_the_double_reservation(loaded):
+    """A request whose KV fits the pool once but not twice: refused under verify, naming why."""
     tok = loaded.tokenizer
     tokens = len(tok(CONTEXT)["input_ids"]) + len(tok(QUESTION, add_special_tokens=False)["input_ids"]) + 12
     pool_bytes = (tokens + 48) * loaded.info.kv_bytes(1)  # room for one cache of this request, not two
@@ -374,12 +473,6 @@ async def test_admission_names_the_double_reservation_and_the_engine_process_ref
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "verify reserves context + question + max_new_tokens twice" in err.value.details()
         await all_blocks_back(pair.consumer)
-    process = object.__new__(EngineProcess)  # no child started: the refusals come before any message
-    with pytest.raises(FailedPrecondition, match="--engine-process"):
-        Verifier(loaded, process).check_supported()
-    got: list = []
-    process.add(Task(None, [1, 2], got.append, keep_logits=3))  # type: ignore[arg-type]
-    assert isinstance(got[0], FailedPrecondition)
 
 
 @pytest.mark.numeric  # greedy tokens compared across kernels (tests/greedy.py)
@@ -418,7 +511,9 @@ async def test_identical_weights_build_the_exact_cache_by_a_raw_transfer_beside_
 
         servicer.chooser.exact_transfer = raw_is_faster
         lossy = common_pb2.CodecSpec(name="quant", options={"bits": "4"})
-        quant = await pair.client.generate(timeout=120, **{**fields("quant", consumer_pb2.VERIFY_POLICY_OFF, 24), "transfer": lossy})
+        quant = await pair.client.generate(
+            timeout=120, **{**fields("quant", consumer_pb2.VERIFY_POLICY_OFF, 24), "transfer": lossy}
+        )
         answer = await pair.client.generate(timeout=120, **{**fields("quant", VERIFIED, 24), "transfer": lossy})
         s = answer.stats
         assert asked == [len(ctx_ids)]
@@ -428,6 +523,25 @@ async def test_identical_weights_build_the_exact_cache_by_a_raw_transfer_beside_
         assert s.bytes_received > raw_bytes  # the quant stream's and the raw stream's bytes
         assert quant.stats.bytes_received < raw_bytes
         await all_blocks_back(pair.consumer)
+
+
+def raw_transfer(tokens: int, producer_ms_per_token: float):
+    """A raw transfer's observation: the producer's prefill at the given rate, a fast link."""
+    from consumer.planner import Observation
+
+    return Observation(
+        "raw",
+        {},
+        tokens,
+        tokens * 100,
+        producer_ms_per_token * tokens,
+        sent_tokens=tokens,
+        producer_prefill_ms=producer_ms_per_token * tokens,
+        computed_tokens=tokens,
+        header_ms=0.1,
+        span_ms=0.01 * tokens,
+        span_bytes=tokens * 100,
+    )
 
 
 async def test_the_exact_transfer_is_chosen_only_when_estimated_faster_than_the_own_prefill():
@@ -444,9 +558,7 @@ async def test_the_exact_transfer_is_chosen_only_when_estimated_faster_than_the_
         for tokens in (64, 128, 256, 512):  # the own prefill: 1 ms per token
             fresh.observe(Observation("oracle", {}, tokens, 0, float(tokens), local_tokens=tokens))
         for tokens in (64, 128, 256, 512):  # raw: the producer prefill at 0.01 ms per token, a fast link
-            fresh.observe(Observation("raw", {}, tokens, tokens * 100, 0.01 * tokens, sent_tokens=tokens,
-                                      producer_prefill_ms=0.01 * tokens, computed_tokens=tokens, header_ms=0.1,
-                                      span_ms=0.01 * tokens, span_bytes=tokens * 100))
+            fresh.observe(raw_transfer(tokens, 0.01))
         picked = chooser.exact_transfer(ids)
         raw = next(c for c in chooser.candidates() if c.mode == "raw")
         why = (chooser._estimate(raw, chooser.key("raw", raw.options), ids), fresh.estimate_local(len(ids)))
@@ -455,9 +567,7 @@ async def test_the_exact_transfer_is_chosen_only_when_estimated_faster_than_the_
         slow.key, chooser.planner = chooser.key, slow
         for tokens in (64, 128, 256, 512):  # now the own prefill is cheap and the producer slow
             slow.observe(Observation("oracle", {}, tokens, 0, 0.001 * tokens, local_tokens=tokens))
-            slow.observe(Observation("raw", {}, tokens, tokens * 100, 5.0 * tokens, sent_tokens=tokens,
-                                     producer_prefill_ms=5.0 * tokens, computed_tokens=tokens, header_ms=0.1,
-                                     span_ms=0.01 * tokens, span_bytes=tokens * 100))
+            slow.observe(raw_transfer(tokens, 5.0))
         assert chooser.exact_transfer(ids) is None
         chooser.planner = fresh
         chooser.producer_digest = lambda: "another"  # other weights: raw is naive reuse, never exact
