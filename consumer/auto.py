@@ -278,7 +278,7 @@ class Chooser:
     def estimate_named(self, mode: str, options: Mapping[str, str], context_ids: list[int]) -> Estimate:
         """The estimate for a mode the request named (nothing to choose): its measured TTFT is
         compared with it afterwards, so named requests teach the learned overhead as auto's own
-        choices do (consumer.server `_observe`)."""
+        choices do (consumer.learning)."""
         c = Candidate(mode, options, math.nan, "named by the request")
         return self._estimate(c, self.key(mode, options), context_ids)
 

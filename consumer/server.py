@@ -17,15 +17,17 @@ from grpc_health.v1 import health_pb2
 
 import shared
 from consumer import defaults, readiness
-from consumer.auto import AutoChoice, Budget, Candidate, Chooser
+from consumer.auto import Candidate, Chooser
 from consumer.batch import BatchEngine
 from consumer.defaults import DefaultMode
 from consumer.engine_process import EngineProcess
 from consumer.kv_admission import KVAdmission
 from consumer.kv_pool import KVPool, default_pool_bytes
+from consumer.learning import learn
+from consumer.messages import auto_trail, budget_to_pb, item_to_pb, prefix_stats
 from consumer.openai_api import OpenAIServer
 from consumer.pipeline import RequestPipeline
-from consumer.planner import Observation, TransferPlanner
+from consumer.planner import TransferPlanner
 from consumer.prefix_cache import PrefixCache
 from consumer.probe import BackgroundProbe
 from consumer.producer_client import ProducerClient
@@ -45,8 +47,6 @@ from shared.scd.artifact import discover
 
 log = logs.get("consumer")
 SERVICE_NAME = consumer_pb2.DESCRIPTOR.services_by_name["ConsumerService"].full_name
-
-FINISH = {"length": consumer_pb2.FINISH_REASON_LENGTH, "stop": consumer_pb2.FINISH_REASON_STOP}
 
 
 class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
@@ -141,53 +141,6 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         codec = self.codecs.get(c.mode) if c.remote else None
         return self.pipeline.cached_tokens(codec, dict(c.options), context_ids)
 
-    def _observe(self, job, item: GenerateResult) -> None:
-        """A finished request's measurements into the planner, and what its transfer left in the
-        producer's store into the memory; a flagged cache re-transferred or replaced is no clean sample."""
-        if item.audit_decision.startswith("diverged:"):
-            return
-        if item.abandoned_span is not None:
-            self.planner.observe_abandoned(*item.abandoned_span)
-        chosen = next((s for s in job.auto.scored if s.chosen), None) if job.auto is not None else None
-        # what the model said before the request ran: auto's choice's estimate, or a named mode's
-        remote, base_ms = (chosen.candidate.remote, chosen.estimate.base_ms) if chosen else (job.codec is not None, None)
-        if job.auto is None and job.estimate is not None:
-            base_ms = job.estimate.base_ms
-        if item.verify_decision.startswith("verified"):
-            base_ms = None  # its first token waited for the exact cache: no sample of the transfer's overhead
-        if base_ms is not None and not item.transfer_failure and item.generated_tokens:
-            self.planner.observe_overhead(remote, item.ttft_ms - item.question_prefill_ms, base_ms)
-        observed = Observation(
-            item.codec,
-            item.options if item.transfer_failure else job.options,
-            item.context_tokens,
-            item.bytes_received,
-            item.rebuild_ms,
-            local_tokens=item.local_tokens,
-            local_prefill_ms=item.local_prefill_ms,
-            producer_prefill_ms=item.producer_prefill_ms,
-            producer_encode_ms=item.producer_encode_ms,
-            producer_store_hit=item.producer_store_hit,
-            question_tokens=item.question_tokens,
-            question_prefill_ms=item.question_prefill_ms,
-        )
-        t = item.trailer if item.codec != ORACLE_MODE else None  # the stream the KV came from
-        if t is not None:
-            observed = dataclasses.replace(
-                observed,
-                sent_tokens=item.sent_tokens,
-                computed_tokens=t.computed_tokens,
-                queue_ms=t.queue_ms,
-                header_ms=t.header_ms,
-                span_ms=t.span_ms,
-                span_bytes=t.span_bytes,
-            )
-        self.planner.observe(observed)
-        if t is not None and job.codec is not None:
-            key = self.chooser.key(job.codec.name, job.options)
-            if item.stream_producer is not None:  # what the stream's header said, not the link check
-                self.memory.remember(*item.stream_producer, key, job.context_ids, item.chunk_tokens)
-
     def _ready(self) -> LoadedModel:
         if self.loaded is None:
             raise Unavailable("consumer model is still loading")
@@ -236,7 +189,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         async with contextlib.aclosing(self.pipeline.run(job)) as items:
             async for item in items:
                 if isinstance(item, GenerateResult):
-                    self._observe(job, item)
+                    learn(self.planner, self.memory, self.chooser.key, job, item)
                     if self.probe is not None:
                         self.probe.touch()
                     self.auto_choices += job.auto is not None and not job.fallback
@@ -298,125 +251,6 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
                 **prefix_stats(self.prefix),
             ),
         )
-
-
-def item_to_pb(item: TokenOut | Commit | GenerateResult) -> consumer_pb2.GenerateResponse:
-    """One pipeline item as the Generate stream's message."""
-    if isinstance(item, TokenOut):
-        return consumer_pb2.GenerateResponse(token=consumer_pb2.TokenDelta(ids=item.ids, text=item.text))
-    if isinstance(item, Commit):
-        return consumer_pb2.GenerateResponse(
-            commit=consumer_pb2.VerifyCommit(accepted_tokens=item.accepted, ids=item.ids, text=item.text)
-        )
-    return consumer_pb2.GenerateResponse(stats=result_to_pb(item))
-
-
-def prefix_stats(prefix: PrefixCache | None) -> dict[str, int]:
-    if prefix is None:
-        return {}
-    return dict(
-        prefix_cache_bytes=prefix.nbytes,
-        prefix_cache_chunks=len(prefix.entries),
-        prefix_hits=prefix.hits,
-        prefix_partial_hits=prefix.partial_hits,
-        prefix_misses=prefix.misses,
-        prefix_evictions=prefix.evictions,
-        prefix_kept_shared=prefix.kept_shared,
-    )
-
-
-def result_to_pb(r: GenerateResult) -> consumer_pb2.GenerateStats:
-    return consumer_pb2.GenerateStats(
-        request_id=r.request_id,
-        transfer=common_pb2.CodecSpec(name=r.codec, options=r.options),
-        context_tokens=r.context_tokens,
-        question_tokens=r.question_tokens,
-        generated_tokens=r.generated_tokens,
-        ttft_ms=r.ttft_ms,
-        transfer_ms=r.transfer_ms,
-        rebuild_ms=r.rebuild_ms,
-        local_prefill_ms=r.local_prefill_ms,
-        question_prefill_ms=r.question_prefill_ms,
-        decode_ms=r.decode_ms,
-        total_ms=r.total_ms,
-        bytes_received=r.bytes_received,
-        raw_kv_bytes=r.raw_kv_bytes,
-        finish_reason=FINISH[r.finish_reason],
-        producer_prefill_ms=r.producer_prefill_ms,
-        producer_encode_ms=r.producer_encode_ms,
-        producer_store_hit=r.producer_store_hit,
-        transfer_failure=r.transfer_failure,
-        audit_layer_errors=r.audit_layer_errors,
-        audit_layer_thresholds=r.audit_thresholds,
-        audit_decision=r.audit_decision,
-        audit_ms=r.audit_ms,
-        queue_wait_ms=r.queue_wait_ms,
-        prefix_reused_tokens=r.prefix_reused_tokens,
-        auto=auto_to_pb(r.auto) if r.auto is not None else None,
-        transfer_abandoned=r.transfer_abandoned,
-        drafted_tokens=r.drafted_tokens,
-        accepted_draft_tokens=r.accepted_tokens,
-        time_to_verified_ms=r.time_to_verified_ms,
-        verify_decision=r.verify_decision,
-        verify_ms=r.verify_ms,
-        repair_tokens=r.repair_tokens,
-        repair_ms=r.repair_ms,
-        repair_choice=r.repair_choice,
-    )
-
-
-def auto_to_pb(a: AutoChoice) -> consumer_pb2.AutoChoice:
-    """The candidates within reach with their estimates; the others counted by why."""
-    excluded: dict[str, list[str]] = {}
-    for s in a.scored:
-        if not s.within:
-            excluded.setdefault(s.excluded or "not within the budget", []).append(s.key or s.candidate.key)
-    return consumer_pb2.AutoChoice(
-        max_loss=a.budget.max_loss if a.budget.max_loss != float("inf") else 0.0,
-        exact=a.budget.exact,
-        budget_source=a.budget.source,
-        reason=a.reason,
-        candidates=[
-            consumer_pb2.CandidateEstimate(
-                mode=s.candidate.mode,
-                options={k: v for k, v in s.candidate.options.items() if v != ""},
-                calibrated_loss=s.candidate.loss,
-                how=s.candidate.how,
-                within_budget=s.within,
-                estimated_ms=s.estimate.ms if s.estimate.ms is not None else -1.0,
-                detail=s.estimate.detail,
-                chosen=s.chosen,
-                confident=s.estimate.confident and s.estimate.ms is not None,
-                key=s.key or s.candidate.key,
-            )
-            for s in a.scored
-            if s.within
-        ],
-        excluded=[
-            consumer_pb2.ExcludedCandidates(reason=why, count=len(keys), candidates=keys) for why, keys in excluded.items()
-        ],
-        probe=a.reason.startswith("probe"),
-    )
-
-
-def budget_to_pb(b: Budget) -> consumer_pb2.AutoBudget:
-    return consumer_pb2.AutoBudget(max_loss=b.max_loss, exact=b.exact, source=b.source)
-
-
-def auto_trail(a: AutoChoice | None) -> dict:
-    """generate.done's fields of an auto choice: what it chose, why, and the estimate (the
-    measured TTFT is the line's own ttft_ms)."""
-    if a is None:
-        return {}
-    chosen = next((s for s in a.scored if s.chosen), None)
-    estimate = chosen.estimate.ms if chosen is not None else None
-    return {
-        "auto_choice": chosen.key if chosen is not None and chosen.key else a.chosen.key,
-        "auto_reason": a.reason[:400],
-        "auto_estimate_ms": round(estimate, 2) if estimate is not None else None,
-        "auto_confident": chosen.estimate.confident if chosen is not None else None,
-        "auto_probe": a.reason.startswith("probe") or None,
-    }
 
 
 class ConsumerServer:
