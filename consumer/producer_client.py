@@ -164,6 +164,7 @@ class ProducerClient:
             first_token=expect.first_token,
             prefix_key=expect.prefix_key,
             accept_layer_chunks=True,
+            accept_batches=True,
         )
         reader = StreamReader(expect)
         call = self.prefill(

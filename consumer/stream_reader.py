@@ -12,6 +12,10 @@ Contract (protos/scd/v1/producer.proto, README "Stream contract"):
   other, each with the schema's element type and shape, split into consecutive chunks of
   exactly `max_chunk_bytes` (the last one shorter), CRC32C-checked;
 - exactly one trailer, last, whose totals match what arrived; nothing after it.
+A batch (`PrefillResponse.batch`, several stream messages in one gRPC message) is read entry by
+entry, each under the rules above as if it had come alone, so a bad entry fails where it is, as
+its unbatched equivalent would; a batch is never nested, never empty, and its entries together
+stay within one message's bounds (MAX_BATCH_MESSAGES, MAX_CHUNKS_PER_MESSAGE, MAX_MESSAGE_DATA).
 Violations raise DataLoss (corrupt or inconsistent) or FailedPrecondition (incompatible),
 naming the layer, payload and field. Memory is bounded by the request: a payload's buffer is
 allocated from the schema (the request's token count and the codec), never from a peer's number,
@@ -26,6 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -77,8 +82,9 @@ class StreamTrailer:
     queue_ms: float = 0.0  # the producer's wait for its forward
     # measured here, on the stream itself (consumer.planner's link and round-trip estimates):
     header_ms: float = 0.0  # reader created (call start) to the header
-    span_ms: float = 0.0  # first to last payload chunk
-    span_bytes: int = 0  # chunk bytes that arrived after the first chunk
+    span_ms: float = 0.0  # first to last payload chunk (from the message before, when the first came in a batch)
+    span_bytes: int = 0  # chunk bytes that arrived after the first chunk (all of a first batch's)
+    messages: int = 0  # gRPC messages that carried the stream (a batch counts once)
 
 
 Event = StreamHeader | LayerPayloads | StreamTrailer
@@ -124,31 +130,71 @@ class StreamReader:
         self.opened_at = time.perf_counter()  # the client creates the reader as it starts the call
         self.header_at = self.first_chunk_at = self.last_chunk_at = 0.0
         self.span_bytes = 0
+        self.messages = 0  # gRPC messages fed (a batch counts once)
+        self.arrived_at = self.previous_at = self.opened_at  # this message's arrival, and the one before's
+        self.in_batch = False  # the message being read is a batch
+        self.first_chunk_message = 0  # the one that brought the first chunk
 
     # --- one message ----------------------------------------------------------------------
     def feed(self, message: producer_pb2.PrefillResponse | bytes) -> list[Event]:
-        """One message: its serialized bytes (the serving path) or a protobuf message."""
-        chunks: list[wire_bytes.ChunkView] = []
-        if isinstance(message, bytes):
-            kind, value = wire_bytes.parse_response(message)
+        """One received message: its serialized bytes (the serving path) or a protobuf message. A
+        batch's entries are read one by one, each as if it had come alone."""
+        self.messages += 1
+        self.previous_at, self.arrived_at = self.arrived_at, time.perf_counter()
+        kind, value = self._parse(message)
+        self.in_batch = kind == "batch"
+        if kind != "batch":
+            return self._one(kind, value)
+        events: list[Event] = []
+        entries = data = chunks = 0
+        for entry in value:
+            entries += 1
+            if entries > wire_bytes.MAX_BATCH_MESSAGES:
+                raise DataLoss(f"batch: more than {wire_bytes.MAX_BATCH_MESSAGES} messages in one batch (MAX_BATCH_MESSAGES)")
+            kind, value = self._parse(entry)
+            if kind == "batch":
+                raise DataLoss(f"batch: entry {entries} is itself a batch (batches do not nest)")
             if kind in ("chunk", "layer_chunks"):
-                chunks = value  # type: ignore[assignment]
-        else:
-            kind = message.WhichOneof("kind") or ""
-            value = getattr(message, kind) if kind else None
-            if kind == "chunk":
-                chunks = [wire_bytes.ChunkView.of(message.chunk)]
-            elif kind == "layer_chunks":
-                chunks = [wire_bytes.ChunkView.of(c) for c in message.layer_chunks.chunks]
+                data += sum(len(c.data) for c in value)
+                chunks += len(value)
+                self._check_batch_bounds(data, chunks)
+            events += self._one(kind, value)
+        if not entries:
+            raise DataLoss("batch: a batch with no messages")
+        return events
+
+    @staticmethod
+    def _parse(message: producer_pb2.PrefillResponse | bytes | memoryview) -> tuple[str, Any]:
+        """(oneof kind, value): chunks as a list of ChunkViews, a batch as an iterator of entries."""
+        if isinstance(message, (bytes, memoryview)):
+            return wire_bytes.parse_response(message)
+        kind = message.WhichOneof("kind") or ""
+        if kind == "chunk":
+            return kind, [wire_bytes.ChunkView.of(message.chunk)]
+        if kind == "layer_chunks":
+            return kind, [wire_bytes.ChunkView.of(c) for c in message.layer_chunks.chunks]
+        if kind == "batch":
+            return kind, iter(message.batch.responses)
+        return kind, getattr(message, kind) if kind else None
+
+    @staticmethod
+    def _check_batch_bounds(data: int, chunks: int) -> None:
+        if data > wire_bytes.MAX_MESSAGE_DATA:
+            raise DataLoss(f"batch: {data} data bytes in one message, more than {wire_bytes.MAX_MESSAGE_DATA} (MAX_MESSAGE_DATA)")
+        if chunks > wire_bytes.MAX_CHUNKS_PER_MESSAGE:
+            raise DataLoss(f"batch: more than {wire_bytes.MAX_CHUNKS_PER_MESSAGE} chunks in one message (MAX_CHUNKS_PER_MESSAGE)")
+
+    def _one(self, kind: str, value) -> list[Event]:
+        """One stream message (alone, or an entry of a batch) under the contract."""
         if self.state == "done":
             raise DataLoss(f"producer sent a {kind or 'empty'} message after the trailer")
         if kind == "header":
-            self.header_at = time.perf_counter()
-            return [self._header(value)]  # type: ignore[arg-type]
+            self.header_at = self.arrived_at
+            return [self._header(value)]
         if self.state == "header":
             raise DataLoss(f"producer sent a {kind or 'empty'} message before the header")
         if kind in ("chunk", "layer_chunks"):
-            now = time.perf_counter()
+            chunks: list[wire_bytes.ChunkView] = value
             nbytes = sum(len(c.data) for c in chunks)
             if not chunks:
                 raise DataLoss("layer_chunks: a message with no chunks")
@@ -157,18 +203,29 @@ class StreamReader:
                     f"layer_chunks: {nbytes} data bytes in one message, more than {wire_bytes.MAX_MESSAGE_DATA} "
                     f"(MAX_MESSAGE_DATA)"
                 )
-            if self.first_chunk_at:
-                self.span_bytes += nbytes  # bytes that arrived after the first chunk's message
-            else:
-                self.first_chunk_at = now
-            self.last_chunk_at = now
+            self._arrived(nbytes)
             events: list[Event] = []
             for c in chunks:
                 events += self._chunk(c)
             return events
         if kind == "trailer":
-            return self._trailer(value)  # type: ignore[arg-type]
+            return self._trailer(value)
         raise DataLoss("producer sent a message with no header, chunk or trailer")
+
+    def _arrived(self, nbytes: int) -> None:
+        """The link timing: chunk bytes that came in gRPC messages after the first chunk's one, from
+        its arrival. A batch is written as soon as the message before it was (the producer never
+        waits to fill one), so when the first chunk comes in a batch the span starts at the arrival
+        of the message before and counts the batch's bytes: a replay in one batch is still a link
+        sample."""
+        if not self.first_chunk_at:
+            if self.in_batch:
+                self.first_chunk_at, self.first_chunk_message = self.previous_at, self.messages - 1
+            else:
+                self.first_chunk_at, self.first_chunk_message = self.arrived_at, self.messages
+        if self.messages > self.first_chunk_message:
+            self.span_bytes += nbytes
+        self.last_chunk_at = self.arrived_at
 
     def end(self) -> None:
         """The stream closed: it must have ended with its trailer."""
@@ -358,6 +415,7 @@ class StreamReader:
                 (self.header_at - self.opened_at) * 1e3,
                 (self.last_chunk_at - self.first_chunk_at) * 1e3,
                 self.span_bytes,
+                self.messages,
             )
         )
         return events

@@ -1,6 +1,7 @@
 """Producer gRPC servicer (thin: validate, check the prefix, send the header, the layers that
-producer.sources gives, serialized once by shared.wire_bytes, and the trailer) and process wiring (config,
-model load, health, drain). Stores, single flight and replays are producer.sources'."""
+producer.sources gives, serialized once by shared.wire_bytes, and the trailer; to a caller that
+accepts batches, what is ready together in one message, producer.coalesce) and process wiring
+(config, model load, health, drain). Stores, single flight and replays are producer.sources'."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 
 import shared
+from producer import coalesce
 from producer.chunk_store import ChunkStore
 from producer.encode import EncodePool
 from producer.flight import Flight, Flights
@@ -156,8 +158,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         self._check_prefix(request, codec, encoder, roots)
         log.info("prefill.start", tokens=len(request.token_ids), codec=codec.name, deadline_s=context.time_remaining())
         info = self._ready().info
-        max_chunk = self.config.max_chunk_bytes
-        yield producer_pb2.PrefillResponse(
+        header = producer_pb2.PrefillResponse(
             header=producer_pb2.PrefillHeader(
                 request_id=request_id,
                 producer=describe.model_to_pb(info),
@@ -167,52 +168,73 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                 num_tokens=len(request.token_ids),
                 kv_dtype=info.dtype,
                 codec_metadata=encoder.metadata(),
-                max_chunk_bytes=max_chunk,
+                max_chunk_bytes=self.config.max_chunk_bytes,
                 first_token=request.first_token,
                 prefix_key=request.prefix_key,
                 chunk_tokens=self.config.chunk_tokens if self.chunks is not None else 0,
             )
         )
+        messages = self._messages(request, codec.name, options, encoder, roots, started)
+        if not request.accept_batches:  # one stream message per gRPC message, as before accept_batches
+            yield header
+            async with contextlib.aclosing(messages) as items:
+                async for message, _ in items:
+                    yield message
+            return
+        # the header goes alone and first (the caller's header time stays a round trip); the
+        # source opens while it is written, and what is ready after each write goes together
+        batched = coalesce.Coalesced(messages)
+        try:
+            yield header
+            async for message in batched:
+                yield message
+        finally:
+            await batched.aclose()
+
+    async def _messages(self, request, codec_name: str, options, encoder, roots: Roots | None, started: float):
+        """The stream after its header, serialized: each layer's messages (packed once at encode
+        time, replayed as they are from the store) and the trailer, each with its chunk count."""
+        info = self._ready().info
+        max_chunk = self.config.max_chunk_bytes
 
         def pack(layer, payloads) -> wire_bytes.PackedLayer:  # on an encode thread
             return wire_bytes.pack_layer(layer, payloads, max_chunk)
 
         source, shared, store_hit = await self.sources.open(
-            request.token_ids, request.first_token, codec.name, options, encoder, roots, pack, info.num_layers
+            request.token_ids, request.first_token, codec_name, options, encoder, roots, pack, info.num_layers
         )
         sent_chunks = sent_payloads = sent_bytes = 0
         async with contextlib.aclosing(source) as layers:
             async for item in layers:
                 if isinstance(item, EncodedLayer):
                     packed: wire_bytes.PackedLayer = item.packed
-                    # serialized once at encode time, sent as is (and replayed as is from the store)
-                    for message in packed.messages(request.accept_layer_chunks):
-                        yield message
+                    counts = packed.chunks_per_message(request.accept_layer_chunks)
+                    for message, count in zip(packed.messages(request.accept_layer_chunks), counts):
+                        yield message, count
                     sent_chunks += packed.chunk_count
                     sent_payloads += packed.payload_count
                     sent_bytes += item.payload_bytes
                 elif isinstance(item, PrefillDone):
                     total_ms = (time.perf_counter() - started) * 1e3
-                    yield producer_pb2.PrefillResponse(
-                        trailer=producer_pb2.PrefillTrailer(
-                            payload_bytes=sent_bytes,
-                            chunk_count=sent_chunks,
-                            payload_count=sent_payloads,
-                            prefill_ms=item.prefill_ms,
-                            encode_ms=item.encode_ms,
-                            total_ms=total_ms,
-                            store_hit=store_hit,
-                            prefill_shared=shared,
-                            prefill_batch_size=item.batch_size,
-                            reused_tokens=item.reused_tokens,
-                            computed_tokens=item.computed_tokens,
-                            queue_ms=item.queue_ms,
-                        )
+                    trailer = producer_pb2.PrefillTrailer(
+                        payload_bytes=sent_bytes,
+                        chunk_count=sent_chunks,
+                        payload_count=sent_payloads,
+                        prefill_ms=item.prefill_ms,
+                        encode_ms=item.encode_ms,
+                        total_ms=total_ms,
+                        store_hit=store_hit,
+                        prefill_shared=shared,
+                        prefill_batch_size=item.batch_size,
+                        reused_tokens=item.reused_tokens,
+                        computed_tokens=item.computed_tokens,
+                        queue_ms=item.queue_ms,
                     )
+                    yield producer_pb2.PrefillResponse(trailer=trailer).SerializeToString(), 0
                     self.store_hits += store_hit
                     self.tokens_reused += item.reused_tokens
                     self.tokens_computed += item.computed_tokens
-                    self.metrics.observe_prefill(codec.name, sent_bytes, item.prefill_ms, item.encode_ms, store_hit)
+                    self.metrics.observe_prefill(codec_name, sent_bytes, item.prefill_ms, item.encode_ms, store_hit)
                     log.info(
                         "prefill.done",
                         bytes=sent_bytes,

@@ -9,8 +9,9 @@ Owns:
   the codec chain's key of the whole context at its first token), so identical concurrent
   requests share one run; and the prefix flights: a call whose prefix a running flight is
   computing waits for it, then continues it;
-- the choice per request between a replay of stored state (no forward) and the engine's stream
-  (producer.prefill) over what is not stored (the plan: producer.reuse), the release of the
+- the choice per request between a replay of stored state (no forward; a chunk-store replay's
+  layers assembled in runs of one message's worth) and the engine's stream (producer.prefill)
+  over what is not stored (the plan: producer.reuse), the release of the
   plan's pin on stored entries when its stream ends, and the keeping of a completed forward's
   new state.
 
@@ -34,8 +35,10 @@ from producer.store import ContextStore, StoredPrefill, store_key
 from shared import chunks
 from shared.config import ProducerConfig
 from shared.kv_events import KVEventPublisher
+from shared.wire_bytes import MAX_MESSAGE_DATA
 
 Pack = Callable[[int, dict], Any]  # (layer, payloads) -> the layer's packed messages (opaque here)
+REPLAY_RUN_BYTES = MAX_MESSAGE_DATA  # a chunk-store replay assembles layers in runs of this many payload bytes
 
 
 class Sources:
@@ -158,11 +161,23 @@ class Sources:
             took = (time.perf_counter() - began) * 1e3
             return EncodedLayer(layer, packed, sum(t.numel() * t.element_size() for t in payloads.values()), took)
 
+        def build_run(first: int) -> list[EncodedLayer]:
+            """Layers from `first` on, up to one message's worth of payload bytes (at least one):
+            assembled in one hop to the encode thread and ready together, so a caller that accepts
+            batches gets them in one message (producer.coalesce)."""
+            run: list[EncodedLayer] = []
+            while first + len(run) < num_layers and sum(x.payload_bytes for x in run) < REPLAY_RUN_BYTES:
+                run.append(build(first + len(run)))
+            return run
+
         try:
-            for layer in range(num_layers):
-                item = await loop.run_in_executor(self.encode.executor, build, layer)
-                encode_ms += item.encode_ms
-                yield item
+            layer = 0
+            while layer < num_layers:
+                run = await loop.run_in_executor(self.encode.executor, build_run, layer)
+                for item in run:
+                    encode_ms += item.encode_ms
+                    yield item
+                layer += len(run)
         finally:
             reuse.release()
         yield PrefillDone(0.0, encode_ms, num_layers, batch_size=0, reused_tokens=reuse.reused_tokens, computed_tokens=0)

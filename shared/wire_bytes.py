@@ -5,18 +5,20 @@ Producer: `pack_layer` serializes one layer's payloads once, as `PrefillResponse
 messages (consecutive chunks, at most MAX_MESSAGE_DATA bytes of data each); a caller that did not
 set `PrefillRequest.accept_layer_chunks` gets each chunk as its own `chunk` message, cut from
 the same bytes (`PackedLayer.messages`). The store and single flight keep and replay these bytes.
-The bytes are what protobuf itself writes (fields in number order, `data` last), so any protobuf
-reader decodes them.
+`batch_message` joins serialized messages into one `PrefillResponse.batch` by hand (tag, length,
+the bytes as they are), for callers that set `PrefillRequest.accept_batches`. The bytes are what
+protobuf itself writes (fields in number order, `data` last), so any protobuf reader decodes them.
 
 Consumer: `parse_response` reads one received message's bytes: header and trailer through
 protobuf (small), chunks by hand into `ChunkView`s whose `data` is a memoryview of the received
-bytes (no copy). Bytes that do not parse raise DataLoss naming the field. Knows nothing about
-codecs, models or transport.
+bytes (no copy), a batch as its entries, memoryviews of the received bytes, one at a time (so a
+bad entry is reported where it is, after the entries before it were read). Bytes that do not
+parse raise DataLoss naming the field. Knows nothing about codecs, models or transport.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import google_crc32c
@@ -30,7 +32,8 @@ from shared.wire import DEFAULT_MAX_CHUNK_BYTES, dtype_to_pb, tensor_bytes
 
 MAX_MESSAGE_DATA = DEFAULT_MAX_CHUNK_BYTES  # data bytes in one layer_chunks message (4 MiB)
 MAX_SHAPE_DIMS = 16  # a chunk's shape entries read at most (a codec's payloads have a few)
-MAX_CHUNKS_PER_MESSAGE = 4096  # entries of one layer_chunks message read at most
+MAX_CHUNKS_PER_MESSAGE = 4096  # entries of one layer_chunks message (or of one batch, all entries) read at most
+MAX_BATCH_MESSAGES = 4096  # entries of one batch message read at most
 
 
 def _varint(n: int) -> bytes:
@@ -45,6 +48,8 @@ def _varint(n: int) -> bytes:
 _CHUNK_TAG = _varint(2 << 3 | 2)  # PrefillResponse.chunk
 _LAYER_CHUNKS_TAG = _varint(100 << 3 | 2)  # PrefillResponse.layer_chunks and LayerChunks.chunks
 _DATA_TAG = _varint(9 << 3 | 2)  # LayerChunk.data
+_BATCH_TAG = _varint(101 << 3 | 2)  # PrefillResponse.batch
+_BATCH_ENTRY_TAG = _varint(100 << 3 | 2)  # PrefillBatch.responses
 
 
 def crc32c(data: memoryview | bytes | np.ndarray) -> int:
@@ -69,6 +74,15 @@ class PackedLayer:
     @property
     def nbytes(self) -> int:
         return sum(len(b) for b in self.batches)
+
+    def chunks_per_message(self, layer_chunks: bool) -> list[int]:
+        """The chunk count of each message `messages(layer_chunks)` yields, in the same order."""
+        if not layer_chunks:
+            return [1] * len(self.spans)
+        counts = [0] * len(self.batches)
+        for batch, _, _ in self.spans:
+            counts[batch] += 1
+        return counts
 
     def messages(self, layer_chunks: bool) -> Iterator[bytes]:
         """The serialized messages: the batches as they are, or one `chunk` message per chunk (one
@@ -121,6 +135,16 @@ def pack_layer(layer: int, payloads: dict[str, torch.Tensor], max_chunk_bytes: i
     return PackedLayer(layer, batches, placed, len(payloads), total)
 
 
+def batch_message(messages: Sequence[bytes]) -> bytes:
+    """One serialized PrefillResponse{batch} whose entries are `messages` (serialized
+    PrefillResponses, none a batch), in order: their bytes are joined as they are (one copy)."""
+    body: list[bytes] = []
+    for m in messages:
+        body += [_BATCH_ENTRY_TAG, _varint(len(m)), m]
+    size = sum(len(piece) for piece in body)
+    return b"".join([_BATCH_TAG, _varint(size), *body])
+
+
 # --- reading ----------------------------------------------------------------------------------
 
 
@@ -153,7 +177,7 @@ class ChunkView:
 _U32, _U64 = (1 << 32) - 1, (1 << 64) - 1
 
 
-def _read_varint(buf: bytes, pos: int, end: int, where: str) -> tuple[int, int]:
+def _read_varint(buf: bytes | memoryview, pos: int, end: int, where: str) -> tuple[int, int]:
     result = shift = 0
     while True:
         if pos >= end:
@@ -168,7 +192,7 @@ def _read_varint(buf: bytes, pos: int, end: int, where: str) -> tuple[int, int]:
             raise DataLoss(f"{where}: a varint longer than 10 bytes")
 
 
-def _fields(buf: bytes, pos: int, end: int, where: str) -> Iterator[tuple[int, int, int, int]]:
+def _fields(buf: bytes | memoryview, pos: int, end: int, where: str) -> Iterator[tuple[int, int, int, int]]:
     """(field number, wire type, value or start, end) per field of buf[pos:end]; a length-delimited
     field gives its span, a varint or fixed field its value (end = -1)."""
     while pos < end:
@@ -196,7 +220,7 @@ def _fields(buf: bytes, pos: int, end: int, where: str) -> Iterator[tuple[int, i
 _CHUNK_WIRE = {1: 0, 2: 2, 3: 0, 4: 0, 5: 0, 6: -1, 7: 0, 8: 5, 9: 2}  # field -> wire type (-1: shape)
 
 
-def _chunk(buf: bytes, view: memoryview, pos: int, end: int) -> ChunkView:
+def _chunk(buf: bytes | memoryview, view: memoryview, pos: int, end: int) -> ChunkView:
     c = ChunkView()
     for number, wire, a, b in _fields(buf, pos, end, "chunk"):
         want = _CHUNK_WIRE.get(number)
@@ -239,15 +263,28 @@ def _chunk(buf: bytes, view: memoryview, pos: int, end: int) -> ChunkView:
     return c
 
 
-_ONEOF = {1: "header", 2: "chunk", 3: "trailer", 100: "layer_chunks"}
+_ONEOF = {1: "header", 2: "chunk", 3: "trailer", 100: "layer_chunks", 101: "batch"}
 
 
-def parse_response(
-    buf: bytes,
-) -> tuple[str, producer_pb2.PrefillHeader | producer_pb2.PrefillTrailer | list[ChunkView] | None]:
+def _batch_entries(buf: bytes | memoryview, a: int, b: int) -> Iterator[memoryview]:
+    """A batch's entries (serialized PrefillResponses), views of buf, read as they are asked for."""
+    view = memoryview(buf)
+    for number, wire, s, e in _fields(buf, a, b, "batch"):
+        if number != 100:
+            continue  # a field from a later version: skipped, as protobuf does
+        if wire != 2:
+            raise DataLoss(f"batch.responses: wire type {wire}, expected 2")
+        yield view[s:e]
+
+
+Parsed = tuple[str, producer_pb2.PrefillHeader | producer_pb2.PrefillTrailer | list[ChunkView] | Iterator[memoryview] | None]
+
+
+def parse_response(buf: bytes | memoryview) -> Parsed:
     """One serialized PrefillResponse: ("header", header), ("trailer", trailer), ("chunk", [the
-    chunk]), ("layer_chunks", [its chunks]) or ("", None) when it sets none of them. More than one of them is refused
-    (protobuf would keep the last; no encoder writes that)."""
+    chunk]), ("layer_chunks", [its chunks]), ("batch", its entries: an iterator of views, each
+    parsed with this function when read) or ("", None) when it sets none of them. More than one of
+    them is refused (protobuf would keep the last; no encoder writes that)."""
     kind, span = "", (0, 0)
     for number, wire, a, b in _fields(buf, 0, len(buf), "message"):
         name = _ONEOF.get(number)
@@ -256,7 +293,7 @@ def parse_response(
         if wire != 2:
             raise DataLoss(f"message.{name}: wire type {wire}, expected 2")
         if kind:
-            raise DataLoss(f"message sets both {kind} and {name} (one of header, chunk, trailer, layer_chunks)")
+            raise DataLoss(f"message sets both {kind} and {name} (one of header, chunk, trailer, layer_chunks, batch)")
         kind, span = name, (a, b)
     a, b = span
     if kind in ("header", "trailer"):
@@ -265,6 +302,8 @@ def parse_response(
             return kind, cls.FromString(buf[a:b])
         except DecodeError as exc:
             raise DataLoss(f"{kind}: does not parse ({exc})") from None
+    if kind == "batch":
+        return "batch", _batch_entries(buf, a, b)
     view = memoryview(buf)
     if kind == "chunk":
         return "chunk", [_chunk(buf, view, a, b)]

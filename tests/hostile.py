@@ -1,6 +1,7 @@
 """A hostile producer for tests: a real grpc.aio ProducerService that replays a script of
-messages (recorded from a real producer, then mutated) to a real consumer, plus helpers to
-record streams and rewrite chunks consistently (CRC recomputed)."""
+messages (recorded from a real producer, then mutated, and joined into batches at will: `batch`)
+to a real consumer, plus helpers to record streams and rewrite chunks consistently (CRC
+recomputed)."""
 
 from __future__ import annotations
 
@@ -25,14 +26,23 @@ def copy(message):
     return out
 
 
-async def record(producer_address: str, token_ids: list[int], codec: str = "raw", options: dict | None = None,
-                 consumer_digest: str = "") -> list[producer_pb2.PrefillResponse]:
+async def record(
+    producer_address: str, token_ids: list[int], codec: str = "raw", options: dict | None = None, consumer_digest: str = ""
+) -> list[producer_pb2.PrefillResponse]:
     """The messages a real producer sends for one request."""
     async with grpc.aio.insecure_channel(producer_address) as channel:
         stub = producer_pb2_grpc.ProducerServiceStub(channel)
-        request = producer_pb2.PrefillRequest(token_ids=token_ids, codec=common_pb2.CodecSpec(name=codec, options=options or {}),
-                                              consumer_weight_digest=consumer_digest)
+        request = producer_pb2.PrefillRequest(
+            token_ids=token_ids,
+            codec=common_pb2.CodecSpec(name=codec, options=options or {}),
+            consumer_weight_digest=consumer_digest,
+        )
         return [m async for m in stub.Prefill(request, timeout=60)]
+
+
+def batch(*messages: producer_pb2.PrefillResponse) -> producer_pb2.PrefillResponse:
+    """One PrefillResponse.batch carrying `messages` in order (copies: the originals stay as they are)."""
+    return producer_pb2.PrefillResponse(batch=producer_pb2.PrefillBatch(responses=[copy(m) for m in messages]))
 
 
 def kinds(messages) -> list[str]:
@@ -41,8 +51,13 @@ def kinds(messages) -> list[str]:
 
 def chunks(messages, kind: str | None = None, layer: int | None = None) -> list[int]:
     """Indices of chunk messages (of one payload kind / layer)."""
-    return [i for i, m in enumerate(messages) if m.WhichOneof("kind") == "chunk"
-            and (kind is None or m.chunk.kind == kind) and (layer is None or m.chunk.layer == layer)]
+    return [
+        i
+        for i, m in enumerate(messages)
+        if m.WhichOneof("kind") == "chunk"
+        and (kind is None or m.chunk.kind == kind)
+        and (layer is None or m.chunk.layer == layer)
+    ]
 
 
 def set_data(message, data: bytes) -> None:
@@ -89,8 +104,9 @@ async def consumer_of(script: Script, model: str = "tiny-llama", describe=None, 
     producer_pb2_grpc.add_ProducerServiceServicer_to_server(hostile, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    consumer = ConsumerServer(ConsumerConfig(port=0, model=model, device="cpu", producer=f"127.0.0.1:{port}", drain_grace_s=0.5,
-                                             **consumer_kw))
+    consumer = ConsumerServer(
+        ConsumerConfig(port=0, model=model, device="cpu", producer=f"127.0.0.1:{port}", drain_grace_s=0.5, **consumer_kw)
+    )
     await consumer.start()
     await consumer.load()
     try:

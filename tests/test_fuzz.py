@@ -4,7 +4,9 @@
   DATA_LOSS / FAILED_PRECONDITION or hands over payloads byte-identical to the original ones:
   never a different tensor with no error; the same as protobuf messages and as their serialized
   bytes (the serving path's own parser, shared.wire_bytes), and for raw bytes damaged anywhere in
-  a message (one chunk per message, or a layer's chunks in one `layer_chunks` message);
+  a message (one chunk per message, a layer's chunks in one `layer_chunks` message, or stream
+  messages joined in one `batch`); and joining any runs of a damaged stream's messages into
+  batches changes nothing: the same error, or the same payloads;
 - the consumer, sent random GenerateRequests (and undecodable bytes), answers OK or a documented
   client-side status, never INTERNAL/UNKNOWN, and keeps serving.
 """
@@ -21,6 +23,7 @@ from hypothesis import strategies as st
 
 from consumer.stream_reader import Expectation, LayerPayloads, StreamReader
 from producer.server import ProducerServer
+from shared import wire_bytes
 from shared.codecs import create_codecs
 from shared.config import ProducerConfig
 from shared.errors import ServiceError
@@ -28,7 +31,7 @@ from shared.models import load_model
 from shared.pb import common_pb2, consumer_pb2, producer_pb2
 from shared.serving import GRPC_OPTIONS
 from tests.conftest import running_pair
-from tests.hostile import copy, record
+from tests.hostile import batch, copy, record
 
 CONTEXT = "Semantic cache distillation sends compact codes instead of the raw key value cache. " * 3
 
@@ -159,7 +162,7 @@ byte_damage = st.lists(
 )
 
 
-@pytest.mark.parametrize("stream", ["raw", "raw_batched"])
+@pytest.mark.parametrize("stream", ["raw", "raw_batched", "raw_batches"])
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=byte_damage)
 def test_damaged_bytes_are_refused_or_identical(recorded, stream, ops):
@@ -167,7 +170,10 @@ def test_damaged_bytes_are_refused_or_identical(recorded, stream, ops):
     parser and the reader refuse it with DATA_LOSS / FAILED_PRECONDITION, never another error,
     or (damage protobuf skips: an unknown field) hand over the original payloads."""
     ids, streams = recorded
-    messages = [m if isinstance(m, bytes) else m.SerializeToString() for m in streams[stream]]
+    if stream == "raw_batches":  # what a replay from the store sends: everything after the header in one batch
+        messages = [streams["raw_batched"][0], wire_bytes.batch_message(streams["raw_batched"][1:])]
+    else:
+        messages = [m if isinstance(m, bytes) else m.SerializeToString() for m in streams[stream]]
     if stream == "raw_batched":
         assert {producer_pb2.PrefillResponse.FromString(m).WhichOneof("kind") for m in messages[1:-1]} == {"layer_chunks"}
     original = read(ids, "raw", messages)
@@ -188,6 +194,44 @@ def test_damaged_bytes_are_refused_or_identical(recorded, stream, ops):
         assert exc.code in ("DATA_LOSS", "FAILED_PRECONDITION"), exc
         return
     same(got, original, ops)
+
+
+def joined(messages, cuts: list[int], as_bytes: bool) -> list:
+    """messages with the runs between the cut points (indices, any order) each in one batch."""
+    edges = sorted({0, len(messages), *(c % (len(messages) + 1) for c in cuts)})
+    out = []
+    for a, b in zip(edges, edges[1:]):
+        if b - a == 1 and a % 2:  # some runs of one stay plain messages
+            out.append(messages[a])
+        elif as_bytes:
+            out.append(wire_bytes.batch_message([m.SerializeToString() for m in messages[a:b]]))
+        else:
+            out.append(batch(*messages[a:b]))
+    return out
+
+
+def outcome(ids, codec: str, messages) -> object:
+    try:
+        return read(ids, codec, messages)
+    except ServiceError as exc:
+        assert exc.code in ("DATA_LOSS", "FAILED_PRECONDITION"), exc
+        return f"{exc.code}: {exc}"
+
+
+@pytest.mark.parametrize("as_bytes", [False, True], ids=["messages", "bytes"])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=damage, cuts=st.lists(st.integers(0, 10_000), max_size=6))
+def test_batching_a_damaged_stream_changes_nothing(recorded, as_bytes, ops, cuts):
+    """The same damaged stream, plain or with runs of its messages joined into batches: the same
+    error at the same message, or the same payloads (a batch's entries are read as if alone)."""
+    ids, streams = recorded
+    damaged = apply(streams["raw"], ops)
+    plain = outcome(ids, "raw", damaged)
+    got = outcome(ids, "raw", joined(damaged, cuts, as_bytes))
+    if isinstance(plain, str) or isinstance(got, str):
+        assert got == plain, ops
+    else:
+        same(got, plain, ops)
 
 
 OK_OR_CLIENT_ERROR = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,

@@ -122,8 +122,9 @@ class CorruptingProxy(producer_pb2_grpc.ProducerServiceServicer):
     async def Prefill(self, request, context):
         seen = 0
         async for message in self.stub.Prefill(request, timeout=context.time_remaining()):
-            kind = message.WhichOneof("kind")  # a layer's chunks come in one layer_chunks message
-            for chunk in [message.chunk] if kind == "chunk" else message.layer_chunks.chunks if kind == "layer_chunks" else []:
+            # a layer's chunks come in one layer_chunks message, messages ready together in one batch
+            inner = message.batch.responses if message.WhichOneof("kind") == "batch" else [message]
+            for chunk in [c for m in inner for c in ([m.chunk] if m.WhichOneof("kind") == "chunk" else m.layer_chunks.chunks)]:
                 if seen == self.corrupt_chunk:
                     data = bytearray(chunk.data)
                     data[len(data) // 2] ^= 0x10

@@ -145,6 +145,35 @@ def test_a_layer_chunks_message_over_the_bound_is_refused(producer_streams, monk
         read(model, ids, [new[0], empty])
 
 
+@pytest.mark.parametrize(
+    ("data", "text"),
+    [
+        (b"\xaa\x06\x03\xa0\x06\x01", "batch.responses: wire type 0, expected 2"),
+        (b"\xaa\x06\x03\xa2\x06\x05", "batch: field 100 says 5 bytes, 0 remain"),
+        (b"\xaa\x06\x01\xa2", "batch: truncated"),
+    ],
+)
+def test_malformed_batch_bytes_name_the_field(data, text):
+    """A batch's entries are read when asked for: its framing is refused there, naming the field."""
+    kind, entries = wire_bytes.parse_response(data)
+    assert kind == "batch"
+    with pytest.raises(DataLoss, match=text):
+        list(entries)
+
+
+def test_a_batch_holds_the_entries_bytes_as_they_are():
+    entries = [m for m in wire_bytes.pack_layer(1, PAYLOADS, 1024).messages(layer_chunks=True)]
+    joined = wire_bytes.batch_message(entries)
+    decoded = producer_pb2.PrefillResponse.FromString(joined)  # any protobuf reader decodes it
+    assert [m.SerializeToString() for m in decoded.batch.responses] == entries
+    kind, views = wire_bytes.parse_response(joined)
+    start = np.frombuffer(joined, dtype=np.uint8).ctypes.data
+    for view, entry in zip(views, entries, strict=True):
+        assert bytes(view) == entry and np.frombuffer(view, dtype=np.uint8).ctypes.data >= start  # views, no copies
+        _, chunks = wire_bytes.parse_response(view)
+        assert [bytes(c.data) for c in chunks] == [bytes(c.data) for c in wire_bytes.parse_response(entry)[1]]
+
+
 def test_a_layer_with_no_payloads_has_no_message():
     """Recompute sends some layers with nothing in them: no layer_chunks message (an empty one is
     refused by the reader), as one message per chunk sent none."""
