@@ -25,6 +25,9 @@ producer process (/proc utime + stime: 10 ms ticks), the reading process (proces
 gRPC threads included; the call's connection setup too) and the socket's sender + receiver
 processes together, less their start-up (a 1 MiB push's CPU, socket_start_cpu_ms). One JSON line per chunk size to stdout and to bench/results/transport.jsonl,
 with the load average. `--quick`: a 256-token context and two chunk sizes (a smoke test).
+`--malloc-mmap-threshold` (default: the services' default) applies to the producer and to this
+reading process, as in the services (shared.malloc_tuning); 0 is glibc's own behaviour; every row
+records it.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from pathlib import Path
 
 from bench import netns, services
 from bench.workloads import ensure_random, note
+from shared import malloc_tuning
 
 RESULTS = services.ROOT / "bench" / "results"
 TRANSPORT = dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=32,
@@ -130,11 +134,12 @@ def socket_run(nbytes: int) -> tuple[float, float]:
     return mbps, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
 
 
-def spawn_producer(model: str, chunk_bytes: int, ctx: int) -> services.Service:
+def spawn_producer(model: str, chunk_bytes: int, ctx: int, malloc_threshold: int) -> services.Service:
     """A producer process on loopback with `--max-chunk-bytes chunk_bytes` (not yet healthy)."""
     port = services.free_port()
     args = ["--host", "127.0.0.1", "--port", str(port), "--model", model, "--dtype", "float32", "--device", "cpu",
-            "--max-chunk-bytes", str(chunk_bytes), "--max-context-tokens", str(max(8192, ctx)), "--log-level", "WARNING"]
+            "--max-chunk-bytes", str(chunk_bytes), "--max-context-tokens", str(max(8192, ctx)), "--log-level", "WARNING",
+            "--malloc-mmap-threshold", str(malloc_threshold)]
     return services.spawn("producer", args, f"127.0.0.1:{port}", services.ROOT / f"bench/runs/transport/{chunk_bytes}")
 
 
@@ -182,7 +187,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help=f"smoke preset {QUICK} (explicit flags win)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="producer start-up limit")
     p.add_argument("--out", type=Path, default=RESULTS / "transport.jsonl")
+    p.add_argument("--malloc-mmap-threshold", type=int, default=malloc_tuning.DEFAULT_MMAP_THRESHOLD,
+                   help="the services' flag, for the producer and this reading process (0: glibc's defaults)")
     args = p.parse_args(argv)
+    note(f"malloc: {malloc_tuning.tune(args.malloc_mmap_threshold)}")
     preset = QUICK if args.quick else {}
     ctx = args.ctx or preset.get("ctx", 2048)
     chunk_sizes = args.chunk_sizes or preset.get("chunk_sizes", CHUNK_SIZES)
@@ -195,13 +203,13 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     producers = []  # all start together (start-up dominates a quick run); measured one at a time
     try:
-        producers = [spawn_producer(model, c, ctx) for c in chunk_sizes]
+        producers = [spawn_producer(model, c, ctx, args.malloc_mmap_threshold) for c in chunk_sizes]
         for producer in producers:
             services.wait_healthy(producer, args.timeout_s)
         with open(args.out, "w") as out:
             for chunk_bytes, producer in zip(chunk_sizes, producers):
                 started = time.monotonic()
-                row = measure(producer, chunk_bytes, token_ids, reps, expect)
+                row = {**measure(producer, chunk_bytes, token_ids, reps, expect), "malloc_mmap_threshold": args.malloc_mmap_threshold}
                 note(f"chunk {chunk_bytes} B: {time.monotonic() - started:.1f}s")
                 rows.append(row)
                 print(json.dumps(row), flush=True)

@@ -95,6 +95,7 @@ class ServerConfig:
     trace: str = "off"  # OpenTelemetry spans: off | console (JSON on stderr) | memory (tests) | otlp; shared.tracing
     liveness_timeout_s: float = 30.0  # an iteration without progress this long: liveness NOT_SERVING
     torch_threads: int = 0  # torch's intra-op threads (0: torch's default, one per core); 1 where services share cores
+    malloc_mmap_threshold: int = 33554432  # glibc: message-sized buffers reused from the heap (shared.malloc_tuning); 0 off
     # KV cache events in vLLM's wire format (shared.kv_events): the producer's chunk store, the consumer's prefix cache
     kv_events_endpoint: str = ""  # ZMQ PUB address of KV events (tcp://*:5557 binds, tcp://host:port connects); "" off
     kv_events_replay_endpoint: str = ""  # ZMQ ROUTER address answering replay requests (tcp://*:5558); "" off
@@ -126,6 +127,8 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key: set both or neither")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca: needs tls_cert and tls_key (mTLS is TLS with client certificates)")
+        if self.malloc_mmap_threshold < 0:
+            raise ValueError(f"malloc_mmap_threshold: {self.malloc_mmap_threshold} must be >= 0 (0: glibc's defaults)")
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads: {self.torch_threads} must be >= 0 (0: torch's default)")
         if self.liveness_interval_s <= 0 or self.liveness_timeout_s <= 0:

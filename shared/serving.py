@@ -419,6 +419,9 @@ def main(service: str, config_cls: type[ServerConfig], server_cls: type, argv: l
         logs.configure(service, "INFO")
         startup.fail(service, f"configuration: {exc}")
     logs.configure(service, cfg.log_level)
+    from shared import malloc_tuning
+
+    logs.get(service).info("startup.malloc", setting=malloc_tuning.tune(cfg.malloc_mmap_threshold))
     if cfg.torch_threads:
         import torch
 

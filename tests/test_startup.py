@@ -225,6 +225,22 @@ def test_core_log_lines_become_json_and_other_lines_pass_through():
     assert core.translate('{"event": "server.started"}') == '{"event": "server.started"}'
 
 
+def test_malloc_tuning_is_validated_and_applied_at_start():
+    from shared import malloc_tuning
+
+    with pytest.raises(ValueError, match="malloc_mmap_threshold: -1 must be >= 0"):
+        config_lib.load(ConsumerConfig, "consumer", ["--malloc-mmap-threshold", "-1"], env={})
+    assert malloc_tuning.tune(0) == "glibc's defaults (--malloc-mmap-threshold 0)"
+    applied = malloc_tuning.tune(malloc_tuning.DEFAULT_MMAP_THRESHOLD)
+    import platform
+
+    if platform.libc_ver()[0] == "glibc":  # mallopt returned success for both thresholds
+        assert applied.endswith(f"mmap threshold {1 << 25} bytes, trim threshold {1 << 26} bytes"), applied
+    else:
+        assert applied.startswith("unchanged: the C library is not glibc")
+    assert ConsumerConfig().malloc_mmap_threshold == ProducerConfig().malloc_mmap_threshold == malloc_tuning.DEFAULT_MMAP_THRESHOLD
+
+
 def test_torch_threads_is_validated_and_sets_the_intra_op_pool():
     with pytest.raises(ValueError, match="torch_threads: -1 must be >= 0"):
         config_lib.load(ConsumerConfig, "consumer", ["--torch-threads", "-1"], env={})
