@@ -1,7 +1,8 @@
 """`python -m bench.ab --before FILE... --after FILE...`: two sets of bench.throughput rows (runs of one
 commit against runs of another, taken alternately on one machine) compared cell by cell: per
 (model, mode, output, concurrency, max_batch) the median over runs of requests/s or output
-tokens/s, p50 TTFT and the consumer's CPU ms per request, each side's range, and after/before.
+tokens/s, p50 TTFT and the CPU ms per request of the producer, the consumer, the client and the
+three together, each side's range, and after/before.
 A markdown table on stdout; the rows say which code and load they ran at. Knows nothing about the
 services: it reads the JSON lines bench.throughput wrote.
 """
@@ -23,6 +24,17 @@ def cell(r: dict) -> tuple:
     return (r["model"], r["mode"], r["output"], r["concurrency"], r["max_batch"])
 
 
+CPU = ("producer_cpu_ms_per_request", "consumer_cpu_ms_per_request", "client_cpu_ms_per_request")
+TOTAL_CPU = "total_cpu_ms_per_request"  # the three processes together (the issue's measure)
+
+
+def value(r: dict, metric: str) -> float | None:
+    if metric == TOTAL_CPU:
+        parts = [r.get(m) for m in CPU]
+        return None if any(p is None for p in parts) else sum(parts)  # type: ignore[arg-type]
+    return r.get(metric)
+
+
 def summary(values: list[float]) -> str:
     return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
 
@@ -34,9 +46,9 @@ def table(before: list[dict], after: list[dict]) -> str:
     ]
     for key in sorted({cell(r) for r in before} & {cell(r) for r in after}):
         rate = "requests_per_s" if key[2] == "answer" else "output_tokens_per_s"
-        for metric in (rate, "ttft_p50_ms", "consumer_cpu_ms_per_request"):
-            b = [r[metric] for r in before if cell(r) == key and metric in r]
-            a = [r[metric] for r in after if cell(r) == key and metric in r]
+        for metric in (rate, "ttft_p50_ms", *CPU, TOTAL_CPU):
+            b = [v for r in before if cell(r) == key for v in [value(r, metric)] if v is not None]
+            a = [v for r in after if cell(r) == key for v in [value(r, metric)] if v is not None]
             if b and a:
                 ratio = statistics.median(a) / statistics.median(b) if statistics.median(b) else float("nan")
                 lines.append(f"| {' | '.join(map(str, key))} | {metric} | {summary(b)} | {summary(a)} | {ratio:.2f} |")

@@ -70,6 +70,9 @@ ADAPT_TARGET = 3  # requests after a step within which auto's choice settles
 QUICK = dict(scales=["trained"], bandwidths=[10.0, None], delays=[0.0], stores=["cold", "warm"], runs=3, warmup=1,
              step_scale="", contexts={"trained": 256})
 CONTEXTS = {"trained": 256, "qwen05b": 2048}
+# measured runs per cell by scale (--runs overrides): the QA pair's TTFTs are ~25 ms, where a median
+# of 3 runs moves by +-15% (more than the 1.1x the check allows); a 0.5B cell's runs take seconds
+RUNS = {"trained": 9, "qwen05b": 3}
 ARTIFACTS = {"trained": "artifacts/qa-base-to-tuned.safetensors", "qwen05b": ""}  # per scale; --artifacts overrides
 
 
@@ -112,7 +115,8 @@ async def measure_cell(client, w: Workload, modes: list[Mode], ctx: int, store: 
     warm = store == "warm"
     samples: dict[Mode, list[Sample]] = {m: [] for m in modes}
     active = list(modes)
-    for rep in range(-args.warmup, args.runs):
+    runs = args.runs or RUNS[args.scale_of[w.name]]
+    for rep in range(-args.warmup, runs):
         order = list(active)
         random.Random(f"{ctx}/{store}/{rep}").shuffle(order)  # no candidate always follows the same one
         for mode in order:
@@ -129,7 +133,7 @@ async def measure_cell(client, w: Workload, modes: list[Mode], ctx: int, store: 
             samples[mode].append(Sample(answer, gold, reference, load))
             s = answer.stats
             picked = f" -> {s.transfer.name}" if mode.name == AUTO else ""
-            note(f"  {mode.label}{picked} ctx {ctx} {store} run {rep + 1}/{args.runs}: ttft {s.ttft_ms:.1f} ms, "
+            note(f"  {mode.label}{picked} ctx {ctx} {store} run {rep + 1}/{runs}: ttft {s.ttft_ms:.1f} ms, "
                  f"{s.bytes_received} B, load {load:.2f}")
     return {m: v for m, v in samples.items() if m in active and v}
 
@@ -405,7 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Mbit/s values or 'unshaped'")
     p.add_argument("--delays", nargs="+", type=float, default=[0.0, 20.0], help="one-way delay, ms")
     p.add_argument("--stores", nargs="+", choices=["cold", "warm"], default=["cold", "warm"])
-    p.add_argument("--runs", type=int, default=3, help="measured repetitions per cell, every candidate once each")
+    p.add_argument("--runs", type=int, default=0, help=f"measured repetitions per cell, every candidate once each (0: {RUNS})")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--gap-ms", type=float, default=100.0, help="pause before each request (the last one's leftover work settles)")
     p.add_argument("--contexts", type=lambda t: dict(kv.split("=") for kv in t.split(",")), default=None,

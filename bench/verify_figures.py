@@ -62,6 +62,9 @@ def verify(root: Path = ROOT) -> dict:
     shifted_repair = [
         r for r in quality if r["policy"] == "scd+repair" and r["set"] != "in_distribution" and r["repair_fraction"] < 1
     ]
+    flagged = _flagged_sets(quality)
+    small = [r for r in quality if r["policy"] == "scd+repair" and r["repair_fraction"] <= 0.2]
+    big = [r for r in quality if r["policy"] == "scd+repair" and r["repair_fraction"] >= 0.5]
     by_policy = {r["policy"]: r for r in speed}
     raw, ver = by_policy.get("raw"), next((r for r in speed if r["policy"].endswith("+verify")), None)
     return {
@@ -72,6 +75,36 @@ def verify(root: Path = ROOT) -> dict:
         "verify_sets": len(verified),
         "repair_best_shifted": max((r["identical_to_oracle"] for r in shifted_repair), default=float("nan")),
         "repair_worst_shifted": min((r["identical_to_oracle"] for r in shifted_repair), default=float("nan")),
+        "repair_cost_small_lo": min((r["cost_ratio_vs_prefill"] for r in small), default=float("nan")),
+        "repair_cost_small_hi": max((r["cost_ratio_vs_prefill"] for r in small), default=float("nan")),
+        "repair_cost_big_lo": min((r["cost_ratio_vs_prefill"] for r in big), default=float("nan")),
         "speed_ratio": (ver["completion_ms_p50"] / raw["completion_ms_p50"]) if raw and ver else float("nan"),
         "speed_policy": ver["policy"] if ver else "",
+        **flagged,
+    }
+
+
+def _flagged_sets(quality: list[dict]) -> dict:
+    """The audit's REPAIR against its FALLBACK on the (pair, set) rows where the audit flags
+    caches often (FALLBACK's cost over one own prefill): their cost ranges, and in how many
+    REPAIR's identical share is below FALLBACK's."""
+    by: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in quality:
+        by.setdefault((r["pair"], r["set"]), {})[r["policy"]] = r
+    pairs = [
+        (g["scd+audit_fallback"], g["scd+audit_repair"])
+        for g in by.values()
+        if "scd+audit_fallback" in g and "scd+audit_repair" in g and g["scd+audit_fallback"]["cost_ratio_vs_prefill"] > 1
+    ]
+    nan = float("nan")
+    fb = [f["cost_ratio_vs_prefill"] for f, _ in pairs]
+    ar = [a["cost_ratio_vs_prefill"] for _, a in pairs]
+    return {
+        "flagged_sets": len(pairs),
+        "fallback_cost_lo": min(fb, default=nan),
+        "fallback_cost_hi": max(fb, default=nan),
+        "audit_repair_cost_lo": min(ar, default=nan),
+        "audit_repair_cost_hi": max(ar, default=nan),
+        "audit_repair_worse": sum(a["identical_to_oracle"] < f["identical_to_oracle"] for f, a in pairs),
+        "audit_repair_cheaper": sum(a["cost_ratio_vs_prefill"] < f["cost_ratio_vs_prefill"] for f, a in pairs),
     }
