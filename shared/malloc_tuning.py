@@ -1,7 +1,7 @@
 """glibc malloc's thresholds for the services' message buffers (`--malloc-mmap-threshold`).
 
-Every received gRPC message (a Prefill stream's carry up to 4 MiB of payload) and every payload
-tensor made from one is a large, short-lived allocation. glibc serves an allocation above its
+Every received gRPC message (a Prefill stream's messages carry up to 4 MiB of payload each) and
+every payload tensor made from one is a large, short-lived allocation. glibc serves an allocation above its
 mmap threshold (128 KiB at start, raised by itself as large blocks are freed) with a fresh mmap
 and gives it back with munmap: page faults and zeroed pages on every message. A fixed threshold
 above the message size keeps those buffers in the heap, where the next message reuses them; the
@@ -31,6 +31,8 @@ def tune(mmap_threshold: int) -> str:
     if libc_name != "glibc":
         return f"unchanged: the C library is not glibc ({libc_name or 'unknown'})"
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    if not libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) or not libc.mallopt(M_TRIM_THRESHOLD, 2 * mmap_threshold):
+    if not libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold):
         return f"unchanged: glibc {version} refused an mmap threshold of {mmap_threshold} bytes"
+    if not libc.mallopt(M_TRIM_THRESHOLD, 2 * mmap_threshold):  # the mmap threshold stands
+        return f"glibc {version}: mmap threshold {mmap_threshold} bytes; it refused a trim threshold of {2 * mmap_threshold}"
     return f"glibc {version}: mmap threshold {mmap_threshold} bytes, trim threshold {2 * mmap_threshold} bytes"
