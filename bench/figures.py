@@ -32,6 +32,7 @@ from bench.service_figures import (
     throughput,
     transport,
 )
+from bench.gpu_figures import gpu
 from bench.verify_figures import verify
 from shared.labels import mode_label
 
@@ -320,4 +321,5 @@ def figures(root: Path = ROOT) -> dict:
         "adaptive": adaptive(root),
         "link": link(root),
         "verify": verify(root),
+        "gpu": gpu(root),
     }

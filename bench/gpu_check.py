@@ -45,11 +45,12 @@ MODES = ["oracle", "raw", "quant:bits=8", "quant:bits=4"]
 
 def run_pytest(timeout_s: float) -> dict:
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"],
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=line", "-p", "no:cacheprovider", "tests/test_gpu.py"],
                           cwd=services.ROOT, capture_output=True, text=True, timeout=timeout_s)
     lines = [line for line in done.stdout.splitlines() if re.search(r"\d+ (passed|skipped|failed|error)", line)]
+    failures = [line[:400] for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
     return {"check": "pytest", "file": "tests/test_gpu.py", "rc": done.returncode,
-            "summary": lines[-1].strip("= ") if lines else done.stdout[-300:],
+            "summary": lines[-1].strip("= ") if lines else done.stdout[-300:], "failures": failures,
             "seconds": round(time.monotonic() - started, 1)}
 
 
@@ -130,15 +131,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--artifacts", default="", help="SCD artifacts for the scales' models (adds the scd mode)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per step")
     p.add_argument("--out", type=Path, default=RESULTS / "gpu.jsonl")
+    p.add_argument("--scales", nargs="+", choices=[scale for scale, _, _ in FULL], default=[scale for scale, _, _ in FULL],
+                   help="which full-size shapes to run (all by default; ignored with --quick)")
     p.add_argument("--no-throughput", action="store_true", help="skip step 4 (the batch engine's throughput grid)")
     args = p.parse_args(argv)
     import torch
+    import transformers
 
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("bench.gpu_check: --device cuda but torch sees no CUDA device")
-    shapes = QUICK if args.quick else FULL
+    shapes = QUICK if args.quick else [shape for shape in FULL if shape[0] in args.scales]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     failed = []
     with open(args.out, "w") as out:
@@ -151,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
 
         started = time.monotonic()
         emit({"check": "machine", "device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
-              "torch": torch.__version__, "quick": args.quick})
+              "torch": torch.__version__, "transformers": transformers.__version__, "quick": args.quick})
         result = run_pytest(args.timeout_s)
         emit(result)
         if result["rc"] not in (0, 5):  # 5: nothing collected
