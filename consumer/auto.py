@@ -11,6 +11,15 @@ Budget (`transfer.options`): `max_loss` (nats/token), or `exact` = "true" (lossl
 only); neither: the loss of the default schedule of the pair's artifact (exact without one).
 `candidates` = "raw,scd,oracle" narrows the set by mode.
 
+Verified candidates: a request that asks for verified decoding (`GenerateRequest.verify`) gets
+the consumer's exact output whatever the transfer (consumer.verify), so under `exact` the lossy
+candidates the default budget admits count as exact too, marked `how` = "verified" (transfer +
+VERIFY; the default budget keeps drafts the check would mostly reject out). What the choice
+compares is when the caller sees its first token: with provisional delivery the drafts' transfer
+(their estimate as it is); with verified tokens only, no sooner than the exact cache the check
+needs (the estimate is raised to the fastest exact candidate's, so an exact candidate wins the
+tie at lower loss, and a verified one is chosen only where it really comes first).
+
 Choice (`Chooser.choose`): each candidate's time from the planner's running estimates
 (consumer.planner), read under one canonical key per candidate (`Chooser.key`), and what is
 known to be cached: the consumer's prefix cache (a candidate whose KV it holds whole needs
@@ -59,6 +68,7 @@ UNCERTAIN_PENALTY = 1.5  # an uncertain estimate must beat a confident one by th
 KEYS_MEMO = 1024  # candidate keys kept computed (cleared when full: named requests' options vary)
 DOUBT_MARGIN = 1.2  # an uncertain remote estimate this much below the pick is worth a probe
 TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no", "")
+VERIFIED = "verified"  # Candidate.how of a lossy transfer admitted under `exact` by verified decoding
 
 
 @dataclass(frozen=True)
@@ -66,7 +76,7 @@ class Candidate:
     mode: str  # a codec name, or "oracle"
     options: Mapping[str, str]  # resolved as the codec resolves them
     loss: float  # calibrated loss (nats/token); NaN: not calibrated (a mode the caller named)
-    how: str  # "exact" | "measured" | "named by the request"
+    how: str  # "exact" | "measured" | "named by the request" | "verified" (transfer + VERIFY)
     bytes_per_token: float | None = None  # calibrated, a prior until a transfer of it is measured
 
     @property
@@ -84,6 +94,7 @@ class Budget:
     exact: bool = False
     modes: frozenset[str] | None = None  # None: every mode
     source: str = "request"
+    verify: str = "off"  # the request's verified decoding (consumer.request VERIFY_*): "off" | "verified" | "provisional"
 
     def admits(self, c: Candidate) -> bool:
         if self.modes is not None and c.mode not in self.modes:
@@ -91,7 +102,7 @@ class Budget:
         if c.how == "named by the request":
             return True
         if self.exact:
-            return c.how == "exact"
+            return c.how in ("exact", VERIFIED)
         return c.loss <= self.max_loss + LOSS_SLACK
 
 
@@ -282,13 +293,27 @@ class Chooser:
         c = Candidate(mode, options, math.nan, "named by the request")
         return self._estimate(c, self.key(mode, options), context_ids)
 
+    def _verified(self, pool: list[Candidate]) -> list[Candidate]:
+        """`pool` with its lossy candidates that the default budget admits marked VERIFIED: drafts
+        as good as the default mode's answers (a transfer over it, naive reuse across weights say,
+        would draft tokens the check mostly throws away)."""
+        default = self.default_budget()
+        if default.exact:
+            return pool
+        return [
+            Candidate(c.mode, c.options, c.loss, VERIFIED, c.bytes_per_token)
+            if c.how == "measured" and c.loss <= default.max_loss + LOSS_SLACK
+            else c
+            for c in pool
+        ]
+
     def _excluded(self, c: Candidate, budget: Budget, usable: bool) -> str:
         """Why a candidate is not within this request's reach ("" when it is)."""
         if budget.modes is not None and c.mode not in budget.modes:
             return "not among the requested candidates"
         if c.how != "named by the request":
-            if budget.exact and c.how != "exact":
-                return "not exact"
+            if budget.exact and c.how not in ("exact", VERIFIED):
+                return "not exact (verified decoding would admit it)"
             if not budget.exact and not c.loss <= budget.max_loss + LOSS_SLACK:
                 return f"over the loss budget {budget.max_loss:.4g}"
         if c.remote and not usable:
@@ -297,6 +322,8 @@ class Chooser:
 
     def choose(self, context_ids: list[int], budget: Budget, only: list[Candidate] | None = None) -> AutoChoice:
         pool = only if only is not None else self.candidates()
+        if budget.exact and budget.verify != "off":  # lossy transfers give the exact output once verified
+            pool = self._verified(pool)
         usable = self.producer_usable()
         why_out = {id(c): self._excluded(c, budget, usable) for c in pool}
         within = [c for c in pool if not why_out[id(c)]]
@@ -315,6 +342,8 @@ class Chooser:
             )
             for c in pool
         ]
+        if budget.verify not in ("off", "provisional"):
+            scored = _wait_for_exact(scored)
         live = [s for s in scored if s.within]
         unknown_remote = [s for s in live if s.estimate.ms is None and s.candidate.remote]
         known = [s for s in live if s.estimate.ms is not None]
@@ -412,6 +441,24 @@ class Chooser:
         return self.planner.estimate_remote(key, self.loaded.info.num_layers, tokens, tokens, tokens, c.bytes_per_token)
 
 
+def _wait_for_exact(scored: list[Scored]) -> list[Scored]:
+    """Verified tokens only: a verified candidate's first token waits for the exact cache, so its
+    estimate is at least the fastest exact candidate's (unknown while none is known)."""
+    exact = [s.estimate.ms for s in scored if s.within and s.candidate.how == "exact" and s.estimate.ms is not None]
+    if not exact:
+        return scored
+    floor = min(exact)
+    out = []
+    for s in scored:
+        e = s.estimate
+        if s.candidate.how == VERIFIED and e.ms is not None and e.ms < floor:
+            e = Estimate(
+                floor, f"{e.detail}; verified tokens wait for the exact cache ({floor:.1f} ms)", None, e.confident, e.why
+            )
+        out.append(Scored(s.candidate, s.within, e, s.chosen, s.key, s.excluded))
+    return out
+
+
 def _score(s: Scored) -> float:
     """What the choice compares: the estimate, an uncertain one counted UNCERTAIN_PENALTY times."""
     ms = s.estimate.ms or 0.0
@@ -419,4 +466,6 @@ def _score(s: Scored) -> float:
 
 
 def _sort_loss(c: Candidate) -> float:
+    if c.how == VERIFIED:
+        return c.loss  # ties go to the exact candidate: same output, no double reservation
     return c.loss if c.loss == c.loss else 0.0  # NaN (a named mode) sorts as exact

@@ -7,6 +7,7 @@ Knows nothing about grpc beyond reading the request message.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -153,7 +154,7 @@ class JobBuilder:
         budget: Budget | None = None
         options: dict[str, str]
         if mode == AUTO_MODE:
-            budget = self.chooser.budget(dict(spec.options))
+            budget = dataclasses.replace(self.chooser.budget(dict(spec.options)), verify=VERIFIES[request.verify])
             codec, options = None, {}
         else:
             codec, options = transfer_codec(self.codecs, spec, mode)

@@ -258,3 +258,39 @@ async def test_auto_on_the_trained_pair_keeps_to_the_calibrated_budget():
         assert chosen.within_budget and stats.transfer.name == chosen.mode
         if chosen.mode == "oracle":
             assert ids == oracle
+
+
+async def test_verified_decoding_admits_lossy_transfers_under_exact():
+    """Under `exact`, a request asking for verified decoding gets the consumer's exact output
+    whatever the transfer: the SCD schedules the default budget admits become candidates (`how`
+    verified); with provisional delivery they win when their transfer comes first, and the answer
+    is the oracle's; with verified tokens only, their first token waits for the exact cache, so
+    an exact candidate wins; without verify they stay excluded, and naive reuse never enters."""
+    root = Path(__file__).resolve().parents[1]
+    art = str(root / "artifacts" / "qa-base-to-tuned.safetensors")
+    base, tuned = str(root / "checkpoints" / "qa-base"), str(root / "checkpoints" / "qa-tuned")
+    ex = make_example(seed=7, split="test", ctx_tokens=256, task="tuned")
+    exact = common_pb2.CodecSpec(name="auto", options={"exact": "true"})
+    ask = dict(context=prompt(ex.context), question=prompt(ex.question), max_new_tokens=6)
+    kw = {"artifacts": art, "prefix_cache_bytes": 0}
+    async with running_pair(base, tuned, producer_kw={"artifacts": art}, consumer_kw=kw) as pair:
+        oracle, _, _ = await pair.generate(transfer=common_pb2.CodecSpec(name="oracle"), **ask)
+        await pair.generate(transfer=common_pb2.CodecSpec(name="scd"), **ask)  # the link and scd measured
+        _, _, stats = await pair.generate(transfer=exact, **ask)  # no verify: lossy candidates stay out
+        assert {c.mode for c in stats.auto.candidates} == {"oracle"}
+        out = next(e for e in stats.auto.excluded if e.reason.startswith("not exact"))
+        assert "verified decoding would admit it" in out.reason and any(k.startswith("scd(") for k in out.candidates)
+        slow_own_prefill(pair.consumer.servicer.planner)  # the own prefill crawls: the transfer comes first
+        answer = await pair.client.generate(timeout=120, transfer=exact, verify=consumer_pb2.VERIFY_POLICY_PROVISIONAL, **ask)
+        a = answer.stats.auto
+        verified = [c for c in a.candidates if c.how == "verified"]
+        assert verified and all(c.mode == "scd" and c.within_budget for c in verified)
+        assert not [c for c in a.candidates if c.mode in ("raw", "quant")]  # naive reuse: over the default budget
+        chosen = next(c for c in a.candidates if c.chosen)
+        assert chosen.how == "verified" and answer.stats.transfer.name == "scd"
+        assert answer.stats.verify_decision.startswith("verified") and answer.ids == oracle
+        answer = await pair.client.generate(timeout=120, transfer=exact, verify=consumer_pb2.VERIFY_POLICY_VERIFIED, **ask)
+        a = answer.stats.auto
+        chosen = next(c for c in a.candidates if c.chosen)
+        assert chosen.how == "exact" and answer.ids == oracle
+        assert all("verified tokens wait for the exact cache" in c.detail for c in a.candidates if c.how == "verified")
