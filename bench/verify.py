@@ -1,6 +1,7 @@
 """`make bench-verify` (`python -m bench.verify`): what each way of making an SCD answer the
 consumer's own costs and buys: scd alone, scd + anchor-token repair (consumer/repair.py) at a few
-fractions of the context, scd + the audit's fallback, scd + the audit's repair (a flagged cache
+fractions of the context (anchors by the question's attention; by the audit's per-position error
+and by both at 5-20%), scd + the audit's fallback, scd + the audit's repair (a flagged cache
 repaired at 10%, audited again, else the own prefill), scd + verified decoding (consumer/verify.py),
 and the oracle (the consumer's own prefill), through the real services.
 
@@ -48,6 +49,7 @@ from shared.pb.scd.v1 import consumer_pb2
 ROOT = services.ROOT
 OUT = ROOT / "bench/results/verify.jsonl"
 FRACTIONS = (0.05, 0.1, 0.2, 0.5, 1.0)
+ERROR_ANCHORS = (("audit_error", (0.05, 0.1, 0.2)), ("both", (0.1,)))  # the other anchor choices, at these fractions
 DEFAULT_SETS = "in_distribution,base_question_format,repeated_values,long_context,fact_in_random_tokens"
 
 
@@ -60,10 +62,11 @@ class Policy:
     options: dict = field(default_factory=dict)
     fields: dict = field(default_factory=dict)
     repair_fraction: float = 0.0
+    anchors: str = "attention"  # consumer.repair ANCHOR_CHOICES
 
     @property
     def anchor_choice(self) -> str:
-        return "attention" if 0 < self.repair_fraction < 1 else ("all" if self.repair_fraction else "none")
+        return self.anchors if 0 < self.repair_fraction < 1 else ("all" if self.repair_fraction else "none")
 
     def cost_ms(self, stats: consumer_pb2.GenerateStats) -> float:
         """The consumer-side work this policy adds beyond the transfer's rebuild, ms."""
@@ -79,6 +82,12 @@ def quality_policies(fractions: list[float]) -> list[Policy]:
         Policy("oracle", "oracle"),
         Policy("scd", "scd"),
         *(Policy("scd+repair", "scd", {"repair": str(f)}, repair_fraction=f) for f in fractions),
+        *(
+            Policy("scd+repair", "scd", {"repair": str(f), "repair_anchors": how}, repair_fraction=f, anchors=how)
+            for how, at in ERROR_ANCHORS
+            for f in fractions
+            if f in at
+        ),
         Policy("scd+audit_fallback", "scd", fields=fallback),
         Policy("scd+audit_repair", "scd", fields={"audit": consumer_pb2.AUDIT_POLICY_REPAIR}, repair_fraction=0.1),
         Policy("scd+verify", "scd", fields=verify),

@@ -4,6 +4,7 @@ table (per pair and set: each policy's identical-to-oracle share and cost), the 
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from bench.rows import ROOT, rows_of
@@ -11,8 +12,38 @@ from bench.rows import ROOT, rows_of
 QUALITY_POLICIES = ("scd", "scd+repair", "scd+audit_fallback", "scd+audit_repair", "scd+verify")
 
 
+ANCHOR_CHOICES = ("attention", "audit_error", "both")
+
+
 def _name(r: dict) -> str:
-    return f"{r['policy']} {r['repair_fraction']:.0%}" if r["policy"] == "scd+repair" else r["policy"]
+    if r["policy"] != "scd+repair":
+        return r["policy"]
+    choice = r.get("anchor_choice", "attention")
+    return f"{r['policy']} {r['repair_fraction']:.0%}" + (f" {choice}" if choice not in ("attention", "all") else "")
+
+
+def _anchor_table(quality: list[dict]) -> str:
+    """Per pair and repair fraction that ran with more than one anchor choice: each choice's mean
+    identical-to-oracle share over the shifted sets and its median cost (x an own prefill)."""
+    repairs = [r for r in quality if r["policy"] == "scd+repair" and r["set"] != "in_distribution"]
+    cells: dict[tuple[str, float], dict[str, list[dict]]] = {}
+    for r in repairs:
+        cells.setdefault((r["pair"], r["repair_fraction"]), {}).setdefault(r["anchor_choice"], []).append(r)
+    out = ["| pair | repaired | " + " | ".join(ANCHOR_CHOICES) + " |", "|---|---|" + "---|" * len(ANCHOR_CHOICES)]
+    for (pair, fraction), by in sorted(cells.items()):
+        if len(by) < 2:
+            continue
+        row = []
+        for choice in ANCHOR_CHOICES:
+            rs = by.get(choice)
+            if not rs:
+                row.append("-")
+                continue
+            same = statistics.fmean(r["identical_to_oracle"] for r in rs)
+            cost = statistics.median(r["cost_ratio_vs_prefill"] for r in rs)
+            row.append(f"{same:.2f} ({cost:.2f}x)")
+        out.append(f"| {pair} | {fraction:.0%} | " + " | ".join(row) + " |")
+    return "\n".join(out)
 
 
 def _quality_table(rows: list[dict]) -> str:
@@ -60,16 +91,23 @@ def verify(root: Path = ROOT) -> dict:
     speed = [r for r in rows if r["weights"] != "trained"]
     verified = [r for r in quality if r["policy"] == "scd+verify"]
     shifted_repair = [
-        r for r in quality if r["policy"] == "scd+repair" and r["set"] != "in_distribution" and r["repair_fraction"] < 1
+        r
+        for r in quality
+        if r["policy"] == "scd+repair" and r["set"] != "in_distribution" and r["repair_fraction"] < 1 and _by_attention(r)
     ]
+    by_error = [r for r in quality if r["policy"] == "scd+repair" and r.get("anchor_choice") == "audit_error"]
+    deep_error = [r for r in by_error if r["pair"] != "heterogeneous" and r["set"] != "in_distribution"]
     flagged = _flagged_sets(quality)
-    small = [r for r in quality if r["policy"] == "scd+repair" and r["repair_fraction"] <= 0.2]
+    small = [r for r in quality if r["policy"] == "scd+repair" and r["repair_fraction"] <= 0.2 and _by_attention(r)]
     big = [r for r in quality if r["policy"] == "scd+repair" and r["repair_fraction"] >= 0.5]
     by_policy = {r["policy"]: r for r in speed}
     raw, ver = by_policy.get("raw"), next((r for r in speed if r["policy"].endswith("+verify")), None)
     return {
         "rows": len(rows),
         "quality_table": _quality_table(quality) if quality else "(no rows)",
+        "anchor_table": _anchor_table(quality) if by_error else "(no rows with another anchor choice)",
+        "error_cost_lo": min((r["cost_ratio_vs_prefill"] for r in deep_error), default=float("nan")),
+        "error_cost_hi": max((r["cost_ratio_vs_prefill"] for r in deep_error), default=float("nan")),
         "speed_table": _speed_table(speed) if speed else "(no rows)",
         "verify_min_identical": min((r["identical_to_oracle"] for r in verified), default=float("nan")),
         "verify_sets": len(verified),
@@ -82,6 +120,10 @@ def verify(root: Path = ROOT) -> dict:
         "speed_policy": ver["policy"] if ver else "",
         **flagged,
     }
+
+
+def _by_attention(r: dict) -> bool:
+    return r.get("anchor_choice", "attention") == "attention"
 
 
 def _flagged_sets(quality: list[dict]) -> dict:

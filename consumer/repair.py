@@ -7,12 +7,19 @@ a fraction of the context's tokens in (0, 1] ("0.1", "1.0") or a count ("64", at
 max_context_tokens; more than the context repairs the whole context). A value of digits alone
 is a count: "1" is one token, "1.0" the whole context. `parse_repair` validates it.
 
-Anchor choice (`attention`): one probe forward of the question over the rebuilt cache, at its
-positions after the context; per layer, the question's softmax attention (its own queries, the
-cache's keys, every head) is summed over queries and heads, then over layers, per context
-position; the positions with the most mass are the anchors. (The audit's per-position error
-would be the other choice; measuring it at every position costs a forward over the whole
-context, an own prefill, so it is not built.)
+Anchor choice (the transfer option `repair_anchors`, beside `repair`):
+- `attention` (the default): one probe forward of the question over the rebuilt cache, at its
+  positions after the context; per layer, the question's softmax attention (its own queries, the
+  cache's keys, every head) is summed over queries and heads, then over layers, per context
+  position; the positions with the most mass are the anchors.
+- `audit_error`: the audit's per-position error where it is cheap to have at every position,
+  layer 1. Layers 0 and 1 of the whole context are computed exact (`run_layers` over the token
+  embeddings: 2 of the model's L layers, 2/L of an own prefill) and written into the cache; the
+  anchors are the positions whose rebuilt layer-1 K/V were furthest from the exact ones
+  (||[k|v]_exact - [k|v]_rebuilt|| / ||[k|v]_exact||, the audit's measure). On a 2-layer model
+  that is the whole cache exact: an own prefill's cost, and the anchors change nothing.
+- `both`: layers 0 and 1 exact as above, anchors by the sum of the two scores, each normalized to
+  sum 1 over the context.
 
 Layer 0 first, whole: its K/V depend on the token ids alone (embedding, norm, projections, RoPE:
 no attention), so the consumer writes the exact layer 0 of every context token
@@ -53,23 +60,29 @@ from shared.errors import InvalidArgument
 from shared.models import LoadedModel
 
 REPAIR_OPTION = "repair"  # the transfer option's name
-ATTENTION = "attention"  # the anchor choice built (named in GenerateStats.repair_choice)
+ANCHORS_OPTION = "repair_anchors"  # the anchor choice's option (with `repair` only)
+ATTENTION, AUDIT_ERROR, BOTH = "attention", "audit_error", "both"  # named in GenerateStats.repair_choice
+ANCHOR_CHOICES = (ATTENTION, AUDIT_ERROR, BOTH)
+EXACT_LAYERS = 2  # audit_error / both: layers written exact whole (the error is measured at the last of them)
 ANCHOR_CHUNK = 256  # anchors per recompute forward
 DEFAULT_AUDIT_REPAIR = Repair(fraction=0.1)  # AUDIT_POLICY_REPAIR without the option (bench.verify's curve)
 
 log = logs.get("consumer.repair")
 
 
-def parse_repair(value: str, max_tokens: int) -> Repair:
+def parse_repair(value: str, max_tokens: int, anchors: str = ATTENTION) -> Repair:
     """The option's value: "0.1" (a fraction of the context in (0, 1]) or "64" (a token count in
-    1..max_tokens); InvalidArgument naming the option and its limits otherwise."""
+    1..max_tokens), and the anchor choice (`repair_anchors`, one of ANCHOR_CHOICES);
+    InvalidArgument naming the option and its limits otherwise."""
+    if anchors not in ANCHOR_CHOICES:
+        raise InvalidArgument(f"transfer.options.{ANCHORS_OPTION}: {anchors[:32]!r} is not one of {list(ANCHOR_CHOICES)}")
     field = f"transfer.options.{REPAIR_OPTION}"
     text = value.strip()
     if text.isdigit():
         count = int(text)
         if not 1 <= count <= max_tokens:
             raise InvalidArgument(f"{field}: {count} tokens not in 1..{max_tokens} (max_context_tokens)")
-        return Repair(count=count)
+        return Repair(count=count, anchors=anchors)
     try:
         fraction = float(text)
     except ValueError:
@@ -78,7 +91,7 @@ def parse_repair(value: str, max_tokens: int) -> Repair:
         ) from None
     if not 0 < fraction <= 1:  # NaN fails too
         raise InvalidArgument(f"{field}: fraction {value[:32]!r} not in (0, 1]")
-    return Repair(fraction=fraction)
+    return Repair(fraction=fraction, anchors=anchors)
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -116,6 +129,32 @@ def attention_mass(loaded: LoadedModel, cache: DynamicCache, context_tokens: int
         probs = torch.softmax(scores, dim=-1)
         mass += torch.nan_to_num(probs[0, :, :, :T].sum(dim=(0, 1)))  # a non-finite row adds nothing
     return mass
+
+
+@torch.inference_mode()
+def exact_layers_and_error(loaded: LoadedModel, seq: SequenceKV, context_ids: list[int]) -> torch.Tensor:
+    """Write layers 0..EXACT_LAYERS-1 of seq's whole context exact (the consumer's own layers over
+    the token embeddings) and return the rebuilt last one's relative error per position, measured
+    before it was overwritten: [T] float32 (the audit's measure, shared.audit)."""
+    T, device = len(context_ids), loaded.device
+    embed: Any = loaded.model.model.embed_tokens
+    hidden = embed(torch.tensor([context_ids], device=device))[0]  # [T, d]
+    exact = layers.run_layers(loaded, hidden, 0, EXACT_LAYERS)  # [(keys, values)], [n_kv, T, hd] each
+    last = EXACT_LAYERS - 1
+    keys, values = kv.layer_kv(seq.to_dynamic(T), last)  # [1, n_kv, T, hd]
+    rebuilt = torch.cat([keys[0], values[0]], -1).float().transpose(0, 1).flatten(1)  # [T, n_kv * 2hd]
+    own = torch.cat(exact[last], -1).float().transpose(0, 1).flatten(1)
+    error = (own - rebuilt).norm(dim=1) / own.norm(dim=1).clamp_min(1e-6)
+    slots = seq.flat_slots[:T]
+    for layer, (k, v) in enumerate(exact):
+        seq.pool.write(layer, slots, k.transpose(0, 1), v.transpose(0, 1))  # [T, n_kv, hd]
+    return torch.nan_to_num(error, nan=float("inf"))  # a non-finite rebuilt row is the first to repair
+
+
+def _share(score: torch.Tensor) -> torch.Tensor:
+    finite = torch.nan_to_num(score.float(), posinf=0.0).clamp_min(0)
+    total = finite.sum()
+    return finite / total if total > 0 else finite
 
 
 def choose(mass: torch.Tensor, k: int) -> list[int]:
@@ -159,22 +198,29 @@ def recompute(
     return [(keys[0][:, every], values[0][:, every]) for keys, values in base]
 
 
-def repair(loaded: LoadedModel, seq: SequenceKV, job: GenerateJob, k: int) -> tuple[list[int], float]:
-    """Write layer 0 of seq's whole context exact (shared.audit.exact_first_layer), then pick k
-    anchors by the question's attention over that cache and write their recomputed K/V of every
-    other layer into seq's blocks (on the engine thread); (anchors, ms)."""
+def repair(
+    loaded: LoadedModel, seq: SequenceKV, job: GenerateJob, k: int, anchors_by: str = ATTENTION
+) -> tuple[list[int], float]:
+    """Write layer 0 of seq's whole context exact (shared.audit.exact_first_layer; layers 0 and 1
+    under `audit_error` / `both`), then pick k anchors (`anchors_by`: ANCHOR_CHOICES) and write their
+    recomputed K/V of every other layer into seq's blocks (on the engine thread); (anchors, ms)."""
     started = time.perf_counter()
     T = len(job.context_ids)
     if seq.shared_blocks * seq.pool.block_tokens > 0:  # the pipeline never reuses cached blocks under repair
         raise ValueError("repair would write into blocks shared with the prefix cache")
-    # layer 0 whole, first: exact from the token ids alone (no attention), the base of the rest
-    keys0, values0 = audit.exact_first_layer(loaded, list(job.context_ids))  # [1, n_kv, T, hd]
-    seq.pool.write(0, seq.flat_slots[:T], keys0[0].transpose(0, 1), values0[0].transpose(0, 1))
-    if k < T:
-        mass = attention_mass(loaded, seq.to_dynamic(T), T, list(job.question_ids))
-        anchors = choose(mass, k)
-    else:
+    error = None
+    if anchors_by != ATTENTION and loaded.info.num_layers >= EXACT_LAYERS:
+        error = exact_layers_and_error(loaded, seq, list(job.context_ids))  # layers 0..1 whole, exact
+    else:  # layer 0 whole, first: exact from the token ids alone (no attention), the base of the rest
+        keys0, values0 = audit.exact_first_layer(loaded, list(job.context_ids))  # [1, n_kv, T, hd]
+        seq.pool.write(0, seq.flat_slots[:T], keys0[0].transpose(0, 1), values0[0].transpose(0, 1))
+    if k >= T:
         anchors = list(range(T))
+    elif error is not None and anchors_by == AUDIT_ERROR:
+        anchors = choose(error, k)
+    else:
+        mass = attention_mass(loaded, seq.to_dynamic(T), T, list(job.question_ids))
+        anchors = choose(mass if error is None else _share(mass) + _share(error), k)
     new = recompute(loaded, list(job.context_ids), seq.to_dynamic(T), anchors)
     slots = seq.flat_slots[torch.tensor(anchors, device=seq.table.device)]
     for layer, (keys, values) in enumerate(new):
@@ -193,8 +239,9 @@ class Repairer:
         left(job, "anchor repair")
         T = len(job.context_ids)
         k = asked.tokens(T)
-        anchors, ms = await logs.run_in(self.engine, repair, self.loaded, seq, job, k)
+        anchors, ms = await logs.run_in(self.engine, repair, self.loaded, seq, job, k, asked.anchors)
         result.repair_tokens = len(anchors)
         result.repair_ms = ms
-        choice = ATTENTION if k < T else "all"
-        result.repair_choice = f"{choice}: {len(anchors)} of {T} context tokens ({asked.label()}); layer 0 whole"
+        choice = asked.anchors if k < T else "all"
+        whole = "layer 0" if asked.anchors == ATTENTION or self.loaded.info.num_layers < EXACT_LAYERS else "layers 0-1"
+        result.repair_choice = f"{choice}: {len(anchors)} of {T} context tokens ({asked.label()}); {whole} whole"

@@ -37,6 +37,7 @@ class Repair:
 
     fraction: float | None = None
     count: int | None = None
+    anchors: str = "attention"  # how anchors are chosen (consumer.repair ANCHOR_CHOICES)
 
     def tokens(self, context_tokens: int) -> int:
         """Anchors for a context of `context_tokens` tokens: at least 1, at most all of them."""

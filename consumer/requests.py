@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from consumer.auto import AUTO_MODE, AutoChoice, Budget, Candidate, Chooser
 from consumer.decoding import Sampling
 from consumer.planner import TransferPlanner
-from consumer.repair import REPAIR_OPTION, parse_repair
+from consumer.repair import ANCHORS_OPTION, ATTENTION, REPAIR_OPTION, parse_repair
 from consumer.request import (
     AUDIT_FALLBACK,
     AUDIT_OFF,
@@ -206,11 +206,16 @@ class JobBuilder:
         """The transfer spec without the option `repair` (the consumer's, never a codec's), and the
         repair it asks for (consumer.repair; None when absent)."""
         if REPAIR_OPTION not in spec.options:
+            if ANCHORS_OPTION in spec.options:
+                raise InvalidArgument(f"transfer.options.{ANCHORS_OPTION}: set only with transfer.options.{REPAIR_OPTION}")
             return spec, None
-        asked = parse_repair(spec.options[REPAIR_OPTION], self.config.max_context_tokens)
+        anchors = spec.options.get(ANCHORS_OPTION, ATTENTION)
+        asked = parse_repair(spec.options[REPAIR_OPTION], self.config.max_context_tokens, anchors)
         rest = common_pb2.CodecSpec()
         rest.CopyFrom(spec)
         del rest.options[REPAIR_OPTION]
+        if ANCHORS_OPTION in rest.options:
+            del rest.options[ANCHORS_OPTION]
         return rest, asked
 
     def _chosen(self, auto: AutoChoice) -> tuple[codec_lib.Codec | None, dict[str, str]]:

@@ -149,6 +149,40 @@ def test_a_partial_repair_writes_the_anchors_blocks_and_nothing_else(loaded):
     assert torch.allclose(kv.layer_kv(after, 1)[0][:, :, anchors], kv.layer_kv(own, 1)[0][:, :, anchors], atol=1e-4)
 
 
+def test_audit_error_anchors_are_where_the_rebuilt_layer_1_is_wrong(loaded):
+    """`audit_error`: layers 0 and 1 written exact whole; the anchors are the positions whose
+    rebuilt layer 1 was furthest from the exact one (here: exactly the ones corrupted), and
+    `both` still picks them when they also draw attention."""
+    ids = loaded.tokenizer(CONTEXT)["input_ids"]
+    q = loaded.tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
+    T = len(ids)
+    own = kv.prefill_context(loaded, torch.tensor([ids]))
+    bad = sorted(torch.randperm(T, generator=torch.Generator().manual_seed(3))[:9].tolist())
+    for choice in (repair.AUDIT_ERROR, repair.BOTH):
+        pool = KVPool(loaded.info, loaded.device, 64 * loaded.info.kv_bytes(16))
+        seq = pool.allocate(T + len(q) + 4)
+        assert seq is not None
+        for layer in range(loaded.info.num_layers):
+            keys, values = (t.clone() for t in kv.layer_kv(own, layer))
+            if layer == 1:
+                keys[:, :, bad] += 5 * torch.randn(keys[:, :, bad].shape, generator=torch.Generator().manual_seed(4))
+            seq.update(keys, values, layer)
+        seq.length = T
+        job = GenerateJob("r", ids, q, None, {}, 4, Sampling(0.0, 1.0, 0), frozenset(), math.inf)
+        anchors, _ = repair.repair(loaded, seq, job, len(bad), choice)
+        after = seq.to_dynamic(T)
+        for layer in (0, 1):
+            for which in (0, 1):
+                assert torch.allclose(kv.layer_kv(after, layer)[which], kv.layer_kv(own, layer)[which], atol=1e-4)
+        if choice == repair.AUDIT_ERROR:
+            assert anchors == bad
+        else:
+            assert len(anchors) == len(bad) and set(anchors) & set(bad)
+    with pytest.raises(InvalidArgument, match="transfer.options.repair_anchors: 'nearest'"):
+        repair.parse_repair("0.1", 100, "nearest")
+    assert repair.parse_repair("8", 100, repair.BOTH) == repair.Repair(count=8, anchors=repair.BOTH)
+
+
 # --- through the services ---------------------------------------------------------------------
 
 
@@ -207,10 +241,19 @@ async def test_repair_on_a_heterogeneous_pair_and_its_place_among_the_policies(t
         # repair then verify: the verified answer is the oracle's too
         ids, _, s = await pair.generate(verify=consumer_pb2.VERIFY_POLICY_VERIFIED, **fields("raw", 12, "0.1"))
         assert s.repair_tokens > 0 and s.verify_decision.startswith("verified") and ids == own
+        by_error = fields("raw", 12, "0.2")
+        by_error["transfer"].options["repair_anchors"] = "audit_error"
+        ids, _, s = await pair.generate(**by_error)
+        assert s.repair_choice.startswith("audit_error: ") and s.repair_choice.endswith("layers 0-1 whole") and s.repair_tokens > 0
         for bad in ["0", "1.5", "abc", str(10**6)]:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await pair.generate(**fields("raw", 12, bad))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "transfer.options.repair" in err.value.details()
+        for options, says in [({"repair": "0.1", "repair_anchors": "x"}, "is not one of"), ({"repair_anchors": "both"}, "set only with")]:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await pair.generate(**{**fields("raw"), "transfer": common_pb2.CodecSpec(name="raw", options=options)})
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in err.value.details()
+            assert "transfer.options.repair_anchors" in err.value.details()
         await all_blocks_back(pair.consumer)
 
 
