@@ -6,6 +6,8 @@ Checks (each failure is one plain sentence naming the flag and what to fix):
   already in the local Hugging Face cache. The services run with the Hub offline unless
   `HF_HUB_OFFLINE=0` is set, so a mistyped path fails at once instead of retrying the Hub.
 - `--device`: a device this torch build has (`cuda` without a CUDA device is refused here).
+- The libraries: the installed transformers has the APIs this build calls (`create_causal_mask`
+  taking `cache=`: transformers 5.17 lacks it, and every request would fail INTERNAL).
 - `--artifacts`: every path exists and holds artifacts this build reads. Which weights each was
   calibrated for is checked once the model is loaded, still before the server binds
   (`select_artifacts`): the ones for these weights in this role are kept, every other one is
@@ -161,8 +163,28 @@ def check_ports(cfg: ServerConfig) -> None:
             raise StartupError(f"{flag} {port}: cannot listen on {cfg.host}:{port} ({exc.strerror or exc})") from None
 
 
+PINNED_TRANSFORMERS = "5.24.0"  # pyproject.toml's pin, named in the message
+
+
+def check_libraries(mask_fn=None) -> None:
+    """The installed transformers has what the KV code calls: `create_causal_mask(..., cache=...)`
+    (`mask_fn`: the function to inspect; transformers' own by default)."""
+    import inspect
+
+    import transformers
+
+    if mask_fn is None:
+        from transformers.masking_utils import create_causal_mask as mask_fn
+    if "cache" not in inspect.signature(mask_fn).parameters:
+        raise StartupError(
+            f"transformers {transformers.__version__}: create_causal_mask takes no `cache` argument, which this build"
+            f" calls on every request; install transformers=={PINNED_TRANSFORMERS} (pyproject.toml)"
+        )
+
+
 def check(cfg: ServerConfig) -> None:
     """Every check that needs no loaded model, cheapest first."""
+    check_libraries()
     check_device(cfg.device)
     check_model(cfg.model)
     check_security(cfg)

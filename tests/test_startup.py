@@ -257,3 +257,17 @@ def test_torch_threads_is_validated_and_sets_the_intra_op_pool():
     out = subprocess.run([sys.executable, "-c", code, "--torch-threads", "1", "--model", "tiny-llama", "--port", "0"],
                          capture_output=True, text=True, timeout=120)
     assert "threads 1" in out.stdout, out.stderr[-2000:]
+
+
+def test_a_transformers_without_the_apis_this_build_calls_is_refused_naming_the_pin():
+    """transformers 5.17 (seen on a GPU machine's image) has create_causal_mask without `cache=`:
+    every request failed INTERNAL; the start now fails and says which version to install."""
+    startup.check_libraries()  # the installed one passes
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert f'"transformers=={startup.PINNED_TRANSFORMERS}"' in pyproject  # the message names the real pin
+
+    def old_mask(config, input_embeds, attention_mask, cache_position, past_key_values, position_ids=None):
+        return None
+
+    with pytest.raises(startup.StartupError, match=r"create_causal_mask takes no `cache` argument.*transformers==5\.24\.0"):
+        startup.check_libraries(old_mask)
