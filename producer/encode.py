@@ -54,6 +54,10 @@ class EncodePool:
             return
         with self._streams_lock:
             stream = self._streams.setdefault(threading.get_ident(), torch.cuda.Stream())
+        # the host waits here for the forward to reach the layer, not inside fn: fn's own timer
+        # (the request's encode_ms) then counts its work alone, not the wait as well (on an H200,
+        # bench/results/gpu.jsonl, encode_ms read 462 ms beside a 29 ms forward; this separates them).
+        event.synchronize()
         stream.wait_event(event)
         with torch.cuda.stream(stream):
             fn()  # its .to("cpu") copies are synchronous for the host: done when fn returns
