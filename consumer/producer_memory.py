@@ -24,12 +24,14 @@ ROOTS_MEMO = 256  # (producer, dtype, candidate) roots kept hashed (cleared when
 
 
 class ProducerMemory:
-    def __init__(self, capacity: int = CAPACITY):
+    def __init__(self, capacity: int = CAPACITY, chains: chunks.Chains | None = None):
         self.capacity = capacity
         self.keys: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.chunk_tokens = chunks.DEFAULT_CHUNK_TOKENS
         self.pending: collections.deque[tuple[str, str, str, list[int], int]] = collections.deque(maxlen=PENDING)
-        self.chains = chunks.Chains()  # one context's token bytes packed once for its chains
+        # one context's token bytes packed once for its chains; the consumer passes the prefix
+        # keys' instance (consumer.prefix_keys), so a request's ids are packed once for both
+        self.chains = chains if chains is not None else chunks.Chains()
         self._root_memo: dict[tuple[str, str, str], tuple[str, str]] = {}
 
     def _roots(self, producer: str, dtype: str, mode_key: str) -> tuple[str, str]:

@@ -75,7 +75,6 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         self.codecs = codec_lib.create_codecs(loaded, artifacts=discover(self.config.artifact_paths))
         self.batch, self.kv_admission, self.prefix = batch, kv_admission, prefix
         self.planner = TransferPlanner()
-        self.memory = ProducerMemory()
         self.pipeline = RequestPipeline(
             loaded,
             batch,
@@ -87,6 +86,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             self._producer_dtype,
             self._exact_transfer,
         )
+        self.memory = ProducerMemory(chains=self.pipeline.keys.chains)  # both on the event loop: one packing per context
         self.chooser = Chooser(
             loaded,
             self.codecs,

@@ -219,17 +219,19 @@ def plan(
     encoder: LayerEncoder,
     num_layers: int,
     send_from: int = 0,
+    refs: tuple[list[chunks.ChunkRef], list[chunks.ChunkRef]] | None = None,
 ) -> Continuation:
     """What the store already holds for this request (see the module doc). Loads the entries it
     will use (disk reads included: call off the event loop); a chunk that fails to load (a bad
     disk file) shortens the reuse, never serves bad bytes."""
     ids = list(token_ids)
     C, T = chunk_tokens, len(ids)
+    kv_refs, payload_refs = refs if refs is not None else (chunks.chain(roots.model, ids, C), chunks.chain(roots.codec, ids, C))
     plan = Continuation(
         ids,
         C,
-        chunks.chain(roots.model, ids, C),
-        chunks.chain(roots.codec, ids, C),
+        kv_refs,
+        payload_refs,
         chunk_layouts(encoder, num_layers, C),
         send_from=send_from,
         encoder=encoder,

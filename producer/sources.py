@@ -107,17 +107,23 @@ class Sources:
         tokens it does not hold."""
         assert self.chunks is not None
         size = self.chunk_tokens
-        key = f"{chunks.prefix_key(roots.codec, ids, len(ids), size)}@{first_token}"
+        # each chain hashed once per request (token ids packed once for both roots): the flight
+        # key, the prefix flights and the store's plan all read these
+        chains = chunks.Chains(size=1)
+        kv_refs, payload_refs = chains.chain(roots.model, ids, size), chains.chain(roots.codec, ids, size)
+        key = f"{payload_refs[-1].key if payload_refs else roots.codec}@{first_token}"
         if key not in self.flights.running:
-            for ref in reversed(chunks.chain(roots.model, ids[: len(ids) - 1], size)):
+            for ref in reversed(kv_refs):  # full chunks of the context less its last token
                 flight = self.prefix_flights.get(ref.key)
-                if flight is not None and ref.end - ref.start == size:
+                if flight is not None and ref.end - ref.start == size and ref.end < len(ids):
                     self.prefix_waits += 1
                     await asyncio.wait({flight.task})  # it stores the prefix's K/V as it completes
                     break
         reuse = None  # joining a running flight: the plan is the flight's
         if key not in self.flights.running:
-            planned = await asyncio.to_thread(plan, self.chunks, ids, size, roots, encoder, num_layers, first_token)
+            planned = await asyncio.to_thread(
+                plan, self.chunks, ids, size, roots, encoder, num_layers, first_token, (kv_refs, payload_refs)
+            )
             if planned.replay:
                 self.chunks.hits += 1
                 return self._replay_chunks(planned, pack, num_layers), False, True

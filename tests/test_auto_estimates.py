@@ -10,11 +10,14 @@ from pathlib import Path
 import pytest
 
 from consumer.auto import Chooser
+from consumer.client import prompt
 from consumer.planner import Fit, Observation, TransferPlanner, mode_key, pipelined
 from consumer.producer_memory import ProducerMemory
 from shared import codecs as codec_lib
 from shared.models import load_model
+from shared.pb import common_pb2
 from shared.scd.artifact import discover
+from tests.conftest import running_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACT = ROOT / "artifacts" / "qa-base-to-tuned.safetensors"
@@ -193,3 +196,33 @@ def test_load_spikes_and_mixed_lengths_move_the_estimates_little():
     assert not far.confident and far.base_ms is None
     near = extrapolated.estimate_local(100)
     assert near.confident and near.base_ms == pytest.approx(local_ms(100))
+
+
+async def test_a_requests_context_is_packed_once_for_every_chain(monkeypatch):
+    """Each service hashes a request's chains from one packing of its context ids: on the consumer
+    the prefix keys and the producer memory share one Chains (auto asks chains under several roots
+    of both); on the producer the flight key, the prefix flights and the store's plan share one."""
+    import traceback
+
+    from shared import chunks
+
+    async with running_pair("tiny-llama", consumer_kw={"prefix_cache_bytes": 0}) as pair:
+        assert pair.consumer.servicer.memory.chains is pair.consumer.servicer.pipeline.keys.chains
+        tok = pair.consumer.servicer.loaded.tokenizer
+        context = "Pack me once. " * 40
+        n = len(tok(context)["input_ids"])
+        packed: dict[str, int] = {"consumer": 0, "producer": 0}
+        real = chunks._token_bytes
+
+        def spy(ids):
+            if len(ids) == n:
+                side = "consumer" if any("/consumer/" in f.filename for f in traceback.extract_stack()) else "producer"
+                packed[side] += 1
+            return real(ids)
+
+        monkeypatch.setattr(chunks, "_token_bytes", spy)
+        _, _, stats = await pair.generate(context=prompt(context), question=prompt(" Why?"), max_new_tokens=2)
+        assert stats.auto.reason.startswith("cold start") and stats.bytes_received > 0  # auto, to the producer
+        named = common_pb2.CodecSpec(name="raw")
+        await pair.generate(context=prompt(context), question=prompt(" Why?"), max_new_tokens=2, transfer=named)
+        assert packed == {"consumer": 2, "producer": 2}  # once per request and side (a fresh id list each time)
