@@ -96,15 +96,6 @@ class Budget:
     source: str = "request"
     verify: str = "off"  # the request's verified decoding (consumer.request VERIFY_*): "off" | "verified" | "provisional"
 
-    def admits(self, c: Candidate) -> bool:
-        if self.modes is not None and c.mode not in self.modes:
-            return False
-        if c.how == "named by the request":
-            return True
-        if self.exact:
-            return c.how in ("exact", VERIFIED)
-        return c.loss <= self.max_loss + LOSS_SLACK
-
 
 @dataclass(frozen=True)
 class Scored:
@@ -342,7 +333,7 @@ class Chooser:
             )
             for c in pool
         ]
-        if budget.verify not in ("off", "provisional"):
+        if budget.verify == "verified":  # verified tokens only (consumer.request VERIFY_VERIFIED)
             scored = _wait_for_exact(scored)
         live = [s for s in scored if s.within]
         unknown_remote = [s for s in live if s.estimate.ms is None and s.candidate.remote]
@@ -466,6 +457,4 @@ def _score(s: Scored) -> float:
 
 
 def _sort_loss(c: Candidate) -> float:
-    if c.how == VERIFIED:
-        return c.loss  # ties go to the exact candidate: same output, no double reservation
     return c.loss if c.loss == c.loss else 0.0  # NaN (a named mode) sorts as exact

@@ -142,13 +142,19 @@ def exact_layers_and_error(loaded: LoadedModel, seq: SequenceKV, context_ids: li
     exact = layers.run_layers(loaded, hidden, 0, EXACT_LAYERS)  # [(keys, values)], [n_kv, T, hd] each
     last = EXACT_LAYERS - 1
     keys, values = kv.layer_kv(seq.to_dynamic(T), last)  # [1, n_kv, T, hd]
-    rebuilt = torch.cat([keys[0], values[0]], -1).float().transpose(0, 1).flatten(1)  # [T, n_kv * 2hd]
-    own = torch.cat(exact[last], -1).float().transpose(0, 1).flatten(1)
-    error = (own - rebuilt).norm(dim=1) / own.norm(dim=1).clamp_min(1e-6)
+    rebuilt = torch.cat([keys[0], values[0]], -1).transpose(0, 1)  # [T, n_kv, 2hd]
+    error = audit.relative_error(torch.cat(exact[last], -1).transpose(0, 1), rebuilt)
     slots = seq.flat_slots[:T]
     for layer, (k, v) in enumerate(exact):
         seq.pool.write(layer, slots, k.transpose(0, 1), v.transpose(0, 1))  # [T, n_kv, hd]
     return torch.nan_to_num(error, nan=float("inf"))  # a non-finite rebuilt row is the first to repair
+
+
+def exact_whole(loaded: LoadedModel, anchors_by: str, k: int, context_tokens: int) -> int:
+    """How many leading layers a repair writes exact over the whole context: EXACT_LAYERS where the
+    anchors are chosen by the rebuilt layer's error among fewer than all tokens, else 1 (layer 0)."""
+    chosen_by_error = anchors_by != ATTENTION and k < context_tokens
+    return EXACT_LAYERS if chosen_by_error and loaded.info.num_layers >= EXACT_LAYERS else 1
 
 
 def _share(score: torch.Tensor) -> torch.Tensor:
@@ -209,7 +215,7 @@ def repair(
     if seq.shared_blocks * seq.pool.block_tokens > 0:  # the pipeline never reuses cached blocks under repair
         raise ValueError("repair would write into blocks shared with the prefix cache")
     error = None
-    if anchors_by != ATTENTION and loaded.info.num_layers >= EXACT_LAYERS:
+    if exact_whole(loaded, anchors_by, k, T) == EXACT_LAYERS:
         error = exact_layers_and_error(loaded, seq, list(job.context_ids))  # layers 0..1 whole, exact
     else:  # layer 0 whole, first: exact from the token ids alone (no attention), the base of the rest
         keys0, values0 = audit.exact_first_layer(loaded, list(job.context_ids))  # [1, n_kv, T, hd]
@@ -243,5 +249,5 @@ class Repairer:
         result.repair_tokens = len(anchors)
         result.repair_ms = ms
         choice = asked.anchors if k < T else "all"
-        whole = "layer 0" if asked.anchors == ATTENTION or self.loaded.info.num_layers < EXACT_LAYERS else "layers 0-1"
+        whole = "layers 0-1" if exact_whole(self.loaded, asked.anchors, k, T) == EXACT_LAYERS else "layer 0"
         result.repair_choice = f"{choice}: {len(anchors)} of {T} context tokens ({asked.label()}); {whole} whole"

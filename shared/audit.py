@@ -52,6 +52,12 @@ def positions(num_tokens: int, k: int, seed: int = 0) -> tuple[int, ...]:
     return tuple(sorted(last + random.Random(seed).sample(rest, k - len(last))))
 
 
+def relative_error(own: torch.Tensor, rebuilt: torch.Tensor) -> torch.Tensor:
+    """Per row (dim 0): ||own - rebuilt|| / ||own|| over the rest of the dims, float32 [N]."""
+    own, rebuilt = own.float().flatten(1), rebuilt.float().flatten(1)
+    return (own - rebuilt).norm(dim=1) / own.norm(dim=1).clamp_min(1e-6)
+
+
 @torch.inference_mode()
 def exact_first_layer(loaded: LoadedModel, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer 0's exact K/V over ids ([1, n_kv, len(ids), hd] each): they depend on the token ids
@@ -92,6 +98,5 @@ def audit(loaded: LoadedModel, context_ids: list[int], cache: DynamicCache, chec
         own = torch.cat([probe_keys[0, :, T:], probe_values[0, :, T:]], -1).float().transpose(0, 1)  # [k, n_kv, 2hd]
         keys, values = kv.layer_kv(cache, layer)
         rebuilt = torch.cat([keys[0][:, where], values[0][:, where]], -1).float().transpose(0, 1)
-        diff = (own - rebuilt).flatten(1).norm(dim=1) / own.flatten(1).norm(dim=1).clamp_min(1e-6)  # [k]
-        errors.append(float(diff.max()))
+        errors.append(float(relative_error(own, rebuilt).max()))
     return AuditReport(tuple(checked), tuple(errors), (time.perf_counter() - started) * 1e3)
