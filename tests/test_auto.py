@@ -260,6 +260,7 @@ async def test_auto_on_the_trained_pair_keeps_to_the_calibrated_budget():
             assert ids == oracle
 
 
+@pytest.mark.numeric  # greedy tokens compared with the oracle's (the check's forward vs the own decode)
 async def test_verified_decoding_admits_lossy_transfers_under_exact():
     """Under `exact`, a request asking for verified decoding gets the consumer's exact output
     whatever the transfer: the SCD schedules the default budget admits become candidates (`how`

@@ -149,6 +149,7 @@ def test_a_partial_repair_writes_the_anchors_blocks_and_nothing_else(loaded):
     assert torch.allclose(kv.layer_kv(after, 1)[0][:, :, anchors], kv.layer_kv(own, 1)[0][:, :, anchors], atol=1e-4)
 
 
+@pytest.mark.numeric  # layers 0-1 written exact compared with the own prefill (tolerance)
 def test_audit_error_anchors_are_where_the_rebuilt_layer_1_is_wrong(loaded):
     """`audit_error`: layers 0 and 1 written exact whole; the anchors are the positions whose
     rebuilt layer 1 was furthest from the exact one (here: exactly the ones corrupted), and
