@@ -95,6 +95,9 @@ async def engine_task(
             batch, error = take_ready(await events.get(), events)
             finished = bool(batch) and isinstance(batch[-1], Finished)
             held += batch
+            if held and not sent and interval > 1:  # the first token alone, however many are ready
+                yield held[:1]
+                held, sent = held[1:], True
             if held and (finished or error is not None or not sent or len(held) >= interval):
                 yield held  # the tokens before an error still go out
                 held, sent = [], True
