@@ -203,3 +203,58 @@ def split_ms(loop_ms: float, samples: dict[str, int]) -> dict[str, float]:
     """The loop thread's CPU ms spread over its stages by their share of its samples."""
     total = sum(samples.values())
     return {s: (loop_ms * n / total if total else 0.0) for s, n in samples.items()}
+
+
+PROJECT = ("(producer/", "(consumer/", "(shared/")
+
+
+def _func(frame: str) -> str:
+    """'f (path/file.py:123)' -> 'f (path/file.py)'."""
+    return frame.rsplit(":", 1)[0] + ")" if ":" in frame else frame
+
+
+def top(text: str, n: int = 12) -> dict[str, dict]:
+    """py-spy raw stacks -> per thread name (busiest first): its samples, its n project functions
+    (producer/, consumer/, shared/) with the most samples in which they appear (inclusive,
+    counted once per stack) and its n innermost frames with the most samples (self)."""
+    threads: dict[str, dict] = {}
+    for line in text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        head, _, rest = stack.partition(";")
+        name = head.split(": ", 1)[1] if ": " in head else head
+        t = threads.setdefault(name, {"samples": 0, "inclusive": {}, "self": {}})
+        t["samples"] += int(count)
+        raw = [f for f in rest.split(";") if f]
+        for func in {_func(f) for f in raw if any(p in f for p in PROJECT)}:
+            t["inclusive"][func] = t["inclusive"].get(func, 0) + int(count)
+        if raw:  # the innermost frame with its line
+            t["self"][raw[-1]] = t["self"].get(raw[-1], 0) + int(count)
+    for t in threads.values():
+        for kind in ("inclusive", "self"):
+            t[kind] = sorted(t[kind].items(), key=lambda kv: -kv[1])[:n]
+    return dict(sorted(threads.items(), key=lambda kv: -kv[1]["samples"]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m bench.cpu_stages FILE...`: each recorded file's busiest threads, with their
+    project functions (inclusive) and innermost frames (self) by samples."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("files", nargs="+", type=Path)
+    p.add_argument("--top", type=int, default=10, help="functions per thread and kind")
+    p.add_argument("--threads", type=int, default=4, help="threads per file")
+    args = p.parse_args(argv)
+    for path in args.files:
+        print(f"== {path.name}")
+        for name, t in list(top(path.read_text(), args.top).items())[: args.threads]:
+            print(f"  thread {name}: {t['samples']} samples")
+            for kind in ("inclusive", "self"):
+                for func, count in t[kind]:
+                    print(f"    {kind[:4]} {count:6d}  {func}")
+
+
+if __name__ == "__main__":
+    main()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from bench import plot, projection
 from bench import quality as quality_bench
+from bench.gpu_figures import gpu
 from bench.pairs import PAIRS
 from bench.rows import RESULTS, ROOT, artifact_meta, em_f1, rows_of, span, span_words  # noqa: F401 (RESULTS: re-exported)
 from bench.service_figures import (
@@ -32,7 +33,6 @@ from bench.service_figures import (
     throughput,
     transport,
 )
-from bench.gpu_figures import gpu
 from bench.verify_figures import verify
 from shared.labels import mode_label
 

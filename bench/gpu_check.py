@@ -105,7 +105,8 @@ def run_ttft(scale: str, contexts: list[int], dtype: str, args) -> tuple[int, li
                "--device", args.device, "--dtype", dtype, "--contexts", *map(str, contexts),
                "--modes", *MODES, *(["scd"] if args.artifacts else []), "--artifacts", args.artifacts,
                "--stores", *(["cold"] if args.quick else ["cold", "warm"]), "--warmup", "1",
-               "--runs", str(2 if args.quick else 3), "--timeout-s", str(args.timeout_s), "--out", str(out)]
+               "--runs", str(2 if args.quick else 3), "--timeout-s", str(args.timeout_s), "--out", str(out),
+               *(["--profile-dir", str(args.profile_dir)] if args.profile_dir else [])]
         note(" ".join(cmd[1:]))
         done = subprocess.run(cmd, cwd=services.ROOT, stdout=subprocess.DEVNULL, timeout=args.timeout_s * 4)
         rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scales", nargs="+", choices=[scale for scale, _, _ in FULL], default=[scale for scale, _, _ in FULL],
                    help="which full-size shapes to run (all by default; ignored with --quick)")
     p.add_argument("--no-throughput", action="store_true", help="skip step 4 (the batch engine's throughput grid)")
+    p.add_argument("--profile-dir", type=Path, help="step 3: each TTFT cell's services recorded by py-spy into DIR "
+                   "(bench.ttft --profile-dir; read them with `python -m bench.cpu_stages DIR/*`)")
     args = p.parse_args(argv)
     import torch
     import transformers

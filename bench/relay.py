@@ -1,11 +1,16 @@
 """A userspace TCP relay that delays both directions of every connection: the delay and jitter of
-a link on a kernel without netem (bench.netns starts one inside the consumer's namespace).
+a link on a kernel without netem (bench.netns starts one inside the consumer's namespace), and,
+where there is no tc at all (no root, a sandboxed kernel), its rate.
 
     client --> [listen] relay [connect] --> target        one target connection per client
 
 Each direction reads chunks of bytes and releases each chunk `delay_ms` (+/- `jitter_ms`,
 uniform, seeded) after it arrived, never before the chunk ahead of it: byte order is kept, and a
-one-way delay d each way gives an RTT of about 2d, as netem on both egresses would. A half-close
+one-way delay d each way gives an RTT of about 2d, as netem on both egresses would. With a rate
+(`rate_mbit` > 0) a chunk first waits for the link: it is sent when the chunk ahead of it on the
+same direction of the link (every connection's, shared, as on one wire) has gone, takes its size
+at the rate, and its delay starts when it has gone: store-and-forward in chunks of at most CHUNK
+bytes (a 256 KiB chunk is 21 ms at 100 Mbit/s, about a tbf bucket's burst). A half-close
 travels in order behind the data; a reset from one end resets the other. Backpressure: a
 direction stops reading while `max_queue_bytes` wait for release (so at most that plus one chunk
 is held per direction), and writes wait for the receiver to drain.
@@ -15,9 +20,9 @@ congestion control on either leg never sees the delay (slow start over a long pa
 modelled); what runs above TCP (HTTP/2 flow-control windows, request/response round trips) does.
 Knows nothing about namespaces, tc or the services.
 
-`python -m bench.relay --listen HOST:PORT --target HOST:PORT [--delay-ms D] [--jitter-ms J]`
+`python -m bench.relay --listen HOST:PORT --target HOST:PORT [--delay-ms D] [--jitter-ms J] [--rate-mbit R]`
 prints one JSON line {"listen": "HOST:PORT"} once it accepts, then reads JSON lines on stdin
-({"delay_ms": D, "jitter_ms": J}) and answers each with what it applied and when
+({"delay_ms": D, "jitter_ms": J, "rate_mbit": R}) and answers each with what it applied and when
 (time.monotonic, the same clock in every process); exits when stdin closes or on SIGTERM.
 """
 
@@ -49,13 +54,23 @@ _RESET = None
 
 @dataclass(frozen=True)
 class Delay:
-    """One-way delay of each direction; every chunk gets delay_ms + uniform(-jitter_ms, jitter_ms)."""
+    """One-way delay of each direction; every chunk gets delay_ms + uniform(-jitter_ms, jitter_ms)
+    after it has gone over the link at rate_mbit (0: no rate limit)."""
     delay_ms: float = 0.0
     jitter_ms: float = 0.0
+    rate_mbit: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.delay_ms < 0 or self.jitter_ms < 0:
-            raise ValueError(f"delay and jitter must be >= 0: {self}")
+        if self.delay_ms < 0 or self.jitter_ms < 0 or self.rate_mbit < 0:
+            raise ValueError(f"delay, jitter and rate must be >= 0: {self}")
+
+
+def sent_at(arrived: float, link_free: float, nbytes: int, rate_mbit: float) -> float:
+    """When a chunk of nbytes that arrived at `arrived` has gone over a link free from `link_free`
+    at rate_mbit (`arrived` itself without a rate)."""
+    if rate_mbit <= 0:
+        return arrived
+    return max(arrived, link_free) + nbytes * 8 / (rate_mbit * 1e6)
 
 
 def release_at(arrived: float, previous: float, delay: Delay, rng: random.Random) -> float:
@@ -75,15 +90,18 @@ def parse_address(text: str) -> tuple[str, int]:
 class _Direction:
     """One direction of one connection: (release time, chunk) in arrival order, and their bytes."""
 
-    def __init__(self, relay: Relay, rng: random.Random):
-        self.relay, self.rng = relay, rng
+    def __init__(self, relay: Relay, way: str, rng: random.Random):
+        self.relay, self.way, self.rng = relay, way, rng
         self.chunks: collections.deque[tuple[float, bytes | None]] = collections.deque()
         self.queued = 0  # bytes read and not yet written and drained
         self.last = 0.0
         self.arrived, self.drained = asyncio.Event(), asyncio.Event()
 
     def put(self, chunk: bytes | None) -> None:
-        self.last = release_at(time.monotonic(), self.last, self.relay.delay, self.rng)
+        delay, now = self.relay.delay, time.monotonic()
+        if delay.rate_mbit > 0:  # the link is one per direction, shared by every connection
+            now = self.relay.link_free[self.way] = sent_at(now, self.relay.link_free[self.way], len(chunk or b""), delay.rate_mbit)
+        self.last = release_at(now, self.last, delay, self.rng)
         self.chunks.append((self.last, chunk))
         self.queued += len(chunk or b"")
         self.relay.peak_queued = max(self.relay.peak_queued, self.queued)
@@ -163,6 +181,7 @@ class Relay:
         self.delay, self.seed, self.max_queue_bytes = delay, seed, max_queue_bytes
         self.peak_queued = 0  # most bytes one direction has held: <= max_queue_bytes + CHUNK
         self.connections = 0
+        self.link_free = {"up": 0.0, "down": 0.0}  # when each direction's link is free (rate_mbit > 0)
         self._ids = itertools.count()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -174,7 +193,7 @@ class Relay:
         return f"{bound_host}:{bound_port}"
 
     def set(self, delay: Delay) -> dict:
-        """New delay/jitter for every chunk that arrives from now on; returns it and when."""
+        """New delay/jitter/rate for every chunk that arrives from now on; returns it and when."""
         self.delay = delay
         return {"applied": asdict(delay), "at": time.monotonic()}
 
@@ -208,8 +227,8 @@ class Relay:
             _reset(client_w)
             raise
         n = next(self._ids)
-        up = _Direction(self, random.Random(f"{self.seed}:{n}:up"))
-        down = _Direction(self, random.Random(f"{self.seed}:{n}:down"))
+        up = _Direction(self, "up", random.Random(f"{self.seed}:{n}:up"))
+        down = _Direction(self, "down", random.Random(f"{self.seed}:{n}:down"))
         readers = [asyncio.create_task(_read(client_r, up)), asyncio.create_task(_read(target_r, down))]
         writers = {asyncio.create_task(_write(up, target_w)), asyncio.create_task(_write(down, client_w))}
         outcome = "reset"  # unless both directions deliver their half-close
@@ -241,7 +260,7 @@ class RelayProcess:
     def __init__(self, listen: str, target: str, delay: Delay = Delay(), seed: int = 0,
                  prefix: Sequence[str] = (), max_queue_bytes: int = MAX_QUEUE_BYTES):
         cmd = [*prefix, sys.executable, "-m", "bench.relay", "--listen", listen, "--target", target,
-               "--delay-ms", f"{delay.delay_ms:g}", "--jitter-ms", f"{delay.jitter_ms:g}", "--seed", str(seed),
+               "--delay-ms", f"{delay.delay_ms:g}", "--jitter-ms", f"{delay.jitter_ms:g}", "--rate-mbit", f"{delay.rate_mbit:g}", "--seed", str(seed),
                "--max-queue-bytes", str(max_queue_bytes)]
         self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
         self.target, self.delay = target, delay
@@ -297,7 +316,7 @@ async def _control(relay: Relay, stop: asyncio.Event) -> None:
     async for line in reader:
         try:
             fields = json.loads(line)
-            reply = relay.set(Delay(float(fields.get("delay_ms", 0.0)), float(fields.get("jitter_ms", 0.0))))
+            reply = relay.set(Delay(*(float(fields.get(k, 0.0)) for k in ("delay_ms", "jitter_ms", "rate_mbit"))))
         except (ValueError, TypeError, AttributeError) as exc:
             reply = {"error": str(exc)}
         print(json.dumps(reply), flush=True)
@@ -305,7 +324,7 @@ async def _control(relay: Relay, stop: asyncio.Event) -> None:
 
 
 async def _run(args: argparse.Namespace) -> None:
-    relay = Relay(args.target, Delay(args.delay_ms, args.jitter_ms), args.seed, args.max_queue_bytes)
+    relay = Relay(args.target, Delay(args.delay_ms, args.jitter_ms, args.rate_mbit), args.seed, args.max_queue_bytes)
     host, port = parse_address(args.listen)
     print(json.dumps({"listen": await relay.start(host, port)}), flush=True)
     stop = asyncio.Event()
@@ -324,6 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", required=True, help="HOST:PORT every connection is forwarded to")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay, each direction")
     parser.add_argument("--jitter-ms", type=float, default=0.0, help="+/- uniform around --delay-ms")
+    parser.add_argument("--rate-mbit", type=float, default=0.0, help="each direction's rate, Mbit/s (0: no limit)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-queue-bytes", type=int, default=MAX_QUEUE_BYTES)
     asyncio.run(_run(parser.parse_args(argv)))

@@ -13,7 +13,8 @@ Identical = the greedy tokens equal the oracle's for the same example.
 Part 2, speed (`--scale qwen05b`, the Qwen2.5-0.5B shape with random weights, one model on both
 sides: identical weights; 256-token answers): raw transfer then decoding, the oracle, and a lossy
 transfer (quant, 8 bits) + verify, interleaved, over a tc-shaped link at `--rate-mbit` (needs
-root; `--link loopback` without). Each run's context is new, and the producer reads it first
+root; `--link relay`: a userspace relay paces loopback at that rate, where tc cannot run;
+`--link loopback`: unpaced). Each run's context is new, and the producer reads it first
 (one untimed raw request of one token): every policy then finds it in the producer's store. Speed only: the weights are random, so identical_to_oracle there
 says only that verification kept the tokens the exact cache gives.
 
@@ -25,7 +26,7 @@ completion_ms_p50 (the client's wall time of the whole answer), cost_ratio_vs_pr
 examples of the policy's consumer-side work beyond the transfer's rebuild / the oracle's context
 prefill of the same example: repair_ms, audit_ms + local_prefill_ms, verify_ms (wall time of
 drafting and the exact prefill together, an upper bound of the verification's cost); scd 0,
-oracle 1), link (loopback | tbf N Mbit), load_avg_1m.
+oracle 1), link (loopback | tbf N Mbit | relay N Mbit ...), load_avg_1m.
 """
 
 from __future__ import annotations
@@ -230,7 +231,8 @@ async def speed(address: str, model: str, ctx_tokens: int, new_tokens: int, runs
         )
 
     async with ConsumerClient(address) as client:
-        base["dtype"] = (await client.describe()).model.dtype  # what --dtype resolved to
+        described = (await client.describe()).model
+        base["dtype"], base["device"] = described.dtype, described.device  # what --dtype / --device resolved to
         got: dict[Policy, list[Sample]] = {p: [] for p in policies}
         for run in range(runs + 1):  # run 0 warms up
             ctx = [rng.randrange(4, 32000) for _ in range(ctx_tokens)]  # a context nobody has seen: cold
@@ -259,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=20, help="examples per set")
     p.add_argument("--fractions", default=",".join(f"{f:g}" for f in FRACTIONS), help="repair fractions")
     p.add_argument("--scale", default="qwen05b", choices=["qwen05b", ""], help="the speed rows' model ('' = skip)")
-    p.add_argument("--link", default="shaped", choices=["shaped", "loopback"], help="the speed rows' link")
+    p.add_argument("--link", default="shaped", choices=["shaped", "relay", "loopback"],
+                   help="the speed rows' link: tc-shaped veth (root), a userspace relay pacing loopback at "
+                   "--rate-mbit (no root, no tc: bench.relay), or plain loopback")
     p.add_argument("--rate-mbit", type=float, default=100.0)
     p.add_argument("--ctx-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
@@ -298,13 +302,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_speed(args, out) -> None:
-    from bench.ttft.links import Loopback, Shaped
+    from bench.ttft.links import Loopback, Relayed, Shaped
     from bench.workloads import ensure_qwen05b
 
     model = str(ensure_qwen05b())
     link = Shaped(args.inside_link == "netem", 0.0) if args.inside_link else Loopback()
     label = "loopback"
-    if args.inside_link:
+    if args.link == "relay":
+        link = Relayed(args.rate_mbit)
+        label = link.label()
+    elif args.inside_link:
         link.shape(args.rate_mbit)
         label = f"{link.kind} {args.rate_mbit:g} Mbit"
     common = ["--dtype", args.dtype, "--log-level", "WARNING"]

@@ -85,6 +85,7 @@ class Continuation:
     layouts: list[Layout] | None  # None: payloads do not cut along tokens (sent and kept whole only)
     encoder: LayerEncoder | None = None
     derived: bool = False  # stored payloads are encoded from stored K/V (K/V-only encoders)
+    device: torch.device | None = None  # where derived payloads are encoded (the model's; None: CPU)
     send_from: int = 0  # F
     start: int = 0  # P: tokens whose K/V (and payloads from F) come from the store
     replay: bool = False  # every payload chunk from F on is stored: no forward
@@ -147,7 +148,11 @@ class Continuation:
         refs, P, F = self.payload_refs, self.start, self.send_from
         first_new = P // self.chunk_tokens
         if self.keep:
-            keys, values = state.kv()  # [n_kv, T - P, hd]
+            # one device-to-host copy per tensor per layer, chunks cut on the host: a copy per
+            # chunk was a synchronizing transfer each (on an H200, 64 per layer at 8192 tokens
+            # made most of raw's 462 ms encode_ms in bench/results/gpu.jsonl)
+            keys, values = (t.to("cpu") for t in state.kv())  # [n_kv, T - P, hd]
+            normed = state.normed.to("cpu") if layer in self.causal and state.normed is not None else None
             for j in range(first_new, len(self.kv_refs)):
                 ref = self.kv_refs[j]
                 if ref.end - ref.start < self.chunk_tokens and not self.derived:
@@ -155,14 +160,14 @@ class Continuation:
                 kept = self._new_kv.setdefault(j, {})
                 lo = max(ref.start - P, 0)
                 for name, t in (("k", keys), ("v", values)):
-                    new_part = t[:, lo : ref.end - P].to("cpu")
+                    new_part = t[:, lo : ref.end - P]
                     if ref.start < P:  # the chunk the stored tail began: its first tokens come from the tail
                         assert self.tail_entry is not None and self.derived
                         kept[f"{layer}.{name}"] = torch.cat([self.tail_entry.tensors[f"{layer}.{name}"], new_part], dim=1)
                     else:
                         kept[f"{layer}.{name}"] = new_part.clone()
-                if layer in self.causal and state.normed is not None:  # what continues a causal layer
-                    kept[f"{layer}.normed"] = state.normed[ref.start - P : ref.end - P].to("cpu").clone()
+                if normed is not None:  # what continues a causal layer
+                    kept[f"{layer}.normed"] = normed[ref.start - P : ref.end - P].clone()
         if self.layouts is None:
             return new  # P = F = 0: the whole context, as encoded
         layout = self.layouts[layer]
@@ -172,30 +177,39 @@ class Continuation:
                 for name, t in new.items():
                     axis, group = layout[name]
                     kept[f"{layer}.{name}"] = _cut(t, axis, group, refs[j].start, refs[j].end, P).clone()
+        stored = self._stored(layer)
         out = {}
-        pieces = [self._stored(e, layer) for e in self.payload_entries]
         for name, t in new.items():
             axis, group = layout[name]
-            stored = [p[name] for p in pieces]
             tail = _cut(t, axis, group, max(F, P), self.num_tokens, P)
-            out[name] = torch.cat([*stored, tail], dim=axis) if stored else tail
+            out[name] = torch.cat([stored[name], tail], dim=axis) if stored else tail
         return out
 
-    def _stored(self, entry: ChunkEntry, layer: int) -> dict[str, torch.Tensor]:
-        """A stored chunk's payloads of one layer: as kept, or encoded from its kept K/V."""
+    def _stored(self, layer: int) -> dict[str, torch.Tensor]:
+        """The stored payload chunks' payloads of one layer, joined along tokens ({} when none):
+        as kept, or (derived) encoded in one pass from their K/V joined, on the model's device.
+        One pass over the joined K/V gives the bytes of one pass per chunk: a per-token encoder's
+        groups never straddle a chunk (chunks are cut at multiples of every payload's group)."""
+        entries = self.payload_entries
+        if not entries:
+            return {}
+        assert self.layouts is not None
+        layout = self.layouts[layer]
         if not self.derived:
-            return entry.layer(layer)
+            pieces = [e.layer(layer) for e in entries]
+            return {name: torch.cat([p[name] for p in pieces], dim=axis) for name, (axis, _) in layout.items()}
         assert self.encoder is not None
-        kv = entry.layer(layer)
-        state = LayerState(layer, keys=kv["k"], values=kv["v"])  # [n_kv, chunk, hd] each
-        with torch.inference_mode():
-            return {name: t.to("cpu").contiguous() for name, t in self.encoder.encode(state).items()}
+        kv = [e.layer(layer) for e in entries]
+        keys, values = (torch.cat([x[name] for x in kv], dim=1) for name in ("k", "v"))
+        if self.device is not None and self.encoder.computes:  # raw's encode only hands them on
+            keys, values = keys.to(self.device), values.to(self.device)
+        with torch.inference_mode():  # K/V [n_kv, stored tokens, hd]
+            encoded = self.encoder.encode(LayerState(layer, keys=keys, values=values))
+            return {name: t.to("cpu").contiguous() for name, t in encoded.items()}
 
     def replay_layer(self, layer: int) -> dict[str, torch.Tensor]:
         """A replayed layer's payloads over tokens [F, T), joined from the stored chunks."""
-        assert self.layouts is not None
-        pieces = [self._stored(e, layer) for e in self.payload_entries]
-        return {name: torch.cat([p[name] for p in pieces], dim=axis) for name, (axis, _) in self.layouts[layer].items()}
+        return self._stored(layer)
 
     def kept(self) -> list[ChunkEntry]:
         """The new chunks to store in chain order, chunk by chunk its K/V then its payloads (a
@@ -220,6 +234,7 @@ def plan(
     num_layers: int,
     send_from: int = 0,
     refs: tuple[list[chunks.ChunkRef], list[chunks.ChunkRef]] | None = None,
+    device: torch.device | None = None,
 ) -> Continuation:
     """What the store already holds for this request (see the module doc). Loads the entries it
     will use (disk reads included: call off the event loop); a chunk that fails to load (a bad
@@ -236,6 +251,7 @@ def plan(
         send_from=send_from,
         encoder=encoder,
         keep=store.budget_bytes > 0,
+        device=device,
     )
     s = send_from // C
     if plan.layouts is not None and encoder.per_token and encoder.captures == Capture.KV:

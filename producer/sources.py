@@ -121,8 +121,9 @@ class Sources:
                     break
         reuse = None  # joining a running flight: the plan is the flight's
         if key not in self.flights.running:
+            device = self.engine.loaded.device if self.engine is not None else None
             planned = await asyncio.to_thread(
-                plan, self.chunks, ids, size, roots, encoder, num_layers, first_token, (kv_refs, payload_refs)
+                plan, self.chunks, ids, size, roots, encoder, num_layers, first_token, (kv_refs, payload_refs), device
             )
             if planned.replay:
                 self.chunks.hits += 1

@@ -40,3 +40,19 @@ def test_thread_cpu_and_the_engine_threads_os_name():
     t.join()
     assert "consumer-engine" in names.values()
     assert os.getpid() in cpu_stages.thread_cpu_s(os.getpid())
+
+
+def test_top_counts_project_functions_inclusive_and_innermost_frames_with_lines():
+    raw = "\n".join([
+        "thread (1): enc;Thread.run (threading.py:982);Continuation._stored (producer/reuse.py:205);_quantize (shared/quantize.py:72) 7",
+        "thread (1): enc;Thread.run (threading.py:982);Continuation._stored (producer/reuse.py:206);_quantize (shared/quantize.py:62) 3",
+        "thread (2): loop;Runner.run (asyncio/runners.py:118) 4",
+        "garbage line",
+    ])
+    out = cpu_stages.top(raw, n=5)
+    assert list(out) == ["enc", "loop"]  # busiest first
+    enc = out["enc"]
+    assert enc["samples"] == 10
+    assert dict(enc["inclusive"]) == {"Continuation._stored (producer/reuse.py)": 10, "_quantize (shared/quantize.py)": 10}
+    assert enc["self"][0] == ("_quantize (shared/quantize.py:72)", 7)
+    assert out["loop"]["inclusive"] == [] and out["loop"]["self"] == [("Runner.run (asyncio/runners.py:118)", 4)]

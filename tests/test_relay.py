@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from bench.relay import CHUNK, Delay, Relay, RelayProcess, release_at
+from bench.relay import CHUNK, Delay, Relay, RelayProcess, release_at, sent_at
 
 
 @pytest.fixture
@@ -114,12 +114,46 @@ async def test_bytes_arrive_exactly_both_ways_through_half_close(serve, relay_to
     writer.close()
 
 
+def test_a_rate_spaces_chunks_by_their_size():
+    assert sent_at(1.0, 0.0, 125_000, 0.0) == 1.0  # no rate: sent as it arrives
+    assert sent_at(1.0, 0.0, 125_000, 10.0) == pytest.approx(1.1)  # 1 Mbit at 10 Mbit/s: 100 ms
+    assert sent_at(1.0, 1.5, 125_000, 10.0) == pytest.approx(1.6)  # behind the chunk ahead of it
+    with pytest.raises(ValueError):
+        Delay(rate_mbit=-1.0)
+
+
+async def test_a_rate_limits_the_link_shared_by_every_connection(serve, relay_to):
+    """2 MB each way-down over two connections at once through 40 Mbit/s: ~0.8 s together, the
+    bytes exact."""
+    blob = os.urandom(2 << 20)
+
+    async def server(reader, writer):
+        writer.write(blob)
+        await writer.drain()
+        writer.close()
+
+    relay, address = await relay_to(await serve(server), Delay(rate_mbit=40.0))
+    started = time.monotonic()
+
+    async def fetch() -> bytes:
+        reader, writer = await connect(address)
+        got = await reader.read()
+        writer.close()
+        return got
+
+    got = await asyncio.wait_for(asyncio.gather(fetch(), fetch()), 30)
+    took = time.monotonic() - started
+    assert got == [blob, blob]
+    ideal = 2 * len(blob) * 8 / 40e6  # 0.84 s
+    assert 0.9 * ideal <= took <= 2.0 * ideal, (took, ideal)
+
+
 async def test_rtt_is_twice_the_one_way_delay(serve, relay_to):
     relay, address = await relay_to(await serve(echo), Delay(20.0))
     reader, writer = await connect(address)
     rtt = statistics.median((await ping_ms(reader, writer, 11))[1:])
     assert 35 <= rtt <= 80, rtt
-    assert relay.set(Delay(5.0))["applied"] == {"delay_ms": 5.0, "jitter_ms": 0.0}  # same connection, new delay
+    assert relay.set(Delay(5.0))["applied"] == {"delay_ms": 5.0, "jitter_ms": 0.0, "rate_mbit": 0.0}  # same connection, new delay
     await ping_ms(reader, writer, 1)
     rtt = statistics.median(await ping_ms(reader, writer, 10))
     assert 8 <= rtt <= 30, rtt
@@ -238,7 +272,7 @@ async def test_relay_process_control_channel(serve):
         assert 25 <= statistics.median(await ping_ms(reader, writer, 5)) <= 70
         before = time.monotonic()
         reply = await asyncio.to_thread(relay.set, Delay(2.0, 1.0))
-        assert reply["applied"] == {"delay_ms": 2.0, "jitter_ms": 1.0} and before <= reply["at"] <= time.monotonic()
+        assert reply["applied"] == {"delay_ms": 2.0, "jitter_ms": 1.0, "rate_mbit": 0.0} and before <= reply["at"] <= time.monotonic()
         await ping_ms(reader, writer, 1)
         assert statistics.median(await ping_ms(reader, writer, 5)) <= 20
         writer.close()

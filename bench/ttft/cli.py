@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=RESULTS / "ttft.jsonl")
     p.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG and markdown table")
+    p.add_argument("--profile-dir", type=Path, help="record each cell's producer and consumer with py-spy "
+                   "(bench.cpu_stages.Sampler, raw stacks per thread) into DIR/<model>-<ctx>-<store>-<service>.txt "
+                   "(nothing when py-spy is not installed)")
     p.add_argument("--inside-link", choices=["netem", "tbf"], help=argparse.SUPPRESS)  # set by the outer process
     return p
 

@@ -1,6 +1,7 @@
-"""Where the TTFT benchmark's bytes travel: loopback, or the tc-shaped veth link of bench.netns.
+"""Where the TTFT benchmark's bytes travel: loopback, loopback paced by a userspace relay, or the
+tc-shaped veth link of bench.netns.
 
-Owns the two link kinds the measurement loop talks to (`Loopback`, `Shaped`: hosts, command
+Owns the link kinds the measurement loop talks to (`Loopback`, `Relayed`, `Shaped`: hosts, command
 prefixes for the services, shaping a rate, measuring the sustained rate, the shaper's burst)
 and the outer process that builds the shaped link and re-runs the benchmark inside the
 consumer's namespace (`run_inside_link`). Knows nothing about modes, rows or services.
@@ -43,6 +44,33 @@ class Loopback:
 
     def close(self) -> None:
         return None
+
+
+class Relayed(Loopback):
+    """Loopback, the consumer's path to the producer through a userspace relay that paces it at
+    rate_mbit (bench.relay): a rate where tc cannot be used (no root, a sandboxed kernel). The
+    relay's pacing is per chunk of bytes, not per packet: its label says so."""
+
+    kind = "relay"
+
+    def __init__(self, rate_mbit: float, delay_ms: float = 0.0):
+        self.rate_mbit, self.delay_ms = rate_mbit, delay_ms
+        self.relay = None
+
+    def label(self) -> str:
+        delay = f" + {self.delay_ms:g} ms" if self.delay_ms else ""
+        return f"relay {self.rate_mbit:g} Mbit{delay} (userspace pacing, no tc)"
+
+    def producer_target(self, address: str) -> str:
+        from bench.relay import Delay, RelayProcess
+
+        self.relay = RelayProcess("127.0.0.1:0", address, Delay(self.delay_ms, 0.0, self.rate_mbit))
+        return self.relay.address
+
+    def close(self) -> None:
+        if self.relay is not None:
+            self.relay.close()
+            self.relay = None
 
 
 class Shaped:

@@ -12,12 +12,13 @@ consumer; turning samples into rows is bench.ttft.report's job.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 
 import grpc
 
-from bench import provenance, services
+from bench import cpu_stages, provenance, services
 from bench.ttft import report
 from bench.ttft.grid import ORACLE, Mode, grid_for, rotation
 from bench.workloads import Workload, note, workload_for
@@ -98,8 +99,18 @@ async def _stores(client: ConsumerClient, w: Workload, stores: list[str], timeou
     return stores
 
 
-async def bench_scale(w: Workload, consumer_address: str, link, args, grid, emit) -> None:
-    """Every cell of one scale's grid, rows handed to `emit` as each cell completes."""
+def _profiled(args, w: Workload, ctx: int, store: str, pids: dict[str, int]) -> contextlib.ExitStack:
+    """py-spy on each service while a cell runs, when --profile-dir asks (bench.cpu_stages)."""
+    stack = contextlib.ExitStack()
+    if args.profile_dir is not None:
+        for name, pid in pids.items():
+            stack.enter_context(cpu_stages.Sampler(pid, args.profile_dir / f"{w.name}-{ctx}-{store}-{name}.txt"))
+    return stack
+
+
+async def bench_scale(w: Workload, consumer_address: str, link, args, grid, emit, pids: dict[str, int]) -> None:
+    """Every cell of one scale's grid, rows handed to `emit` as each cell completes (`pids`: the
+    services' processes, for --profile-dir)."""
     bandwidths, contexts = grid
     artifacts = provenance.artifacts_by_id(args.artifacts)
     async with ConsumerClient(consumer_address) as client:
@@ -124,7 +135,8 @@ async def bench_scale(w: Workload, consumer_address: str, link, args, grid, emit
                     cell = [m for m in modes if m.name != ORACLE and m not in refused]
                     if store == "cold" and ctx not in oracle_done:
                         cell = [m for m in modes if m.name == ORACLE and m not in refused] + cell
-                    results = await measure_interleaved(client, w, cell, ctx, store, args, refused)
+                    with _profiled(args, w, ctx, store, pids):
+                        results = await measure_interleaved(client, w, cell, ctx, store, args, refused)
                     for mode, samples in results.items():
                         ran_on = provenance_of(w, mode, samples, artifacts)
                         if mode.name == ORACLE:
@@ -161,9 +173,10 @@ def run_grid(args, link, emit) -> None:
                               log_dir=services.ROOT / "bench/runs/ttft", producer_host=link.producer_host,
                               consumer_host=link.consumer_host, producer_prefix=link.producer_prefix,
                               consumer_prefix=link.consumer_prefix, timeout_s=args.timeout_s,
-                              producer_target=link.producer_target) as (_, consumer):
+                              producer_target=link.producer_target) as (producer, consumer):
             note(f"[{w.name}] services up in {time.monotonic() - started:.1f}s ({w.dtype}, {args.device})")
             try:
-                asyncio.run(bench_scale(w, consumer.address, link, args, grid, emit))
+                pids = {"producer": producer.process.pid, "consumer": consumer.process.pid}
+                asyncio.run(bench_scale(w, consumer.address, link, args, grid, emit, pids))
             finally:
                 link.close()

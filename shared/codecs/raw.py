@@ -48,6 +48,7 @@ KV_LAYOUT = {"k": (1, 1), "v": (1, 1)}  # [n_kv, T, hd]: tokens on axis 1
 class RawEncoder(LayerEncoder):
     captures = Capture.KV
     per_token = True
+    computes = False
 
     def encode(self, state: LayerState) -> dict[str, torch.Tensor]:
         return kv_payloads(state)
