@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 STAGES = (
@@ -137,16 +138,21 @@ def parse_raw(text: str) -> tuple[dict[str, int], dict[str, int]]:
     stage of the loop thread, samples per thread name)."""
     stages = dict.fromkeys(STAGES, 0)
     threads: dict[str, int] = {}
+    for name, rest, count in _stacks(text):
+        threads[name] = threads.get(name, 0) + count
+        if name == LOOP_THREAD:
+            stages[stage_of(rest)] += count
+    return stages, threads
+
+
+def _stacks(text: str) -> Iterator[tuple[str, str, int]]:
+    """py-spy raw lines (`--threads`) -> (thread name, its frames 'f (file:line);...', samples)."""
     for line in text.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
         head, _, rest = stack.partition(";")
-        name = head.split(": ", 1)[1] if ": " in head else head
-        threads[name] = threads.get(name, 0) + int(count)
-        if name == LOOP_THREAD:
-            stages[stage_of(rest)] += int(count)
-    return stages, threads
+        yield (head.split(": ", 1)[1] if ": " in head else head), rest, int(count)
 
 
 class Sampler:
@@ -218,19 +224,14 @@ def top(text: str, n: int = 12) -> dict[str, dict]:
     (producer/, consumer/, shared/) with the most samples in which they appear (inclusive,
     counted once per stack) and its n innermost frames with the most samples (self)."""
     threads: dict[str, dict] = {}
-    for line in text.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        head, _, rest = stack.partition(";")
-        name = head.split(": ", 1)[1] if ": " in head else head
+    for name, rest, count in _stacks(text):
         t = threads.setdefault(name, {"samples": 0, "inclusive": {}, "self": {}})
-        t["samples"] += int(count)
+        t["samples"] += count
         raw = [f for f in rest.split(";") if f]
         for func in {_func(f) for f in raw if any(p in f for p in PROJECT)}:
-            t["inclusive"][func] = t["inclusive"].get(func, 0) + int(count)
+            t["inclusive"][func] = t["inclusive"].get(func, 0) + count
         if raw:  # the innermost frame with its line
-            t["self"][raw[-1]] = t["self"].get(raw[-1], 0) + int(count)
+            t["self"][raw[-1]] = t["self"].get(raw[-1], 0) + count
     for t in threads.values():
         for kind in ("inclusive", "self"):
             t[kind] = sorted(t[kind].items(), key=lambda kv: -kv[1])[:n]

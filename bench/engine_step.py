@@ -9,7 +9,7 @@ No gRPC, no scheduler, no other process: what is left between a service row and 
 not the forward.
 
 One JSON line per (batch, round) to bench/results/engine_step.jsonl (`--out-dir` to change):
-model, weights, dtype, batch, ctx_tokens, engine_step_ms, bare_step_ms, gather_ms (the per-step
+model, weights, dtype, device, batch, ctx_tokens, engine_step_ms, bare_step_ms, gather_ms (the per-step
 block gather alone, every layer, K and V), logits_check_ms and logits_isfinite_ms (the engine's
 check of a step's [batch, vocab] logits for non-finite rows, shared.finite, against
 `torch.isfinite(...).all(dim=1)`), vocab, torch_threads, load_avg_1m, code.
@@ -31,11 +31,18 @@ from bench import services
 RESULTS = services.ROOT / "bench" / "results"
 
 
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # a step's kernels done: wall time, not launch time
+
+
 def _median_ms(fn, steps: int) -> float:
     times = []
     for _ in range(steps + 2):  # the first two warm up
+        _sync()
         started = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - started)
     return statistics.median(times[2:]) * 1e3
 
@@ -52,7 +59,7 @@ def measure(loaded, batch: int, ctx: int, steps: int) -> dict:
     pool = KVPool(loaded.info, loaded.device, batch * (ctx + steps + 40) * loaded.info.kv_bytes(1), 16)
     runner = Runner(loaded, pool)
     seqs = [pool.allocate(ctx + steps + 8) for _ in range(batch)]
-    ids = torch.randint(4, vocab, (batch, ctx))
+    ids = torch.randint(4, vocab, (batch, ctx), device=loaded.device)
     with torch.inference_mode():
         for seq, row in zip(seqs, ids.tolist()):
             runner.forward([Row(seq, row, 0)])
@@ -63,7 +70,7 @@ def measure(loaded, batch: int, ctx: int, steps: int) -> dict:
         engine_ms = _median_ms(engine_step, steps)
         cache = DynamicCache(config=loaded.model.config)
         loaded.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        step = torch.full((batch, 1), 7)
+        step = torch.full((batch, 1), 7, device=loaded.device)
         bare_ms = _median_ms(lambda: loaded.model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1), steps)
         flat = torch.stack([seq.table[: -(-ctx // 16)] for seq in seqs]).view(-1)
 
@@ -74,7 +81,7 @@ def measure(loaded, batch: int, ctx: int, steps: int) -> dict:
 
         gather_ms = _median_ms(gather, steps)
         # the engine's check of each step's logits for non-finite rows, against torch's isfinite
-        logits = torch.randn(batch, vocab)
+        logits = torch.randn(batch, vocab, device=loaded.device)
         finite_ms = _median_ms(lambda: rows_finite(logits).tolist(), steps)
         isfinite_ms = _median_ms(lambda: torch.isfinite(logits).all(dim=1).tolist(), steps)
     return {"engine_step_ms": round(engine_ms, 3), "bare_step_ms": round(bare_ms, 3), "gather_ms": round(gather_ms, 3),
@@ -91,13 +98,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (cuda when present); CUDA steps are timed to their end")
     parser.add_argument("--out-dir", default=str(RESULTS))
     args = parser.parse_args(argv)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     from shared.models import load_model
 
-    loaded = load_model(str(services.ROOT / args.model), args.dtype, "cpu")
+    loaded = load_model(str(services.ROOT / args.model), args.dtype, args.device)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     code = services.code_version()
@@ -109,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
                     "model": Path(args.model).name,
                     "weights": args.weights,
                     "dtype": args.dtype,
+                    "device": str(loaded.device),
                     "batch": batch,
                     "ctx_tokens": args.ctx,
                     "round": round_,

@@ -1,6 +1,7 @@
 """The GPU check's figures (bench/results/gpu.jsonl, written by `make gpu-check` on a lent GPU
 machine): the machine, the CUDA test run, the in-process prefill floor and the loopback TTFT grid
-as a table with its breakdown. Computes from the committed rows only; measures nothing."""
+as a table with its breakdown, and the cells the first run (bench/results/gpu-first.jsonl) named
+beside the latest run. Computes from the committed rows only; measures nothing."""
 
 from __future__ import annotations
 
@@ -33,12 +34,40 @@ def _pick(rows: list[dict], model: str, ctx: int, mode: str, store: str) -> dict
     return next(r for r in rows if r["model"] == model and r["ctx_tokens"] == ctx and _mode(r) == mode and r["store"] == store)
 
 
+COMPARED = [  # (model, ctx, mode, store): the cells the first run's reading named
+    ("qwen05b-random", 8192, "raw", "cold"),
+    ("qwen05b-random", 8192, "quant(bits=8)", "cold"),
+    ("qwen05b-random", 8192, "quant(bits=8)", "warm"),
+    ("qwen05b-random", 8192, "oracle", "cold"),
+    ("qwen7b-random", 2048, "raw", "cold"),
+    ("qwen7b-random", 2048, "quant(bits=8)", "cold"),
+]
+
+
+def _runs_table(first: list[dict], second: list[dict]) -> str:
+    """The named cells in both runs: TTFT, producer encode and consumer rebuild, first -> second."""
+    out = (
+        "| cell (random weights, bf16) | TTFT p50 ms | producer encode ms | rebuild ms |\n"
+        "| --- | ---: | ---: | ---: |\n"
+    )
+    for model, ctx, mode, store in COMPARED:
+        a, b = _pick(first, model, ctx, mode, store), _pick(second, model, ctx, mode, store)
+        cells = [f"{a[k]:.0f} -> {b[k]:.0f}" for k in ("ttft_ms_median", "producer_encode_ms", "rebuild_ms")]
+        out += f"| {model} {ctx} {mode} {store} | " + " | ".join(cells) + " |\n"
+    return out.rstrip("\n")
+
+
+def _ttft_rows(path: Path) -> list[dict]:
+    return [r for r in rows_of(path) if r["check"] == "ttft" and not r.get("derived")]
+
+
 def gpu(root: Path | None = None) -> dict:
     """{ran, machine, pytest, prefill, table, raw_cold_8k, ...}; `ran` False when no rows exist."""
     path = (root / "bench/results" if root else RESULTS) / "gpu.jsonl"
     if not path.exists():
         return {"ran": False, "summary": "the GPU check is scripted but has not run on a GPU"}
     rows = rows_of(path)
+    first_path = path.with_name("gpu-first.jsonl")  # the first run, before the producer's fixes
     machine = next(r for r in rows if r["check"] == "machine")
     test = next(r for r in rows if r["check"] == "pytest")
     prefill = [r for r in rows if r["check"] == "prefill"]
@@ -69,5 +98,6 @@ def gpu(root: Path | None = None) -> dict:
         "quant8_warm_over_cold": q8_warm["ttft_ms_median"] / q8_cold["ttft_ms_median"],
         "quant8_cold_8k": q8_cold,
         "quant8_warm_8k": q8_warm,
-        "summary": f"the GPU check ran once on {machine['gpu']} (docs/results.md#gpu-check)",
+        "runs_table": _runs_table(_ttft_rows(first_path), ttft) if first_path.exists() else "(one run only)",
+        "summary": f"the GPU check's two runs on {machine['gpu']} (docs/results.md#gpu-check-make-gpu-check)",
     }

@@ -72,16 +72,29 @@ def _quality_table(rows: list[dict]) -> str:
 
 def _speed_table(rows: list[dict]) -> str:
     out = [
-        "| model | weights | dtype | link | policy | n | TTFT p50 | first verified p50 | completion p50 | identical | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | weights | dtype | device | link | policy | n | TTFT p50 | first verified p50 | completion p50 | identical | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         out.append(
-            f"| {r['model']} ({r['set']}) | {r['weights']} | {r['dtype']} | {r['link']} | {r['policy']} | {r['n']} |"
+            f"| {r['model']} ({r['set']}) | {r['weights']} | {r['dtype']} | {_device(r)} | {r['link']} | {r['policy']} | {r['n']} |"
             f" {r['ttft_ms_p50']:.0f} ms | {r['time_to_verified_ms_p50']:.0f} ms | {r['completion_ms_p50']:.0f} ms |"
             f" {r['identical_to_oracle']:.2f} | {r['load_avg_1m']} |"
         )
     return "\n".join(out)
+
+
+def _device(row: dict) -> str:
+    return row.get("device", "cpu")  # rows before the field ran on this project's CPU
+
+
+def _speed_ratio(rows: list[dict]) -> tuple[float, str]:
+    """(completion of the +verify policy / raw's, that policy) among one device's speed rows."""
+    by_policy = {r["policy"]: r for r in rows}
+    raw, ver = by_policy.get("raw"), next((r for r in rows if r["policy"].endswith("+verify")), None)
+    if raw is None or ver is None:
+        return float("nan"), ""
+    return ver["completion_ms_p50"] / raw["completion_ms_p50"], ver["policy"]
 
 
 def verify(root: Path = ROOT) -> dict:
@@ -100,8 +113,10 @@ def verify(root: Path = ROOT) -> dict:
     flagged = _flagged_sets(quality)
     small = [r for r in quality if r["policy"] == "scd+repair" and r["repair_fraction"] <= 0.2 and _by_attention(r)]
     big = [r for r in quality if r["policy"] == "scd+repair" and r["repair_fraction"] >= 0.5]
-    by_policy = {r["policy"]: r for r in speed}
-    raw, ver = by_policy.get("raw"), next((r for r in speed if r["policy"].endswith("+verify")), None)
+    speed_ratio, speed_policy = _speed_ratio([r for r in speed if _device(r) == "cpu"])
+    gpu_rows = [r for r in speed if _device(r).startswith("cuda")]
+    gpu_ratio, _ = _speed_ratio(gpu_rows)
+    gpu_by = {r["policy"]: r for r in gpu_rows}
     return {
         "rows": len(rows),
         "quality_table": _quality_table(quality) if quality else "(no rows)",
@@ -116,8 +131,13 @@ def verify(root: Path = ROOT) -> dict:
         "repair_cost_small_lo": min((r["cost_ratio_vs_prefill"] for r in small), default=float("nan")),
         "repair_cost_small_hi": max((r["cost_ratio_vs_prefill"] for r in small), default=float("nan")),
         "repair_cost_big_lo": min((r["cost_ratio_vs_prefill"] for r in big), default=float("nan")),
-        "speed_ratio": (ver["completion_ms_p50"] / raw["completion_ms_p50"]) if raw and ver else float("nan"),
-        "speed_policy": ver["policy"] if ver else "",
+        "speed_ratio": speed_ratio,
+        "speed_policy": speed_policy,
+        "speed_ratio_gpu": gpu_ratio,
+        "gpu_speed": gpu_by,  # policy -> its GPU row ({} without one)
+        "gpu_oracle_over_raw": (gpu_by["oracle"]["completion_ms_p50"] / gpu_by["raw"]["completion_ms_p50"])
+        if {"oracle", "raw"} <= set(gpu_by)
+        else float("nan"),
         **flagged,
     }
 

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
+import torch
 from grpc_health.v1 import health_pb2
 
 import shared
@@ -302,7 +303,8 @@ class ConsumerServer:
             def exited(why: str) -> None:  # the engine process's reader thread
                 loop.call_soon_threadsafe(self._engine_exited, why)
 
-            args = (loaded, pool, cfg.model, cfg.torch_threads, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens)
+            threads = torch.get_num_threads()  # as this process resolved it (shared.serving.intra_op_threads)
+            args = (loaded, pool, cfg.model, threads, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens)
             batch = await asyncio.to_thread(EngineProcess, *args, on_exit=exited)
         else:
             batch = BatchEngine(loaded, pool, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens)

@@ -151,7 +151,10 @@ class Continuation:
             # one device-to-host copy per tensor per layer, chunks cut on the host: a copy per
             # chunk was a synchronizing transfer each (on an H200, 64 per layer at 8192 tokens
             # made most of raw's 462 ms encode_ms in bench/results/gpu.jsonl)
-            keys, values = (t.to("cpu") for t in state.kv())  # [n_kv, T - P, hd]
+            if self.encoder is not None and not self.encoder.computes:  # raw: `new` is the K/V, on the host already
+                keys, values = new["k"], new["v"]
+            else:
+                keys, values = (t.to("cpu") for t in state.kv())  # [n_kv, T - P, hd]
             normed = state.normed.to("cpu") if layer in self.causal and state.normed is not None else None
             for j in range(first_new, len(self.kv_refs)):
                 ref = self.kv_refs[j]

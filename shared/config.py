@@ -94,7 +94,7 @@ class ServerConfig:
     liveness_interval_s: float = 5.0  # how often the progress watchdog looks (liveness)
     trace: str = "off"  # OpenTelemetry spans: off | console (JSON on stderr) | memory (tests) | otlp; shared.tracing
     liveness_timeout_s: float = 30.0  # an iteration without progress this long: liveness NOT_SERVING
-    torch_threads: int = 0  # torch's intra-op threads (0: torch's default, one per core); 1 where services share cores
+    torch_threads: int = 0  # torch's intra-op threads (0: one on CUDA, else one per core; shared.serving)
     malloc_mmap_threshold: int = 33554432  # glibc: message-sized buffers reused from the heap (shared.malloc_tuning); 0 off
     # KV cache events in vLLM's wire format (shared.kv_events): the producer's chunk store, the consumer's prefix cache
     kv_events_endpoint: str = ""  # ZMQ PUB address of KV events (tcp://*:5557 binds, tcp://host:port connects); "" off

@@ -22,12 +22,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import re
 import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -422,10 +423,12 @@ def main(service: str, config_cls: type[ServerConfig], server_cls: type, argv: l
     from shared import malloc_tuning
 
     logs.get(service).info("startup.malloc", setting=malloc_tuning.tune(cfg.malloc_mmap_threshold))
-    if cfg.torch_threads:
+    threads, why = intra_op_threads(cfg.torch_threads, cfg.device, os.environ)
+    if threads:
         import torch
 
-        torch.set_num_threads(cfg.torch_threads)  # before any forward: the pool torch sizes its parallel regions for
+        torch.set_num_threads(threads)  # before any forward: the pool torch sizes its parallel regions for
+    logs.get(service).info("startup.threads", torch_threads=threads or "torch's default", reason=why)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # stderr carries JSON log lines only
@@ -458,6 +461,31 @@ def main(service: str, config_cls: type[ServerConfig], server_cls: type, argv: l
     run(serve)
     if failed:
         startup.fail(service, failed[0])
+
+
+def intra_op_threads(configured: int, device: str, env: Mapping[str, str]) -> tuple[int, str]:
+    """torch's intra-op threads for a service (0: torch's default, one per core) and why.
+
+    On a GPU the model computes on the device, and what torch still does on the CPU is small
+    (cutting a layer's K/V into chunks, a copy, a check over quantization scales): with one
+    thread per core, each such op above torch's grain size wakes an OpenMP team, and a service's
+    threads (forward, encode lanes, engine) then wait on each other's teams. On an H200 box (16
+    cores) the producer's per-chunk clones of the 7B shape's K/V and the consumer's finiteness
+    checks took most of both services' time at load 5-10 (bench.ttft --profile-dir). vLLM's GPU
+    workers likewise set torch to one thread unless OMP_NUM_THREADS says otherwise."""
+    if configured:
+        return configured, "--torch-threads"
+    if env.get("OMP_NUM_THREADS"):
+        return 0, "OMP_NUM_THREADS is set: torch follows it"
+    if device.startswith("cuda") or (device == "auto" and _cuda_available()):
+        return 1, "the model runs on CUDA: CPU-side ops are small, one thread each (--torch-threads N to change)"
+    return 0, "the model runs on the CPU: torch's default, one thread per core"
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _load_checked(service: str, cfg: ServerConfig):

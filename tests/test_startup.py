@@ -173,12 +173,34 @@ async def test_rejected_tls_handshakes_are_counted_and_logged_as_json(tmp_path):
     (tmp_path / "server.pem").write_bytes(b"".join(blob.bytes() for blob in server.cert_chain_pems))
     ca.cert_pem.write_to_path(tmp_path / "ca.pem")
     port, health, metrics = free_port(), free_port(), free_port()
-    args = ["--model", "tiny-llama", "--device", "cpu", "--port", str(port), "--health-port", str(health),
-            "--metrics-port", str(metrics), "--tls-cert", str(tmp_path / "server.pem"), "--tls-key",
-            str(tmp_path / "server.key"), "--tls-client-ca", str(tmp_path / "ca.pem"), "--drain-grace-s", "0"]
+    args = [
+        "--model",
+        "tiny-llama",
+        "--device",
+        "cpu",
+        "--port",
+        str(port),
+        "--health-port",
+        str(health),
+        "--metrics-port",
+        str(metrics),
+        "--tls-cert",
+        str(tmp_path / "server.pem"),
+        "--tls-key",
+        str(tmp_path / "server.key"),
+        "--tls-client-ca",
+        str(tmp_path / "ca.pem"),
+        "--drain-grace-s",
+        "0",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
-    proc = subprocess.Popen([sys.executable, "-m", "producer", *args], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "producer", *args],
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for _ in range(240):  # the process imports torch and loads the model first
             try:
@@ -197,7 +219,9 @@ async def test_rejected_tls_handshakes_are_counted_and_logged_as_json(tmp_path):
         count = 0.0
         for _ in range(50):
             text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
-            count = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("scd_tls_handshake_failures_total"))
+            count = next(
+                float(line.split()[-1]) for line in text.splitlines() if line.startswith("scd_tls_handshake_failures_total")
+            )
             if count >= 2:
                 break
             await asyncio.sleep(0.1)
@@ -215,8 +239,10 @@ def test_core_log_lines_become_json_and_other_lines_pass_through():
     from shared.core_log import CoreLog
 
     core = CoreLog("producer")
-    line = ("I1201 13:26:17.782330   14341 ssl_transport_security.cc:2563] Handshake failed with error SSL_ERROR_SSL: "
-            "error:100000c0:SSL routines:OPENSSL_internal:PEER_DID_NOT_RETURN_A_CERTIFICATE: Invalid certificate verification context")
+    line = (
+        "I1201 13:26:17.782330   14341 ssl_transport_security.cc:2563] Handshake failed with error SSL_ERROR_SSL: "
+        "error:100000c0:SSL routines:OPENSSL_internal:PEER_DID_NOT_RETURN_A_CERTIFICATE: Invalid certificate verification context"
+    )
     out = json.loads(core.translate(line))
     assert out["event"] == "tls.handshake_failed" and out["error"].startswith("PEER_DID_NOT_RETURN_A_CERTIFICATE")
     assert core.handshake_failures == 1
@@ -238,7 +264,9 @@ def test_malloc_tuning_is_validated_and_applied_at_start():
         assert applied.endswith(f"mmap threshold {1 << 25} bytes, trim threshold {1 << 26} bytes"), applied
     else:
         assert applied.startswith("unchanged: the C library is not glibc")
-    assert ConsumerConfig().malloc_mmap_threshold == ProducerConfig().malloc_mmap_threshold == malloc_tuning.DEFAULT_MMAP_THRESHOLD
+    assert (
+        ConsumerConfig().malloc_mmap_threshold == ProducerConfig().malloc_mmap_threshold == malloc_tuning.DEFAULT_MMAP_THRESHOLD
+    )
 
 
 def test_torch_threads_is_validated_and_sets_the_intra_op_pool():
@@ -254,8 +282,12 @@ def test_torch_threads_is_validated_and_sets_the_intra_op_pool():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", code, "--torch-threads", "1", "--model", "tiny-llama", "--port", "0"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code, "--torch-threads", "1", "--model", "tiny-llama", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "threads 1" in out.stdout, out.stderr[-2000:]
 
 
@@ -271,3 +303,14 @@ def test_a_transformers_without_the_apis_this_build_calls_is_refused_naming_the_
 
     with pytest.raises(startup.StartupError, match=r"create_causal_mask takes no `cache` argument.*transformers==5\.24\.0"):
         startup.check_libraries(old_mask)
+
+
+def test_intra_op_threads_one_on_cuda_unless_configured_or_set_by_omp():
+    from shared.serving import intra_op_threads
+
+    assert intra_op_threads(3, "cuda:0", {})[0] == 3  # --torch-threads wins
+    assert intra_op_threads(0, "cuda:0", {})[0] == 1
+    assert intra_op_threads(0, "cuda", {"OMP_NUM_THREADS": "4"})[0] == 0  # torch follows the variable
+    assert intra_op_threads(0, "cpu", {})[0] == 0  # torch's default on a CPU model
+    threads, why = intra_op_threads(0, "auto", {})
+    assert (threads == 1) == torch.cuda.is_available() and why

@@ -104,8 +104,9 @@ class LayerEncoder(ABC):
     # prefix's normalized input joined with the new tokens' (producer.reuse), then cuts the new
     # tokens' payloads out.
     causal_layers: frozenset[int] = frozenset()
-    # False when encode only hands the K/V on (raw): the producer then encodes stored K/V where
-    # they are instead of moving them to the model's device and back (producer.reuse).
+    # False when encode returns the layer's K/V as they are, {"k": keys, "v": values} (raw): the
+    # producer then keeps those host copies as its chunks' K/V, and encodes stored K/V where they
+    # are instead of moving them to the model's device and back (producer.reuse).
     computes: bool = True
 
     def token_layout(self, layer: int) -> dict[str, tuple[int, int]] | None:

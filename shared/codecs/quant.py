@@ -62,12 +62,14 @@ def decode_quant(
     group_size: int,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 (keys, values) [n_kv, T, hd] on device; DataLoss when a scale or min is not finite."""
+    """float32 (keys, values) [n_kv, T, hd] on device; DataLoss when a scale or min is not finite.
+    The scales are checked where they are decoded (one host sync): on a GPU, a check on the CPU
+    was most of the 7B shape's rebuild (bench.ttft --profile-dir on an H200)."""
+    on_device = {name: payloads[name].to(device) for name in quantize.PAYLOADS}
     names = ("k_scale", "k_min", "v_scale", "v_min")
-    for name, ok in zip(names, finite.finite_each([payloads[name] for name in names])):
+    for name, ok in zip(names, finite.finite_each([on_device[name] for name in names])):
         if not ok:
             raise DataLoss(f"layer {layer}: payload '{name}' holds non-finite values")
-    on_device = {name: payloads[name].to(device) for name in quantize.PAYLOADS}
     return quantize.decode_kv(on_device, bits, group_size, kv_shape)
 
 
