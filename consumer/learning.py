@@ -28,7 +28,7 @@ def learn(
         return
     if item.abandoned_span is not None:
         planner.observe_abandoned(*item.abandoned_span)
-    _overhead(planner, job, item, key_of)
+    _overhead(planner, job, item)
     observed = _observation(job, item)
     planner.observe(observed)
     if item.trailer is not None and item.codec != ORACLE_MODE and job.codec is not None:
@@ -37,12 +37,9 @@ def learn(
             memory.remember(*item.stream_producer, key, job.context_ids, item.chunk_tokens)
 
 
-def _overhead(
-    planner: TransferPlanner, job: GenerateJob, item: GenerateResult, key_of: Callable[[str, Mapping[str, str]], str]
-) -> None:
+def _overhead(planner: TransferPlanner, job: GenerateJob, item: GenerateResult) -> None:
     """The measured time to the KV (TTFT minus the question prefill) against what the model said
-    before the request ran: auto's choice's estimate, or a named mode's (GenerateJob.estimate);
-    learned for the candidate that ran (its canonical key) and for its kind."""
+    before the request ran: auto's choice's estimate, or a named mode's (GenerateJob.estimate)."""
     chosen = next((s for s in job.auto.scored if s.chosen), None) if job.auto is not None else None
     remote, base_ms = (chosen.candidate.remote, chosen.estimate.base_ms) if chosen else (job.codec is not None, None)
     if job.auto is None and job.estimate is not None:
@@ -50,8 +47,7 @@ def _overhead(
     if item.verify_decision.startswith("verified"):
         return  # its first token waited for the exact cache: no sample of the transfer's overhead
     if base_ms is not None and not item.transfer_failure and item.generated_tokens:
-        key = key_of(job.codec.name, job.options) if remote and job.codec is not None else ORACLE_MODE
-        planner.observe_overhead(remote, item.ttft_ms - item.question_prefill_ms, base_ms, key)
+        planner.observe_overhead(remote, item.ttft_ms - item.question_prefill_ms, base_ms)
 
 
 def _observation(job: GenerateJob, item: GenerateResult) -> Observation:

@@ -50,8 +50,6 @@ from shared.labels import mode_label, options_label
 MIN_WIRE_BYTES = 16 * 1024  # smaller transfers say more about latency than about bandwidth
 RTT_WINDOW = 16
 OVERHEAD_RATIO = 2.0  # an estimate this far off the actual time is not a lesson in overhead
-KEY_OVERHEAD_MIN = 3  # a candidate's own overhead samples before they replace its kind's
-LOCAL_KEY = "oracle"  # the own prefill's key (shared.config.ORACLE_MODE)
 RATE_JUMP = 2.0  # a link sample this far off the estimate (either way) replaces it
 LINK_BOUND_SHARE = 0.5  # a span counts as link-bound when the producer's forward took less than this share of it
 FIT_WINDOW = 24  # samples a Fit keeps
@@ -281,7 +279,6 @@ class TransferPlanner:
         self.bytes_per_token: dict[str, Ewma] = Keyed(self.aliases)
         self.header_ms: collections.deque = collections.deque(maxlen=RTT_WINDOW)
         self.overhead_ms: dict[str, RunningMedian] = {"remote": RunningMedian(), "local": RunningMedian()}
-        self.key_overhead_ms: dict[str, RunningMedian] = Keyed(self.aliases)  # per candidate key (see overhead)
         self.choices_since_link_sample = 0  # auto choices made since the link was last measured
         self.link_sampled_at = 0.0  # time.monotonic() of the last link measurement
 
@@ -362,7 +359,7 @@ class TransferPlanner:
                 return Cost(cost.ms, False, f"no own context prefill yet: {source} stands in"), source
         return None, ""
 
-    def observe_overhead(self, remote: bool, actual_ms: float, base_ms: float, key: str = "") -> None:
+    def observe_overhead(self, remote: bool, actual_ms: float, base_ms: float) -> None:
         """An auto choice came true: its KV was ready actual_ms after receipt (TTFT minus the
         question prefill) where the model said base_ms; the difference, learned per kind, is what
         the model leaves out (call setup, queueing, decode of the last layer, ...). Only a model
@@ -370,28 +367,14 @@ class TransferPlanner:
         stale input (a link reshaped since it was measured), which the request's own measurements
         correct, and learning it as overhead would bias every later choice of its kind. Only a
         confident estimate carries base_ms (Estimate): an extrapolated or borrowed one's miss is
-        the fit's, and learned as overhead it would shift every length of its kind. Learned per
-        candidate `key` too: what the model leaves out differs by candidate (a recompute's span
-        competing with the stream for the CPU, a raw stream that beats its link estimate), and
-        one overhead for every remote candidate ranked raw behind a recompute that was 1.36x slower
-        (bench/results/adaptive.jsonl, 0.5B at 100 Mbit, warm)."""
+        the fit's, and learned as overhead it would shift every length of its kind."""
         if base_ms > 0 and 1 / OVERHEAD_RATIO <= actual_ms / base_ms <= OVERHEAD_RATIO:
             self.overhead_ms["remote" if remote else "local"].add(actual_ms - base_ms)
-            if key:
-                self.key_overhead_ms.setdefault(self.aliases.get(key, key), RunningMedian()).add(actual_ms - base_ms)
 
-    def overhead(self, kind: str, key: str = "") -> tuple[float | None, str]:
-        """(learned overhead ms, whose): the candidate's own once it has KEY_OVERHEAD_MIN samples,
-        else its kind's ("remote" / "local"), else None."""
-        own = self.key_overhead_ms.get(key) if key else None
-        if own is not None and len(own.samples) >= KEY_OVERHEAD_MIN:
-            return own.value, "its own"
-        return self.overhead_ms[kind].value, kind
-
-    def _with_overhead(self, kind: str, base: float, detail: str, confident: bool, why: str, key: str = "") -> Estimate:
-        extra, whose = self.overhead(kind, key)
+    def _with_overhead(self, kind: str, base: float, detail: str, confident: bool, why: str) -> Estimate:
+        extra = self.overhead_ms[kind].value
         if extra is not None:
-            detail = f"{detail} + learned overhead {extra:.1f} ({whose})"
+            detail = f"{detail} + learned overhead {extra:.1f}"
         ms = base if extra is None else max(base + extra, 0.0)
         return Estimate(ms, detail + (f"; uncertain: {why}" if why else ""), base if confident else None, confident, why)
 
@@ -400,7 +383,7 @@ class TransferPlanner:
         if cost is None:
             return Estimate(None, "no own prefill rate yet")
         return self._with_overhead(
-            "local", cost.ms, f"own prefill {tokens} tokens {cost.ms:.1f} ({source})", cost.confident, cost.why, LOCAL_KEY
+            "local", cost.ms, f"own prefill {tokens} tokens {cost.ms:.1f} ({source})", cost.confident, cost.why
         )
 
     def _fit(self, table: Mapping[str, Fit], key: str, tokens: int, what: str) -> Cost | None:
@@ -477,7 +460,7 @@ class TransferPlanner:
             f" {encode} encoded], wire {wire:.1f} [{send} tokens x {bpt:.0f} B at {(link or 0) * 8e-3:.1f} Mbit/s{bound}],"
             f" rebuild {rebuild:.1f})"
         )
-        return self._with_overhead("remote", base, detail, not whys, "; ".join(whys), key)
+        return self._with_overhead("remote", base, detail, not whys, "; ".join(whys))
 
     def snapshot(self) -> dict[str, float]:
         """The current estimates, for Describe and logs (absent: no sample yet): each fit's fixed ms,
@@ -506,5 +489,4 @@ class TransferPlanner:
         for key, fit in self.rebuild.items():
             out.update(fit.describe(f"rebuild[{key}]", now))
         out.update({f"bytes_per_token[{k}]": e.value for k, e in self.bytes_per_token.items()})
-        out.update({f"overhead_ms[{k}]": m.value for k, m in self.key_overhead_ms.items()})
         return {k: float(v) for k, v in out.items() if v is not None}

@@ -144,24 +144,3 @@ def test_overhead_is_learned_only_from_roughly_right_estimates():
     p.observe_overhead(True, 21000.0, 5000.0)  # a stale link, not an overhead: ignored
     p.observe_overhead(False, 1.0, 5000.0)
     assert p.overhead_ms["remote"].value == 4.0 and p.overhead_ms["local"].value is None
-
-
-def test_overhead_is_learned_per_candidate_once_it_has_samples_of_its_own():
-    """Two remote candidates whose model misses in opposite directions (a raw stream faster than
-    its link estimate, a recompute slower than its pipelined model): each is corrected by its own
-    overhead once it has KEY_OVERHEAD_MIN samples; before that, by the kind's."""
-    from consumer.planner import KEY_OVERHEAD_MIN
-
-    p = TransferPlanner()
-    for _ in range(KEY_OVERHEAD_MIN - 1):
-        p.observe_overhead(True, 2400.0, 3000.0, "raw")  # -600 ms
-        p.observe_overhead(True, 3200.0, 2850.0, "recompute(end=15,start=9)")  # +350 ms
-    assert p.overhead("remote", "raw") == (p.overhead_ms["remote"].value, "remote")  # too few of its own yet
-    p.observe_overhead(True, 2400.0, 3000.0, "raw")
-    p.observe_overhead(True, 3200.0, 2850.0, "recompute(end=15,start=9)")
-    assert p.overhead("remote", "raw") == (-600.0, "its own")
-    assert p.overhead("remote", "recompute(end=15,start=9)") == (350.0, "its own")
-    assert p.overhead("remote", "quant(bits=8)")[1] == "remote"  # never ran: the kind's
-    p.observe_overhead(True, 30000.0, 3000.0, "raw")  # a stale estimate: no lesson for anyone
-    assert p.overhead("remote", "raw") == (-600.0, "its own")
-    assert p.snapshot()["overhead_ms[raw]"] == -600.0
