@@ -1,7 +1,7 @@
 """The GPU check's figures (bench/results/gpu.jsonl, written by `make gpu-check` on a lent GPU
 machine): the machine, the CUDA test run, the in-process prefill floor and the loopback TTFT grid
-as a table with its breakdown, and the cells the first run (bench/results/gpu-first.jsonl) named
-beside the latest run. Computes from the committed rows only; measures nothing."""
+as a table with its breakdown, and the cells the first run named in every run, oldest first
+(bench/results/gpu-first.jsonl, gpu-second.jsonl, then the latest gpu.jsonl). Computes from the committed rows only; measures nothing."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ def _pick(rows: list[dict], model: str, ctx: int, mode: str, store: str) -> dict
     return next(r for r in rows if r["model"] == model and r["ctx_tokens"] == ctx and _mode(r) == mode and r["store"] == store)
 
 
+PREFILL_CHUNK = 512  # the consumer's default --prefill-chunk, which bench.ttft's services run with
+
 COMPARED = [  # (model, ctx, mode, store): the cells the first run's reading named
     ("qwen05b-random", 8192, "raw", "cold"),
     ("qwen05b-random", 8192, "quant(bits=8)", "cold"),
@@ -44,15 +46,17 @@ COMPARED = [  # (model, ctx, mode, store): the cells the first run's reading nam
 ]
 
 
-def _runs_table(first: list[dict], second: list[dict]) -> str:
-    """The named cells in both runs: TTFT, producer encode and consumer rebuild, first -> second."""
+def _runs_table(runs: list[list[dict]]) -> str:
+    """The named cells in every run, oldest first: TTFT, producer encode, consumer rebuild and the
+    machine's load average during the cell, a -> b -> c."""
     out = (
-        "| cell (random weights, bf16) | TTFT p50 ms | producer encode ms | rebuild ms |\n"
-        "| --- | ---: | ---: | ---: |\n"
+        "| cell (random weights, bf16) | TTFT p50 ms | producer encode ms | rebuild ms | load (1 min) |\n"
+        "| --- | ---: | ---: | ---: | ---: |\n"
     )
     for model, ctx, mode, store in COMPARED:
-        a, b = _pick(first, model, ctx, mode, store), _pick(second, model, ctx, mode, store)
-        cells = [f"{a[k]:.0f} -> {b[k]:.0f}" for k in ("ttft_ms_median", "producer_encode_ms", "rebuild_ms")]
+        picked = [_pick(rows, model, ctx, mode, store) for rows in runs]
+        cells = [" -> ".join(f"{r[k]:.0f}" for r in picked) for k in ("ttft_ms_median", "producer_encode_ms", "rebuild_ms")]
+        cells.append(" -> ".join(f"{r['load_avg_1m']:.1f}" for r in picked))
         out += f"| {model} {ctx} {mode} {store} | " + " | ".join(cells) + " |\n"
     return out.rstrip("\n")
 
@@ -67,7 +71,8 @@ def gpu(root: Path | None = None) -> dict:
     if not path.exists():
         return {"ran": False, "summary": "the GPU check is scripted but has not run on a GPU"}
     rows = rows_of(path)
-    first_path = path.with_name("gpu-first.jsonl")  # the first run, before the producer's fixes
+    earlier = [path.with_name(n) for n in ("gpu-first.jsonl", "gpu-second.jsonl")]  # oldest first
+    earlier = [p for p in earlier if p.exists()]
     machine = next(r for r in rows if r["check"] == "machine")
     test = next(r for r in rows if r["check"] == "pytest")
     prefill = [r for r in rows if r["check"] == "prefill"]
@@ -81,8 +86,14 @@ def gpu(root: Path | None = None) -> dict:
     q8_cold, q8_warm = _pick(ttft, q05, 8192, "quant(bits=8)", "cold"), _pick(ttft, q05, 8192, "quant(bits=8)", "warm")
     floor_8k = next(r["prefill_ms"] for r in prefill if Path(r["model"]).name == q05 and r["ctx_tokens"] == 8192)
     q8_7b = _pick(ttft, "qwen7b-random", 2048, "quant(bits=8)", "cold")
+    steps = [r["decode_step_ms"] for r in ttft if r.get("decode_step_ms")]
+    chunks_8k = -(-8192 // PREFILL_CHUNK)
     return {
         "ran": True,
+        "decode_lo": min(steps),
+        "decode_hi": max(steps),
+        "oracle_chunks_8k": chunks_8k,
+        "oracle_per_chunk_8k": oracle_cold["rebuild_ms"] / chunks_8k,
         "oracle_over_floor_8k": oracle_cold["rebuild_ms"] / floor_8k,
         "floor_8k": floor_8k,
         "quant8_cold_7b": q8_7b,
@@ -98,6 +109,7 @@ def gpu(root: Path | None = None) -> dict:
         "quant8_warm_over_cold": q8_warm["ttft_ms_median"] / q8_cold["ttft_ms_median"],
         "quant8_cold_8k": q8_cold,
         "quant8_warm_8k": q8_warm,
-        "runs_table": _runs_table(_ttft_rows(first_path), ttft) if first_path.exists() else "(one run only)",
-        "summary": f"the GPU check's two runs on {machine['gpu']} (docs/results.md#gpu-check-make-gpu-check)",
+        "runs_table": _runs_table([*map(_ttft_rows, earlier), ttft]) if earlier else "(one run only)",
+        "runs": len(earlier) + 1,
+        "summary": f"the GPU check's {len(earlier) + 1} runs on {machine['gpu']} (docs/results.md#gpu-check-make-gpu-check)",
     }

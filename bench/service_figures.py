@@ -342,18 +342,20 @@ def throughput(root: Path = ROOT) -> dict:
 
 def engine_step(root: Path = ROOT) -> dict:
     """bench.engine_step's rows: per (torch threads, batch) the median over rounds of the engine's
-    decode step, the bare model's, and the block gather's share of the engine's."""
+    decode step, the bare model's, and the block gather's share of the engine's. Rows without a
+    device ran on this project's CPU; CUDA cells are also keyed `model|cuda|batch`."""
     rows = rows_of(root / "bench/results/engine_step.jsonl")
     table = [
-        "| model (weights, dtype) | torch threads | batch | engine step ms | bare step ms | engine / bare | gather share of the engine step"
+        "| model (weights, dtype) | device | torch threads | batch | engine step ms | bare step ms | engine / bare | gather share of the engine step"
         " | logits check ms: isfinite / product with zeros | rounds | load |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     cells: dict[tuple, list[dict]] = {}
     for r in rows:
-        cells.setdefault((r["model"], r["weights"], r["dtype"], r["torch_threads"], r["batch"]), []).append(r)
+        key = (r["model"], r["weights"], r["dtype"], r.get("device", "cpu"), r["torch_threads"], r["batch"])
+        cells.setdefault(key, []).append(r)
     out: dict = {}
-    for (model, weights, dtype, threads, batch), rs in sorted(cells.items()):
+    for (model, weights, dtype, device, threads, batch), rs in sorted(cells.items()):
         engine = statistics.median(r["engine_step_ms"] for r in rs)
         bare = statistics.median(r["bare_step_ms"] for r in rs)
         gather = statistics.median(r["gather_ms"] for r in rs)
@@ -364,10 +366,13 @@ def engine_step(root: Path = ROOT) -> dict:
         }
         check_text = f"{check['isfinite']:.2f} / {check['finite']:.2f}" if checked else "-"
         table.append(
-            f"| {model} ({weights}, {dtype}) | {threads} | {batch} | {engine:.2f} | {bare:.2f} | {engine / bare:.2f}x"
+            f"| {model} ({weights}, {dtype}) | {device} | {threads} | {batch} | {engine:.2f} | {bare:.2f} | {engine / bare:.2f}x"
             f" | {gather / engine:.0%} | {check_text} | {len(rs)} | {span([r['load_avg_1m'] for r in rs], '{:.1f}')} |"
         )
         cell = {"ratio": engine / bare, "gather": gather / engine, "engine": engine, "bare": bare, **check}
+        if device.startswith("cuda"):
+            out[f"{model}|cuda|{batch}"] = cell
+            continue
         out[f"{model}|{threads}|{batch}"] = cell
         if model == "qa-tuned":
             out[f"{threads}|{batch}"] = cell  # the QA model's cells, as the text names them

@@ -26,7 +26,8 @@ completion_ms_p50 (the client's wall time of the whole answer), cost_ratio_vs_pr
 examples of the policy's consumer-side work beyond the transfer's rebuild / the oracle's context
 prefill of the same example: repair_ms, audit_ms + local_prefill_ms, verify_ms (wall time of
 drafting and the exact prefill together, an upper bound of the verification's cost); scd 0,
-oracle 1), link (loopback | tbf N Mbit | relay N Mbit ...), load_avg_1m.
+oracle 1), link (loopback | tbf N Mbit | relay N Mbit ...), load_avg_1m; the speed rows add
+completion_ms_each (every run's completion, in run order: run i of two policies shares a context).
 """
 
 from __future__ import annotations
@@ -250,8 +251,8 @@ async def speed(address: str, model: str, ctx_tokens: int, new_tokens: int, runs
                 if run:
                     got[policy].append(sample)
             print(f"# run {run}: " + ", ".join(f"{p.name} {ms:.0f} ms" for p, (_, ms) in answers.items()), file=sys.stderr)
-        for policy, samples in got.items():
-            emit(out, row(base, policy, samples))
+        for policy, samples in got.items():  # each run's completion too: runs pair up across policies
+            emit(out, {**row(base, policy, samples), "completion_ms_each": [round(s.completion_ms, 1) for s in samples]})
 
 
 def main(argv: list[str] | None = None) -> int:

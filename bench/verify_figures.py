@@ -91,10 +91,26 @@ def _device(row: dict) -> str:
 def _speed_ratio(rows: list[dict]) -> tuple[float, str]:
     """(completion of the +verify policy / raw's, that policy) among one device's speed rows."""
     by_policy = {r["policy"]: r for r in rows}
-    raw, ver = by_policy.get("raw"), next((r for r in rows if r["policy"].endswith("+verify")), None)
+    raw, ver = by_policy.get("raw"), next((r for r in reversed(rows) if r["policy"].endswith("+verify")), None)
     if raw is None or ver is None:
         return float("nan"), ""
     return ver["completion_ms_p50"] / raw["completion_ms_p50"], ver["policy"]
+
+
+def _paired(by_policy: dict[str, dict]) -> dict:
+    """The +verify policy's completion / raw's, run by run (run i of both shares a context):
+    {n, below (runs where +verify finished first), median, lo, hi}; n = 0 without per-run times."""
+    raw, ver = by_policy.get("raw"), next((r for p, r in by_policy.items() if p.endswith("+verify")), None)
+    if raw is None or ver is None or "completion_ms_each" not in raw or "completion_ms_each" not in ver:
+        return {"n": 0, "below": 0, "median": float("nan"), "lo": float("nan"), "hi": float("nan")}
+    ratios = [v / r for v, r in zip(ver["completion_ms_each"], raw["completion_ms_each"], strict=True)]
+    return {
+        "n": len(ratios),
+        "below": sum(x < 1 for x in ratios),
+        "median": statistics.median(ratios),
+        "lo": min(ratios),
+        "hi": max(ratios),
+    }
 
 
 def verify(root: Path = ROOT) -> dict:
@@ -115,8 +131,8 @@ def verify(root: Path = ROOT) -> dict:
     big = [r for r in quality if r["policy"] == "scd+repair" and r["repair_fraction"] >= 0.5]
     speed_ratio, speed_policy = _speed_ratio([r for r in speed if _device(r) == "cpu"])
     gpu_rows = [r for r in speed if _device(r).startswith("cuda")]
-    gpu_ratio, _ = _speed_ratio(gpu_rows)
-    gpu_by = {r["policy"]: r for r in gpu_rows}
+    gpu_by = {r["policy"]: r for r in gpu_rows}  # the latest GPU run's row per policy
+    gpu_ratio, _ = _speed_ratio(list(gpu_by.values()))
     return {
         "rows": len(rows),
         "quality_table": _quality_table(quality) if quality else "(no rows)",
@@ -134,6 +150,7 @@ def verify(root: Path = ROOT) -> dict:
         "speed_ratio": speed_ratio,
         "speed_policy": speed_policy,
         "speed_ratio_gpu": gpu_ratio,
+        "gpu_paired": _paired(gpu_by),
         "gpu_speed": gpu_by,  # policy -> its GPU row ({} without one)
         "gpu_oracle_over_raw": (gpu_by["oracle"]["completion_ms_p50"] / gpu_by["raw"]["completion_ms_p50"])
         if {"oracle", "raw"} <= set(gpu_by)

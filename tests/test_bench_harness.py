@@ -114,14 +114,18 @@ def test_summarize():
 def test_ttft_lower_bound():
     bound = report.ttft_lower_bound_ms
     # wire-bound: 1.25 MB over 10 Mbit = 1000 ms > 300 ms compute; + 20 ms question prefill
-    assert bound(300.0, 1_250_000, 10.0, 0, 20.0) == pytest.approx(1020.0)
+    assert bound(300.0, 50.0, 1_250_000, 10.0, 0, 20.0) == pytest.approx(1020.0)
     # the shaper's burst leaves the rate early: 1.25 MB - 62.5 kB at 10 Mbit = 950 ms
-    assert bound(300.0, 1_250_000, 10.0, 62_500, 20.0) == pytest.approx(970.0)
+    assert bound(300.0, 50.0, 1_250_000, 10.0, 62_500, 20.0) == pytest.approx(970.0)
     # compute-bound: the forward takes longer than the wire; a payload under the burst costs no wire time
-    assert bound(2000.0, 1_250_000, 10.0, 0, 20.0) == pytest.approx(2020.0)
-    assert bound(0.0, 1000, 10.0, 65_536, 5.0) == pytest.approx(5.0)
+    assert bound(2000.0, 50.0, 1_250_000, 10.0, 0, 20.0) == pytest.approx(2020.0)
+    assert bound(0.0, 0.0, 1000, 10.0, 65_536, 5.0) == pytest.approx(5.0)
     # warm store hit: no producer compute, the wire alone
-    assert bound(0.0, 125_000, 100.0, 0, 0.0) == pytest.approx(10.0)
+    assert bound(0.0, 0.0, 125_000, 100.0, 0, 0.0) == pytest.approx(10.0)
+    # forward and encode overlap (layer l encoded while l + 1 computes): the longer one, not the sum,
+    # which exceeded measured TTFTs on a GPU (raw cold, 2048 tokens: 63.5 + 57.0 + 36.3 > 116.8 ms)
+    assert bound(63.5, 57.0, 1000, 40_000.0, 0, 36.3) == pytest.approx(99.8)
+    assert bound(10.0, 80.0, 1000, 40_000.0, 0, 5.0) == pytest.approx(85.0)
 
 
 def test_efficiency_check_names_the_failing_row():

@@ -27,7 +27,7 @@ producer_prefill_ms, producer_encode_ms, wire_ms (bytes / sustained link rate), 
 question_prefill_ms, first_token_ms (ttft - transfer - question prefill), decode_step_ms; and
 link_mbit, link_burst_bytes, raw_kv_bytes, dtype, f1/em (trained pair only).
 
-efficiency = lower bound / measured TTFT, lower bound = max(producer compute, (payload bytes -
+efficiency = lower bound / measured TTFT, lower bound = max(producer forward, its encode, (payload bytes -
 shaper burst) / sustained link rate) + question prefill (formula and why no correct run beats
 it: bench.ttft.report). A row above 1.05 fails the run (exit status 3).
 
