@@ -70,9 +70,11 @@ ADAPT_TARGET = 3  # requests after a step within which auto's choice settles
 QUICK = dict(scales=["trained"], bandwidths=[10.0, None], delays=[0.0], stores=["cold", "warm"], runs=3, warmup=1,
              step_scale="", contexts={"trained": 256})
 CONTEXTS = {"trained": 256, "qwen05b": 2048}
-# measured runs per cell by scale (--runs overrides): the QA pair's TTFTs are ~25 ms, where a median
-# of 3 runs moves by +-15% (more than the 1.1x the check allows); a 0.5B cell's runs take seconds
-RUNS = {"trained": 9, "qwen05b": 3}
+# measured runs per cell by scale (--runs overrides): the QA pair's TTFTs are ~10-20 ms with runs
+# spread 8-25 ms, where a median of 9 runs still moves by ~+-10% (at 9 runs auto's median was
+# 1.08-1.15x the same schedule named; `--scales trained --bandwidths unshaped --stores warm --runs 40
+# --no-shaping` gave 10.44 vs 10.72 ms); a 0.5B cell's cold runs take 3.5-6 s each
+RUNS = {"trained": 25, "qwen05b": 5}
 ARTIFACTS = {"trained": "artifacts/qa-base-to-tuned.safetensors", "qwen05b": ""}  # per scale; --artifacts overrides
 
 

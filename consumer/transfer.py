@@ -37,6 +37,7 @@ log = logs.get("consumer.transfer")
 ABANDON_MARGIN = 1.25  # abandon a stream when the rest is estimated to take this x the own prefill ...
 ABANDON_SLACK_MS = 20.0  # ... plus this
 ABANDON_MIN_WATCH_S = 0.05  # and only after watching it this long since its first layer
+ABANDON_MIN_GAPS = 2  # and this many gaps between layers (the slowest one is left out of the rate)
 
 
 class TransferTooSlow(DeadlineExceeded):
@@ -182,6 +183,9 @@ class Transfer:
         """Under LOCAL_PREFILL, a check to call with the bytes received after each layer: it raises
         TransferTooSlow when, at the throughput since the first layer, the rest of the stream would
         take longer than the own prefill of the whole context (ABANDON_MARGIN, ABANDON_SLACK_MS).
+        The throughput leaves out the slowest gap between two layers and needs two gaps at least
+        (ABANDON_MIN_GAPS): one stall (a producer's forward pausing on a busy host, a GC) is not a
+        slow stream, and a stream slow throughout is slow without its worst gap too.
         None when not allowed or not estimable (no byte or own-prefill estimate yet)."""
         if job.on_failure != LOCAL_PREFILL or self.planner is None or job.codec is None:
             return None
@@ -192,20 +196,22 @@ class Transfer:
         if local is None or not bpt:
             return None
         expected = bpt * sent_tokens
-        start: list[float] = []
+        seen: list[tuple[float, int]] = []  # (when, bytes received) after each layer
 
         def check(received: int) -> None:
             now = time.perf_counter()
-            if not start:
-                start.extend((now, received))
+            if seen and received <= seen[-1][1]:
                 return
-            watched_s = now - start[0]
-            if watched_s < ABANDON_MIN_WATCH_S or received <= start[1]:
+            seen.append((now, received))
+            watched_s = now - seen[0][0]
+            if len(seen) <= ABANDON_MIN_GAPS or watched_s < ABANDON_MIN_WATCH_S:
                 return
-            rate = (received - start[1]) / (watched_s * 1e3)  # bytes per ms
+            gaps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(seen, seen[1:])]
+            worst = max(gaps, key=lambda g: g[0] / g[1])  # the slowest per byte
+            rate = (received - seen[0][1] - worst[1]) / max((watched_s - worst[0]) * 1e3, 1e-6)  # bytes per ms
             rest_ms = max(expected - received, 0.0) / rate
             if rest_ms > ABANDON_MARGIN * local + ABANDON_SLACK_MS:
-                result.abandoned_span = (received - int(start[1]), watched_s * 1e3)
+                result.abandoned_span = (received - seen[0][1], watched_s * 1e3)
                 raise TransferTooSlow(
                     f"transfer abandoned mid-stream: at {rate * 8e-3:.2f} Mbit/s the remaining"
                     f" ~{max(expected - received, 0) / 1e6:.2f} MB take ~{rest_ms:.0f} ms > own prefill ~{local:.0f} ms"

@@ -166,6 +166,38 @@ async def test_a_stalling_stream_is_abandoned_for_the_own_prefill():
             await client.channel.close()
 
 
+async def test_one_stall_is_not_a_slow_stream():
+    """A stream that pauses once (before its third layer) and then runs at full speed is kept: the
+    watch leaves the slowest gap out of its rate; one slow throughout is still abandoned."""
+    rec = await recorded_raw_stream()
+    stalls = {"layers": set(), "s": 0.0}
+
+    def script(request):
+        layer = 0
+        for message in rec:
+            if message.WhichOneof("kind") == "chunk" and message.chunk.chunk_index == 0 and message.chunk.kind == "k":
+                if layer in stalls["layers"]:
+                    yield stalls["s"]
+                layer += 1
+            yield message
+
+    async with consumer_of(script, prefix_cache_bytes=0) as (consumer, fake):
+        client = ConsumerClient(consumer.address)
+        try:
+            local = consumer_pb2.TRANSFER_FAILURE_POLICY_LOCAL_PREFILL
+            raw = common_pb2.CodecSpec(name="raw")
+            await client.generate(transfer=common_pb2.CodecSpec(name="oracle"), **fields(), timeout=60)
+            await client.generate(transfer=raw, on_transfer_failure=local, **fields(), timeout=60)  # bytes/token
+            stalls.update(layers={2}, s=0.6)
+            once = await client.generate(transfer=raw, on_transfer_failure=local, **fields(), timeout=60)
+            assert not once.stats.transfer_abandoned and once.stats.transfer.name == "raw"
+            stalls.update(layers={1, 2, 3}, s=0.6)
+            throughout = await client.generate(transfer=raw, on_transfer_failure=local, **fields(), timeout=60)
+            assert throughout.stats.transfer_abandoned and throughout.stats.transfer.name == "oracle"
+        finally:
+            await client.channel.close()
+
+
 async def test_abandoned_and_cancelled_streams_among_good_ones_return_every_block():
     """Eight concurrent requests over one engine: stalled streams abandoned for the own prefill,
     fast ones, and calls the caller cancels mid-stream. Each answer is the oracle's; afterwards the
