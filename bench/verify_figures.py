@@ -97,19 +97,38 @@ def _speed_ratio(rows: list[dict]) -> tuple[float, str]:
     return ver["completion_ms_p50"] / raw["completion_ms_p50"], ver["policy"]
 
 
-def _paired(by_policy: dict[str, dict]) -> dict:
-    """The +verify policy's completion / raw's, run by run (run i of both shares a context):
-    {n, below (runs where +verify finished first), median, lo, hi}; n = 0 without per-run times."""
-    raw, ver = by_policy.get("raw"), next((r for p, r in by_policy.items() if p.endswith("+verify")), None)
-    if raw is None or ver is None or "completion_ms_each" not in raw or "completion_ms_each" not in ver:
-        return {"n": 0, "below": 0, "median": float("nan"), "lo": float("nan"), "hi": float("nan")}
-    ratios = [v / r for v, r in zip(ver["completion_ms_each"], raw["completion_ms_each"], strict=True)]
+def _runs_of(rows: list[dict]) -> list[dict[str, dict]]:
+    """Speed rows in file order split into invocations (policy -> row): one starts where a policy repeats."""
+    groups: list[dict[str, dict]] = []
+    for r in rows:
+        if not groups or r["policy"] in groups[-1]:
+            groups.append({})
+        groups[-1][r["policy"]] = r
+    return groups
+
+
+def _paired(groups: list[dict[str, dict]]) -> dict:
+    """The +verify policy's completion / raw's, run by run (run i of both shares a context), over
+    every invocation whose rows carry per-run times: {n, below (runs where +verify finished
+    first), median, lo, hi, invocations}; n = 0 without per-run times."""
+    ratios: list[float] = []
+    used = 0
+    for by_policy in groups:
+        raw = by_policy.get("raw")
+        ver = next((r for p, r in by_policy.items() if p.endswith("+verify")), None)
+        if raw is None or ver is None or "completion_ms_each" not in raw or "completion_ms_each" not in ver:
+            continue
+        used += 1
+        ratios += [v / r for v, r in zip(ver["completion_ms_each"], raw["completion_ms_each"], strict=True)]
+    if not ratios:
+        return {"n": 0, "below": 0, "median": float("nan"), "lo": float("nan"), "hi": float("nan"), "invocations": 0}
     return {
         "n": len(ratios),
         "below": sum(x < 1 for x in ratios),
         "median": statistics.median(ratios),
         "lo": min(ratios),
         "hi": max(ratios),
+        "invocations": used,
     }
 
 
@@ -150,7 +169,7 @@ def verify(root: Path = ROOT) -> dict:
         "speed_ratio": speed_ratio,
         "speed_policy": speed_policy,
         "speed_ratio_gpu": gpu_ratio,
-        "gpu_paired": _paired(gpu_by),
+        "gpu_paired": _paired(_runs_of(gpu_rows)),
         "gpu_speed": gpu_by,  # policy -> its GPU row ({} without one)
         "gpu_oracle_over_raw": (gpu_by["oracle"]["completion_ms_p50"] / gpu_by["raw"]["completion_ms_p50"])
         if {"oracle", "raw"} <= set(gpu_by)

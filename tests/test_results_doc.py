@@ -92,3 +92,22 @@ def test_engine_process_cells_stand_apart_and_compare_with_one_process(tmp_path)
     assert one["tok"] == 4.0 and split["tok"] == 4.0 and "vs_one_process_tok" not in one
     assert split["vs_one_process_tok"] == 1.5 and split["vs_one_process_ttft"] == 0.5
     assert "(trained, float32, 1, engine process)" in out["table"]
+
+
+def test_verify_speed_pairs_runs_within_each_invocation():
+    from bench.verify_figures import _paired, _runs_of
+
+    def r(policy: str, each: list[float] | None) -> dict:
+        return {"policy": policy, **({"completion_ms_each": each} if each is not None else {})}
+
+    rows = [
+        r("raw", None), r("quant+verify", None),  # an invocation before per-run times: left out
+        r("raw", [100.0, 200.0]), r("oracle", [50.0, 60.0]), r("quant+verify", [90.0, 220.0]),
+        r("quant+verify", [80.0]), r("raw", [100.0]),  # another invocation, another order
+    ]
+    groups = _runs_of(rows)
+    assert [sorted(g) for g in groups] == [["quant+verify", "raw"], ["oracle", "quant+verify", "raw"], ["quant+verify", "raw"]]
+    paired = _paired(groups)
+    assert paired["n"] == 3 and paired["below"] == 2 and paired["invocations"] == 2
+    assert paired["lo"] == 0.8 and paired["hi"] == 1.1 and paired["median"] == 0.9
+    assert _paired(groups[:1])["n"] == 0
