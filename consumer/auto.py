@@ -275,7 +275,16 @@ class Chooser:
         kv_held, payload_held = self.memory.held(self.producer_digest(), self.producer_dtype(), key, context_ids)
         compute = 0 if payload_held >= T else T - kv_held
         encode = max(0, T - max(payload_held, cached))
-        return self.planner.estimate_remote(key, self.loaded.info.num_layers, compute, encode, T - cached, c.bytes_per_token)
+        L = self.loaded.info.num_layers
+        return self.planner.estimate_remote(key, L, compute, encode, T - cached, c.bytes_per_token, self._compute_start(c))
+
+    def _compute_start(self, c: Candidate) -> tuple[float, float] | None:
+        """The codec's Codec.compute_start for the candidate's options (None: spread over the layers)."""
+        codec = self.codecs.get(c.mode)
+        try:
+            return codec.compute_start(c.options) if codec is not None else None
+        except (ServiceError, ValueError):
+            return None
 
     def estimate_named(self, mode: str, options: Mapping[str, str], context_ids: list[int]) -> Estimate:
         """The estimate for a mode the request named (nothing to choose): its measured TTFT is
@@ -429,7 +438,8 @@ class Chooser:
     def _estimate_cold(self, c: Candidate, tokens: int) -> Estimate:
         """A remote candidate's estimate for a context nobody holds (no cache, no producer store)."""
         key = self.key(c.mode, c.options)
-        return self.planner.estimate_remote(key, self.loaded.info.num_layers, tokens, tokens, tokens, c.bytes_per_token)
+        L = self.loaded.info.num_layers
+        return self.planner.estimate_remote(key, L, tokens, tokens, tokens, c.bytes_per_token, self._compute_start(c))
 
 
 def _wait_for_exact(scored: list[Scored]) -> list[Scored]:

@@ -31,8 +31,9 @@ names a mode teaches the estimate auto reads.
 
 A candidate's time (`estimate_remote` / `estimate_local`): remote = rtt + producer queue (when it
 computes) + the three pipelined stages (producer compute, wire, rebuild; they overlap layer by
-layer, so the longest plus the others' share of one layer); local = the own prefill fit at the
-tokens to prefill; each plus the overhead learned for its kind from auto's own choices. An
+layer, so the longest plus the others' share of one layer; a codec whose rebuild computes once
+part of the stream arrived, recompute's span, says where: `arrived_then_computed`); local = the
+own prefill fit at the tokens to prefill; each plus the overhead learned for its kind from auto's own choices. An
 estimate is `confident` only when every part of it is (measured near this length, for this
 candidate); a candidate never measured borrows the cheapest encode and rebuild fits seen
 (uncertain). Knows nothing about grpc or torch.
@@ -264,6 +265,17 @@ def pipelined(stages: list[float], layers: int) -> float:
     return longest + (sum(stages) - longest) / max(layers, 1)
 
 
+def arrived_then_computed(producer: float, wire: float, rebuild: float, layers: int, start: tuple[float, float]) -> float:
+    """A stream whose rebuild computes once a part of it arrived (codec `compute_start`: that
+    part's share of the bytes and of the layers) and then runs its whole length: the later of the
+    last layer's arrival (plus one layer's share of the rebuild) and that part's arrival plus the
+    rebuild. The part arrives when both the producer (paced by layers) and the wire (by bytes)
+    delivered it."""
+    bytes_share, layers_share = start
+    arrived = max(producer * layers_share, wire * bytes_share)
+    return max(pipelined([producer, wire], layers) + rebuild / max(layers, 1), arrived + rebuild)
+
+
 class TransferPlanner:
     def __init__(self) -> None:
         self.key: Callable[[str, Mapping[str, str]], str] = mode_key  # canonical key (consumer.auto sets it)
@@ -416,9 +428,11 @@ class TransferPlanner:
         encode: int,
         send: int,
         prior_bytes_per_token: float | None = None,
+        compute_start: tuple[float, float] | None = None,
     ) -> Estimate:
         """A transfer of candidate `key`: the producer prefills `compute` tokens and encodes
-        `encode`, `send` tokens' payloads cross the link and are rebuilt here."""
+        `encode`, `send` tokens' payloads cross the link and are rebuilt here; `compute_start`:
+        the codec's (Codec.compute_start), None when the rebuild is spread over the layers."""
         missing = []
         measured_bpt = self.bytes_per_token.get(key, Ewma()).value
         bpt = measured_bpt if measured_bpt is not None else prior_bytes_per_token
@@ -454,9 +468,16 @@ class TransferPlanner:
             else:
                 bound = " (a lower bound: compute-paced)"
                 whys.append("the link rate is only a lower bound (every stream measured was compute-paced)")
-        base = self.rtt_ms + queue + pipelined(stages, layers)
+        shape = "pipelined"
+        if compute_start is None:
+            overlapped = pipelined(stages, layers)
+        else:  # the rebuild computes once part of the stream arrived: not spread over the layers
+            hidden = len(stages) == 2  # a compute-paced link: its wire time is hidden behind the producer
+            overlapped = arrived_then_computed(producer, 0.0 if hidden else wire, rebuild, layers, compute_start)
+            shape = f"computed after {compute_start[0]:.0%} of the bytes"
+        base = self.rtt_ms + queue + overlapped
         detail = (
-            f"rtt {self.rtt_ms:.1f} + queue {queue:.1f} + pipelined(producer {producer:.1f} [{compute} prefilled,"
+            f"rtt {self.rtt_ms:.1f} + queue {queue:.1f} + {shape}(producer {producer:.1f} [{compute} prefilled,"
             f" {encode} encoded], wire {wire:.1f} [{send} tokens x {bpt:.0f} B at {(link or 0) * 8e-3:.1f} Mbit/s{bound}],"
             f" rebuild {rebuild:.1f})"
         )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from consumer.planner import Fit, Observation, TransferPlanner, pipelined
+from consumer.planner import Fit, Observation, TransferPlanner, arrived_then_computed, pipelined
 from shared.pb import common_pb2
 from tests.conftest import prompt, running_pair
 from tests.test_end_to_end import CONTEXT, QUESTION
@@ -83,6 +83,33 @@ def test_remote_estimate_is_pipelined_and_borrows_for_unseen_modes():
     assert unseen.ms == pytest.approx(4.0 + pipelined([0.0, 300.0 * 100 / 5000.0, 10.0], 4))  # raw's rebuild rate borrowed
     assert "wire" in unseen.detail and not unseen.confident and "borrowed" in unseen.why
     assert pipelined([10.0, 2.0, 4.0], 2) == 13.0
+
+
+def test_a_rebuild_that_computes_after_part_of_the_stream_is_not_spread_over_the_layers():
+    """recompute runs its span once the hidden state at `start` arrived: on the 0.5B shape (24
+    layers, span [9, 15)) after 58% of the bytes, then ~2 s of the consumer's layers; spread
+    evenly over the layers (pipelined) it read ~1 s less than it took through the services."""
+    from types import SimpleNamespace
+
+    from shared.codecs.recompute import RecomputeCodec
+
+    info = SimpleNamespace(num_layers=24, num_kv_heads=2, head_dim=64, hidden_size=896, model_id="qwen05b-shaped")
+    codec = RecomputeCodec.__new__(RecomputeCodec)
+    codec.model = SimpleNamespace(info=info)
+    start = codec.compute_start({"start": "9", "end": "15"})
+    assert start == pytest.approx(((9 * 256 + 896) / (18 * 256 + 896), 10 / 24))
+    # wire-bound (a store replay at 100 Mbit/s): the span starts at 58% of the wire, then computes
+    assert arrived_then_computed(5.0, 1877.0, 2000.0, 24, start) == pytest.approx(1877.0 * start[0] + 2000.0)
+    assert arrived_then_computed(5.0, 1877.0, 2000.0, 24, start) > pipelined([5.0, 1877.0, 2000.0], 24) + 900
+    # producer-bound (a cold 2048-token prefill): the last layer's arrival decides
+    assert arrived_then_computed(6500.0, 1877.0, 2000.0, 24, start) == pytest.approx(pipelined([6500.0, 1877.0], 24) + 2000 / 24)
+    p = TransferPlanner()
+    p.observe(stream(100_000, 20.0, prefill_ms=0.0, hit=True, header_ms=4.0))
+    spread = p.estimate_remote("recompute(end=15,start=9)", 24, 0, 0, 100, prior_bytes_per_token=1010.0)
+    computed = p.estimate_remote("recompute(end=15,start=9)", 24, 0, 0, 100, 1010.0, compute_start=start)
+    wire = 1010.0 * 100 / 5000.0
+    assert computed.ms == pytest.approx(4.0 + max(pipelined([0.0, wire], 24) + 10.0 / 24, wire * start[0] + 10.0))
+    assert computed.ms > spread.ms and "computed after 58% of the bytes" in computed.detail
 
 
 async def test_services_fall_back_to_the_oracle_when_the_estimates_say_so():

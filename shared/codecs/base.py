@@ -239,6 +239,14 @@ class Codec(ABC):
             resolved[key] = value
         return resolved
 
+    def compute_start(self, options: Mapping[str, str]) -> tuple[float, float] | None:
+        """Where the consumer's rebuild of this stream does its computing, for the transfer
+        planner: (share of the stream's bytes, share of its layers) that must arrive before the
+        work can start, the work then running at once for the rest of its length. None (the
+        default): the work is spread evenly over the layers, each rebuilt as it arrives. Options
+        are resolved."""
+        return None
+
     @abstractmethod
     def encoder(self, options: Mapping[str, str], request: EncodeRequest) -> LayerEncoder:
         """The producer's entry point; options are resolved."""

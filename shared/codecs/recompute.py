@@ -152,6 +152,16 @@ class RecomputeCodec(Codec):
         start, end = span(resolved, info.num_layers, info.model_id)
         return {"start": str(start), "end": str(end)}
 
+    def compute_start(self, options: Mapping[str, str]) -> tuple[float, float]:
+        """The span's layers run once the hidden state at `start` arrived: after the K/V of the
+        layers before it and the hidden state itself (same dtype, so the byte share is in elements)."""
+        info = self.model.info
+        start, end = span(options, info.num_layers, info.model_id)
+        kv = 2 * info.num_kv_heads * info.head_dim  # per token per layer
+        before = start * kv + info.hidden_size
+        total = (info.num_layers - (end - start)) * kv + info.hidden_size
+        return before / total, (start + 1) / info.num_layers
+
     def encoder(self, options: Mapping[str, str], request: EncodeRequest) -> LayerEncoder:
         info = self.model.info
         return RecomputeEncoder(*span(options, info.num_layers, info.model_id))
