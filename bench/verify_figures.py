@@ -88,10 +88,15 @@ def _device(row: dict) -> str:
     return row.get("device", "cpu")  # rows before the field ran on this project's CPU
 
 
+def _raw_and_verify(rows: list[dict]) -> tuple[dict | None, dict | None]:
+    """The last raw row and the last +verify row among rows in file order."""
+    last = lambda keep: next((r for r in reversed(rows) if keep(r["policy"])), None)
+    return last(lambda p: p == "raw"), last(lambda p: p.endswith("+verify"))
+
+
 def _speed_ratio(rows: list[dict]) -> tuple[float, str]:
     """(completion of the +verify policy / raw's, that policy) among one device's speed rows."""
-    by_policy = {r["policy"]: r for r in rows}
-    raw, ver = by_policy.get("raw"), next((r for r in reversed(rows) if r["policy"].endswith("+verify")), None)
+    raw, ver = _raw_and_verify(rows)
     if raw is None or ver is None:
         return float("nan"), ""
     return ver["completion_ms_p50"] / raw["completion_ms_p50"], ver["policy"]
@@ -114,8 +119,7 @@ def _paired(groups: list[dict[str, dict]]) -> dict:
     ratios: list[float] = []
     used = 0
     for by_policy in groups:
-        raw = by_policy.get("raw")
-        ver = next((r for p, r in by_policy.items() if p.endswith("+verify")), None)
+        raw, ver = _raw_and_verify(list(by_policy.values()))
         if raw is None or ver is None or "completion_ms_each" not in raw or "completion_ms_each" not in ver:
             continue
         used += 1

@@ -33,8 +33,8 @@ A candidate's time (`estimate_remote` / `estimate_local`): remote = rtt + produc
 computes) + the three pipelined stages (producer compute, wire, rebuild; they overlap layer by
 layer, so the longest plus the others' share of one layer; a codec whose rebuild computes once
 part of the stream arrived, recompute's span, says where: `arrived_then_computed`); local = the
-own prefill fit at the tokens to prefill; each plus the overhead learned for its kind from auto's own choices. An
-estimate is `confident` only when every part of it is (measured near this length, for this
+own prefill fit at the tokens to prefill; each plus the overhead learned for its kind from auto's
+own choices. An estimate is `confident` only when every part of it is (measured near this length, for this
 candidate); a candidate never measured borrows the cheapest encode and rebuild fits seen
 (uncertain). Knows nothing about grpc or torch.
 """
@@ -460,10 +460,12 @@ class TransferPlanner:
             whys.append("encode not measured yet")
         stages = [producer, wire, rebuild]
         bound = ""
+        wire_hidden = False
         if self.link_lower_bound and send:
             # only compute-paced streams measured the link: it is at least this fast, so a wire
             # time within the producer's is hidden behind it, and a longer one is an upper bound
             if wire <= producer:
+                wire_hidden = True
                 stages, bound = [producer, rebuild], " (a lower bound: compute-paced; hidden behind the producer)"
             else:
                 bound = " (a lower bound: compute-paced)"
@@ -472,8 +474,7 @@ class TransferPlanner:
         if compute_start is None:
             overlapped = pipelined(stages, layers)
         else:  # the rebuild computes once part of the stream arrived: not spread over the layers
-            hidden = len(stages) == 2  # a compute-paced link: its wire time is hidden behind the producer
-            overlapped = arrived_then_computed(producer, 0.0 if hidden else wire, rebuild, layers, compute_start)
+            overlapped = arrived_then_computed(producer, 0.0 if wire_hidden else wire, rebuild, layers, compute_start)
             shape = f"computed after {compute_start[0]:.0%} of the bytes"
         base = self.rtt_ms + queue + overlapped
         detail = (
