@@ -275,10 +275,31 @@ def check(rows: list[dict]) -> list[str]:
         if auto[0]["loss"] is not None and auto[0]["loss"] > auto[0]["max_loss"] + 1e-9:
             misses.append(f"{key}: auto picked loss {auto[0]['loss']:.4g} > budget {auto[0]['max_loss']:.4g}")
     for r in rows:
-        if "phase" in r and r["phase"] > 0 and (r["requests_to_adapt"] is None or r["requests_to_adapt"] > ADAPT_TARGET):
+        if "phase" not in r or r["phase"] == 0:
+            continue
+        if r["requests_to_adapt"] is None or r["requests_to_adapt"] > ADAPT_TARGET:
             misses.append(f"step phase {r['phase']} ({r['bandwidth_mbit']} Mbit): settled after "
                           f"{r['requests_to_adapt']} requests on {r['settled_on']} (picks {r['picks']})")
+        slow = settled_too_slow(r, cells.get((r["model"], r["bandwidth_mbit"], 0.0, "warm"), []))
+        if slow:
+            misses.append(f"step phase {r['phase']} ({r['bandwidth_mbit']} Mbit): {slow}")
     return misses
+
+
+def settled_too_slow(step: dict, grid: list[dict]) -> str:
+    """Settling is adapting only when it settles on a candidate as fast as the fastest fixed one
+    at that rate: read on the grid's warm, no-delay cell of the same model and rate (its medians;
+    '' when within TTFT_TARGET or when the run has no such cell to read)."""
+    fixed = {Mode(r["mode"], tuple(sorted(r["options"].items()))).label: r["ttft_ms_median"]
+             for r in grid if r["mode"] != AUTO and r["loss"] is not None and r["loss"] <= r["max_loss"] + 1e-9}
+    if step["settled_on"] not in fixed:
+        return ""
+    best = min(fixed, key=fixed.__getitem__)
+    ratio = fixed[step["settled_on"]] / fixed[best]
+    if ratio <= TTFT_TARGET:
+        return ""
+    return (f"settled on {step['settled_on']} ({fixed[step['settled_on']]:.0f} ms in the grid cell) = {ratio:.2f}x "
+            f"the fastest fixed {best} ({fixed[best]:.0f} ms)")
 
 
 # -- links ----------------------------------------------------------------------------------
@@ -329,7 +350,8 @@ def run_scale(scale: str, args, emit) -> None:
     if w is None:
         return
     args.scale_of[w.name] = scale
-    common = ["--dtype", w.dtype, "--device", args.device, "--log-level", "WARNING", "--max-context-tokens", "8192"]
+    common = ["--dtype", w.dtype, "--device", args.device, "--log-level", args.service_log_level, "--max-context-tokens",
+              "8192"]
     artifacts = args.artifacts if args.artifacts is not None else ARTIFACTS[scale]
     if artifacts:
         common += ["--artifacts", artifacts]
@@ -426,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-requests", type=int, default=6)
     p.add_argument("--no-grid", action="store_true", help="only the step run")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--service-log-level", default="WARNING", help="the services' --log-level (logs: bench/runs/adaptive)")
     p.add_argument("--dtype", help="override the scale's dtype")
     p.add_argument("--threads", type=int, help=argparse.SUPPRESS)
     p.add_argument("--timeout-s", type=float, default=600.0)

@@ -511,7 +511,8 @@ def adaptive(root: Path = ROOT) -> dict:
     step_lines = [
         f"phase {r['phase']} ({r['bandwidth_mbit']:g} Mbit/s, {r['model']}, {r['weights']} weights, {r['store']}): picks"
         f" {', '.join(r['picks'])} (probes: requests {r.get('probes') or '-'}; abandoned mid-stream: {r.get('abandoned') or '-'});"
-        f" settled on {r['settled_on']} after {r['requests_to_adapt']} request(s); TTFT ms {', '.join(f'{t:.0f}' for t in r['ttft_ms'])}"
+        f" settled on {r['settled_on']} after {r['requests_to_adapt']} request(s){_settled_vs_grid(r, cells)};"
+        f" TTFT ms {', '.join(f'{t:.0f}' for t in r['ttft_ms'])}"
         for r in steps
     ]
     met = sum(x <= 1.1 for x in ratios)
@@ -532,6 +533,22 @@ def adaptive(root: Path = ROOT) -> dict:
         "steps": "\n".join(f"- {line}" for line in step_lines) or "- (no step run in the rows)",
         "mixed": _mixed(root),
     }
+
+
+def _settled_vs_grid(step: dict, cells: dict[tuple, list[dict]]) -> str:
+    """How the step's settled candidate did in the grid's warm, no-delay cell at the same rate
+    (its median over the fastest fixed candidate's), or '' when the rows have no such cell."""
+    grid = cells.get((step["model"], step["ctx_tokens"], step["bandwidth_mbit"], 0.0, "warm"), [])
+    fixed = {
+        mode_label(r["mode"], ",".join(f"{k}={v}" for k, v in sorted(r["options"].items()) if k != "artifact")): r["ttft_ms_median"]
+        for r in grid
+        if r["mode"] != "auto" and r["loss"] is not None and r["loss"] <= r["max_loss"] + 1e-9
+    }
+    if step["settled_on"] not in fixed:
+        return ""
+    best = min(fixed, key=fixed.__getitem__)
+    ratio = fixed[step["settled_on"]] / fixed[best]
+    return f" (in the grid's warm cell at this rate: {ratio:.2f}x the fastest fixed, {best})"
 
 
 def _mixed(root: Path) -> str:

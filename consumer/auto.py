@@ -44,6 +44,7 @@ many candidates were excluded and why. Knows nothing about grpc.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -143,6 +144,7 @@ class Chooser:
         self.producer_dtype = producer_dtype  # the dtype the producer computes its KV in ("" unknown)
         self._cached: tuple[tuple[str, str], list[Candidate]] | None = None  # ((digest, dtype), candidates) last built
         self.choices_since_probe = PROBE_EVERY  # auto choices since a user request was last a probe
+        self.local_choice_at = 0.0  # time.monotonic() of the last choice of the own prefill over a remote candidate
         self._keys: dict[tuple, str] = {}  # key() memo: (producer digest, mode, options) -> key
         planner.key = self.key  # the planner learns under the candidates' canonical keys
 
@@ -376,6 +378,11 @@ class Chooser:
             reason = f"cold start: {pick.estimate.detail}; picked {pick.key}, the only candidate"
         if not usable:
             reason += "; the producer link is unusable: remote candidates left out"
+        over_remote = any(s.candidate.remote for s in known)
+        if not pick.candidate.remote and pick.estimate.ms and over_remote:
+            self.local_choice_at = time.monotonic()  # the link decides whether this stays right (consumer.probe)
+        else:
+            self.local_choice_at = 0.0
         marked = [Scored(s.candidate, s.within, s.estimate, s is pick, s.key, s.excluded) for s in scored]
         marked.sort(key=lambda s: (not s.within, s.estimate.ms is None, s.estimate.ms or 0.0))
         return AutoChoice(budget, pick.candidate, reason, marked)
@@ -453,8 +460,8 @@ def _wait_for_exact(scored: list[Scored]) -> list[Scored]:
     for s in scored:
         e = s.estimate
         if s.candidate.how == VERIFIED and e.ms is not None and e.ms < floor:
-            e = Estimate(
-                floor, f"{e.detail}; verified tokens wait for the exact cache ({floor:.1f} ms)", None, e.confident, e.why
+            e = dataclasses.replace(
+                e, ms=floor, detail=f"{e.detail}; verified tokens wait for the exact cache ({floor:.1f} ms)", base_ms=None
             )
         out.append(Scored(s.candidate, s.within, e, s.chosen, s.key, s.excluded))
     return out

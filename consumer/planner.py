@@ -257,6 +257,7 @@ class Estimate:
     base_ms: float | None = None
     confident: bool = True  # every part measured near this length for this candidate
     why: str = ""  # what makes it uncertain
+    link_paced: bool = False  # remote: the wire is the longest stage (a stream paced by the link, not a forward)
 
 
 def pipelined(stages: list[float], layers: int) -> float:
@@ -383,12 +384,16 @@ class TransferPlanner:
         if base_ms > 0 and 1 / OVERHEAD_RATIO <= actual_ms / base_ms <= OVERHEAD_RATIO:
             self.overhead_ms["remote" if remote else "local"].add(actual_ms - base_ms)
 
-    def _with_overhead(self, kind: str, base: float, detail: str, confident: bool, why: str) -> Estimate:
+    def _with_overhead(
+        self, kind: str, base: float, detail: str, confident: bool, why: str, link_paced: bool = False
+    ) -> Estimate:
         extra = self.overhead_ms[kind].value
         if extra is not None:
             detail = f"{detail} + learned overhead {extra:.1f}"
         ms = base if extra is None else max(base + extra, 0.0)
-        return Estimate(ms, detail + (f"; uncertain: {why}" if why else ""), base if confident else None, confident, why)
+        return Estimate(
+            ms, detail + (f"; uncertain: {why}" if why else ""), base if confident else None, confident, why, link_paced
+        )
 
     def estimate_local(self, tokens: int) -> Estimate:
         cost, source = self.local_cost(tokens)
@@ -482,7 +487,8 @@ class TransferPlanner:
             f" {encode} encoded], wire {wire:.1f} [{send} tokens x {bpt:.0f} B at {(link or 0) * 8e-3:.1f} Mbit/s{bound}],"
             f" rebuild {rebuild:.1f})"
         )
-        return self._with_overhead("remote", base, detail, not whys, "; ".join(whys))
+        link_paced = not wire_hidden and wire > 0 and wire >= producer
+        return self._with_overhead("remote", base, detail, not whys, "; ".join(whys), link_paced)
 
     def snapshot(self) -> dict[str, float]:
         """The current estimates, for Describe and logs (absent: no sample yet): each fit's fixed ms,

@@ -131,6 +131,7 @@ class ProducerClient:
         self.transport = transport  # plaintext | tls | mtls: what a failed connection's cause is read against
         self.link_problem = ""  # the last producer link check's reason when it was not ok (consumer.readiness)
         self.consumer_digest = consumer_digest
+        self.streams_open = 0  # Prefill streams being read now (consumer.probe: the link is idle at 0)
         self.channel = channel or grpc.aio.insecure_channel(target, options=channel_options())
         self.stub = producer_pb2_grpc.ProducerServiceStub(self.channel)
         # Prefill's responses as received bytes: the stream reader takes payloads from them in place
@@ -170,6 +171,7 @@ class ProducerClient:
         call = self.prefill(
             request, timeout=timeout_s, metadata=(("x-request-id", request_id), (HASH_HEADER, context_hash(context_ids)))
         )
+        self.streams_open += 1
         try:
             async for message in call:
                 for event in reader.feed(message):
@@ -178,4 +180,5 @@ class ProducerClient:
         except grpc.aio.AioRpcError as exc:
             raise upstream_error(exc, self.transport, self.link_problem) from None
         finally:
+            self.streams_open -= 1
             call.cancel()  # a no-op once the call ended; stops the producer on any error here

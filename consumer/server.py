@@ -328,7 +328,7 @@ class ConsumerServer:
         kv_admission = KVAdmission(pool, cfg.max_queue, make_room)
         # liveness from the engine's progress (and its local job thread's), not a place in its queue
         self.server.progress = [batch.progress] + ([batch.local.progress] if isinstance(batch, EngineProcess) else [])
-        self.client = ProducerClient.from_config(cfg, loaded.info.weight_digest, self.server.tracing)
+        self.client = client = ProducerClient.from_config(cfg, loaded.info.weight_digest, self.server.tracing)
         self.servicer.attach(loaded, batch, kv_admission, prefix, self.client)
         self.server.metrics.watch_engine(batch, pool, kv_admission, prefix, self.servicer.pipeline)
         self.server.metrics.watch_router(
@@ -358,6 +358,7 @@ class ConsumerServer:
             cfg.probe_idle_s,
             lambda: self.servicer.admission.inflight > 0,
             cfg.max_context_tokens,
+            lambda: client.streams_open > 0,
         )
         self.servicer.probe = self.probe
         self.probe.start()

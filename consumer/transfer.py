@@ -5,7 +5,8 @@ handed to the engine as it arrives, without awaiting the one before (`Rebuilds`)
 failure of a rebuild ends the stream, and a failed stream cancels the rebuilds not yet run.
 
 Under LOCAL_PREFILL the stream is watched as it arrives (`watch`): when, at the throughput
-observed since its first layer, the rest would take longer than the consumer's own prefill of
+observed so far (since the call opened for a stream the link paces, since its first layer
+otherwise), the rest would take longer than the consumer's own prefill of
 the whole context (consumer.planner's estimate, with a margin), it raises TransferTooSlow and the
 pipeline prefills instead. Knows nothing about gRPC, the prefix cache or answering.
 """
@@ -179,13 +180,21 @@ class Transfer:
 
         return await logs.run_in(self.engine, run)
 
-    def watch(self, job: GenerateJob, result: GenerateResult, sent_tokens: int) -> Callable[[int], None] | None:
+    def watch(
+        self, job: GenerateJob, result: GenerateResult, sent_tokens: int, opened: float = 0.0
+    ) -> Callable[[int], None] | None:
         """Under LOCAL_PREFILL, a check to call with the bytes received after each layer: it raises
-        TransferTooSlow when, at the throughput since the first layer, the rest of the stream would
-        take longer than the own prefill of the whole context (ABANDON_MARGIN, ABANDON_SLACK_MS).
-        The throughput leaves out the slowest gap between two layers and needs two gaps at least
-        (ABANDON_MIN_GAPS): one stall (a producer's forward pausing on a busy host, a GC) is not a
-        slow stream, and a stream slow throughout is slow without its worst gap too.
+        TransferTooSlow when, at the throughput measured so far, the rest of the stream would take
+        longer than the own prefill of the whole context (ABANDON_MARGIN, ABANDON_SLACK_MS), after
+        two gaps at least (ABANDON_MIN_GAPS). How the throughput is measured follows what auto's
+        estimate expects to pace the stream (`Estimate.link_paced`):
+        - the link (a store replay, or a wire slower than the producer's forward): bytes over the
+          time since the call was opened (`opened`), every gap counted. A shaped link delivers in
+          bursts (several layers at once, then nothing for seconds): any gap left out would read
+          it faster than it is;
+        - the producer's forward (or not known: a named mode): bytes since the first layer over
+          the time since, the slowest gap left out: one stall of the forward (a busy host, a GC)
+          is not a slow stream, and a stream slow throughout is slow without its worst gap too.
         None when not allowed or not estimable (no byte or own-prefill estimate yet)."""
         if job.on_failure != LOCAL_PREFILL or self.planner is None or job.codec is None:
             return None
@@ -196,7 +205,9 @@ class Transfer:
         if local is None or not bpt:
             return None
         expected = bpt * sent_tokens
-        seen: list[tuple[float, int]] = []  # (when, bytes received) after each layer
+        chosen = next((s for s in job.auto.scored if s.chosen), None) if job.auto is not None else None
+        link_paced = chosen is not None and chosen.estimate.link_paced and opened > 0
+        seen: list[tuple[float, int]] = [(opened, 0)] if link_paced else []  # (when, bytes received) after each layer
 
         def check(received: int) -> None:
             now = time.perf_counter()
@@ -206,14 +217,25 @@ class Transfer:
             watched_s = now - seen[0][0]
             if len(seen) <= ABANDON_MIN_GAPS or watched_s < ABANDON_MIN_WATCH_S:
                 return
-            gaps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(seen, seen[1:])]
-            worst = max(gaps, key=lambda g: g[0] / g[1])  # the slowest per byte
-            rate = (received - seen[0][1] - worst[1]) / max((watched_s - worst[0]) * 1e3, 1e-6)  # bytes per ms
+            if link_paced:
+                rate = received / max(watched_s * 1e3, 1e-6)  # bytes per ms
+            else:
+                gaps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(seen, seen[1:])]
+                worst = max(gaps, key=lambda g: g[0] / g[1])  # the slowest per byte
+                rate = (received - seen[0][1] - worst[1]) / max((watched_s - worst[0]) * 1e3, 1e-6)
             rest_ms = max(expected - received, 0.0) / rate
             if rest_ms > ABANDON_MARGIN * local + ABANDON_SLACK_MS:
                 result.abandoned_span = (received - seen[0][1], watched_s * 1e3)
+                log.info(
+                    "transfer.watch",
+                    link_paced=link_paced,
+                    request_id=job.request_id,
+                    arrivals_ms=[round((t - opened) * 1e3, 1) for t, _ in seen],
+                    received=[b for _, b in seen],
+                )
                 raise TransferTooSlow(
-                    f"transfer abandoned mid-stream: at {rate * 8e-3:.2f} Mbit/s the remaining"
+                    f"transfer abandoned mid-stream: at {rate * 8e-3:.2f} Mbit/s"
+                    f" ({'since the call opened' if link_paced else 'since the first layer, its slowest gap left out'}) the remaining"
                     f" ~{max(expected - received, 0) / 1e6:.2f} MB take ~{rest_ms:.0f} ms > own prefill ~{local:.0f} ms"
                 )
 
@@ -231,7 +253,7 @@ class Transfer:
         first, key = partial or (0, "")
         seq.first_write = first
         result.sent_tokens = len(job.context_ids) - first
-        watch = self.watch(job, result, result.sent_tokens) if partial is None else None
+        watch = self.watch(job, result, result.sent_tokens, started) if partial is None else None
         expect = Expectation(len(job.context_ids), job.codec, job.options, self.loaded.info, first, key)
         budget = left(job, "transfer")
         if job.transfer_budget_s is not None:

@@ -327,3 +327,50 @@ async def test_verified_decoding_admits_lossy_transfers_under_exact():
         chosen = next(c for c in a.candidates if c.chosen)
         assert chosen.how == "exact" and answer.ids == oracle
         assert all("verified tokens wait for the exact cache" in c.detail for c in a.candidates if c.how == "verified")
+
+
+def test_a_link_paced_stream_is_watched_from_the_call_on():
+    """A shaped link delivers in bursts: nothing for a while, then several layers at once. When
+    auto's estimate says the link paces the stream, the watch measures from the call on with every
+    gap counted, and abandons it at its second layer; the rule for a stream the producer's forward
+    paces (from the first layer, its slowest gap left out) reads the same bursts as fast."""
+    import time
+
+    from consumer.auto import AutoChoice, Budget, Candidate, Scored
+    from consumer.decoding import Sampling
+    from consumer.planner import Estimate, Ewma, TransferPlanner, mode_key
+    from consumer.request import LOCAL_PREFILL, GenerateJob, GenerateResult
+    from consumer.transfer import Transfer, TransferTooSlow
+    from shared.codecs.raw import RawCodec
+
+    planner = TransferPlanner()
+    planner.local.add(100, 10.0)  # own prefill: ~10 ms ...
+    planner.local.add(300, 30.0)
+    planner.bytes_per_token.setdefault(mode_key("raw", {}), Ewma()).add(100.0)  # ... a transfer: 4 layers of 2500 B
+    model = load_model("tiny-llama", "float32", "cpu")
+    transfer = Transfer(model, None, None, None, planner)  # type: ignore[arg-type]  # watch reads the planner only
+    raw = Candidate("raw", {}, 0.0, "exact")
+
+    def job(link_paced: bool) -> GenerateJob:
+        scored = [Scored(raw, True, Estimate(5.0, "", link_paced=link_paced), chosen=True)]
+        return GenerateJob(
+            "r", list(range(100)), [1], RawCodec(model), {}, 1, Sampling(), frozenset(), time.monotonic() + 60,
+            on_failure=LOCAL_PREFILL, auto=AutoChoice(Budget(0.0, True), raw, "", scored),
+        )  # fmt: skip
+
+    def bursts(link_paced: bool) -> int:
+        """Layers received before the watch gave up (4: kept): 0.3 s of nothing, 2 layers, 0.3 s, 2 layers."""
+        opened = time.perf_counter()
+        check = transfer.watch(job(link_paced), GenerateResult("r", "raw", {}, 100, 1), 100, opened)
+        assert check is not None
+        for layer in range(4):
+            if layer in (0, 2):
+                time.sleep(0.3)
+            try:
+                check(2500 * (layer + 1))
+            except TransferTooSlow:
+                return layer + 1
+        return 4
+
+    assert bursts(link_paced=True) == 2
+    assert bursts(link_paced=False) == 4

@@ -135,6 +135,37 @@ async def test_an_idle_consumer_probes_in_the_background():
         assert described.estimates["producer_prefill.samples"] >= 2 and "producer_queue.age_s" in described.estimates
 
 
+async def test_a_consumer_serving_locally_probes_the_idle_link():
+    """Auto keeps choosing its own prefill because the link looked slow: no request measures the
+    link, so a rate step up would never be seen. A small probe does, while the link is idle
+    (issue 31: adaptation after a rate step); the idle probe (probe_idle_s) never fires here."""
+    async with running_pair("tiny-llama", consumer_kw={"probe_idle_s": 60.0, "prefix_cache_bytes": 0}) as pair:
+        planner, chooser, probe = pair.consumer.servicer.planner, pair.consumer.servicer.chooser, pair.consumer.probe
+        assert probe is not None
+        for mode in ("raw", "oracle", "raw", "oracle"):  # every estimate measured
+            await pair.client.generate(timeout=30, mode=mode, **FIELDS)
+        assert probe.link_runs == 0
+        planner.observe_abandoned(1 << 20, 1e6)  # the link read ~1 byte/ms: remote transfers look hopeless
+        answer = await pair.client.generate(timeout=30, **FIELDS)
+        assert answer.stats.transfer.name == "oracle" and chooser.local_choice_at > 0
+        for _ in range(100):
+            if probe.link_runs:
+                break
+            await asyncio.sleep(0.1)
+        assert probe.link_runs >= 1 and probe.failures == 0
+        assert planner.link_bytes_per_ms.value is not None and planner.link_bytes_per_ms.value > 100  # measured again
+        assert probe.link_every_s >= 2.0  # spaced: at most one in LINK_PROBE_MIN_S
+        planner.observe_abandoned(1 << 20, 1e6)  # slow again: served locally again, so the probes go on
+        answer = await pair.client.generate(timeout=30, **FIELDS)
+        assert answer.stats.transfer.name == "oracle"
+        for _ in range(100):
+            if probe.link_runs >= 2:
+                break
+            await asyncio.sleep(0.1)
+        # the same context again: replayed from the producer's store, paced by the link, not a forward
+        assert probe.link_runs >= 2 and probe.last_link is not None and probe.last_link.producer_store_hit
+
+
 async def test_messages_name_what_to_fix():
     """Issue 31, item 9: env values and flags named without Python's words, the token hint naming
     both flags, a plaintext channel to a TLS producer read as a TLS failure, a refused token
