@@ -35,8 +35,9 @@ Probes: a user request is a probe at most once in PROBE_EVERY auto choices, and 
 so ("probe ..."): when the link was last measured PROBE_STALE_CHOICES choices and PROBE_AFTER_S
 seconds ago while the own prefill wins, or when an uncertain remote estimate is DOUBT_MARGIN
 below the pick (it might win once measured).
-The rest is measured by any request's stream (named modes teach the same keys) and, when the
-consumer is idle, by a small background probe (consumer.probe, `probe_target`). Under
+The rest is measured by any request's stream (named modes teach the same keys) and by small
+background probes (consumer.probe, `probe_target`): when the consumer is idle, and while auto
+serves locally where a faster link would make a remote candidate win (`local_choice_at`). Under
 LOCAL_PREFILL a stream too slow to finish is abandoned mid-way, so a probe of a slow link costs
 little. Remote candidates are left out while the producer link is unusable; the stats say how
 many candidates were excluded and why. Knows nothing about grpc.
@@ -378,11 +379,13 @@ class Chooser:
             reason = f"cold start: {pick.estimate.detail}; picked {pick.key}, the only candidate"
         if not usable:
             reason += "; the producer link is unusable: remote candidates left out"
-        over_remote = any(s.candidate.remote for s in known)
-        if not pick.candidate.remote and pick.estimate.ms and over_remote:
-            self.local_choice_at = time.monotonic()  # the link decides whether this stays right (consumer.probe)
-        else:
-            self.local_choice_at = 0.0
+        # the own prefill chosen where a faster link would make a remote candidate win: the link
+        # decides whether this stays right, and no request measures it now (consumer.probe)
+        link_matters = any(
+            s.candidate.remote and s.estimate.free_link_ms is not None and s.estimate.free_link_ms < (pick.estimate.ms or 0.0)
+            for s in known
+        )
+        self.local_choice_at = time.monotonic() if not pick.candidate.remote and link_matters else 0.0
         marked = [Scored(s.candidate, s.within, s.estimate, s is pick, s.key, s.excluded) for s in scored]
         marked.sort(key=lambda s: (not s.within, s.estimate.ms is None, s.estimate.ms or 0.0))
         return AutoChoice(budget, pick.candidate, reason, marked)

@@ -258,6 +258,7 @@ class Estimate:
     confident: bool = True  # every part measured near this length for this candidate
     why: str = ""  # what makes it uncertain
     link_paced: bool = False  # remote: the wire is the longest stage (a stream paced by the link, not a forward)
+    free_link_ms: float | None = None  # remote: the estimate were the link free (no wire time): can the link matter?
 
 
 def pipelined(stages: list[float], layers: int) -> float:
@@ -385,14 +386,22 @@ class TransferPlanner:
             self.overhead_ms["remote" if remote else "local"].add(actual_ms - base_ms)
 
     def _with_overhead(
-        self, kind: str, base: float, detail: str, confident: bool, why: str, link_paced: bool = False
+        self,
+        kind: str,
+        base: float,
+        detail: str,
+        confident: bool,
+        why: str,
+        link_paced: bool = False,
+        free_link_base: float | None = None,
     ) -> Estimate:
         extra = self.overhead_ms[kind].value
         if extra is not None:
             detail = f"{detail} + learned overhead {extra:.1f}"
         ms = base if extra is None else max(base + extra, 0.0)
+        free = None if free_link_base is None else max(free_link_base + (extra or 0.0), 0.0)
         return Estimate(
-            ms, detail + (f"; uncertain: {why}" if why else ""), base if confident else None, confident, why, link_paced
+            ms, detail + (f"; uncertain: {why}" if why else ""), base if confident else None, confident, why, link_paced, free
         )
 
     def estimate_local(self, tokens: int) -> Estimate:
@@ -478,8 +487,10 @@ class TransferPlanner:
         shape = "pipelined"
         if compute_start is None:
             overlapped = pipelined(stages, layers)
+            free_link = pipelined([producer, rebuild], layers)
         else:  # the rebuild computes once part of the stream arrived: not spread over the layers
             overlapped = arrived_then_computed(producer, 0.0 if wire_hidden else wire, rebuild, layers, compute_start)
+            free_link = arrived_then_computed(producer, 0.0, rebuild, layers, compute_start)
             shape = f"computed after {compute_start[0]:.0%} of the bytes"
         base = self.rtt_ms + queue + overlapped
         detail = (
@@ -488,7 +499,8 @@ class TransferPlanner:
             f" rebuild {rebuild:.1f})"
         )
         link_paced = not wire_hidden and wire > 0 and wire >= producer
-        return self._with_overhead("remote", base, detail, not whys, "; ".join(whys), link_paced)
+        free_base = self.rtt_ms + queue + free_link
+        return self._with_overhead("remote", base, detail, not whys, "; ".join(whys), link_paced, free_base)
 
     def snapshot(self) -> dict[str, float]:
         """The current estimates, for Describe and logs (absent: no sample yet): each fit's fixed ms,

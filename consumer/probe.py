@@ -10,8 +10,9 @@ at most one runs at a time), in two cases:
   estimate is missing or uncertain, else the fastest remote one once the link estimate is older
   than `--probe-idle-s`); at most one per `--probe-idle-s`.
 - link: auto's last choice (within `--probe-idle-s`) was the own prefill over a remote candidate
-  and no producer stream is open, so no request measures the link while auto keeps choosing not
-  to use it: a rate step up would never be seen. A LINK_PROBE_TOKENS transfer measures it once
+  that a faster link would make win (`Estimate.free_link_ms`: its estimate with the wire free
+  beats the pick) and no producer stream is open, so no request measures the link while auto
+  keeps choosing not to use it: a rate step up would never be seen. A LINK_PROBE_TOKENS transfer measures it once
   the link estimate is older than max(LINK_PROBE_MIN_S, the last link probe's time /
   LINK_PROBE_SHARE): the probes hold the link at most that share of the time. Link probes ask
   for one random context again and again: after the first, the producer replays it from its

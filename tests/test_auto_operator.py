@@ -24,6 +24,7 @@ from shared import healthcheck, logs
 from shared.config import ConsumerConfig, ProducerConfig
 from shared.startup import StartupError
 from tests.conftest import ConsumerClient, perturbed_model, prompt, running_pair
+from tests.test_planner import slow_own_prefill
 from tests.test_readiness import health, servers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,7 +146,8 @@ async def test_a_consumer_serving_locally_probes_the_idle_link():
         for mode in ("raw", "oracle", "raw", "oracle"):  # every estimate measured
             await pair.client.generate(timeout=30, mode=mode, **FIELDS)
         assert probe.link_runs == 0
-        planner.observe_abandoned(1 << 20, 1e6)  # the link read ~1 byte/ms: remote transfers look hopeless
+        slow_own_prefill(planner, ms_per_token=50.0)  # the own prefill: 400 ms here, so a fast link would win ...
+        planner.observe_abandoned(1 << 20, 1e6)  # ... but the link read ~1 byte/ms: remote transfers look hopeless
         answer = await pair.client.generate(timeout=30, **FIELDS)
         assert answer.stats.transfer.name == "oracle" and chooser.local_choice_at > 0
         for _ in range(100):
@@ -155,6 +157,7 @@ async def test_a_consumer_serving_locally_probes_the_idle_link():
         assert probe.link_runs >= 1 and probe.failures == 0
         assert planner.link_bytes_per_ms.value is not None and planner.link_bytes_per_ms.value > 100  # measured again
         assert probe.link_every_s >= 2.0  # spaced: at most one in LINK_PROBE_MIN_S
+        slow_own_prefill(planner, ms_per_token=50.0)
         planner.observe_abandoned(1 << 20, 1e6)  # slow again: served locally again, so the probes go on
         answer = await pair.client.generate(timeout=30, **FIELDS)
         assert answer.stats.transfer.name == "oracle"

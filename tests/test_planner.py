@@ -83,6 +83,11 @@ def test_remote_estimate_is_pipelined_and_borrows_for_unseen_modes():
     assert unseen.ms == pytest.approx(4.0 + pipelined([0.0, 300.0 * 100 / 5000.0, 10.0], 4))  # raw's rebuild rate borrowed
     assert "wire" in unseen.detail and not unseen.confident and "borrowed" in unseen.why
     assert pipelined([10.0, 2.0, 4.0], 2) == 13.0
+    # what the link is worth: the same estimate with the wire free; a store replay is paced by the link
+    assert e.free_link_ms == pytest.approx(4.0 + pipelined([50.0, 10.0], 4)) and not e.link_paced
+    replay = p.estimate_remote("raw", 4, compute=0, encode=0, send=100)
+    assert replay.link_paced and replay.free_link_ms == pytest.approx(4.0 + pipelined([0.0, 10.0], 4))
+    assert replay.ms is not None and replay.free_link_ms < replay.ms
 
 
 def test_a_rebuild_that_computes_after_part_of_the_stream_is_not_spread_over_the_layers():
