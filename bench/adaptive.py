@@ -31,7 +31,9 @@ its picks), bytes (median), ttft_ms_median/min/max, runs, f1 (trained), identica
 load_avg_1m; step rows add phase, requests_to_adapt, picks. Then OUT_DIR/adaptive.png (TTFT vs
 bandwidth, one line per fixed mode, auto on top) and the targets checked on the rows
 (`check`): auto's median TTFT <= 1.1x the fastest fixed candidate within the budget in every
-cell, its loss never over the budget, and after a step its choice settles within 3 requests.
+cell, its loss never over the budget, and after a step its choice settles within 3 requests on a
+candidate within 1.1x of the fastest fixed one in the grid's warm, no-delay cell at that rate
+(`settled_too_slow`; not read when the run has no such cell, e.g. --no-grid).
 
 `--mixed`: instead of the grid, the mixed workload of bench.mixed (the trained pair, loopback,
 context lengths 16-2048 in random order, no-mode and named requests interleaved): rows and a

@@ -521,9 +521,20 @@ def adaptive(root: Path = ROOT) -> dict:
         for m, xs in by_model.items()
     )
     adapted = [r["requests_to_adapt"] for r in steps if r["phase"] > 0]
+    verdicts = []
+    for prev, r in zip(steps, steps[1:]):
+        if r["phase"] == 0:
+            continue
+        ratio = _settled_ratio(r, cells)
+        right = "not read on the grid" if ratio is None else f"{ratio:.2f}x the fastest fixed candidate in the grid's warm cell"
+        verdicts.append(
+            f"{prev['bandwidth_mbit']:g} -> {r['bandwidth_mbit']:g} Mbit/s: settled on {r['settled_on']} after"
+            f" {r['requests_to_adapt']} request(s) ({right})"
+        )
     return {
         "by_model": models or "-",
         "adapted": ", ".join(str(a) for a in adapted) or "-",
+        "step_verdict": "; ".join(verdicts) or "(no step run in the rows)",
         "rows": len(rows),
         "table": "\n".join(table),
         "cells": len(ratios),
@@ -535,9 +546,9 @@ def adaptive(root: Path = ROOT) -> dict:
     }
 
 
-def _settled_vs_grid(step: dict, cells: dict[tuple, list[dict]]) -> str:
-    """How the step's settled candidate did in the grid's warm, no-delay cell at the same rate
-    (its median over the fastest fixed candidate's), or '' when the rows have no such cell."""
+def _settled_ratio(step: dict, cells: dict[tuple, list[dict]]) -> float | None:
+    """The step's settled candidate in the grid's warm, no-delay cell at the same rate: its median
+    over the fastest fixed candidate's (None when the rows have no such cell)."""
     grid = cells.get((step["model"], step["ctx_tokens"], step["bandwidth_mbit"], 0.0, "warm"), [])
     fixed = {
         mode_label(r["mode"], ",".join(f"{k}={v}" for k, v in sorted(r["options"].items()) if k != "artifact")): r["ttft_ms_median"]
@@ -545,10 +556,13 @@ def _settled_vs_grid(step: dict, cells: dict[tuple, list[dict]]) -> str:
         if r["mode"] != "auto" and r["loss"] is not None and r["loss"] <= r["max_loss"] + 1e-9
     }
     if step["settled_on"] not in fixed:
-        return ""
-    best = min(fixed, key=fixed.__getitem__)
-    ratio = fixed[step["settled_on"]] / fixed[best]
-    return f" (in the grid's warm cell at this rate: {ratio:.2f}x the fastest fixed, {best})"
+        return None
+    return fixed[step["settled_on"]] / min(fixed.values())
+
+
+def _settled_vs_grid(step: dict, cells: dict[tuple, list[dict]]) -> str:
+    ratio = _settled_ratio(step, cells)
+    return "" if ratio is None else f" (in the grid's warm cell at this rate: {ratio:.2f}x the fastest fixed candidate)"
 
 
 def _mixed(root: Path) -> str:

@@ -36,7 +36,10 @@ part of the stream arrived, recompute's span, says where: `arrived_then_computed
 own prefill fit at the tokens to prefill; each plus the overhead learned for its kind from auto's
 own choices. An estimate is `confident` only when every part of it is (measured near this length, for this
 candidate); a candidate never measured borrows the cheapest encode and rebuild fits seen
-(uncertain). Knows nothing about grpc or torch.
+(uncertain). A remote estimate also says whether the link paces the stream (`link_paced`: the
+wire is its longest stage; the mid-stream watch measures such a stream from the call on) and
+what it would be with the wire free (`free_link_ms`: whether a faster link could make it win,
+which decides link probes, consumer.probe). Knows nothing about grpc or torch.
 """
 
 from __future__ import annotations

@@ -2,22 +2,22 @@
 
 Every request's stream teaches the planner (consumer.planner), whatever mode it named; a user
 request is a probe at most once in consumer.auto.PROBE_EVERY auto choices. The rest is measured
-here, by one small transfer of a fresh random context (nothing is rebuilt, no user waits on it,
-at most one runs at a time), in two cases:
+here, by one small transfer of a random context (nothing is rebuilt, no user waits on it, at most
+one runs at a time), in two cases:
 - idle: the consumer has had no Generate call in flight for `--probe-idle-s` seconds. The probe
-  (PROBE_TOKENS tokens, alternating lengths so that each fit can tell its fixed term from its
-  per-token term) measures the candidate auto most needs (`Chooser.probe_target`: one whose
-  estimate is missing or uncertain, else the fastest remote one once the link estimate is older
-  than `--probe-idle-s`); at most one per `--probe-idle-s`.
+  (a fresh context of PROBE_TOKENS tokens, alternating lengths so that each fit can tell its
+  fixed term from its per-token term) measures the candidate auto most needs
+  (`Chooser.probe_target`: one whose estimate is missing or uncertain, else the fastest remote
+  one once the link estimate is older than `--probe-idle-s`); at most one per `--probe-idle-s`.
 - link: auto's last choice (within `--probe-idle-s`) was the own prefill over a remote candidate
   that a faster link would make win (`Estimate.free_link_ms`: its estimate with the wire free
   beats the pick) and no producer stream is open, so no request measures the link while auto
-  keeps choosing not to use it: a rate step up would never be seen. A LINK_PROBE_TOKENS transfer measures it once
-  the link estimate is older than max(LINK_PROBE_MIN_S, the last link probe's time /
-  LINK_PROBE_SHARE): the probes hold the link at most that share of the time. Link probes ask
-  for one random context again and again: after the first, the producer replays it from its
-  store, so the stream is paced by the link, not by a forward (a computed one only tells the
-  planner the link is at least that fast).
+  keeps choosing not to use it: a rate step up would never be seen. A LINK_PROBE_TOKENS
+  transfer measures it once the link estimate is older than max(LINK_PROBE_MIN_S, the last link
+  probe's time / LINK_PROBE_SHARE): the probes hold the link at most that share of the time.
+  Link probes ask for one context again and again: after the first, the producer replays it
+  from its store, so the stream is paced by the link, not by a forward (a computed one only
+  tells the planner the link is at least that fast).
 Each reads the whole stream through the stream contract and feeds what it measured (link, round
 trip, the producer's queue, prefill and encode) to the planner. Logged as `probe.done` (with
 `why`: idle | link) / `probe.failed`; a failure inside the loop is logged, never ends it. Knows
