@@ -66,12 +66,16 @@ class BackgroundProbe:
         self.last_request = time.monotonic()  # the servicer calls touch() on every Generate
         self.last_probe = 0.0
         self.link_every_s = LINK_PROBE_MIN_S  # link probes' spacing (LINK_PROBE_SHARE of the last one's time)
-        self.runs = 0
-        self.link_runs = 0
+        self.runs = 0  # probes started
+        self.done = {"idle": 0, "link": 0}  # probes measured, by why (the scd_background_probes metric)
         self.link_context: list[int] = []  # the link probes' context (replayed by the producer's store)
         self.last_link: Observation | None = None  # what the last link probe measured
         self.failures = 0
         self._task: asyncio.Task | None = None
+
+    @property
+    def link_runs(self) -> int:
+        return self.done["link"]
 
     def touch(self) -> None:
         self.last_request = time.monotonic()
@@ -123,7 +127,6 @@ class BackgroundProbe:
             self.link_context = self._random_context(min(LINK_PROBE_TOKENS, self.max_tokens))
         observed = await self.probe_once(len(self.link_context), self.link_every_s, "link", self.link_context)
         if observed is not None:
-            self.link_runs += 1
             self.last_link = observed
         self.link_every_s = max(LINK_PROBE_MIN_S, (time.monotonic() - started) / LINK_PROBE_SHARE)
         return observed
@@ -177,6 +180,7 @@ class BackgroundProbe:
             rebuilt=False,
         )
         self.planner.observe(observed)
+        self.done[why] = self.done.get(why, 0) + 1
         log.info(
             "probe.done",
             why=why,

@@ -361,6 +361,7 @@ class ConsumerServer:
             lambda: client.streams_open > 0,
         )
         self.servicer.probe = self.probe
+        self.server.metrics.watch_probes(self.probe)
         self.probe.start()
         log.info(
             "server.serving",

@@ -342,6 +342,21 @@ class Metrics:
 
         self.registry.register(_Callback(families))
 
+    def watch_probes(self, probe) -> None:
+        """Mode auto's background probes (consumer.probe): transfers measured, by why (idle |
+        link), and the ones that failed."""
+
+        def families():
+            c = CounterMetricFamily("scd_background_probes", "background probe transfers measured, by why", labels=["why"])
+            for why, n in sorted(probe.done.items()):
+                c.add_metric([why], n)
+            yield c
+            yield from unlabelled(
+                CounterMetricFamily, ("scd_background_probe_failures", "background probes that failed", probe.failures)
+            )
+
+        self.registry.register(_Callback(families))
+
     def watch_state(self, name: str, help_: str, states, read: Callable[[], str]) -> None:
         """A state gauge: one series per state, 1 on the current one (`read()` at scrape time)."""
 

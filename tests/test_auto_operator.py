@@ -24,6 +24,7 @@ from shared import healthcheck, logs
 from shared.config import ConsumerConfig, ProducerConfig
 from shared.startup import StartupError
 from tests.conftest import ConsumerClient, perturbed_model, prompt, running_pair
+from tests.test_metrics import scrape, value
 from tests.test_planner import slow_own_prefill
 from tests.test_readiness import health, servers
 
@@ -140,7 +141,8 @@ async def test_a_consumer_serving_locally_probes_the_idle_link():
     """Auto keeps choosing its own prefill because the link looked slow: no request measures the
     link, so a rate step up would never be seen. A small probe does, while the link is idle
     (issue 31: adaptation after a rate step); the idle probe (probe_idle_s) never fires here."""
-    async with running_pair("tiny-llama", consumer_kw={"probe_idle_s": 60.0, "prefix_cache_bytes": 0}) as pair:
+    consumer_kw = {"probe_idle_s": 60.0, "prefix_cache_bytes": 0, "metrics_port": 0}
+    async with running_pair("tiny-llama", consumer_kw=consumer_kw) as pair:
         planner, chooser, probe = pair.consumer.servicer.planner, pair.consumer.servicer.chooser, pair.consumer.probe
         assert probe is not None
         for mode in ("raw", "oracle", "raw", "oracle"):  # every estimate measured
@@ -167,6 +169,9 @@ async def test_a_consumer_serving_locally_probes_the_idle_link():
             await asyncio.sleep(0.1)
         # the same context again: replayed from the producer's store, paced by the link, not a forward
         assert probe.link_runs >= 2 and probe.last_link is not None and probe.last_link.producer_store_hit
+        samples = scrape(pair.consumer.server.metrics_port)
+        assert value(samples, "scd_background_probes_total", why="link") == probe.link_runs
+        assert value(samples, "scd_background_probes_total", why="idle") == 0  # never idle for 60 s here
 
 
 async def test_messages_name_what_to_fix():
