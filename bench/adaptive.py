@@ -60,6 +60,7 @@ from pathlib import Path
 import grpc
 
 from bench import netns, services
+from bench.service_figures import settled_vs_fastest
 from bench.ttft.grid import Mode, parse_bandwidth, parse_mode
 from bench.ttft.links import Shaped, run_inside_link
 from bench.workloads import Workload, note, workload_for
@@ -290,18 +291,15 @@ def check(rows: list[dict]) -> list[str]:
 
 def settled_too_slow(step: dict, grid: list[dict]) -> str:
     """Settling is adapting only when it settles on a candidate as fast as the fastest fixed one
-    at that rate: read on the grid's warm, no-delay cell of the same model and rate (its medians;
-    '' when within TTFT_TARGET or when the run has no such cell to read)."""
-    fixed = {Mode(r["mode"], tuple(sorted(r["options"].items()))).label: r["ttft_ms_median"]
-             for r in grid if r["mode"] != AUTO and r["loss"] is not None and r["loss"] <= r["max_loss"] + 1e-9}
-    if step["settled_on"] not in fixed:
+    at that rate: read on the grid's warm, no-delay cell of the same model and rate
+    (bench.service_figures.settled_vs_fastest; '' when within TTFT_TARGET or when the run has no
+    such cell to read)."""
+    read = settled_vs_fastest(step, grid)
+    if read is None or read[0] <= TTFT_TARGET:
         return ""
-    best = min(fixed, key=fixed.__getitem__)
-    ratio = fixed[step["settled_on"]] / fixed[best]
-    if ratio <= TTFT_TARGET:
-        return ""
-    return (f"settled on {step['settled_on']} ({fixed[step['settled_on']]:.0f} ms in the grid cell) = {ratio:.2f}x "
-            f"the fastest fixed {best} ({fixed[best]:.0f} ms)")
+    ratio, settled_ms, best, best_ms = read
+    return (f"settled on {step['settled_on']} ({settled_ms:.0f} ms in the grid cell) = {ratio:.2f}x "
+            f"the fastest fixed {best} ({best_ms:.0f} ms)")
 
 
 # -- links ----------------------------------------------------------------------------------

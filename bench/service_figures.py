@@ -12,6 +12,7 @@ from pathlib import Path
 from bench.audit import table as audit_table
 from bench.pairs import PAIRS
 from bench.rows import ROOT, artifact_meta, json_line, rows_of, span, span_words
+from bench.ttft.grid import Mode
 from shared.labels import mode_label
 
 # ---- transport, pool, compose, load, contract ----------------------------------------------------
@@ -525,8 +526,8 @@ def adaptive(root: Path = ROOT) -> dict:
     for prev, r in zip(steps, steps[1:]):
         if r["phase"] == 0:
             continue
-        ratio = _settled_ratio(r, cells)
-        right = "not read on the grid" if ratio is None else f"{ratio:.2f}x the fastest fixed candidate in the grid's warm cell"
+        read = settled_vs_fastest(r, _warm_cell(r, cells))
+        right = "not read on the grid" if read is None else f"{read[0]:.2f}x the fastest fixed candidate in the grid's warm cell"
         verdicts.append(
             f"{prev['bandwidth_mbit']:g} -> {r['bandwidth_mbit']:g} Mbit/s: settled on {r['settled_on']} after"
             f" {r['requests_to_adapt']} request(s) ({right})"
@@ -546,23 +547,30 @@ def adaptive(root: Path = ROOT) -> dict:
     }
 
 
-def _settled_ratio(step: dict, cells: dict[tuple, list[dict]]) -> float | None:
-    """The step's settled candidate in the grid's warm, no-delay cell at the same rate: its median
-    over the fastest fixed candidate's (None when the rows have no such cell)."""
-    grid = cells.get((step["model"], step["ctx_tokens"], step["bandwidth_mbit"], 0.0, "warm"), [])
+def settled_vs_fastest(step: dict, grid: list[dict]) -> tuple[float, float, str, float] | None:
+    """A step's settled candidate read on the grid's cell at its rate (`grid`: that cell's rows):
+    (its median over the fastest fixed candidate's within the budget, its median, the fastest's
+    label, the fastest's median); None when the cell has no row of it. Rows are labelled as
+    bench.adaptive labels its picks (bench.ttft.grid.Mode)."""
     fixed = {
-        mode_label(r["mode"], ",".join(f"{k}={v}" for k, v in sorted(r["options"].items()) if k != "artifact")): r["ttft_ms_median"]
+        Mode(r["mode"], tuple(sorted(r["options"].items()))).label: r["ttft_ms_median"]
         for r in grid
         if r["mode"] != "auto" and r["loss"] is not None and r["loss"] <= r["max_loss"] + 1e-9
     }
     if step["settled_on"] not in fixed:
         return None
-    return fixed[step["settled_on"]] / min(fixed.values())
+    best = min(fixed, key=fixed.__getitem__)
+    return fixed[step["settled_on"]] / fixed[best], fixed[step["settled_on"]], best, fixed[best]
+
+
+def _warm_cell(step: dict, cells: dict[tuple, list[dict]]) -> list[dict]:
+    """The grid's warm, no-delay cell at the step's model, context and rate."""
+    return cells.get((step["model"], step["ctx_tokens"], step["bandwidth_mbit"], 0.0, "warm"), [])
 
 
 def _settled_vs_grid(step: dict, cells: dict[tuple, list[dict]]) -> str:
-    ratio = _settled_ratio(step, cells)
-    return "" if ratio is None else f" (in the grid's warm cell at this rate: {ratio:.2f}x the fastest fixed candidate)"
+    read = settled_vs_fastest(step, _warm_cell(step, cells))
+    return "" if read is None else f" (in the grid's warm cell at this rate: {read[0]:.2f}x the fastest fixed candidate)"
 
 
 def _mixed(root: Path) -> str:
