@@ -13,6 +13,9 @@ model, weights, dtype, device, batch, ctx_tokens, engine_step_ms, bare_step_ms, 
 block gather alone, every layer, K and V), logits_check_ms and logits_isfinite_ms (the engine's
 check of a step's [batch, vocab] logits for non-finite rows, shared.finite, against
 `torch.isfinite(...).all(dim=1)`), vocab, torch_threads, load_avg_1m, code.
+Per round and `--kv-check-ctx` context, one line to kv_check.jsonl: the codecs' finiteness check of
+one request's rebuilt K/V (kv_check_ms, shared.finite.finite_each: a sum per tensor, the product
+with zeros only where a sum is not finite) against the product with zeros alone (kv_check_product_ms).
 """
 
 from __future__ import annotations
@@ -88,22 +91,42 @@ def measure(loaded, batch: int, ctx: int, steps: int) -> dict:
             "vocab": vocab, "logits_check_ms": round(finite_ms, 3), "logits_isfinite_ms": round(isfinite_ms, 3)}
 
 
+def kv_check(loaded, ctx: int, steps: int) -> dict:
+    """The codecs' check of one request's rebuilt context K/V (every layer, keys and values, as
+    KVDecoder.store_many hands them to shared.finite.finite_each) against the product with zeros
+    over each tensor, the check it used before the sums (shared.finite._exact)."""
+    from shared import finite
+
+    info = loaded.info
+    tensors = [torch.randn(1, info.num_kv_heads, ctx, info.head_dim, device=loaded.device).to(loaded.dtype)
+               for _ in range(2 * info.num_layers)]
+    check_ms = _median_ms(lambda: finite.finite_each(tensors), steps)
+    product_ms = _median_ms(lambda: [finite._exact(t) for t in tensors], steps)
+    return {"tensors": len(tensors), "kv_bytes": sum(t.nbytes for t in tensors),
+            "kv_check_ms": round(check_ms, 3), "kv_check_product_ms": round(product_ms, 3)}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--model", default="checkpoints/qa-tuned")
     parser.add_argument("--weights", default="trained", help="what the rows say the weights are")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--batches", default="1,8,32", help="comma-separated; empty: the K/V check alone")
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (cuda when present); CUDA steps are timed to their end")
     parser.add_argument("--out-dir", default=str(RESULTS))
+    parser.add_argument("--kv-check-ctx", default="512,2048,8192",
+                        help="contexts at which a request's rebuilt K/V check is timed (rows to kv_check.jsonl); empty: none")
     args = parser.parse_args(argv)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
+    from shared import malloc_tuning
     from shared.models import load_model
+
+    malloc_tuning.tune(malloc_tuning.DEFAULT_MMAP_THRESHOLD)  # the services' heap setting (--malloc-mmap-threshold)
 
     loaded = load_model(str(services.ROOT / args.model), args.dtype, args.device)
     out_dir = Path(args.out_dir)
@@ -111,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     code = services.code_version()
     with open(out_dir / "engine_step.jsonl", "a") as out:
         for round_ in range(args.rounds):
-            for batch in [int(b) for b in args.batches.split(",")]:
+            for batch in [int(b) for b in args.batches.split(",") if b]:
                 row = {
                     "bench": "engine_step",
                     "model": Path(args.model).name,
@@ -128,6 +151,14 @@ def main(argv: list[str] | None = None) -> None:
                 }
                 print(json.dumps(row), flush=True)
                 out.write(json.dumps(row) + "\n")
+            with open(out_dir / "kv_check.jsonl", "a") as checks:
+                for ctx in [int(c) for c in args.kv_check_ctx.split(",") if c]:
+                    row = {"bench": "kv_check", "model": Path(args.model).name, "weights": args.weights, "dtype": args.dtype,
+                           "device": str(loaded.device), "ctx_tokens": ctx, "round": round_, **kv_check(loaded, ctx, args.steps),
+                           "torch_threads": args.torch_threads or torch.get_num_threads(),
+                           "load_avg_1m": round(os.getloadavg()[0], 2), "code": code}
+                    print(json.dumps(row), flush=True)
+                    checks.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

@@ -380,6 +380,29 @@ def engine_step(root: Path = ROOT) -> dict:
     return {"table": "\n".join(table), "rows": len(rows), "cells": out}
 
 
+def kv_check(root: Path = ROOT) -> dict:
+    """bench.engine_step's kv_check rows: per (model, dtype, context) the medians of the codecs'
+    finiteness check of one request's rebuilt K/V, sums first, against the product with zeros alone."""
+    rows = rows_of(root / "bench/results/kv_check.jsonl")
+    table = [
+        "| model (weights, dtype) | torch threads | context tokens | K/V tensors (MB) | check ms: sums first / product alone | ratio | rounds | load |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cells.setdefault((r["model"], r["weights"], r["dtype"], r["torch_threads"], r["ctx_tokens"]), []).append(r)
+    out: dict = {}
+    for (model, weights, dtype, threads, ctx), rs in sorted(cells.items()):
+        check = statistics.median(r["kv_check_ms"] for r in rs)
+        product = statistics.median(r["kv_check_product_ms"] for r in rs)
+        table.append(
+            f"| {model} ({weights}, {dtype}) | {threads} | {ctx} | {rs[0]['tensors']} ({rs[0]['kv_bytes'] / 1e6:.0f}) | {check:.2f} / {product:.2f}"
+            f" | {product / check:.1f}x | {len(rs)} | {span([r['load_avg_1m'] for r in rs], '{:.1f}')} |"
+        )
+        out[f"{model}|{ctx}"] = {"check": check, "product": product, "ratio": product / check}
+    return {"table": "\n".join(table), "rows": len(rows), "cells": out}
+
+
 def turns(root: Path = ROOT) -> dict:
     """bench.turns' rows: the later turns' medians of TTFT and of its parts."""
     rows = [r for r in rows_of(root / "bench/results/turns.jsonl") if r["turn"] > 0]
