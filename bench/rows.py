@@ -14,6 +14,14 @@ def rows_of(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def cells_of(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
+    """Rows grouped by the values of `keys`, in first-seen order (a table's cells)."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cells.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return cells
+
+
 def span(values, fmt: str = "{:g}") -> str:
     """'lo-hi' (or one value) of numbers, each formatted with `fmt`."""
     lo, hi = fmt.format(min(values)), fmt.format(max(values))

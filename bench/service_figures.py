@@ -11,7 +11,7 @@ from pathlib import Path
 
 from bench.audit import table as audit_table
 from bench.pairs import PAIRS
-from bench.rows import ROOT, artifact_meta, json_line, rows_of, span, span_words
+from bench.rows import ROOT, artifact_meta, cells_of, json_line, rows_of, span, span_words
 from bench.ttft.grid import Mode
 from shared.labels import mode_label
 
@@ -19,21 +19,91 @@ from shared.labels import mode_label
 
 
 def transport(root: Path = ROOT) -> dict:
+    """bench.transport's rows: per chunk size the medians over the runs (rows without CPU columns
+    are from before they were measured: shown as -)."""
     rows = rows_of(root / "bench/results/transport.jsonl")
-    table = ["| chunk | gRPC MB/s | socket MB/s | ratio |", "|---|---:|---:|---:|"]
-    best = max(rows, key=lambda r: r["ratio"])
-    for r in rows:
-        size = f"{r['chunk_bytes'] // 2**20} MiB" if r["chunk_bytes"] >= 2**20 else f"{r['chunk_bytes'] // 1024} KiB"
-        ratio = f"**{r['ratio']:.3f}**" if r is best else f"{r['ratio']:.3f}"
-        table.append(f"| {size} | {r['grpc_MBps']:.0f} | {r['socket_MBps']:.0f} | {ratio} |")
+    table = [
+        "| chunk | runs | gRPC MB/s (bare reader) | consumer's reader MB/s | socket MB/s | ratio: bare / consumer's | CPU ms/MB: producer"
+        " | consumer's reader | socket (both ends) | load |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    cells = {chunk: rs for (chunk,), rs in cells_of(rows, "chunk_bytes").items()}
+
+    def med(rs: list[dict], key: str) -> float | None:
+        got = [r[key] for r in rs if r.get(key) is not None]
+        return statistics.median(got) if got else None
+
+    def cell(value: float | None, fmt: str) -> str:
+        return "-" if value is None else fmt.format(value)
+
+    meds = {c: {k: med(rs, k) for k in ("grpc_MBps", "consumer_MBps", "socket_MBps", "ratio", "consumer_ratio",
+                                        "producer_cpu_ms_per_MB", "consumer_cpu_ms_per_MB", "socket_cpu_ms_per_MB")}
+            for c, rs in cells.items()}
+    best = max(meds, key=lambda c: meds[c]["ratio"] or 0.0)
+    for chunk, rs in sorted(cells.items()):
+        m = meds[chunk]
+        size = f"{chunk // 2**20} MiB" if chunk >= 2**20 else f"{chunk // 1024} KiB"
+        ratio = f"{cell(m['ratio'], '{:.3f}')} / {cell(m['consumer_ratio'], '{:.3f}')}"
+        table.append(
+            f"| {size} | {len(rs)} | {m['grpc_MBps']:.0f} | {cell(m['consumer_MBps'], '{:.0f}')} | {m['socket_MBps']:.0f}"
+            f" | {'**' + ratio + '**' if chunk == best else ratio} | {cell(m['producer_cpu_ms_per_MB'], '{:.2f}')}"
+            f" | {cell(m['consumer_cpu_ms_per_MB'], '{:.2f}')} | {cell(m['socket_cpu_ms_per_MB'], '{:.2f}')}"
+            f" | {span([r.get('loadavg_1m') for r in rs if r.get('loadavg_1m') is not None], '{:.1f}')} |"
+        )
+    b = meds[best]
     return {
         "table": "\n".join(table),
-        "gbps": span([round(r["grpc_MBps"] / 1000, 1) for r in rows], "{:.1f}"),
-        "max_gbit": max(r["grpc_MBps"] for r in rows) * 8 / 1000,
-        "best_ratio": best["ratio"],
-        "best_gBps": best["grpc_MBps"] / 1000,
+        "gbps": span([round(m["grpc_MBps"] / 1000, 1) for m in meds.values()], "{:.1f}"),
+        "max_gbit": max(m["grpc_MBps"] for m in meds.values()) * 8 / 1000,
+        "best_ratio": b["ratio"],
+        "best_consumer_ratio": b["consumer_ratio"] or b["ratio"],
+        "best_gBps": b["grpc_MBps"] / 1000,
+        "best_chunk": best,
+        "consumer_cpu_ms_per_MB": b["consumer_cpu_ms_per_MB"],
         "weights": span_words(r.get("weights") for r in rows),
     }
+
+
+def grpc_floor(root: Path = ROOT) -> dict:
+    """bench.grpc_floor's rows: per (loop, messages x bytes, concurrency) the medians over rounds."""
+    rows = rows_of(root / "bench/results/grpc_floor.jsonl")
+    table = [
+        "| event loop | call | concurrency | rounds | calls/s | CPU ms per call: server / client / both | MB/s | socket MB/s | ratio | load |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    cells = cells_of(rows, "loop", "messages", "bytes", "concurrency")
+    out: dict = {}
+    for (loop, messages, size, conc), rs in sorted(cells.items(), key=lambda kv: (kv[0][2], kv[0][0])):
+        m = {k: statistics.median(r[k] for r in rs) if all(k in r for r in rs) else None
+             for k in ("calls_per_s", "server_cpu_ms_per_call", "client_cpu_ms_per_call", "total_cpu_ms_per_call",
+                       "MB_per_s", "socket_MBps", "ratio")}
+        body = f"{size} B" if size < 2**20 else f"{size // 2**20} MiB"
+        bulk = m["ratio"] is not None
+        table.append(
+            f"| {loop} | 1 request, {messages} x {body} | {conc} | {len(rs)} | {m['calls_per_s']:.0f}"
+            f" | {m['server_cpu_ms_per_call']:.2f} / {m['client_cpu_ms_per_call']:.2f} / {m['total_cpu_ms_per_call']:.2f}"
+            f" | {m['MB_per_s']:.0f} | {m['socket_MBps']:.0f} | {m['ratio']:.2f}" if bulk else
+            f"| {loop} | 1 request, {messages} x {body} | {conc} | {len(rs)} | {m['calls_per_s']:.0f}"
+            f" | {m['server_cpu_ms_per_call']:.2f} / {m['client_cpu_ms_per_call']:.2f} / {m['total_cpu_ms_per_call']:.2f} | - | - | -"
+        )
+        table[-1] += f" | {span([r['load_avg_1m'] for r in rs], '{:.1f}')} |"
+        out[f"{loop}|{messages}x{size}|{conc}"] = m
+    small = [v for k, v in out.items() if k.startswith("uvloop|") and v["ratio"] is None]
+    bulk_rows = [v for k, v in out.items() if v["ratio"] is not None]
+    return {
+        "table": "\n".join(table),
+        "cells": out,
+        "small_ms": small[0]["total_cpu_ms_per_call"] if small else None,
+        "bulk_ratio": span([round(v["ratio"], 2) for v in bulk_rows], "{:.2f}"),
+        "bulk_ms_per_MB": span([round(v["total_cpu_ms_per_call"] / (k_mb(k)), 2) for k, v in out.items() if v["ratio"] is not None], "{:.2f}"),
+        "grpcio": rows[0]["grpcio"] if rows else "",
+    }
+
+
+def k_mb(key: str) -> float:
+    """MB per call of a grpc_floor cell key 'loop|MxB|conc'."""
+    messages, size = key.split("|")[1].split("x")
+    return int(messages) * int(size) / 1e6
 
 
 def pool(root: Path = ROOT) -> dict:
@@ -388,9 +458,7 @@ def kv_check(root: Path = ROOT) -> dict:
         "| model (weights, dtype) | torch threads | context tokens | K/V tensors (MB) | check ms: sums first / product alone | ratio | rounds | load |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    cells: dict[tuple, list[dict]] = {}
-    for r in rows:
-        cells.setdefault((r["model"], r["weights"], r["dtype"], r["torch_threads"], r["ctx_tokens"]), []).append(r)
+    cells = cells_of(rows, "model", "weights", "dtype", "torch_threads", "ctx_tokens")
     out: dict = {}
     for (model, weights, dtype, threads, ctx), rs in sorted(cells.items()):
         check = statistics.median(r["kv_check_ms"] for r in rs)

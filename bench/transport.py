@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     expect = expectation(model, ctx)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
+    code = services.code_version()
     producers = []  # all start together (start-up dominates a quick run); measured one at a time
     try:
         producers = [spawn_producer(model, c, ctx, args.malloc_mmap_threshold) for c in chunk_sizes]
@@ -209,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.out, "w") as out:
             for chunk_bytes, producer in zip(chunk_sizes, producers):
                 started = time.monotonic()
-                row = {**measure(producer, chunk_bytes, token_ids, reps, expect), "malloc_mmap_threshold": args.malloc_mmap_threshold}
+                row = {**measure(producer, chunk_bytes, token_ids, reps, expect), "malloc_mmap_threshold": args.malloc_mmap_threshold,
+                       "code": code}
                 note(f"chunk {chunk_bytes} B: {time.monotonic() - started:.1f}s")
                 rows.append(row)
                 print(json.dumps(row), flush=True)
