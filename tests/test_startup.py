@@ -314,3 +314,22 @@ def test_intra_op_threads_one_on_cuda_unless_configured_or_set_by_omp():
     assert intra_op_threads(0, "cpu", {})[0] == 0  # torch's default on a CPU model
     threads, why = intra_op_threads(0, "auto", {})
     assert (threads == 1) == torch.cuda.is_available() and why
+
+
+def test_core_log_translates_fd2_while_python_writes_the_real_stderr_directly():
+    """A service's own lines skip the core-log pipe (no second pass on the reader thread); gRPC
+    core's lines on fd 2 still become JSON lines; both reach the process's stderr."""
+    script = (
+        "import os, sys\n"
+        "from shared import core_log\n"
+        "core = core_log.install('producer')\n"
+        "print('direct', sys.stderr.fileno() != 2, file=sys.stderr, flush=True)\n"
+        "os.write(2, b'E1201 13:27:34.9 15502 server.cc:10] boom\\n')\n"
+        "core.close()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert "direct True" in lines
+    (core,) = [json.loads(line) for line in lines if line.startswith("{")]
+    assert core["event"] == "grpc.core" and core["message"] == "boom" and core["service"] == "producer"
