@@ -5,6 +5,7 @@ Part of bench.figures (which assembles every section); measures nothing."""
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 from pathlib import Path
@@ -98,6 +99,40 @@ def grpc_floor(root: Path = ROOT) -> dict:
         "bulk_ms_per_MB": span([round(v["total_cpu_ms_per_call"] / (k_mb(k)), 2) for k, v in out.items() if v["ratio"] is not None], "{:.2f}"),
         "grpcio": rows[0]["grpcio"] if rows else "",
     }
+
+
+def log_cost(root: Path = ROOT) -> dict:
+    """bench.log_cost's rows: the median CPU per log line per routing, and the runs."""
+    rows = rows_of(root / "bench/results/log_cost.jsonl")
+    med = {v: statistics.median(r["cpu_us_per_line"] for r in rs) for (v,), rs in cells_of(rows, "variant").items()}
+    return {**med, "runs": len(rows) // max(1, len(med)), "load": span([r["load_avg_1m"] for r in rows], "{:.1f}")}
+
+
+REQUEST_TARGET_MS = 4.3  # issue #32: CPU per short request, three processes together
+
+
+def request_floor(root: Path = ROOT) -> dict:
+    """What one short QA-pair request must cost at least on this CPU, from other benches' rows:
+    two gRPC calls (client -> consumer, consumer -> producer) at bench.grpc_floor's small-call
+    CPU, the context's bytes at its bulk CPU per MB, and four row-steps of the bare model's decode
+    step at batch 32 (bench.engine_step, one thread: a question prefill and ~3 tokens). Bytes per
+    request at 512 tokens in float32 (bench.throughput's setting): raw's are the K/V from the
+    model's config; SCD's the median of bench.ttft's QA-pair rows (bf16 runs: a lower bound)."""
+    floor = grpc_floor(root)["cells"]
+    small = floor["uvloop|2x64|32"]["total_cpu_ms_per_call"]
+    per_mb = floor[f"uvloop|1x{1 << 20}|4"]["total_cpu_ms_per_call"] / k_mb(f"uvloop|1x{1 << 20}|4")
+    step = engine_step(root)["cells"]["1|32"]["bare"]
+    forward = 4 * step / 32
+    ttft_rows = [r for r in rows_of(root / "bench/results/ttft.jsonl") if r["model"] == "qa-base->qa-tuned" and r["ctx_tokens"] == 512]
+    cfg = json.loads((root / "checkpoints/qa-tuned/config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    raw_bytes = cfg["num_hidden_layers"] * 2 * 512 * cfg["num_key_value_heads"] * head_dim * 4
+    out = {"small_ms": small, "per_mb_ms": per_mb, "step_ms": step, "forward_ms": forward}
+    for mode, nbytes in (("raw", raw_bytes), ("scd", statistics.median(r["bytes"] for r in ttft_rows if r["mode"] == "scd"))):
+        mb = nbytes / 1e6
+        floor_ms = 2 * small + per_mb * mb + forward
+        out[mode] = {"mb": mb, "bytes_ms": per_mb * mb, "floor_ms": floor_ms, "left_ms": REQUEST_TARGET_MS - floor_ms}
+    return out
 
 
 def k_mb(key: str) -> float:
