@@ -41,11 +41,30 @@ def rope_tables(loaded: LoadedModel, like: torch.Tensor, pos: torch.Tensor) -> t
     return tables
 
 
+def joined_positions(loaded: LoadedModel, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Several requests' positions [1, T_i] joined along tokens -> [1, sum T_i], carrying their
+    (cos, sin) in dtype joined from each part's own tables (rope_tables' cache on each part: every
+    layer after a request's first reuses them). A batched rebuild then rotates each request's keys
+    with exactly the values its own rebuild would: the same tables, computed over the same
+    positions tensor, whatever else shares the batch."""
+    pos = torch.cat(parts, dim=1)
+    like = torch.empty(0, dtype=dtype, device=loaded.device)
+    tables = [rope_tables(loaded, like, part) for part in parts]
+    joined = (torch.cat([cos for cos, _ in tables], dim=1), torch.cat([sin for _, sin in tables], dim=1))
+    pos._scd_rope = (loaded.model, dtype, joined)  # type: ignore[attr-defined]
+    return pos
+
+
 def rope(loaded: LoadedModel, layer: int, keys_pre: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Apply the model's rotary embedding: keys_pre [n_kv, T, hd] -> post-RoPE [n_kv, T, hd]."""
     cos, sin = rope_tables(loaded, keys_pre, pos)  # [1, T, hd] each
-    _, keys = _rope_fn(loaded, layer)(keys_pre[None], keys_pre[None], cos, sin)
-    return keys[0]
+    # Rotated token-major, [1, T, n_kv, hd] (unsqueeze_dim=2): the layout keys come in from a
+    # projection, where the elementwise ops run over contiguous memory. The model's own function
+    # rotates a query and a key: one head stands in for the query (its result is dropped). Every
+    # op is elementwise, so the keys' values are the same as rotating [1, n_kv, T, hd].
+    k = keys_pre.transpose(0, 1)[None]
+    _, keys = _rope_fn(loaded, layer)(k[:, :, :1], k, cos, sin, unsqueeze_dim=2)
+    return keys[0].transpose(0, 1)
 
 
 def kv_pre_rope(loaded: LoadedModel, layer: int, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

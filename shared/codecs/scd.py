@@ -146,7 +146,7 @@ class ScdDecoder(KVDecoder):
                 errors[i] = error
             return errors
         payloads = {name: torch.cat([job.payloads[name] for job in jobs]) for name in jobs[0].payloads}
-        pos = torch.cat([d.pos for d in decoders], dim=1)  # [1, sum T]
+        pos = layers.joined_positions(first.loaded, [d.pos for d in decoders], first.loaded.dtype)  # [1, sum T]
         keys, values = ops.decode_layer(first.art, layer, action, payloads, first.loaded, pos, first.art.geometry.quant_group)
         sizes = [d.pos.shape[1] for d in decoders]
         return KVDecoder.store_many(
