@@ -46,8 +46,7 @@ class CoreLog:
         self._saved = os.dup(2)
         os.dup2(write, 2)
         os.close(write)
-        # Python writes to the real stderr directly (line-buffered, as a terminal's stderr is)
-        sys.stderr = open(os.dup(self._saved), "w", buffering=1, encoding="utf-8", errors="backslashreplace")
+        sys.stderr = _Direct(os.dup(self._saved))
         self._reader = threading.Thread(target=self._pump, args=(read,), name="grpc-core-log", daemon=True)
         self._reader.start()
         atexit.register(self.close)
@@ -91,6 +90,29 @@ class CoreLog:
     def _json(self, event: str, level: str, **fields) -> str:
         stamp = datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
         return json.dumps({**fields, "event": event, "service": self.service, "level": level, "timestamp": stamp})
+
+
+class _Direct:
+    """Python's sys.stderr once installed: lines go straight to the real stderr, line-buffered, as
+    a terminal's stderr is. When whoever reads stderr has gone away (a closed pipe: EPIPE), a line
+    is lost instead of raising into the code that logged it, as the core-log reader also drops
+    what it cannot write: a log line never fails a request."""
+
+    def __init__(self, fd: int):
+        self._file = open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace")
+
+    def write(self, text: str) -> int:
+        try:
+            return self._file.write(text)
+        except (OSError, ValueError):
+            return len(text)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._file.flush()
+
+    def __getattr__(self, name: str):  # fileno, isatty, encoding, ...: the file's own
+        return getattr(self._file, name)
 
 
 CORE_LOG: CoreLog | None = None  # the process's, once a service entry point installed it

@@ -333,3 +333,23 @@ def test_core_log_translates_fd2_while_python_writes_the_real_stderr_directly():
     assert "direct True" in lines
     (core,) = [json.loads(line) for line in lines if line.startswith("{")]
     assert core["event"] == "grpc.core" and core["message"] == "boom" and core["service"] == "producer"
+
+
+def test_a_service_whose_stderr_reader_went_away_keeps_logging_without_failing():
+    """stderr is a pipe whose reader closed (EPIPE on every write): log lines are lost, never
+    raised into the code that logs (a request would fail on its log line), and the process exits 0."""
+    script = (
+        "import time\n"
+        "from shared import core_log, logs\n"
+        "core_log.install('producer')\n"
+        "logs.configure('producer', 'INFO')\n"
+        "time.sleep(0.5)\n"  # the reader below is gone by now
+        "for i in range(200):\n"
+        "    logs.get('producer.test').info('line', i=i)\n"
+        "print('ok', flush=True)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stderr is not None
+    child.stderr.close()
+    out, _ = child.communicate(timeout=60)
+    assert child.returncode == 0 and out.strip() == "ok"
