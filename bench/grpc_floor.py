@@ -27,6 +27,9 @@ from pathlib import Path
 
 import grpc
 
+from bench.services import free_port
+from bench.transport import process_cpu_s, socket_run
+
 METHOD = "/floor.Floor/Stream"
 # option sets for both ends, by name (--variants): gRPC core's HTTP/2 framing and TCP reads
 VARIANTS: dict[str, list[tuple[str, int]]] = {
@@ -39,11 +42,6 @@ VARIANTS: dict[str, list[tuple[str, int]]] = {
 }
 BIG = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _run(loop: str, coro) -> None:
@@ -92,11 +90,11 @@ async def _client(port: int, concurrency: int, seconds: float, server_pid: int, 
                 await one()
                 calls += 1
 
-        s0, c0, t0 = _cpu_s(server_pid), _cpu_s(os.getpid()), time.perf_counter()
+        s0, c0, t0 = process_cpu_s(server_pid), process_cpu_s(os.getpid()), time.perf_counter()
         received = 0
         await asyncio.gather(*(caller() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-        s1, c1 = _cpu_s(server_pid), _cpu_s(os.getpid())
+        s1, c1 = process_cpu_s(server_pid), process_cpu_s(os.getpid())
     return {
         "calls": calls,
         "calls_per_s": round(calls / wall, 1),
@@ -106,16 +104,8 @@ async def _client(port: int, concurrency: int, seconds: float, server_pid: int, 
     }
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_once(loop: str, variant: str, args) -> dict:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "bench.grpc_floor", "--role", "server", "--loop", loop, "--port", str(port),
            "--messages", str(args.messages), "--bytes", str(args.bytes), "--variant", variant]
     server = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -173,8 +163,6 @@ def main(argv: list[str] | None = None) -> None:
         for loop, variant in cells if r % 2 == 0 else cells[::-1]:
             row = {**run_once(loop, variant, args), "round": r}
             if args.bytes >= 65536:  # the same bytes through a plain socket, in the same round
-                from bench.transport import socket_run
-
                 mbps, _ = socket_run(max(64 << 20, int(row["MB_per_s"] * 1e6)))
                 row["socket_MBps"] = round(mbps, 1)
                 row["ratio"] = round(row["MB_per_s"] / mbps, 3)

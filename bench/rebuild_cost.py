@@ -78,11 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "bench" / "results" / "rebuild_cost.jsonl"))
     args = parser.parse_args(argv)
-    import subprocess
+    from bench.services import code_version
 
-    code = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
-    row = {**measure(args.batch, args.ctx, args.reps), "code": code + ("+dirty" if dirty else ""), "label": args.label}
+    row = {**measure(args.batch, args.ctx, args.reps), "code": code_version(Path.cwd()), "label": args.label}
     print(json.dumps(row), flush=True)
     if args.keep:
         with open(args.out, "a") as f:

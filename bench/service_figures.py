@@ -80,23 +80,23 @@ def grpc_floor(root: Path = ROOT) -> dict:
                        "MB_per_s", "socket_MBps", "ratio")}
         body = f"{size} B" if size < 2**20 else f"{size // 2**20} MiB"
         bulk = m["ratio"] is not None
+        if bulk:
+            m["cpu_ms_per_MB"] = m["total_cpu_ms_per_call"] / (messages * size / 1e6)
+        wire = f"{m['MB_per_s']:.0f} | {m['socket_MBps']:.0f} | {m['ratio']:.2f}" if bulk else "- | - | -"
         table.append(
             f"| {loop} | 1 request, {messages} x {body} | {conc} | {len(rs)} | {m['calls_per_s']:.0f}"
             f" | {m['server_cpu_ms_per_call']:.2f} / {m['client_cpu_ms_per_call']:.2f} / {m['total_cpu_ms_per_call']:.2f}"
-            f" | {m['MB_per_s']:.0f} | {m['socket_MBps']:.0f} | {m['ratio']:.2f}" if bulk else
-            f"| {loop} | 1 request, {messages} x {body} | {conc} | {len(rs)} | {m['calls_per_s']:.0f}"
-            f" | {m['server_cpu_ms_per_call']:.2f} / {m['client_cpu_ms_per_call']:.2f} / {m['total_cpu_ms_per_call']:.2f} | - | - | -"
+            f" | {wire} | {span([r['load_avg_1m'] for r in rs], '{:.1f}')} |"
         )
-        table[-1] += f" | {span([r['load_avg_1m'] for r in rs], '{:.1f}')} |"
         out[f"{loop}|{messages}x{size}|{conc}"] = m
     small = [v for k, v in out.items() if k.startswith("uvloop|") and v["ratio"] is None]
-    bulk_rows = [v for k, v in out.items() if v["ratio"] is not None]
+    bulk_cells = [v for v in out.values() if v["ratio"] is not None]
     return {
         "table": "\n".join(table),
         "cells": out,
         "small_ms": small[0]["total_cpu_ms_per_call"] if small else None,
-        "bulk_ratio": span([round(v["ratio"], 2) for v in bulk_rows], "{:.2f}"),
-        "bulk_ms_per_MB": span([round(v["total_cpu_ms_per_call"] / (k_mb(k)), 2) for k, v in out.items() if v["ratio"] is not None], "{:.2f}"),
+        "bulk_ratio": span([round(v["ratio"], 2) for v in bulk_cells], "{:.2f}"),
+        "bulk_ms_per_MB": span([round(v["cpu_ms_per_MB"], 2) for v in bulk_cells], "{:.2f}"),
         "grpcio": rows[0]["grpcio"] if rows else "",
     }
 
@@ -120,7 +120,7 @@ def request_floor(root: Path = ROOT) -> dict:
     model's config; SCD's the median of bench.ttft's QA-pair rows (bf16 runs: a lower bound)."""
     floor = grpc_floor(root)["cells"]
     small = floor["uvloop|2x64|32"]["total_cpu_ms_per_call"]
-    per_mb = floor[f"uvloop|1x{1 << 20}|4"]["total_cpu_ms_per_call"] / k_mb(f"uvloop|1x{1 << 20}|4")
+    per_mb = floor[f"uvloop|1x{1 << 20}|4"]["cpu_ms_per_MB"]
     step = engine_step(root)["cells"]["1|32"]["bare"]
     forward = 4 * step / 32
     ttft_rows = [r for r in rows_of(root / "bench/results/ttft.jsonl") if r["model"] == "qa-base->qa-tuned" and r["ctx_tokens"] == 512]
@@ -133,12 +133,6 @@ def request_floor(root: Path = ROOT) -> dict:
         floor_ms = 2 * small + per_mb * mb + forward
         out[mode] = {"mb": mb, "bytes_ms": per_mb * mb, "floor_ms": floor_ms, "left_ms": REQUEST_TARGET_MS - floor_ms}
     return out
-
-
-def k_mb(key: str) -> float:
-    """MB per call of a grpc_floor cell key 'loop|MxB|conc'."""
-    messages, size = key.split("|")[1].split("x")
-    return int(messages) * int(size) / 1e6
 
 
 def pool(root: Path = ROOT) -> dict:

@@ -25,13 +25,13 @@ ROOT = Path(__file__).resolve().parent.parent
 NO_PREFIX_CACHE = ("--prefix-cache-bytes", "0")
 
 
-def code_version() -> str:
+def code_version(root: Path = ROOT) -> str:
     """The commit the services run from (with "+dirty" when the working tree has changes): what a
-    benchmark row measured."""
+    benchmark row measured. `root`: another checkout's (a worktree a bench measures)."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True,
                                 check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
                                text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
