@@ -597,10 +597,7 @@ def adaptive(root: Path = ROOT) -> dict:
     fixed candidate within the budget, and the step run."""
     path = root / "bench/results/adaptive.jsonl"
     rows = rows_of(path) if path.exists() else []
-    cells: dict[tuple, list[dict]] = {}
-    for r in rows:
-        if "phase" not in r:
-            cells.setdefault((r["model"], r["ctx_tokens"], r["bandwidth_mbit"], r["delay_ms"], r["store"]), []).append(r)
+    cells = cells_of([r for r in rows if "phase" not in r], "model", "ctx_tokens", "bandwidth_mbit", "delay_ms", "store")
     table = [
         "| model (weights, dtype) | ctx | Mbit/s | delay ms | shaping | store | auto picked | auto TTFT p50 ms"
         " | fastest fixed within budget (p50 ms) | auto / fastest | budget | auto's loss | F1 auto / oracle | load |",
