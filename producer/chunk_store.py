@@ -13,6 +13,12 @@ Eviction (`Index.victim`), per tier:
   per byte, value = (hits + 1) x end position (the prefill the chunk saves grows with every token
   up to its end); ties by least recent use;
 - "lru": the least recently used entry, whatever its place in the chain (kept for comparison).
+Making room is all or nothing (`Index.make_room`): the victims are dropped from the index and their
+data from the tier in the same step under the lock, or nothing changes; what a request just stored
+and every ancestor of it are never victims. So the index and the data agree at every step: bytes
+counted = bytes held <= budget, every key `has` reports is one `get` returns, and each eviction
+from RAM publishes its removal event (tests/test_store_properties.py checks these over random
+sequences of puts, continuations, gets, evictions and restarts, on both tiers).
 
 Memory outside the budget: a running request's plan (producer.reuse) holds the entries it loaded
 until it ends, so an entry evicted (or a disk read not kept in RAM) meanwhile still holds its
@@ -26,6 +32,7 @@ about gRPC, models or codecs: entries are named CPU tensors.
 
 from __future__ import annotations
 
+import heapq
 import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -63,12 +70,17 @@ class Slot:
     end: int
     hits: int = 0
     used: int = 0  # the index's clock at the last use
+    version: int = 0  # bumped whenever its eviction order or leaf status changes: older heap items are stale
 
 
 @dataclass
 class Index:
     """One tier's bookkeeping: slots by key, bytes held, children per parent, and the eviction
-    choice. The tier itself holds the data."""
+    choice. The tier itself holds the data.
+
+    The eviction order is a heap of candidates (leaves under "cost", every entry under "lru"),
+    items of an older version of a slot skipped as stale: a victim costs O(log n), not a scan of
+    every slot on the event loop."""
 
     budget_bytes: int
     policy: str = "cost"
@@ -78,10 +90,30 @@ class Index:
     clock: int = 0
     hits: int = 0
     evictions: int = 0
+    _heap: list[tuple[float, int, int, str]] = field(default_factory=list, repr=False)  # (value/byte, used, version, key)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"eviction policy {self.policy!r} not in {POLICIES}")
+
+    def _candidate(self, key: str) -> bool:
+        return self.policy == "lru" or not self.children.get(key)  # "cost": a prefix of something held goes after it
+
+    def _push(self, key: str) -> None:
+        """(Re)order a slot by its current value; its earlier heap items become stale."""
+        slot = self.slots[key]
+        slot.version += 1
+        if not self._candidate(key):
+            return  # pushed again when its last child goes
+        score = 0.0 if self.policy == "lru" else (slot.hits + 1) * slot.end / max(slot.nbytes, 1)
+        heapq.heappush(self._heap, (score, slot.used, slot.version, key))
+        if len(self._heap) > 64 + 4 * len(self.slots):  # mostly stale: rebuild from the live items
+            self._heap = [item for item in self._heap if self._live(item)]
+            heapq.heapify(self._heap)
+
+    def _live(self, item: tuple[float, int, int, str]) -> bool:
+        slot = self.slots.get(item[3])
+        return slot is not None and slot.version == item[2] and self._candidate(item[3])
 
     def touch(self, key: str) -> None:
         self.clock += 1
@@ -89,14 +121,22 @@ class Index:
         slot.hits += 1
         slot.used = self.clock
         self.hits += 1
+        self._push(key)
 
     def add(self, key: str, slot: Slot) -> None:
         self.drop(key)
         self.clock += 1
         slot.used = slot.used or self.clock
+        self._insert(key, slot)
+
+    def _insert(self, key: str, slot: Slot) -> None:
         self.slots[key] = slot
         self.nbytes += slot.nbytes
-        self.children[slot.parent] = self.children.get(slot.parent, 0) + 1
+        held = self.children.get(slot.parent, 0)
+        self.children[slot.parent] = held + 1
+        if not held and slot.parent in self.slots:
+            self._push(slot.parent)  # no longer a leaf: its heap items go stale
+        self._push(key)
 
     def drop(self, key: str) -> Slot | None:
         slot = self.slots.pop(key, None)
@@ -107,45 +147,77 @@ class Index:
                 self.children[slot.parent] = left
             else:
                 del self.children[slot.parent]
+                if slot.parent in self.slots:
+                    self._push(slot.parent)  # a leaf again
         return slot
 
     def victim(self, keep: Collection[str] = ()) -> str | None:
-        """The next entry to evict (never one of `keep`), or None when no other can go."""
-        best: tuple[float, int] | None = None
+        """The next entry to evict (never one of `keep`), or None when no other can go: under
+        "cost" the leaf (an entry none of whose children is held here: a chunk is worthless without
+        its parent, so leaves go before their prefixes) of lowest value per byte, value = (hits + 1)
+        x end position, ties by least recent use; under "lru" the least recently used entry."""
+        skipped = []
         chosen = None
-        for key, slot in self.slots.items():
-            if key in keep:
-                continue
-            if self.policy == "lru":
-                score: tuple[float, int] = (0.0, slot.used)
+        while self._heap:
+            item = self._heap[0]
+            if not self._live(item):
+                heapq.heappop(self._heap)
+            elif item[3] in keep:
+                skipped.append(heapq.heappop(self._heap))
             else:
-                if self.children.get(key):
-                    continue  # a prefix of something held here: its leaves go first
-                score = ((slot.hits + 1) * slot.end / max(slot.nbytes, 1), slot.used)
-            if best is None or score < best:
-                best, chosen = score, key
+                chosen = item[3]
+                break
+        for item in skipped:
+            heapq.heappush(self._heap, item)
         return chosen
+
+    def closure(self, key: str, parent: str, protect: Iterable[str] = ()) -> set[str]:
+        """What making room for `key` (under `parent`) must not evict: the key, `protect`, and under
+        "cost" every ancestor of them held here (evicting one would orphan what it leads to)."""
+        keep = {key, *protect}
+        if self.policy != "cost":
+            return keep
+        starts = [parent, *(self.slots[p].parent for p in protect if p in self.slots)]
+        for up in starts:
+            while up in self.slots and up not in keep:
+                keep.add(up)
+                up = self.slots[up].parent
+        return keep
 
     def make_room(
         self, key: str, parent: str, nbytes: int, protect: Sequence[str] = (), last: frozenset[str] = frozenset()
     ) -> list[str] | None:
-        """Evict until nbytes more fit, never `protect` (what the same request just stored),
-        `last` (entries in use: evicting them frees nothing yet) only when nothing else can go;
-        the keys evicted, or None (nothing evicted) when they cannot: "cost" never evicts the
-        new entry's ancestors for it (that would orphan it), so a chain that outgrows the budget
-        keeps its prefix."""
-        keep = [key, *protect]
-        while self.policy == "cost" and parent in self.slots and parent not in keep:  # the held ancestors
-            keep.append(parent)
-            parent = self.slots[parent].parent
-        if sum(self.slots[k].nbytes for k in keep if k in self.slots) + nbytes > self.budget_bytes:
+        """Evict until nbytes more fit, all or nothing: the keys evicted (their slots dropped; the
+        tier removes their data), or None with nothing changed when they cannot fit. Never evicts
+        `closure` (the new entry, `protect`: what the same request just stored, and their held
+        ancestors), and `last` (entries in use: evicting them frees nothing yet) only when nothing
+        else can go. A chain that outgrows the budget keeps its prefix and stores no more."""
+        keep = self.closure(key, parent, protect)
+        replaced = self.slots[key].nbytes if key in self.slots else 0  # a rewrite: its old bytes go
+        fixed = sum(self.slots[k].nbytes for k in keep if k in self.slots and k != key)
+        if fixed + nbytes > self.budget_bytes:
             return None
-        evicted = []
-        kept = set(keep)
-        while self.nbytes + nbytes > self.budget_bytes:
-            victim = (self.victim(kept | last) if last else None) or self.victim(kept)
-            if victim is None:  # cannot happen: what is not kept holds a leaf
+        evicted: list[tuple[str, Slot]] = []
+        while self.nbytes - replaced + nbytes > self.budget_bytes:
+            victim = (self.victim(keep | last) if last else None) or self.victim(keep)
+            if victim is None:  # cannot happen (what is not kept holds a leaf): undo, all or nothing
+                for k, slot in reversed(evicted):
+                    self._insert(k, slot)
                 return None
+            slot = self.drop(victim)
+            assert slot is not None
+            evicted.append((victim, slot))
+        self.evictions += len(evicted)
+        return [k for k, _ in evicted]
+
+    def over_budget(self) -> list[str]:
+        """Evict by policy until the bytes held fit the budget (a tier found larger than its budget
+        at start-up); the keys evicted."""
+        evicted = []
+        while self.nbytes > self.budget_bytes:
+            victim = self.victim()
+            if victim is None:
+                break
             self.drop(victim)
             self.evictions += 1
             evicted.append(victim)
@@ -291,9 +363,9 @@ class ChunkStore:
             pinned = frozenset(e.key for e in self._pinned.values() if self.entries.get(e.key) is e)
             evicted = self.index.make_room(entry.key, entry.parent, nbytes, protect, pinned)
             if evicted is None:
-                return False
+                return False  # nothing was evicted
             for key in evicted:
-                del self.entries[key]
+                self.entries.pop(key)  # the index's slots and the entries are the same keys
             new = entry.key not in self.entries
             self.entries[entry.key] = entry
             self.index.add(entry.key, Slot(nbytes, entry.parent, entry.end))

@@ -13,7 +13,10 @@ process on the same directory) is read whole, old or new, never half of each. A 
 not parse, names another key or fails its checksum is deleted and counted (`corrupt`), and the
 caller falls back to the prefill: bad bytes are never served. A file gone between the index
 check and the open is a miss, not corruption. On start the directory is scanned (headers
-only), so a restarted producer serves what it had written.
+only), so a restarted producer serves what it had written; files past the budget (a smaller
+budget than the last run's) are evicted by the policy then. Making room is all or nothing
+(producer.chunk_store.Index.make_room): the files of the victims go with their index slots, or
+nothing does.
 
 Knows nothing about gRPC, models or codecs.
 """
@@ -94,6 +97,11 @@ class DiskTier:
             self.index.add(meta["key"], slot)
         for stale in self.dir.glob(".*.tmp"):  # a write a crash interrupted
             stale.unlink(missing_ok=True)
+        over = self.index.over_budget()  # files of a larger budget (or another process): evicted by policy
+        for key in over:
+            self.path(key).unlink(missing_ok=True)
+        if over:
+            log.info("disk_tier.scan_evicted", files=len(over), budget_bytes=self.index.budget_bytes)
 
     def _drop_bad(self, path: Path, why: str) -> None:
         self.corrupt += 1
