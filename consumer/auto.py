@@ -1,7 +1,8 @@
 """Mode `auto`: the fastest way to this request's context KV whose calibrated loss meets its budget.
 
 Candidates (`Chooser.candidates`): the consumer's own prefill (`oracle`, loss 0, exact); with the
-producer's weights equal to the consumer's, `raw` and `recompute` (exact); and every transfer
+producer's model identity equal to the consumer's (weights at their precision, forward config,
+dtype: shared.models), `raw` and `recompute` (exact); and every transfer
 point of an SCD artifact calibrated for this consumer (shared.scd.artifact.TransferPoint: the
 SCD schedules, and raw / quant / recompute measured on the same held-out KL), the non-SCD ones
 only when the producer's weights are known to be the artifact's (their loss holds for that
@@ -134,16 +135,20 @@ class Chooser:
         codecs: Mapping[str, codec_lib.Codec],
         planner: TransferPlanner,
         memory: ProducerMemory,
-        cached_tokens: Callable[[Candidate, list[int]], int],
+        cached_tokens: Callable[[Candidate, list[int], str], int],
         producer_digest: Callable[[], str] = lambda: "",
         producer_usable: Callable[[], bool] = lambda: True,
         producer_dtype: Callable[[], str] = lambda: "",
+        producer_identity: Callable[[], str] = lambda: "",
     ):
         self.loaded, self.codecs, self.planner, self.memory = loaded, codecs, planner, memory
         self.cached_tokens = cached_tokens  # tokens of the context the prefix cache holds made as a candidate makes them
         self.producer_digest, self.producer_usable = producer_digest, producer_usable
         self.producer_dtype = producer_dtype  # the dtype the producer computes its KV in ("" unknown)
-        self._cached: tuple[tuple[str, str], list[Candidate]] | None = None  # ((digest, dtype), candidates) last built
+        self.producer_identity = producer_identity  # what shapes the producer's K/V (ModelInfo.identity; "" unknown)
+        self._cached: tuple[tuple[str, str, str], list[Candidate]] | None = (
+            None  # ((digest, dtype, identity), candidates) last built
+        )
         self.choices_since_probe = PROBE_EVERY  # auto choices since a user request was last a probe
         self.local_choice_at = 0.0  # time.monotonic() of the last choice of the own prefill over a remote candidate
         self._keys: dict[tuple, str] = {}  # key() memo: (producer digest, mode, options) -> key
@@ -161,7 +166,7 @@ class Chooser:
 
     def candidates(self) -> list[Candidate]:
         """The candidate set for what is known of the producer now (built again when that changes)."""
-        producer = (self.producer_digest(), self.producer_dtype())
+        producer = (self.producer_digest(), self.producer_dtype(), self.producer_identity())
         if self._cached is None or self._cached[0] != producer:
             self._cached = (producer, self._build())
         return self._cached[1]
@@ -176,9 +181,11 @@ class Chooser:
 
         add(Candidate(ORACLE_MODE, {}, 0.0, "exact", 0.0))
         info, producer = self.loaded.info, self.producer_digest()
-        # the producer's K/V are the consumer's own only with the same weights computed in the same
-        # dtype: a bfloat16 producer's K/V cast to a float32 consumer (or back) is not exact
-        if producer and producer == info.weight_digest and self.producer_dtype() == info.dtype:
+        # the producer's K/V are the consumer's own only from the same model identity: the same weights
+        # at the same precision, the same forward config (rope, window, eps...), computed in the same
+        # dtype (a bfloat16 producer's K/V cast to a float32 consumer, or back, is not exact)
+        identity = self.producer_identity()
+        if identity and identity == info.identity and self.producer_dtype() == info.dtype:
             raw_bytes = info.kv_bytes(1)
             for name in ("raw", "recompute"):
                 if name in self.codecs:
@@ -265,9 +272,9 @@ class Chooser:
                 return mode_key(mode, {"artifact": arts[0].artifact_id, "schedule": schedule})
         return mode_key(mode, options)
 
-    def _estimate(self, c: Candidate, key: str, context_ids: list[int]) -> Estimate:
+    def _estimate(self, c: Candidate, key: str, context_ids: list[int], tenant: str = "") -> Estimate:
         T = len(context_ids)
-        cached = self.cached_tokens(c, context_ids)
+        cached = self.cached_tokens(c, context_ids, tenant)
         if cached >= T:
             return Estimate(0.0, "the consumer's prefix cache holds the whole context")
         if not c.remote:
@@ -275,7 +282,8 @@ class Chooser:
             if not cached:
                 return local
             return Estimate(local.ms, f"{local.detail}; {cached} cached", local.base_ms, local.confident, local.why)
-        kv_held, payload_held = self.memory.held(self.producer_digest(), self.producer_dtype(), key, context_ids)
+        producer = f"{self.producer_identity()}|{tenant}" if self.producer_identity() else ""
+        kv_held, payload_held = self.memory.held(producer, self.producer_dtype(), key, context_ids)
         compute = 0 if payload_held >= T else T - kv_held
         encode = max(0, T - max(payload_held, cached))
         L = self.loaded.info.num_layers
@@ -289,12 +297,12 @@ class Chooser:
         except (ServiceError, ValueError):
             return None
 
-    def estimate_named(self, mode: str, options: Mapping[str, str], context_ids: list[int]) -> Estimate:
+    def estimate_named(self, mode: str, options: Mapping[str, str], context_ids: list[int], tenant: str = "") -> Estimate:
         """The estimate for a mode the request named (nothing to choose): its measured TTFT is
         compared with it afterwards, so named requests teach the learned overhead as auto's own
         choices do (consumer.learning)."""
         c = Candidate(mode, options, math.nan, "named by the request")
-        return self._estimate(c, self.key(mode, options), context_ids)
+        return self._estimate(c, self.key(mode, options), context_ids, tenant)
 
     def _verified(self, pool: list[Candidate]) -> list[Candidate]:
         """`pool` with its lossy candidates that the default budget admits marked VERIFIED: drafts
@@ -323,7 +331,9 @@ class Chooser:
             return "the producer link is unusable"
         return ""
 
-    def choose(self, context_ids: list[int], budget: Budget, only: list[Candidate] | None = None) -> AutoChoice:
+    def choose(self, context_ids: list[int], budget: Budget, only: list[Candidate] | None = None, tenant: str = "") -> AutoChoice:
+        """The candidate to run for `budget`, with every candidate's estimate (what `tenant`'s cached
+        KV and the producer memory of its transfers save included)."""
         pool = only if only is not None else self.candidates()
         if budget.exact and budget.verify != "off":  # lossy transfers give the exact output once verified
             pool = self._verified(pool)
@@ -339,7 +349,7 @@ class Chooser:
             Scored(
                 c,
                 not why_out[id(c)],
-                Estimate(None, "") if why_out[id(c)] else self._estimate(c, keys[id(c)], context_ids),
+                Estimate(None, "") if why_out[id(c)] else self._estimate(c, keys[id(c)], context_ids, tenant),
                 key=keys[id(c)],
                 excluded=why_out[id(c)],
             )

@@ -157,8 +157,8 @@ def _child(spec: dict[str, Any], k: torch.Tensor, v: torch.Tensor, state: torch.
         if spec["torch_threads"]:
             torch.set_num_threads(spec["torch_threads"])
         loaded = load_model(spec["model"], spec["dtype"], spec["device"])
-        if loaded.info.weight_digest != spec["weight_digest"]:
-            raise RuntimeError(f"{spec['model']}: weights differ from the frontend's (digest {loaded.info.weight_digest[:16]})")
+        if loaded.info.identity != spec["identity"]:  # weights at their precision, forward config, dtype
+            raise RuntimeError(f"{spec['model']}: model differs from the frontend's (identity {loaded.info.identity[:16]})")
         pool = KVPool.attach(loaded.info, k, v, spec["block_tokens"])
         warm_up(loaded)
     except Exception as exc:  # reported to the frontend, which fails its start with it
@@ -269,7 +269,7 @@ class EngineProcess(concurrent.futures.Executor):
         spec = {
             "model": model,
             "dtype": loaded.info.dtype,
-            "weight_digest": loaded.info.weight_digest,
+            "identity": loaded.info.identity,
             "device": str(loaded.device),
             "torch_threads": torch_threads,
             "block_tokens": pool.block_tokens,

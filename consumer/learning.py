@@ -34,7 +34,9 @@ def learn(
     if item.trailer is not None and item.codec != ORACLE_MODE and job.codec is not None:
         if item.stream_producer is not None:  # what the stream's header said, not the link check
             key = key_of(job.codec.name, job.options)
-            memory.remember(*item.stream_producer, key, job.context_ids, item.chunk_tokens)
+            identity, dtype = item.stream_producer
+            producer = f"{identity}|{job.tenant}" if identity else ""  # the tenant's own state there (Chooser._estimate)
+            memory.remember(producer, dtype, key, job.context_ids, item.chunk_tokens)
 
 
 def _overhead(planner: TransferPlanner, job: GenerateJob, item: GenerateResult) -> None:

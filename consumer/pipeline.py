@@ -84,7 +84,7 @@ class RequestPipeline:
         admission: KVAdmission,
         source: TransferSource | None,
         prefix: PrefixCache | None = None,
-        producer_digest: Callable[[], str] = lambda: "",
+        producer_identity: Callable[[], str] = lambda: "",
         planner: TransferPlanner | None = None,
         producer_dtype: Callable[[], str] = lambda: "",
         exact_transfer: Callable[[GenerateJob], GenerateJob | None] = lambda job: None,
@@ -97,12 +97,12 @@ class RequestPipeline:
         self.admission = admission
         self.source = source
         self.prefix = prefix  # rebuilt KV kept per context chunk (consumer.prefix_cache); None: off
-        self.producer_digest = producer_digest  # the producer's weight digest as last seen, "" unknown
+        self.producer_identity = producer_identity  # what shapes the producer's K/V (ModelInfo.identity) as last seen, "" unknown
         self.producer_dtype = producer_dtype  # the dtype its KV is computed in, as last seen, "" unknown
         # the names of context KV (prefix cache keys, the producer's prefix keys); through the two
         # attributes above, so that what the link saw is read at the time of each request
         chunk = prefix.chunk_tokens if prefix is not None else None
-        self.keys = PrefixKeys(loaded.info, chunk, lambda: self.producer_digest(), lambda: self.producer_dtype())
+        self.keys = PrefixKeys(loaded.info, chunk, lambda: self.producer_identity(), lambda: self.producer_dtype())
         self.planner = planner  # running estimates: the mid-stream watch under LOCAL_PREFILL
         self.transfer = Transfer(loaded, engine, source, self.keys, planner)
         self.audits = AuditPolicy(loaded, self.transfer, self._local_prefill, self._audit_repair)
@@ -178,7 +178,7 @@ class RequestPipeline:
         result = GenerateResult(job.request_id, job.mode, dict(job.options), len(job.context_ids), len(job.question_ids))
         result.auto = job.auto
         result.raw_kv_bytes = self.loaded.info.kv_bytes(len(job.context_ids))
-        refs = self.keys.chain(job.codec, job.options, job.context_ids)
+        refs = self.keys.chain(job.codec, job.options, job.context_ids, job.tenant)
         verify = job.verify != VERIFY_OFF and job.codec is not None
         if job.verify != VERIFY_OFF and not verify:
             result.verify_decision = "skipped: mode oracle is exact"
@@ -266,14 +266,16 @@ class RequestPipeline:
 
     @property
     def _own_kv(self) -> tuple[str, str]:
-        """(weight digest, dtype) of this consumer's KV: what an exact transfer's producer must be."""
-        return self.loaded.info.weight_digest, self.loaded.info.dtype
+        """(model identity, dtype) of this consumer's KV: what an exact transfer's producer must be
+        (the identity names weights at their precision, forward config and dtype, so a producer of
+        other rope settings or of a float32 checkpoint that rounds to the same bfloat16 is not)."""
+        return self.loaded.info.identity, self.loaded.info.dtype
 
     async def _exact_start(self, job: GenerateJob, exact: SequenceKV) -> int:
         """Verified decoding's exact cache starts with what the prefix cache holds of the context as
         the consumer's own prefill, copied into its blocks (a copy: its question and answer follow
         right after); the tokens copied."""
-        refs = self.keys.chain(None, {}, job.context_ids) if self.prefix is not None else []
+        refs = self.keys.chain(None, {}, job.context_ids, job.tenant) if self.prefix is not None else []
         if self.prefix is None or not refs:
             return 0
         hit = self.prefix.lookup(refs, hold=True)
@@ -290,22 +292,22 @@ class RequestPipeline:
         transfer became one; for a transfer, the producer (digest, dtype) its stream's header named,
         not the one the link check saw before it (a rolling deploy, a pool of unlike producers)."""
         if job.codec is None or result.codec != job.mode:
-            return self.keys.chain(None, {}, job.context_ids)
+            return self.keys.chain(None, {}, job.context_ids, job.tenant)
         if result.stream_producer is None:
             return []  # nothing streamed: the whole context came from the cache, already kept
-        return self.keys.chain(job.codec, job.options, job.context_ids, result.stream_producer)
+        return self.keys.chain(job.codec, job.options, job.context_ids, job.tenant, result.stream_producer)
 
     def _exact_made_as(self, job: GenerateJob, result: GenerateResult, via: GenerateJob | None) -> list[chunks.ChunkRef]:
         """The chunk refs of a verified answer's exact cache: the own prefill's, or the exact
         transfer's (keyed by that transfer, its producer checked to be this model and dtype)."""
         if via is None or result.exact_transfer != via.mode:
-            return self.keys.chain(None, {}, job.context_ids)
-        return self.keys.chain(via.codec, via.options, job.context_ids, self._own_kv)
+            return self.keys.chain(None, {}, job.context_ids, job.tenant)
+        return self.keys.chain(via.codec, via.options, job.context_ids, job.tenant, self._own_kv)
 
-    def cached_tokens(self, codec: Codec | None, options: dict[str, str], context_ids: list[int]) -> int:
-        """Context tokens the prefix cache holds made by `codec` (None: the own prefill), without
-        touching its counters: the whole context, or its cached full chunks."""
-        refs = self.keys.chain(codec, options, context_ids)
+    def cached_tokens(self, codec: Codec | None, options: dict[str, str], context_ids: list[int], tenant: str = "") -> int:
+        """Context tokens the prefix cache holds for `tenant` made by `codec` (None: the own prefill),
+        without touching its counters: the whole context, or its cached full chunks."""
+        refs = self.keys.chain(codec, options, context_ids, tenant)
         return self.prefix.peek(refs) if refs and self.prefix is not None else 0
 
     async def _admit(
@@ -328,7 +330,7 @@ class RequestPipeline:
         hit = self.prefix.lookup(refs, hold=True) if (reuse and self.prefix is not None and refs) else Hit([])
         partial = None
         if job.codec is not None and hit.tokens < T:
-            partial = self.keys.partial(job.codec, job.options, job.context_ids, len(hit.shared))
+            partial = self.keys.partial(job.codec, job.options, job.context_ids, len(hit.shared), job.producer_tenant)
             kept = Hit(hit.shared) if partial is not None else Hit([])  # a tail is re-sent with the rest
             keep = set(kept.shared_blocks)
             pool.drop([b for b in hit.shared_blocks + hit.tail_blocks if b not in keep])

@@ -164,6 +164,7 @@ class ProducerClient:
             consumer_weight_digest=self.consumer_digest,
             first_token=expect.first_token,
             prefix_key=expect.prefix_key,
+            cache_salt=expect.cache_salt,
             accept_layer_chunks=True,
             accept_batches=True,
         )

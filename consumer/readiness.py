@@ -58,6 +58,7 @@ class LinkState:
     producer_digest: str = ""  # the producer's weight digest, once it answered Describe
     producer_artifacts: tuple[str, ...] | None = None  # ids of the SCD artifacts it loaded (None: unknown)
     producer_dtype: str = ""  # the dtype it computes its KV in, once it answered Describe
+    producer_identity: str = ""  # what shapes its K/V (ModelInfo.identity), once it answered Describe
 
 
 def failure(code: grpc.StatusCode, details: str, transport: str = "plaintext") -> ServiceError | None:
@@ -131,7 +132,7 @@ class ProducerLink:
             reason = compat.mismatch(reply, self.codecs)
             digest = reply.model.weight_digest
             arts = tuple(a.artifact_id for a in reply.artifacts)
-            state = LinkState("incompatible" if reason else "ok", reason, digest, arts, reply.model.dtype)
+            state = LinkState("incompatible" if reason else "ok", reason, digest, arts, reply.model.dtype, reply.model.identity)
         if state != self.state:
             self.state = state
             self.changes += 1

@@ -72,6 +72,10 @@ class GenerateJob:
     verify: str = VERIFY_OFF  # VERIFY_OFF | VERIFY_VERIFIED (stream verified tokens only) | VERIFY_PROVISIONAL
     repair: Repair | None = None  # anchor-token repair after the rebuild (consumer.repair); None: off
     stream_interval: int = 1  # tokens per streamed message after the first (--stream-interval)
+    # whose cached KV it may reuse (shared.tenants: its cache_salt, else the caller's token): in the
+    # root of its prefix cache keys, and sent to the producer as PrefillRequest.cache_salt
+    tenant: str = ""
+    producer_tenant: str = ""  # the tenant the producer files it under (its prefix key's root)
 
     @property
     def mode(self) -> str:
@@ -130,7 +134,7 @@ class GenerateResult:
     sent_tokens: int = 0  # context tokens the last stream's payloads covered
     trailer: StreamTrailer | None = None  # the last stream's trailer (its timings feed the planner)
     chunk_tokens: int = 0  # the producer's chunk size as the last stream header gave it
-    stream_producer: tuple[str, str] | None = None  # (weight digest, kv dtype) the last stream's header named
+    stream_producer: tuple[str, str] | None = None  # (model identity, kv dtype) the last stream's header named
     abandoned_span: tuple[int, float] | None = None  # (bytes, ms) an abandoned stream delivered after its first layer
     verify_decision: str = ""  # what verified decoding did ("" off; "verified: ...", "skipped: ...")
     drafted_tokens: int = 0  # tokens drafted on the transferred cache before the exact one was complete

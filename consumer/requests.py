@@ -32,6 +32,7 @@ from consumer.request import (
     Repair,
 )
 from shared import codecs as codec_lib
+from shared import tenants
 from shared.config import ConsumerConfig
 from shared.errors import InvalidArgument
 from shared.models import LoadedModel
@@ -100,9 +101,14 @@ class JobBuilder:
         planner: TransferPlanner,
         tokenize: Tokenize,
         chooser: Chooser,
+        token: str = "",
+        producer_token: str = "",
     ):
         self.config, self.loaded, self.codecs, self.planner, self.tokenize = config, loaded, codecs, planner, tokenize
         self.chooser = chooser
+        # the bearer tokens this consumer checks and sends: the default tenants of requests without a
+        # cache_salt, here and at the producer (shared.tenants)
+        self.token, self.producer_token = token, producer_token
         self.default_mode: Callable[[], str] = lambda: ORACLE_MODE  # the server sets it (consumer.defaults.DefaultMode)
 
     async def _ids(self, prompt: consumer_pb2.Prompt, field: str, limit: int, special: bool) -> list[int]:
@@ -141,6 +147,7 @@ class JobBuilder:
             raise InvalidArgument(f"audit: unknown value {request.audit}")
         if request.verify not in VERIFIES:
             raise InvalidArgument(f"verify: unknown value {request.verify}")
+        salt = tenants.checked_salt(request.cache_salt)
         if request.audit_positions > MAX_AUDIT_POSITIONS:
             raise InvalidArgument(f"audit_positions: {request.audit_positions} > limit {MAX_AUDIT_POSITIONS}")
         vocab = self.loaded.info.vocab_size
@@ -162,17 +169,18 @@ class JobBuilder:
         question_ids = await self._ids(request.question, "question", cfg.max_question_tokens, special=False)
         fallback = ""
         auto: AutoChoice | None = None
+        tenant = tenants.tenant(salt, self.token)
         if budget is not None:
-            auto = self.chooser.choose(context_ids, budget)
+            auto = self.chooser.choose(context_ids, budget, tenant=tenant)
             codec, options = self._chosen(auto)
         elif request.fallback_to_oracle and codec is not None:
             named = Candidate(codec.name, options, math.nan, "named by the request")
             own = Candidate(ORACLE_MODE, {}, 0.0, "exact", 0.0)
             either = Budget(math.inf, source="fallback_to_oracle: the named mode or the consumer's own prefill")
-            auto = self.chooser.choose(context_ids, either, only=[named, own])
+            auto = self.chooser.choose(context_ids, either, only=[named, own], tenant=tenant)
             fallback = f"{'local' if auto.chosen.mode == ORACLE_MODE else 'remote'}: {auto.reason}"
             codec, options = self._chosen(auto)
-        estimate = None if auto is not None else self.chooser.estimate_named(mode, options, context_ids)
+        estimate = None if auto is not None else self.chooser.estimate_named(mode, options, context_ids, tenant)
         policy = POLICIES[request.on_transfer_failure]
         unspecified = request.on_transfer_failure == consumer_pb2.TRANSFER_FAILURE_POLICY_UNSPECIFIED
         if budget is not None and unspecified and (budget.modes is None or ORACLE_MODE in budget.modes):
@@ -200,6 +208,8 @@ class JobBuilder:
             verify=VERIFIES[request.verify],
             repair=repair,
             stream_interval=cfg.stream_interval,
+            tenant=tenant,
+            producer_tenant=tenants.tenant(tenant, self.producer_token),
         )
 
     def _repair(self, spec: common_pb2.CodecSpec) -> tuple[common_pb2.CodecSpec, Repair | None]:

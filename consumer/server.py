@@ -37,7 +37,7 @@ from consumer.request import AUDIT_OFF, FAIL, ORACLE_MODE, VERIFY_OFF, Commit, G
 from consumer.requests import JobBuilder
 from consumer.runner import scratch_limit_bytes
 from shared import codecs as codec_lib
-from shared import describe, handlers, logs, outcomes, serving, startup
+from shared import describe, handlers, logs, outcomes, security, serving, startup
 from shared.config import ConsumerConfig
 from shared.errors import Unavailable
 from shared.kv_events import KVEventPublisher
@@ -82,7 +82,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             kv_admission,
             client,
             prefix,
-            self._producer_digest,
+            self._producer_identity,
             self.planner,
             self._producer_dtype,
             self._exact_transfer,
@@ -97,8 +97,19 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             self._producer_digest,
             self._producer_usable,
             self._producer_dtype,
+            self._producer_identity,
         )
-        self.jobs = JobBuilder(self.config, loaded, self.codecs, self.planner, self._tokenize, self.chooser)
+        cfg = self.config
+        self.jobs = JobBuilder(
+            cfg,
+            loaded,
+            self.codecs,
+            self.planner,
+            self._tokenize,
+            self.chooser,
+            security.load_token(cfg.token, cfg.token_file),
+            security.load_token(cfg.producer_token, cfg.producer_token_file),
+        )
         self.default = DefaultMode(self.config.default_mode, self.codecs, loaded.info.weight_digest)
         self.jobs.default_mode = lambda: self.default.mode
         self.link: readiness.ProducerLink | None = None  # ConsumerServer sets it
@@ -128,6 +139,11 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         link = getattr(self, "link", None)
         return link.state.producer_digest if link is not None else ""
 
+    def _producer_identity(self) -> str:
+        """What shapes the producer's K/V (ModelInfo.identity) as the link last saw it ("" before it answered)."""
+        link = getattr(self, "link", None)
+        return link.state.producer_identity if link is not None else ""
+
     def _producer_dtype(self) -> str:
         """The dtype the producer computes its KV in, as the link last saw it ("" before it answered)."""
         link = getattr(self, "link", None)
@@ -138,9 +154,9 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         link = getattr(self, "link", None)
         return link is None or link.state.state in (*readiness.USABLE, "unknown")
 
-    def _cached_tokens(self, c: Candidate, context_ids: list[int]) -> int:
+    def _cached_tokens(self, c: Candidate, context_ids: list[int], tenant: str = "") -> int:
         codec = self.codecs.get(c.mode) if c.remote else None
-        return self.pipeline.cached_tokens(codec, dict(c.options), context_ids)
+        return self.pipeline.cached_tokens(codec, dict(c.options), context_ids, tenant)
 
     def _ready(self) -> LoadedModel:
         if self.loaded is None:

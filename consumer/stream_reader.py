@@ -55,6 +55,7 @@ class Expectation:
     consumer: ModelInfo
     first_token: int = 0  # asked for payloads from this token on (the consumer holds the prefix)
     prefix_key: str = ""  # the key naming that prefix, sent with first_token
+    cache_salt: str = ""  # the request's tenant (GenerateJob.tenant), sent as PrefillRequest.cache_salt
 
 
 @dataclass(frozen=True)
@@ -283,6 +284,7 @@ class StreamReader:
             h.codec_format_version,
             h.producer.weight_digest,
             h.first_token,
+            h.producer.identity,
         )
         self.decoder = e.codec.decoder(stream)
         self.num_layers, self.max_chunk, self.state = h.num_layers, max_chunk, "layers"

@@ -254,7 +254,7 @@ class Transfer:
         seq.first_write = first
         result.sent_tokens = len(job.context_ids) - first
         watch = self.watch(job, result, result.sent_tokens, started) if partial is None else None
-        expect = Expectation(len(job.context_ids), job.codec, job.options, self.loaded.info, first, key)
+        expect = Expectation(len(job.context_ids), job.codec, job.options, self.loaded.info, first, key, job.tenant)
         budget = left(job, "transfer")
         if job.transfer_budget_s is not None:
             budget = min(budget, job.transfer_budget_s)
@@ -280,7 +280,7 @@ class Transfer:
                         state["decoder"] = event.decoder
                         info = event.stream
                         self.keys.saw_stream(codec, job.options, info, event.chunk_tokens)
-                        result.stream_producer = (info.producer_digest, info.kv_dtype)
+                        result.stream_producer = (info.producer_identity, info.kv_dtype)
                         result.chunk_tokens = event.chunk_tokens
                         result.options = {**event.stream.options, **event.stream.metadata}
                         producer_kv = dataclasses.replace(self.loaded.info, dtype=event.stream.kv_dtype)

@@ -201,12 +201,12 @@ class Index:
         while self.nbytes - replaced + nbytes > self.budget_bytes:
             victim = (self.victim(keep | last) if last else None) or self.victim(keep)
             if victim is None:  # cannot happen (what is not kept holds a leaf): undo, all or nothing
-                for k, slot in reversed(evicted):
-                    self._insert(k, slot)
+                for k, back in reversed(evicted):
+                    self._insert(k, back)
                 return None
-            slot = self.drop(victim)
-            assert slot is not None
-            evicted.append((victim, slot))
+            dropped = self.drop(victim)
+            assert dropped is not None
+            evicted.append((victim, dropped))
         self.evictions += len(evicted)
         return [k for k, _ in evicted]
 

@@ -20,7 +20,8 @@ from producer.prefill import EncodedLayer, PrefillDone, PrefillEngine
 from producer.reuse import Roots
 from producer.sources import Sources
 from producer.store import ContextStore
-from shared import chunks, describe, handlers, liveness, logs, outcomes, serving, startup, wire_bytes
+from producer.tenant_stats import TenantStats
+from shared import chunks, describe, handlers, liveness, logs, outcomes, security, serving, startup, tenants, wire_bytes
 from shared import codecs as codec_lib
 from shared.codecs.base import chunk_layouts
 from shared.config import ProducerConfig
@@ -47,6 +48,8 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         self.admission = serving.Admission("max_inflight", config.max_inflight)
         self.outcomes = outcomes.Outcomes()
         self.tokens_reused = self.tokens_computed = 0
+        self.tenant_stats = TenantStats()  # the same reuse counts per tenant: what Describe shows a caller
+        self.token = security.load_token(config.token, config.token_file)  # the default tenant's (shared.tenants)
         self.encode = EncodePool(config.encode_threads)
         self.sources = Sources(config, self.encode)  # stores, single flight, replays
         self.compute_progress = liveness.Progress("producer-compute")  # the watchdog reads it from the start
@@ -118,12 +121,14 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             ):
                 yield message
 
-    def _roots(self, codec, options, encoder) -> Roots:
+    def _roots(self, codec, options, encoder, tenant: str) -> Roots:
+        """The request's chains: under the model's identity (not its artifact digest: the K/V of
+        another config or precision differ) and its tenant (shared.tenants)."""
         info = self._ready().info
         meta = encoder.metadata()
         return Roots(
-            chunks.model_root(info.weight_digest, info.dtype),
-            chunks.codec_root(info.weight_digest, info.dtype, codec.name, codec.format_version, options, meta),
+            chunks.model_root(info.identity, info.dtype, tenant),
+            chunks.codec_root(info.identity, info.dtype, codec.name, codec.format_version, options, meta, tenant),
         )
 
     def _check_prefix(self, request, codec, encoder, roots: Roots | None) -> None:
@@ -145,16 +150,17 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             )
         if request.prefix_key != chunks.prefix_key(roots.codec, list(request.token_ids), first, size):
             raise FailedPrecondition(
-                "prefix_key: does not name tokens [0, first_token) under this producer's model, codec, options"
+                "prefix_key: does not name tokens [0, first_token) under this producer's model, codec, options, tenant"
                 " and codec metadata (the caller's prefix was built from another stream)"
             )
 
     async def _prefill(self, request, request_id: str, context, started: float):
         self._validate(request)
+        tenant = tenants.tenant(tenants.checked_salt(request.cache_salt), self.token)
         codec = codec_lib.lookup(self.codecs, request.codec.name or "raw")
         options = codec.resolve(dict(request.codec.options))
         encoder = codec.encoder(options, codec_lib.EncodeRequest(len(request.token_ids), request.consumer_weight_digest))
-        roots = self._roots(codec, options, encoder) if self.chunks is not None else None
+        roots = self._roots(codec, options, encoder, tenant) if self.chunks is not None else None
         self._check_prefix(request, codec, encoder, roots)
         log.info("prefill.start", tokens=len(request.token_ids), codec=codec.name, deadline_s=context.time_remaining())
         info = self._ready().info
@@ -174,7 +180,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                 chunk_tokens=self.config.chunk_tokens if self.chunks is not None else 0,
             )
         )
-        messages = self._messages(request, codec.name, options, encoder, roots, started)
+        messages = self._messages(request, codec.name, options, encoder, roots, tenant, started)
         if not request.accept_batches:  # one stream message per gRPC message, as before accept_batches
             yield header
             async with contextlib.aclosing(messages) as items:
@@ -191,7 +197,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         finally:
             await batched.aclose()
 
-    async def _messages(self, request, codec_name: str, options, encoder, roots: Roots | None, started: float):
+    async def _messages(self, request, codec_name: str, options, encoder, roots: Roots | None, tenant: str, started: float):
         """The stream after its header, serialized: each layer's messages (packed once at encode
         time, replayed as they are from the store) and the trailer, each with its chunk count."""
         info = self._ready().info
@@ -201,7 +207,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             return wire_bytes.pack_layer(layer, payloads, max_chunk)
 
         source, shared, store_hit = await self.sources.open(
-            request.token_ids, request.first_token, codec_name, options, encoder, roots, pack, info.num_layers
+            request.token_ids, request.first_token, codec_name, options, encoder, roots, tenant, pack, info.num_layers
         )
         sent_chunks = sent_payloads = sent_bytes = 0
         async with contextlib.aclosing(source) as layers:
@@ -234,6 +240,12 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                     self.store_hits += store_hit
                     self.tokens_reused += item.reused_tokens
                     self.tokens_computed += item.computed_tokens
+                    own = self.tenant_stats.of(tenant)  # what Describe shows this tenant, and no other
+                    own.store_hits += store_hit
+                    own.shared += shared
+                    own.partial_hits += not (store_hit or shared) and item.reused_tokens > 0
+                    own.tokens_reused += item.reused_tokens
+                    own.tokens_computed += item.computed_tokens
                     self.metrics.observe_prefill(codec_name, sent_bytes, item.prefill_ms, item.encode_ms, store_hit)
                     log.info(
                         "prefill.done",
@@ -282,6 +294,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
     @serving.unary_errors
     async def Describe(self, request, context):
         loaded = self._ready()
+        own = self.tenant_stats.peek(tenants.tenant(tenants.checked_salt(request.cache_salt), self.token))
         return producer_pb2.ProducerServiceDescribeResponse(
             model=describe.model_to_pb(loaded.info),
             codecs=describe.codecs_to_pb(self.codecs),
@@ -296,14 +309,14 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                 prefills_completed=self.outcomes.completed,
                 prefills_cancelled=self.outcomes.cancelled,
                 prefills_failed=self.outcomes.failed,
-                store_hits=self.store_hits,
+                store_hits=own.store_hits,
                 inflight=self.admission.inflight,
-                prefills_shared=self.flights.shared,
+                prefills_shared=own.shared,
                 prefill_forwards=self.engine.forwards,
                 prefill_forward_contexts=self.engine.forward_rows,
-                store_partial_hits=self.chunks.partial_hits if self.chunks is not None else 0,
-                prefill_tokens_reused=self.tokens_reused,
-                prefill_tokens_computed=self.tokens_computed,
+                store_partial_hits=own.partial_hits,
+                prefill_tokens_reused=own.tokens_reused,
+                prefill_tokens_computed=own.tokens_computed,
                 store_tiers=self.store_tiers(),
             ),
             chunk_tokens=self.config.chunk_tokens if self.chunks is not None else 0,
@@ -352,6 +365,7 @@ class ProducerServer:
             dtype_reason=loaded.info.dtype_reason,
             device=loaded.info.device,
             digest=loaded.info.weight_digest[:16],
+            identity=loaded.info.identity[:16],
         )
 
     async def stop(self, grace_s: float | None = None) -> None:

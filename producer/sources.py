@@ -77,14 +77,17 @@ class Sources:
         options: Mapping[str, str],
         encoder,
         roots: Roots | None,
+        tenant: str,
         pack: Pack,
         num_layers: int,
     ) -> tuple[Any, bool, bool]:
         """(the request's stream of EncodedLayer items then one PrefillDone, joined a running
-        flight, replayed from the store). `roots` is None when chunked reuse is off."""
+        flight, replayed from the store). `roots` is None when chunked reuse is off; they name
+        `tenant` (shared.tenants) already, the whole-context store's key names it here: a tenant's
+        requests never join, replay or continue another's."""
         if roots is not None:
             return await self._chunked_source(list(token_ids), first_token, encoder, roots, pack, num_layers)
-        key = store_key(token_ids, codec_name, options, encoder.metadata())
+        key = store_key(token_ids, codec_name, options, encoder.metadata(), tenant)
         # a running flight first: its caller already missed the store, a follower is no second miss
         stored = None if key in self.flights.running else self.whole.get(key)
         if stored is not None:

@@ -21,13 +21,15 @@ class StoredPrefill:
     nbytes: int  # payload bytes held
 
 
-def store_key(token_ids: Sequence[int], codec: str, options: Mapping[str, str], metadata: Mapping[str, str]) -> str:
-    """The whole-context store's key. Neither the model nor its dtype is in it: the store is in
-    memory only and one process serves one model in one dtype, so every entry was computed by
-    this process's model (the chunk store, whose disk tier outlives the process, keys both:
-    shared.chunks.model_root)."""
+def store_key(
+    token_ids: Sequence[int], codec: str, options: Mapping[str, str], metadata: Mapping[str, str], tenant: str = ""
+) -> str:
+    """The whole-context store's key, for `tenant`'s requests (shared.tenants). Neither the model
+    nor its dtype is in it: the store is in memory only and one process serves one model in one
+    dtype, so every entry was computed by this process's model (the chunk store, whose disk tier
+    outlives the process, keys both: shared.chunks.model_root)."""
     digest = hashlib.sha256()
-    digest.update(json.dumps([codec, sorted(options.items()), sorted(metadata.items())]).encode())
+    digest.update(json.dumps([codec, sorted(options.items()), sorted(metadata.items()), tenant]).encode())
     digest.update(b"|" + ",".join(map(str, token_ids)).encode())
     return digest.hexdigest()
 

@@ -3,14 +3,16 @@
 A context's token ids are cut into fixed chunks of `chunk_tokens` tokens (the last one may be
 shorter: the tail). A chunk's key chains its parent's key (the previous chunk's, or the root's
 for the first chunk), its token ids and, through the root, what the stored state depends on:
-- `model_root(digest, dtype)`: the model's weight digest and the dtype its KV was computed in (the
-  digest is dtype-blind on purpose: one checkpoint, one digest); chunks under it name the model's
-  own KV;
-- `codec_root(digest, dtype, codec, format_version, options, metadata)`: also the codec, its
-  payload format, its resolved options and its metadata (for SCD: the artifact and the schedule);
-  chunks under it name encoded payloads.
+- `model_root(identity, dtype, tenant)`: the model's identity (shared.models.ModelInfo.identity:
+  its weights at their own precision, the config fields its forward reads, its compute dtype),
+  the dtype its KV was computed in, and the tenant (shared.tenants: whose requests may reuse it);
+  chunks under it name the model's own KV;
+- `codec_root(identity, dtype, codec, format_version, options, metadata, tenant)`: also the codec,
+  its payload format, its resolved options and its metadata (for SCD: the artifact and the
+  schedule); chunks under it name encoded payloads.
 Everything that shaped a chunk's bytes is in its key, so a chunk made one way is never found
-under another's key, on any tier, after any restart.
+under another's key, on any tier, after any restart; and the tenant is, so one tenant's chunks
+are never found by another's requests.
 Equal keys mean equal prefixes under the same model (and codec), so the longest stored prefix is
 one lookup per chunk (`longest`), as vLLM's and nano-vllm's chained block hashes. Keys are hex
 sha256 strings, safe as file names.
@@ -74,25 +76,28 @@ def _digest(*parts: bytes) -> str:
     return h.hexdigest()
 
 
-def model_root(weight_digest: str, dtype: str) -> str:
-    """The root of chunks that hold a model's own KV computed in `dtype` ("bfloat16", ...)."""
-    if not dtype:
-        raise ValueError("model_root: dtype is required (KV computed in another dtype has other bytes)")
-    return _digest(b"scd.chunks.model.v2", weight_digest.encode(), dtype.encode())
+def model_root(identity: str, dtype: str, tenant: str = "") -> str:
+    """The root of chunks that hold a model's own KV computed in `dtype` ("bfloat16", ...), for
+    `tenant`'s requests ("": the shared tenant)."""
+    if not identity or not dtype:
+        raise ValueError("model_root: identity and dtype are required (KV of another model or dtype has other bytes)")
+    return _digest(b"scd.chunks.model.v3", identity.encode(), dtype.encode(), tenant.encode())
 
 
 def codec_root(
-    weight_digest: str,
+    identity: str,
     dtype: str,
     codec: str,
     format_version: int,
     options: Mapping[str, str],
     metadata: Mapping[str, str],
+    tenant: str = "",
 ) -> str:
     """The root of chunks that hold one codec's encoded payloads of KV computed in `dtype` under one
-    model, options and metadata (an SCD artifact id and schedule are in the metadata)."""
+    model, options and metadata (an SCD artifact id and schedule are in the metadata), for
+    `tenant`'s requests."""
     spec = json.dumps([codec, format_version, sorted(options.items()), sorted(metadata.items())])
-    return _digest(b"scd.chunks.codec.v2", model_root(weight_digest, dtype).encode(), spec.encode())
+    return _digest(b"scd.chunks.codec.v3", model_root(identity, dtype, tenant).encode(), spec.encode())
 
 
 _CHUNK_TAG = b"scd.chunks.chunk.v1"

@@ -2,15 +2,24 @@
 
 Owns: device resolution, applying the compute dtype (`--dtype auto` is chosen by
 `shared.compute_dtype`; weights are cast to it at load, bf16 checkpoints upcast),
-`from_pretrained` on a path or hub id (or a builtin tiny name), the dtype-independent weight
-digest, warm-up, and the `LoadedModel` handle with the model's layer geometry. Knows nothing
-about gRPC or codecs.
+`from_pretrained` on a path or hub id (or a builtin tiny name), the model's two names, warm-up,
+and the `LoadedModel` handle with the model's layer geometry. Knows nothing about gRPC or codecs.
+
+Two names, for two questions:
+- `weight_digest` (the artifact digest): the weights rounded to bfloat16, dtype-blind, so one codec
+  artifact matches one checkpoint served in float32 or bfloat16. Used only to match artifacts.
+- `identity`: everything that shapes the K/V this process computes: the weights at their own
+  precision (two float32 checkpoints that round to the same bfloat16 differ here), the config
+  fields the forward reads (`config_digest`: rope_theta and rope scaling, sliding window, norm eps,
+  head dims, ...) and the compute dtype. Chunk keys (shared.chunks), the stream header's
+  ModelInfo.identity and the consumer's checks of KV it keeps or takes as exact use it.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -37,6 +46,7 @@ class ModelInfo:
     hidden_size: int
     vocab_size: int
     dtype_reason: str = ""  # why `dtype` computes (shared.compute_dtype.choose), e.g. "--dtype auto: ...: float32"
+    identity: str = ""  # what shapes its K/V: weights at their precision, forward config, dtype (`model_identity`)
 
     def kv_bytes(self, tokens: int) -> int:
         """Bytes of the full K and V cache for `tokens` tokens in this model's dtype."""
@@ -77,19 +87,75 @@ def resolve_path(model_id: str) -> str:
     return model_id
 
 
-def weight_digest(model: torch.nn.Module) -> str:
-    """SHA-256 over (name, shape, bytes in bfloat16) of every tensor in name order.
+def weight_digests(model: torch.nn.Module) -> tuple[str, str]:
+    """(artifact digest, exact digest) of the state dict, in one pass over it in name order.
 
-    Hashing the bf16 rounding makes the digest the same whether the checkpoint was loaded in
-    float32, bfloat16 or float16-from-bf16, so artifacts match the model, not the load dtype.
-    """
-    digest = hashlib.sha256()
+    The artifact digest is SHA-256 over each tensor's name, shape and bytes rounded to bfloat16:
+    the same whether the checkpoint was loaded in float32, bfloat16 or float16-from-bf16, so
+    artifacts match the model, not the load dtype. The exact digest also names each tensor's
+    dtype and hashes its own bytes (a bfloat16 tensor's are the rounded ones, hashed once)."""
+    rounded, exact = hashlib.sha256(), hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(str(tuple(tensor.shape)).encode())
-        flat = tensor.detach().to("cpu", torch.bfloat16).contiguous().reshape(-1)
-        digest.update(flat.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+        head = name.encode() + str(tuple(tensor.shape)).encode()
+        rounded.update(head)
+        exact.update(head + str(tensor.dtype).encode())
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        if flat.dtype != torch.bfloat16:
+            exact.update(flat.view(torch.uint8).numpy().tobytes())
+            flat = flat.to(torch.bfloat16)
+        rounded.update(flat.view(torch.uint8).numpy().tobytes())
+    artifact = rounded.hexdigest()
+    exact.update(artifact.encode())  # the bfloat16 tensors' own bytes
+    return artifact, exact.hexdigest()
+
+
+def weight_digest(model: torch.nn.Module) -> str:
+    """The artifact digest (`weight_digests`)."""
+    return weight_digests(model)[0]
+
+
+# config keys that never change what the forward computes: names, bookkeeping, generation and
+# training defaults, the load dtype (in the identity on its own). Every other key is hashed, so a
+# key transformers adds later separates identities (no reuse) rather than merging them.
+CONFIG_IGNORED = frozenset(
+    """_name_or_path name_or_path transformers_version _commit_hash architectures dtype torch_dtype
+    use_cache return_dict output_hidden_states output_attentions output_scores return_dict_in_generate
+    id2label label2id problem_type finetuning_task task_specific_params tokenizer_class prefix
+    bos_token_id eos_token_id pad_token_id sep_token_id decoder_start_token_id initializer_range
+    chunk_size_feed_forward torchscript use_bfloat16 tf_legacy_loss pruned_heads max_length min_length
+    do_sample early_stopping num_beams num_beam_groups diversity_penalty temperature top_k top_p typical_p
+    repetition_penalty length_penalty no_repeat_ngram_size encoder_no_repeat_ngram_size bad_words_ids
+    num_return_sequences forced_bos_token_id forced_eos_token_id remove_invalid_values
+    exponential_decay_length_penalty suppress_tokens begin_suppress_tokens""".split()
+)
+
+
+def _normalized(value: object) -> object:
+    """A config value in one spelling: numbers as floats (10000 and 10000.0 are one rope_theta),
+    mappings with sorted keys (json sorts them), sequences as lists."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, dict):
+        return {str(k): _normalized(v) for k, v in value.items() if k not in CONFIG_IGNORED}
+    if isinstance(value, list | tuple):
+        return [_normalized(v) for v in value]
+    return str(value)
+
+
+def config_digest(config) -> str:
+    """SHA-256 of the model config's fields that shape the forward (all but CONFIG_IGNORED),
+    normalized (`_normalized`): a rope_theta, rope scaling, sliding window, norm eps or head
+    dimension change gives another digest."""
+    fields = _normalized(config.to_dict())
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def model_identity(exact_weights: str, config: str, dtype: str) -> str:
+    """The identity of the K/V a model computes: its exact weight digest, config digest and
+    compute dtype."""
+    return hashlib.sha256(f"scd.model.identity.v1|{exact_weights}|{config}|{dtype}".encode()).hexdigest()
 
 
 def load_model(model_id: str, dtype: str = "float32", device: str = "auto") -> LoadedModel:
@@ -108,9 +174,10 @@ def load_model(model_id: str, dtype: str = "float32", device: str = "auto") -> L
     tokenizer = AutoTokenizer.from_pretrained(path)
     cfg = model.config.get_text_config(decoder=True)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    artifact_digest, exact_digest = weight_digests(model)
     info = ModelInfo(
         model_id=model_id,
-        weight_digest=weight_digest(model),
+        weight_digest=artifact_digest,
         architecture=type(model).__name__,
         dtype=dtype,
         device=str(target),
@@ -120,6 +187,7 @@ def load_model(model_id: str, dtype: str = "float32", device: str = "auto") -> L
         hidden_size=cfg.hidden_size,
         vocab_size=cfg.vocab_size,
         dtype_reason=choice.reason,
+        identity=model_identity(exact_digest, config_digest(model.config), dtype),
     )
     return LoadedModel(model=model, tokenizer=tokenizer, info=info)
 

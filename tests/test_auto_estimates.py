@@ -86,7 +86,7 @@ def pair():
 def chooser_of(pair) -> Chooser:
     loaded, codecs, art = pair
     producer = art.meta["producer"]["weight_digest"]
-    return Chooser(loaded, codecs, TransferPlanner(), ProducerMemory(), lambda c, ids: 0,
+    return Chooser(loaded, codecs, TransferPlanner(), ProducerMemory(), lambda c, ids, tenant="": 0,
                    lambda: producer, lambda: True, lambda: "float32")
 
 

@@ -483,14 +483,14 @@ async def absurd_values_fail_alone(world, hostile) -> None:
     # the prefix cache on for raw (it needs the producer's weights, which a hostile producer does
     # not describe): a hostile stream's KV must never be kept for the next request of its context
     engine = consumer.servicer.pipeline
-    engine.producer_digest, engine.producer_dtype = (lambda: "hostile-producer"), (lambda: "float32")
+    engine.producer_identity, engine.producer_dtype = (lambda: "hostile-producer"), (lambda: "float32")
     await asyncio.wrap_future(consumer.servicer.batch.submit(consumer.servicer.prefix.clear))  # the engine's to change
     received, err = await ask(client, request_id="hostile-first", **fields)
     assert err is not None and err.code() == DL
     received, err = await ask(client, request_id="good-after", **fields)
     assert err is None and received[-1].stats.prefix_reused_tokens == 0
     assert tokens(received) == alone_ids
-    engine.producer_digest = lambda: ""
+    engine.producer_identity = lambda: ""
     await asyncio.wrap_future(consumer.servicer.batch.submit(consumer.servicer.prefix.clear))
     failed_before = consumer.servicer.batch.stats.failed_rows
     results = await asyncio.gather(

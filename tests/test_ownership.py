@@ -233,8 +233,8 @@ def test_auto_counts_raw_exact_only_in_the_consumers_dtype(loaded):
     codecs = codec_lib.create_codecs(loaded, artifacts=[])
     digest = loaded.info.weight_digest
     for dtype, exact in (("float32", True), ("bfloat16", False)):
-        chooser = Chooser(loaded, codecs, TransferPlanner(), ProducerMemory(), lambda c, ids: 0,
-                          lambda: digest, lambda: True, lambda dtype=dtype: dtype)
+        chooser = Chooser(loaded, codecs, TransferPlanner(), ProducerMemory(), lambda c, ids, tenant="": 0,
+                          lambda: digest, lambda: True, lambda dtype=dtype: dtype, lambda: loaded.info.identity)
         modes = {c.mode for c in chooser.candidates() if c.loss == 0.0}
         assert ("raw" in modes) is exact, (dtype, modes)
 

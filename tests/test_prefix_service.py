@@ -47,10 +47,10 @@ def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and (a[k] == b[k]).all() for k in a)
 
 
-def key_for(header: producer_pb2.PrefillHeader, ids: list[int], first: int) -> str:
+def key_for(header: producer_pb2.PrefillHeader, ids: list[int], first: int, tenant: str = "") -> str:
     """What a consumer computes from an earlier stream's header (see PrefillRequest.prefix_key)."""
-    root = chunks.codec_root(header.producer.weight_digest, header.kv_dtype, header.codec.name, header.codec_format_version,
-                             dict(header.codec.options), dict(header.codec_metadata))
+    root = chunks.codec_root(header.producer.identity, header.kv_dtype, header.codec.name, header.codec_format_version,
+                             dict(header.codec.options), dict(header.codec_metadata), tenant)
     return chunks.prefix_key(root, ids, first, header.chunk_tokens)
 
 

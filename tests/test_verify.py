@@ -570,6 +570,6 @@ async def test_the_exact_transfer_is_chosen_only_when_estimated_faster_than_the_
             slow.observe(raw_transfer(tokens, 5.0))
         assert chooser.exact_transfer(ids) is None
         chooser.planner = fresh
-        chooser.producer_digest = lambda: "another"  # other weights: raw is naive reuse, never exact
+        chooser.producer_identity = lambda: "another"  # another model: raw is naive reuse, never exact
         chooser._cached = None
         assert chooser.exact_transfer(ids) is None

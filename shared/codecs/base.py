@@ -45,8 +45,9 @@ class StreamInfo:
     options: Mapping[str, str]
     metadata: Mapping[str, str] = field(default_factory=dict)
     format_version: int = 1
-    producer_digest: str = ""  # the producer's weight digest, as its header states it
+    producer_digest: str = ""  # the producer's artifact digest (weights rounded to bf16), as its header states it
     first_token: int = 0  # payloads cover tokens [first_token, num_tokens) (a consumer holding the prefix)
+    producer_identity: str = ""  # what shaped the producer's K/V (ModelInfo.identity), as its header states it
 
     @property
     def sent_tokens(self) -> int:
