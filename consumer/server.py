@@ -12,7 +12,6 @@ from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import structlog
 import torch
 from grpc_health.v1 import health_pb2
 
@@ -185,7 +184,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         request_id = serving.request_id(request.request_id)
         if self.probe is not None:
             self.probe.touch()
-        with structlog.contextvars.bound_contextvars(request_id=request_id), self.admission.slot():
+        with serving.request_scope(request_id), self.admission.slot():
             async for item in self.outcomes.track(
                 self._generate(request, request_id, timeout_s, received), caller, log, "generate"
             ):

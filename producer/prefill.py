@@ -15,9 +15,9 @@ Memory bounds. Captured states waiting for their encode: at most num_layers per 
 request (a forward hands each row each layer once; admission caps the requests at
 max_inflight), each a view into that layer's batch tensors (K/V, and the hidden or normed
 input when the codec asks), so at most num_layers x max_inflight layer states, usually far
-fewer as the encode keeps pace. A request's buffer holds at most its own encoded stream;
-a slow or stalled reader delays only its own stream (no head-of-line blocking of the forward
-or of other requests).
+fewer as the encode keeps pace. A request's buffer here is drained as it fills by its flight
+(producer.flight), which bounds what its callers have not read; a slow or stalled reader delays
+only its own stream (no head-of-line blocking of the forward or of other requests).
 
 Prefix reuse (producer.reuse): a request may come with a `Continuation`. A replay never reaches
 the engine (the servicer joins stored chunks). A continuation with stored prefix K/V (start > 0)
@@ -26,7 +26,9 @@ positions continuing), never batched with others; its lane assembles each layer 
 chunks and the new payloads and records the new chunks, handed over with PrefillDone.
 
 Closing a stream early (caller cancelled, deadline passed, error) takes the request's row out
-of the batch at the next layer boundary; its pending encodes are skipped. An encode error fails
+of the batch at the next layer boundary; its pending encodes are skipped; a request still
+waiting for the compute thread leaves the queue at once (its token ids and continuation with
+it), so the queue holds only requests that hold an admission slot (`max_waiting` bounds it too). An encode error fails
 that request alone; a forward error fails the batch's requests. Knows nothing about gRPC: the
 servicer passes a `pack` function that turns payloads into whatever it sends.
 """
@@ -49,6 +51,7 @@ from producer.encode import EncodePool, Lane
 from producer.reuse import Continuation
 from shared import kv, liveness, logs
 from shared.codecs import LayerEncoder
+from shared.errors import ResourceExhausted
 from shared.models import LoadedModel
 
 log = logs.get("producer.prefill")
@@ -80,7 +83,7 @@ class _Failed:
     exc: BaseException
 
 
-@dataclass
+@dataclass(eq=False)  # one job is one object: removed from `waiting` by identity
 class _Job:
     """One request's prefill, from the event loop to the compute thread and the encode lane."""
 
@@ -115,6 +118,7 @@ class PrefillEngine:
         max_batch: int = 8,
         max_batch_tokens: int = 8192,
         progress: liveness.Progress | None = None,
+        max_waiting: int = 0,
     ):
         self.loaded = loaded
         self.executor = executor  # the compute thread
@@ -122,6 +126,8 @@ class PrefillEngine:
         self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
         self.progress = progress if progress is not None else liveness.Progress("producer-compute")
         self.waiting: collections.deque[_Job] = collections.deque()
+        self._waiting_lock = threading.Lock()  # the event loop adds and removes, the compute thread takes
+        self.max_waiting = max_waiting  # prefills waiting for the compute thread, at most (0: no bound)
         self._scheduler: asyncio.Future | None = None
         self.forwards = 0  # batched forwards run
         self.forward_rows = 0  # contexts prefilled by them (forward_rows / forwards: mean batch size)
@@ -142,7 +148,10 @@ class PrefillEngine:
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
         job = _Job(list(token_ids), encoder, pack, emit, self.encode.lane(), reuse)
-        self.waiting.append(job)
+        with self._waiting_lock:
+            if self.max_waiting and len(self.waiting) >= self.max_waiting:
+                raise ResourceExhausted(f"prefills waiting for the forward: {len(self.waiting)} >= {self.max_waiting}")
+            self.waiting.append(job)
         if self._scheduler is None:
             self._scheduler = asyncio.ensure_future(self._schedule())
         try:
@@ -155,12 +164,18 @@ class PrefillEngine:
                     return
         finally:
             job.closed.set()  # its row leaves the forward at the next layer; its queued encodes are skipped
+            with self._waiting_lock, contextlib.suppress(ValueError):  # not taken yet: it leaves the queue now
+                self.waiting.remove(job)
 
     # -- scheduler --------------------------------------------------------------------------
     def _take(self) -> list[_Job]:
         """The next batch, taken on the compute thread as it frees up: the prefills waiting then,
-        in arrival order, while they fit (at least one). The event loop only appends to
-        `waiting` (a deque: append and popleft are atomic)."""
+        in arrival order, while they fit (at least one). The event loop appends to `waiting` and
+        removes a closed job from it (under the same lock)."""
+        with self._waiting_lock:
+            return self._take_locked()
+
+    def _take_locked(self) -> list[_Job]:
         batch: list[_Job] = []
         width = 0
         while self.waiting:
@@ -186,8 +201,10 @@ class PrefillEngine:
                 try:
                     await asyncio.get_running_loop().run_in_executor(self.executor, self._run_next)
                 except RuntimeError as exc:  # the compute thread is shut down (process stopping)
-                    while self.waiting:
-                        self.waiting.popleft().emit(_Failed(exc))
+                    with self._waiting_lock:
+                        failed, self.waiting = list(self.waiting), collections.deque()
+                    for job in failed:
+                        job.emit(_Failed(exc))
         finally:
             self._scheduler = None
 

@@ -9,8 +9,6 @@ import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import structlog
-
 import shared
 from producer import coalesce
 from producer.chunk_store import ChunkStore
@@ -21,8 +19,22 @@ from producer.reuse import Roots
 from producer.sources import Sources
 from producer.store import ContextStore
 from producer.tenant_stats import TenantStats
-from shared import chunks, describe, handlers, liveness, logs, outcomes, security, serving, startup, tenants, wire_bytes
+from shared import (
+    call_watch,
+    chunks,
+    describe,
+    handlers,
+    liveness,
+    logs,
+    outcomes,
+    security,
+    serving,
+    startup,
+    tenants,
+    wire_bytes,
+)
 from shared import codecs as codec_lib
+from shared.call_watch import CallWatch
 from shared.codecs.base import chunk_layouts
 from shared.config import ProducerConfig
 from shared.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -89,6 +101,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             max_batch=self.config.max_prefill_batch,
             max_batch_tokens=self.config.max_prefill_batch_tokens,
             progress=self.compute_progress,
+            max_waiting=self.config.max_inflight,  # each waiting prefill is an admitted call's (or flight's)
         )
         self.sources.engine = self.engine
         self.loaded = loaded
@@ -113,13 +126,29 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         """Admission, then header, layers, trailer. The whole call is inside one try/finally that
         returns the slot and counts exactly one outcome: completed, cancelled or failed."""
         started = time.perf_counter()
-        metadata_id = dict(context.invocation_metadata() or ()).get("x-request-id", "")
+        metadata_id = dict(context.invocation_metadata() or ()).get(serving.REQUEST_ID_HEADER, "")
         request_id = serving.request_id(request.request_id or metadata_id)
-        with structlog.contextvars.bound_contextvars(request_id=request_id), self.admission.slot():
-            async for message in self.outcomes.track(
-                self._prefill(request, request_id, context, started), context, log, "prefill"
-            ):
-                yield message
+        cfg = self.config
+        timeout_s = call_watch.deadline_s(context, cfg.default_timeout_s, cfg.max_timeout_s)
+        flags = ("--default-timeout-s / --max-timeout-s", "--write-idle-timeout-s")
+        with serving.request_scope(request_id):
+            async with CallWatch(context, timeout_s, cfg.write_idle_timeout_s, flags) as watch:
+                messages = self._admitted(request, request_id, context, started, timeout_s)
+                watch.releases(messages)  # a reader that stops gets its slot, buffers and row taken back
+                async with contextlib.aclosing(messages):
+                    async for message in messages:
+                        with watch.writing():
+                            yield message
+
+    async def _admitted(self, request, request_id: str, context, started: float, timeout_s: float):
+        """The call's slot and outcome around its stream (what the call holds, all of it)."""
+        with self.admission.slot():
+            tracked = self.outcomes.track(
+                self._prefill(request, request_id, context, started, timeout_s), context, log, "prefill"
+            )
+            async with contextlib.aclosing(tracked) as messages:  # closed with this one: nothing waits for the collector
+                async for message in messages:
+                    yield message
 
     def _roots(self, codec, options, encoder, tenant: str) -> Roots:
         """The request's chains: under the model's identity (not its artifact digest: the K/V of
@@ -154,7 +183,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                 " and codec metadata (the caller's prefix was built from another stream)"
             )
 
-    async def _prefill(self, request, request_id: str, context, started: float):
+    async def _prefill(self, request, request_id: str, context, started: float, timeout_s: float):
         self._validate(request)
         tenant = tenants.tenant(tenants.checked_salt(request.cache_salt), self.token)
         codec = codec_lib.lookup(self.codecs, request.codec.name or "raw")
@@ -162,7 +191,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         encoder = codec.encoder(options, codec_lib.EncodeRequest(len(request.token_ids), request.consumer_weight_digest))
         roots = self._roots(codec, options, encoder, tenant) if self.chunks is not None else None
         self._check_prefix(request, codec, encoder, roots)
-        log.info("prefill.start", tokens=len(request.token_ids), codec=codec.name, deadline_s=context.time_remaining())
+        log.info("prefill.start", tokens=len(request.token_ids), codec=codec.name, deadline_s=round(timeout_s, 3))
         info = self._ready().info
         header = producer_pb2.PrefillResponse(
             header=producer_pb2.PrefillHeader(

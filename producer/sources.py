@@ -28,7 +28,7 @@ from typing import Any
 from producer.chunk_store import ChunkStore
 from producer.disk_tier import DiskTier
 from producer.encode import EncodePool
-from producer.flight import Flight, Flights
+from producer.flight import Flight, Flights, Unsent
 from producer.prefill import EncodedLayer, PrefillDone, PrefillEngine
 from producer.reuse import Continuation, Roots, plan
 from producer.store import ContextStore, StoredPrefill, store_key
@@ -39,6 +39,10 @@ from shared.wire_bytes import MAX_MESSAGE_DATA
 
 Pack = Callable[[int, dict], Any]  # (layer, payloads) -> the layer's packed messages (opaque here)
 REPLAY_RUN_BYTES = MAX_MESSAGE_DATA  # a chunk-store replay assembles layers in runs of this many payload bytes
+
+
+def _payload_bytes(item: object) -> int:
+    return item.payload_bytes if isinstance(item, EncodedLayer) else 0
 
 
 class Sources:
@@ -63,7 +67,10 @@ class Sources:
         self.store: ContextStore | ChunkStore = self.chunks if self.chunks is not None else self.whole
         self.prefix_flights: dict[str, Flight] = {}  # K/V chunk key -> the running flight that will store it
         self.prefix_waits = 0  # calls that waited for a running flight computing their prefix
-        self.flights = Flights()  # single flight: concurrent identical prefills share one run
+        # single flight: concurrent identical prefills share one run; what their callers have not read
+        # yet is bounded per caller and in all (a caller past either fails alone: producer.flight)
+        unsent = Unsent(config.max_unsent_bytes, config.max_request_unsent_bytes, size=_payload_bytes)
+        self.flights = Flights(unsent)
 
     def _engine(self) -> PrefillEngine:
         assert self.engine is not None, "Sources.open before the model was attached"

@@ -165,6 +165,13 @@ class ProducerConfig(ServerConfig):
     store_disk_dir: str = ""  # chunk store's disk tier (safetensors files); "" off
     store_disk_bytes: int = 8 << 30  # disk tier budget
     store_disk_queue_bytes: int = 256 << 20  # disk writes queued (tensor bytes) at most; past it a write is skipped, counted
+    # a Prefill's own limits (shared.call_watch, producer.flight.Unsent): a reader that stops or falls behind
+    # costs its own call, never the others' slots or the process's memory
+    default_timeout_s: float = 120.0  # deadline in seconds of a Prefill whose caller sets none
+    max_timeout_s: float = 600.0  # no Prefill runs longer, whatever deadline its caller sets
+    write_idle_timeout_s: float = 60.0  # one message waiting this long for the reader ends the call (0: no limit)
+    max_request_unsent_bytes: int = 2 << 30  # encoded payload bytes one call holds unread, at most (0: no limit)
+    max_unsent_bytes: int = 8 << 30  # the same over all calls; past it the furthest behind fails (0: no limit)
 
     def validate(self) -> None:
         super().validate()
@@ -183,6 +190,11 @@ class ProducerConfig(ServerConfig):
             raise ValueError(f"store_eviction: {self.store_eviction!r} not in cost, lru")
         if self.max_inflight < 1:
             raise ValueError("max_inflight: must be >= 1")
+        if not 0 < self.default_timeout_s <= self.max_timeout_s:
+            raise ValueError(f"default_timeout_s: {self.default_timeout_s} must be > 0 and <= max_timeout_s {self.max_timeout_s}")
+        for name in ("write_idle_timeout_s", "max_request_unsent_bytes", "max_unsent_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: {getattr(self, name)} must be >= 0 (0: no limit)")
 
 
 @dataclass(frozen=True)

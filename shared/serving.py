@@ -77,6 +77,25 @@ def request_id(value: str) -> str:
     return value
 
 
+REQUEST_ID_HEADER = "x-request-id"  # metadata: the caller's request id in, and on every error status out
+_TAG = "scd_request_id"  # the attribute request_scope sets on the exception that ends a call
+
+
+@contextlib.contextmanager
+def request_scope(request_id: str) -> Iterator[None]:
+    """The call's request id on every log line it writes (structlog contextvars) and on the
+    exception that ends it: the error wrappers (`_abort`) run after this binding is gone, and read
+    the id from the exception for the status and the log line."""
+    with structlog.contextvars.bound_contextvars(request_id=request_id):
+        try:
+            yield
+        except BaseException as exc:
+            if not getattr(exc, _TAG, ""):
+                with contextlib.suppress(AttributeError, TypeError):
+                    setattr(exc, _TAG, request_id)
+            raise
+
+
 class Admission:
     """A limit on calls in flight, released on every path (a context manager around the whole
     handler), and closed while draining. `inflight` is what is running now."""
@@ -120,13 +139,17 @@ def public_text(text: str) -> str:
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, rpc: str) -> None:
     """The one place an exception becomes a status: ServiceError -> its code and message (without
     filesystem directories); anything else -> INTERNAL "internal error" with the request id,
-    logged once (bounded, no locals)."""
+    logged once (bounded, no locals). Every error status carries the request id in its trailing
+    metadata (REQUEST_ID_HEADER) and every such log line names it (`request_scope`)."""
+    rid = getattr(exc, _TAG, "") or structlog.contextvars.get_contextvars().get("request_id", "")
+    trailer = ((REQUEST_ID_HEADER, rid),) if rid else ()
     if isinstance(exc, ServiceError):
-        log.info("rpc.error", rpc=rpc, code=exc.code, reason=str(exc)[:500])
-        await context.abort(status_code(exc), public_text(str(exc)[:2000]))
-    rid = structlog.contextvars.get_contextvars().get("request_id", "")
-    log.error("rpc.internal_error", rpc=rpc, error=f"{type(exc).__name__}: {str(exc)[:500]}", exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request_id={rid})")
+        log.info("rpc.error", rpc=rpc, code=exc.code, reason=str(exc)[:500], request_id=rid)
+    else:
+        log.error("rpc.internal_error", rpc=rpc, error=f"{type(exc).__name__}: {str(exc)[:500]}", exc_info=exc, request_id=rid)
+    if isinstance(exc, ServiceError):
+        await context.abort(status_code(exc), public_text(str(exc)[:2000]), trailer)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request_id={rid})", trailer)
 
 
 def unary_errors(fn: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
