@@ -85,7 +85,7 @@ class ServerConfig:
     tls_key: str = ""  # PEM private key of tls_cert
     tls_client_ca: str = ""  # PEM CA bundle that signs client certificates (mTLS)
     require_client_cert: bool = True  # with tls_client_ca: refuse a client without a certificate from it
-    token_file: str = ""  # file holding the bearer token callers must send (health exempt)
+    token_file: str = ""  # file holding the bearer token callers must send (health Check exempt)
     token: str = field(default="", repr=False)  # the bearer token itself (prefer the env var or token_file)
     reflection: bool = False  # gRPC server reflection (v1 and v1alpha)
     # side ports: -1 off, 0 any free port (tests)

@@ -2,7 +2,7 @@
 
 Owns: server TLS credentials (optionally requiring client certificates: mTLS), client channel
 credentials, bearer tokens read from a file or the environment, and the two interceptors that
-carry them: `BearerTokenAuth` on a server (constant-time compare, health exempt) and
+carry them: `BearerTokenAuth` on a server (constant-time compare, health Check exempt) and
 `BearerTokenUnary`/`BearerTokenStream` on a client channel. Owns no service logic; a service without TLS or token
 settings runs plaintext and open, as before.
 """
@@ -18,6 +18,10 @@ import grpc
 from shared import logs
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+# what a caller without the token may call on a port that asks for one: a probe's one-message
+# Check. Not Watch: each is a stream held open, and anyone could open any number of them (the
+# plaintext --health-port, reachable only where operators let probes in, serves both)
+HEALTH_CHECK = HEALTH_PREFIX + "Check"
 AUTH_HEADER = "authorization"
 
 
@@ -77,10 +81,10 @@ log = logs.get("security")
 
 
 class BearerTokenAuth(grpc.aio.ServerInterceptor):
-    """Every call except health must carry `authorization: Bearer <token>`; compared in constant
-    time. A wrong or missing token is UNAUTHENTICATED and names neither."""
+    """Every call except a health Check must carry `authorization: Bearer <token>`; compared in
+    constant time. A wrong or missing token is UNAUTHENTICATED and names neither."""
 
-    def __init__(self, token: str, exempt: Sequence[str] = (HEALTH_PREFIX,)):
+    def __init__(self, token: str, exempt: Sequence[str] = (HEALTH_CHECK,)):
         self.expected = f"Bearer {token}".encode()
         self.exempt = tuple(exempt)
         self.rejected = 0  # calls refused (logged as `auth.rejected`: the first LOG_REJECTIONS, then 1 in LOG_REJECTIONS)

@@ -36,9 +36,12 @@ def float32_under_auto():
         yield
 
 
-async def wait_serving(address: str, timeout_s: float = 60.0) -> None:
-    """Block until the server's overall health is SERVING (Health.Watch, no sleeps)."""
-    async with grpc.aio.insecure_channel(address) as channel:
+async def wait_serving(address: str, timeout_s: float = 60.0, token: str = "") -> None:
+    """Block until the server's overall health is SERVING (Health.Watch, no sleeps; a Watch on a
+    port that asks for a token needs it: shared.security.HEALTH_CHECK)."""
+    from shared import security
+
+    async with security.aio_channel(address, token=token) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         async for reply in stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s):
             if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -78,8 +81,8 @@ async def running_pair(producer_model: str = "tiny-llama", consumer_model: str |
                                              producer=producer.address, drain_grace_s=0.5, **(consumer_kw or {})))
     await consumer.start()
     await consumer.load()
-    await wait_serving(producer.address)
-    await wait_serving(consumer.address)
+    await wait_serving(producer.address, token=(producer_kw or {}).get("token", ""))
+    await wait_serving(consumer.address, token=(consumer_kw or {}).get("token", ""))
     pair = Pair(producer, consumer)
     try:
         yield pair

@@ -124,6 +124,27 @@ async def test_health_needs_no_token(mtls_pair, pki):
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+async def test_a_health_watch_on_the_api_port_needs_the_token(mtls_pair, pki):
+    """A Watch is a stream held open: with a token set, callers without it may not open any
+    (before: any number); with the token, and on the plaintext health-only port, they may."""
+    creds = security.channel_credentials(pki["ca"])
+    request = health_pb2.HealthCheckRequest(service="")
+    port = mtls_pair[1].server.port
+    async with grpc.aio.secure_channel(f"localhost:{port}", creds) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in health_pb2_grpc.HealthStub(channel).Watch(request, timeout=5):
+                break
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    async with security.aio_channel(f"localhost:{port}", (), creds, TOKEN) as channel:
+        async for reply in health_pb2_grpc.HealthStub(channel).Watch(request, timeout=5):
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            break
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{mtls_pair[1].server.health_port}") as channel:
+        async for reply in health_pb2_grpc.HealthStub(channel).Watch(request, timeout=5):
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            break
+
+
 async def test_producer_requires_a_client_certificate(mtls_pair, pki):
     producer = mtls_pair[0]
     request = producer_pb2.PrefillRequest(token_ids=[5, 6, 7])
