@@ -246,3 +246,28 @@ def test_victims_come_from_a_heap_not_a_scan(policy):
     index.budget_bytes = 15000 * UNIT
     assert len(index.over_budget()) == 5000 and index.nbytes == 15000 * UNIT
     assert time.perf_counter() - began < 1.0
+
+
+async def test_a_conversation_that_outgrows_the_store_is_served_on_every_turn():
+    """Issue 44's end-to-end case (raw, 16-token chunks, a 60 KiB RAM tier in bfloat16: 120 KiB in
+    the tests' float32): a conversation whose chain outgrows the store, beside small side contexts.
+    On 2cf1243 the fourth turn and every later request for it answered `INTERNAL: internal error
+    (request_id=)`."""
+    from shared.pb import common_pb2
+    from tests.test_prefill_engine import contexts
+    from tests.test_prefix_service import prefill, producer, same
+
+    raw = common_pb2.CodecSpec(name="raw")
+    conv = contexts(20, seed=1)[0]
+    async with producer(chunk_tokens=16, store_bytes=120 << 10) as (server, stub):
+        store = server.servicer.chunks
+        for turn in range(6):
+            for side in range(2):
+                await prefill(stub, contexts(10, seed=100 + 2 * turn + side)[0], spec=raw)
+            conv = conv + contexts(40, seed=10 + turn)[0]
+            _, got, trailer = await prefill(stub, conv, spec=raw)
+            assert set(store.entries) == set(store.index.slots) and store.nbytes <= store.budget_bytes
+        _, again, _ = await prefill(stub, conv, spec=raw)
+    async with producer(store_bytes=0) as (_, stub):
+        _, cold, _ = await prefill(stub, conv, spec=raw)
+    assert same(got, cold) and same(again, cold)
