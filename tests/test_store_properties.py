@@ -185,7 +185,7 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 StoreMachine.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck)
+    max_examples=100, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)
 )
 test_random_sequences_keep_both_tiers_consistent = StoreMachine.TestCase
 
