@@ -416,7 +416,7 @@ class BatchEngine(concurrent.futures.Executor):
                 self.stats.failed_rows += 1
                 self._finish(task, DataLoss("the rebuilt cache gives non-finite logits (corrupt or out-of-range values)"))
                 continue
-            token = greedy[i] if task.sampler.generator is None else task.sampler(logits[i])
+            token = greedy[i] if task.sampler.plain else task.sampler(logits[i])  # plain: greedy, nothing to process or keep
             task.generated += 1
             task.sink(token)
             if token in task.stop_ids:

@@ -19,7 +19,8 @@ many the host has. With `--engine-process` the engine runs in a child process:
   the item that completes it, once: with each sampled draft token its q row (a DraftSampler,
   named by class in the add), with the verification task's Finished its kept rows (k + 1 argmax
   ids when greedy, k + 1 logits rows when sampling). A kept row that is not finite fails the
-  task in the child (DataLoss), as in process.
+  task in the child (DataLoss), as in process. A request that asked for log-probabilities gets
+  each sampled id's TokenLogprobs beside it the same way.
 - A request's blocks are freed only once the child has said its task left. A cancelled task may
   still be in the forward being run, and freed blocks are handed to the next request.
 - Liveness: the child's Progress lives in shared memory (`SharedProgress`), and the frontend's
@@ -46,6 +47,7 @@ import torch
 import torch.multiprocessing as mp
 
 from consumer.batch import BatchEngine, EngineStats, Finished, Task
+from consumer.decoding import TokenLogprobs
 from consumer.kv_pool import KVPool, SequenceKV
 from shared import liveness, logs
 from shared.errors import ServiceError, Unavailable
@@ -128,6 +130,8 @@ def _rows(task: Task, item: Any) -> Any:
     drawn = _drawn(task)
     if isinstance(item, int) and drawn:
         return drawn.pop().float().cpu().numpy()
+    if isinstance(item, int) and task.sampler is not None and task.sampler.kept:
+        return task.sampler.kept.pop()  # the log-probabilities the request asked for (a TokenLogprobs)
     if isinstance(item, Finished) and task.keep_logits and task.scores:
         return torch.cat(task.scores).cpu().numpy()
     return None
@@ -137,6 +141,10 @@ def _take_rows(task: Task, item: Any, rows: Any) -> None:
     """Frontend: the rows `_rows` sent, where the in-process engine would have left them."""
     if isinstance(item, Finished):
         task.scores = [torch.from_numpy(rows)]
+        return
+    if isinstance(rows, TokenLogprobs):
+        assert task.sampler is not None
+        task.sampler.kept.append(rows)
         return
     drawn = _drawn(task)
     if drawn is not None:

@@ -45,7 +45,7 @@ from collections.abc import AsyncGenerator, Callable
 
 from consumer.audit_policy import AuditPolicy
 from consumer.batch import BatchEngine, Finished, Task
-from consumer.decoding import Detokenizer, Sampler
+from consumer.decoding import Detokenizer, Sampler, StopText
 from consumer.engine_process import EngineProcess
 from consumer.engine_stream import engine_task
 from consumer.kv_admission import KVAdmission
@@ -393,13 +393,15 @@ class RequestPipeline:
         left(job, "question prefill")
         detok = Detokenizer(self.loaded.tokenizer)
         context_len = len(job.context_ids)
+        stop = StopText(job.stop_strings)
         while True:
             seq.length = context_len
+            sampler = Sampler(job.sampling, self.loaded.device)
             task = Task(
                 seq,
                 list(job.question_ids),
                 sink=lambda _: None,
-                sampler=Sampler(job.sampling, self.loaded.device),
+                sampler=sampler,
                 max_new=job.max_new_tokens,
                 stop_ids=job.stop_ids,
             )
@@ -415,7 +417,15 @@ class RequestPipeline:
                                 result.question_prefill_ms = (first_at - submitted) * 1e3
                                 result.ttft_ms = (first_at - job.received_at) * 1e3
                             result.generated_tokens += len(ids)
-                            yield TokenOut(ids, detok.push_many(ids))
+                            text = detok.push_many(ids)
+                            # the engine put an id's log-probabilities in `kept` before sending the id
+                            kept = [sampler.kept.popleft() for _ in ids] if job.sampling.logprobs is not None else None
+                            yield TokenOut(ids, text, kept)
+                            if job.stop_strings:
+                                stop.push(text)
+                        if stop.hit:  # a stop string ends the answer: the engine task leaves the batch
+                            result.finish_reason = "stop"
+                            break
                         if isinstance(items[-1], Finished):
                             result.finish_reason = items[-1].reason
                             break

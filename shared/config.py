@@ -219,6 +219,7 @@ class ConsumerConfig(ServerConfig):
     chunk_tokens: int = 256  # context chunk size of the prefix cache (a multiple of kv_block_tokens)
     prefix_cache_bytes: int = -1  # KV pool bytes the prefix cache may keep; -1: half the pool, 0: off
     http_port: int = -1  # OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models; consumer.openai_api); -1 off, 0 any free port
+    served_model_name: str = ""  # the model's one public name (/v1/models, Describe, logs, metrics); empty: --model's basename
 
     def validate(self) -> None:
         super().validate()
@@ -253,6 +254,11 @@ class ConsumerConfig(ServerConfig):
             )
         if not -1 <= self.http_port <= 65535:
             raise ValueError(f"http_port: {self.http_port} not in -1..65535 (-1 off, 0 any free port)")
+        name = self.served_model_name
+        if len(name) > 128 or not all("!" <= ch <= "~" for ch in name):
+            raise ValueError(
+                f"served_model_name: must be at most 128 printable ASCII characters without spaces, got {name[:40]!r}"
+            )
         if self.prefix_cache_bytes < -1:
             raise ValueError("prefix_cache_bytes: must be >= -1 (-1: half the KV pool, 0: off)")
         modes = default_modes()
