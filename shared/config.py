@@ -103,7 +103,7 @@ class ServerConfig:
     kv_events_block_size: int = 16  # vLLM block size the events' hashes use (a divisor of chunk_tokens)
     kv_events_hash: str = "sha256_cbor"  # block hash: sha256_cbor (cross-language) | sha256 (vLLM's pickle default)
     kv_events_hash_seed: str = "0"  # vLLM's PYTHONHASHSEED: the first block's parent is hash(seed); routers must use the same
-    kv_events_layout: str = "array"  # event encoding: array (msgspec array_like, tagged arrays) | map (newer vLLM, tagged maps)
+    kv_events_layout: str = "vllm-0.24"  # named for the vLLM that decodes it: vllm-0.24 (events as maps) | vllm-0.23 (arrays)
 
     @property
     def artifact_paths(self) -> list[str]:
@@ -135,8 +135,11 @@ class ServerConfig:
             raise ValueError("liveness_interval_s and liveness_timeout_s: must be > 0")
         if self.kv_events_hash not in ("sha256_cbor", "sha256"):
             raise ValueError(f"kv_events_hash: {self.kv_events_hash!r} not in sha256_cbor, sha256")
-        if self.kv_events_layout not in ("array", "map"):
-            raise ValueError(f"kv_events_layout: {self.kv_events_layout!r} not in array, map")
+        if self.kv_events_layout not in ("vllm-0.24", "vllm-0.23"):
+            raise ValueError(
+                f"kv_events_layout: {self.kv_events_layout!r} not in vllm-0.24 (events as maps, vLLM >= 0.24), "
+                "vllm-0.23 (events as arrays, vLLM <= 0.23)"
+            )
         if self.kv_events_block_size < 1:
             raise ValueError(f"kv_events_block_size: {self.kv_events_block_size} must be >= 1")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
