@@ -93,6 +93,12 @@ class Task:
         return self.cancelled or self.done
 
 
+# tests only (consumer.engine_stream): called with a task, its post and each item in place of the
+# post, on the thread that delivers it; it may post the item now, later, from any thread, or never
+# (tests force the order in which a reader sees a task's last token and its Finished)
+PostHook = Callable[[Task, Sink, Any], None]
+
+
 @dataclass
 class EngineStats:
     forwards: int = 0
@@ -183,6 +189,7 @@ class BatchEngine(concurrent.futures.Executor):
         self.stats = EngineStats()
         self.progress = progress or liveness.Progress("consumer-engine")
         self.after_iteration = after_iteration  # called on the engine thread at the end of every iteration
+        self.post_hook: PostHook | None = None  # tests: see PostHook
         pool.on_dirty = self._wake  # dropped blocks: reclaim them at the next boundary
         self._thread = threading.Thread(target=self._loop, name="consumer-engine", daemon=True)
         self._thread.start()

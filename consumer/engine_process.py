@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from consumer.batch import BatchEngine, EngineStats, Finished, Task
+from consumer.batch import BatchEngine, EngineStats, Finished, PostHook, Task
 from consumer.decoding import TokenLogprobs
 from consumer.kv_pool import KVPool, SequenceKV
 from shared import liveness, logs
@@ -262,6 +262,7 @@ class EngineProcess(concurrent.futures.Executor):
     ):
         self.loaded, self.pool, self.max_batch = loaded, pool, max_batch
         self.on_exit = on_exit  # called (reader thread) with the reason when the child exits unasked
+        self.post_hook: PostHook | None = None  # tests: see consumer.batch.PostHook (reader thread)
         self.local = BatchEngine(loaded, pool, max_batch)  # the frontend's jobs only: never given a task
         self.stats = EngineStats()
         self.progress = SharedProgress("consumer-engine")
