@@ -72,7 +72,9 @@ class GenerateJob:
     verify: str = VERIFY_OFF  # VERIFY_OFF | VERIFY_VERIFIED (stream verified tokens only) | VERIFY_PROVISIONAL
     repair: Repair | None = None  # anchor-token repair after the rebuild (consumer.repair); None: off
     stream_interval: int = 1  # tokens per streamed message after the first (--stream-interval)
-    stop_strings: tuple[str, ...] = ()  # the answer ends once its text contains one (finish "stop")
+    # the answer ends at the first token whose text completes one (consumer.ending: finish "stop",
+    # that token kept, the text cut before the string)
+    stop_strings: tuple[str, ...] = ()
 
     @property
     def mode(self) -> str:
