@@ -64,15 +64,25 @@ class Sampler:
         """Greedy with nothing to process or keep: the engine takes its batched argmax instead."""
         return self.generator is None and not self.sampling.processed and self.sampling.logprobs is None
 
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits: [vocab] -> the distribution a token is drawn from (temperature, then top-p;
-        not renormalized: multinomial does not need it), [vocab] float32. Sampling only."""
+    def nucleus(self, logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """logits: [vocab] -> the distribution a token is drawn from (temperature, then top-p; not
+        renormalized) over its support: (token ids [s] int64, their probabilities [s] float32), the
+        likeliest first; ids None under top_p 1 (the support is the whole vocabulary, probabilities
+        [vocab] in id order). Sampling only."""
         probs = torch.softmax(logits.float() / self.sampling.temperature, dim=-1)
-        if self.sampling.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < self.sampling.top_p  # always keeps the top token
-            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-        return probs
+        if self.sampling.top_p >= 1.0:
+            return None, probs
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < self.sampling.top_p  # always keeps the top token
+        return order[keep], sorted_probs[keep]
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [vocab] -> the distribution a token is drawn from (`nucleus`, zeros outside its
+        support; not renormalized: multinomial does not need it), [vocab] float32. Sampling only."""
+        ids, probs = self.nucleus(logits)
+        if ids is None:
+            return probs
+        return torch.zeros(logits.shape[-1], dtype=probs.dtype, device=probs.device).scatter(0, ids, probs)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [vocab] -> [vocab] float32 with logit_bias added, the penalties subtracted and all

@@ -75,6 +75,7 @@ class GenerateJob:
     # the answer ends at the first token whose text completes one (consumer.ending: finish "stop",
     # that token kept, the text cut before the string)
     stop_strings: tuple[str, ...] = ()
+    verify_draft_bytes: int | None = None  # verified decoding: bytes of kept draft rows (consumer.speculative); None: no cap
 
     @property
     def mode(self) -> str:

@@ -216,6 +216,7 @@ class JobBuilder:
             repair=repair,
             stream_interval=cfg.stream_interval,
             stop_strings=extras.stop_strings,
+            verify_draft_bytes=cfg.verify_draft_bytes,
         )
 
     def _check_extras(self, extras: Extras, verify: str) -> None:

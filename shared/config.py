@@ -218,6 +218,7 @@ class ConsumerConfig(ServerConfig):
     prefill_chunk: int = 512  # tokens one request prefills per engine iteration (chunked prefill)
     max_batch_tokens: int = 2048  # prefill tokens per engine iteration, all requests together
     stream_interval: int = 1  # tokens per streamed message after the first (1: each alone; as vLLM's --stream-interval)
+    verify_draft_bytes: int = 32 << 20  # verified decoding, sampled: draft rows one request keeps, bytes (consumer.speculative)
     engine_process: bool = False  # the engine's forwards in a child process, the KV pool in shared memory
     chunk_tokens: int = 256  # context chunk size of the prefix cache (a multiple of kv_block_tokens)
     prefix_cache_bytes: int = -1  # KV pool bytes the prefix cache may keep; -1: half the pool, 0: off
@@ -251,6 +252,8 @@ class ConsumerConfig(ServerConfig):
                 raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
         if self.kv_pool_bytes < 0 or self.max_queue < 0:
             raise ValueError("kv_pool_bytes and max_queue: must be >= 0")
+        if self.verify_draft_bytes < 0:
+            raise ValueError(f"verify_draft_bytes: {self.verify_draft_bytes} must be >= 0 (0: no sampled drafts)")
         if self.chunk_tokens < 1 or self.chunk_tokens % self.kv_block_tokens:
             raise ValueError(
                 f"chunk_tokens: {self.chunk_tokens} must be a positive multiple of kv_block_tokens {self.kv_block_tokens}"
