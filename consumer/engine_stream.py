@@ -9,6 +9,7 @@ loop once, not once per request. Knows nothing about gRPC or codecs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import weakref
 from collections.abc import AsyncGenerator
@@ -84,7 +85,8 @@ async def engine_task(
         box.post(events, item)
 
     remaining = left(job, "the engine")
-    task.sink = sink
+    hook = engine.post_hook
+    task.sink = sink if hook is None else functools.partial(hook, task, sink)
     engine.add(task)
     # one timer for the task's whole life, not a wait_for (a task and a timer) per token: the
     # deadline arrives in the queue as an error, after whatever the engine delivered before it

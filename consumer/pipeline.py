@@ -44,8 +44,10 @@ import time
 from collections.abc import AsyncGenerator, Callable
 
 from consumer.audit_policy import AuditPolicy
-from consumer.batch import BatchEngine, Finished, Task
-from consumer.decoding import Detokenizer, Sampler
+from consumer.batch import BatchEngine, Task
+from consumer.decode import decode
+from consumer.decoding import Sampler
+from consumer.ending import ending_of
 from consumer.engine_process import EngineProcess
 from consumer.engine_stream import engine_task
 from consumer.kv_admission import KVAdmission
@@ -390,37 +392,28 @@ class RequestPipeline:
     async def _answer(
         self, job: GenerateJob, result: GenerateResult, seq: SequenceKV
     ) -> AsyncGenerator[TokenOut | GenerateResult, None]:
-        """Question prefill and decode in the engine's batches; a cache whose logits are not finite
-        fails the request (DataLoss) or, under LOCAL_PREFILL, is replaced by the own prefill once."""
+        """Question prefill and decode in the engine's batches (consumer.decode); a cache whose
+        logits are not finite fails the request (DataLoss) or, under LOCAL_PREFILL, is replaced by
+        the own prefill once."""
         left(job, "question prefill")
-        detok = Detokenizer(self.loaded.tokenizer)
         context_len = len(job.context_ids)
+        first_at: list[float] = []
         while True:
             seq.length = context_len
-            task = Task(
-                seq,
-                list(job.question_ids),
-                sink=lambda _: None,
-                sampler=Sampler(job.sampling, self.loaded.device),
-                max_new=job.max_new_tokens,
-                stop_ids=job.stop_ids,
-            )
+            sampler = Sampler(job.sampling, self.loaded.device)
+            task = Task(seq, list(job.question_ids), lambda _: None, sampler, job.max_new_tokens, job.stop_ids)
             submitted = time.perf_counter()
-            first_at = submitted
+
+            def first(at: float, submitted: float = submitted) -> None:
+                first_at.append(at)
+                result.question_prefill_ms = (at - submitted) * 1e3
+                result.ttft_ms = (at - job.received_at) * 1e3
+
+            ending = ending_of(self.loaded.tokenizer, job)
             try:
-                async with contextlib.aclosing(engine_task(self.engine, job, task, job.stream_interval)) as events:
-                    async for items in events:
-                        ids = [item for item in items if not isinstance(item, Finished)]
-                        if ids:
-                            if result.generated_tokens == 0:
-                                first_at = time.perf_counter()
-                                result.question_prefill_ms = (first_at - submitted) * 1e3
-                                result.ttft_ms = (first_at - job.received_at) * 1e3
-                            result.generated_tokens += len(ids)
-                            yield TokenOut(ids, detok.push_many(ids))
-                        if isinstance(items[-1], Finished):
-                            result.finish_reason = items[-1].reason
-                            break
+                async with contextlib.aclosing(decode(self.engine, job, result, task, ending, first)) as out:
+                    async for item in out:
+                        yield item
             except DataLoss as exc:
                 if result.generated_tokens or job.codec is None or result.codec == ORACLE_MODE:
                     raise
@@ -429,10 +422,7 @@ class RequestPipeline:
                 await self._local_prefill(job, result, seq)
                 continue
             break
-        rest = detok.flush()
-        if rest:
-            yield TokenOut([], rest)
         done = time.perf_counter()
-        result.decode_ms = (done - first_at) * 1e3
+        result.decode_ms = (done - (first_at[0] if first_at else submitted)) * 1e3
         result.total_ms = (done - job.received_at) * 1e3
         yield result

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from consumer.auto import AutoChoice
-from consumer.decoding import Sampling
+from consumer.decoding import Sampling, TokenLogprobs
 from consumer.planner import Estimate
 from consumer.stream_reader import StreamTrailer
 from shared.codecs import Codec
@@ -72,6 +72,10 @@ class GenerateJob:
     verify: str = VERIFY_OFF  # VERIFY_OFF | VERIFY_VERIFIED (stream verified tokens only) | VERIFY_PROVISIONAL
     repair: Repair | None = None  # anchor-token repair after the rebuild (consumer.repair); None: off
     stream_interval: int = 1  # tokens per streamed message after the first (--stream-interval)
+    # the answer ends at the first token whose text completes one (consumer.ending: finish "stop",
+    # that token kept, the text cut before the string)
+    stop_strings: tuple[str, ...] = ()
+    verify_draft_bytes: int | None = None  # verified decoding: bytes of kept draft rows (consumer.speculative); None: no cap
     # whose cached KV it may reuse (shared.tenants: its cache_salt, else the caller's token): in the
     # root of its prefix cache keys, and sent to the producer as PrefillRequest.cache_salt
     tenant: str = ""
@@ -82,10 +86,26 @@ class GenerateJob:
         return self.codec.name if self.codec is not None else ORACLE_MODE
 
 
+@dataclass(frozen=True)
+class Extras:
+    """What a Generate may ask beyond the GenerateRequest message: the OpenAI endpoint's fields
+    that gRPC has no field for (consumer.openai_schema reads them, JobBuilder checks them against
+    the model and the other fields). Defaults: none asked."""
+
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()  # besides the model's end-of-sequence id (vLLM's meaning)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_k: int = 0
+    logprobs: int | None = None  # each sampled id's log-probability and this many alternatives
+
+
 @dataclass
 class TokenOut:
     ids: list[int]
     text: str
+    logprobs: list[TokenLogprobs] | None = None  # one per id, when the request asked (Extras.logprobs)
 
 
 @dataclass

@@ -28,6 +28,7 @@ from consumer.request import (
     VERIFY_OFF,
     VERIFY_PROVISIONAL,
     VERIFY_VERIFIED,
+    Extras,
     GenerateJob,
     Repair,
 )
@@ -130,8 +131,11 @@ class JobBuilder:
             raise InvalidArgument(f"{field}.token_ids: id {bad} >= vocab_size {vocab}")
         return ids
 
-    async def build(self, request: consumer_pb2.GenerateRequest, request_id: str, timeout_s: float) -> GenerateJob:
+    async def build(
+        self, request: consumer_pb2.GenerateRequest, request_id: str, timeout_s: float, extras: Extras | None = None
+    ) -> GenerateJob:
         cfg = self.config
+        extras = extras or Extras()
         # cheap checks first: a request that fails them costs no tokenization
         max_new = request.max_new_tokens or DEFAULT_NEW_TOKENS
         if max_new > cfg.max_new_tokens:
@@ -156,6 +160,7 @@ class JobBuilder:
         bad = next((t for t in request.stop_token_ids if t >= vocab), None)
         if bad is not None:
             raise InvalidArgument(f"stop_token_ids: id {bad} >= vocab_size {vocab}")
+        self._check_extras(extras, VERIFIES[request.verify])
         mode = request.transfer.name or self.default_mode()
         spec, repair = self._repair(request.transfer)
         budget: Budget | None = None
@@ -187,6 +192,7 @@ class JobBuilder:
             policy = LOCAL_PREFILL  # auto may always answer by the own prefill
         eos = self.loaded.tokenizer.eos_token_id
         stop = frozenset(request.stop_token_ids) or (frozenset([eos]) if eos is not None else frozenset())
+        stop |= extras.stop_token_ids
         return GenerateJob(
             request_id=request_id,
             context_ids=context_ids,
@@ -194,7 +200,16 @@ class JobBuilder:
             codec=codec,
             options=options,
             max_new_tokens=max_new,
-            sampling=Sampling(s.temperature, s.top_p or 1.0, s.seed),
+            sampling=Sampling(
+                s.temperature,
+                s.top_p or 1.0,
+                s.seed,
+                extras.logit_bias,
+                extras.presence_penalty,
+                extras.frequency_penalty,
+                extras.top_k,
+                extras.logprobs,
+            ),
             stop_ids=stop,
             deadline=time.monotonic() + timeout_s,
             fallback=fallback,
@@ -208,9 +223,36 @@ class JobBuilder:
             verify=VERIFIES[request.verify],
             repair=repair,
             stream_interval=cfg.stream_interval,
+            stop_strings=extras.stop_strings,
+            verify_draft_bytes=cfg.verify_draft_bytes,
             tenant=tenant,
             producer_tenant=tenants.tenant(tenant, self.producer_token),
         )
+
+    def _check_extras(self, extras: Extras, verify: str) -> None:
+        """Token ids within the vocabulary; under verified decoding no logit processor and no
+        log-probabilities (its acceptance compares plain temperature/top-p distributions of two
+        caches, and its tokens come from both)."""
+        vocab = self.loaded.info.vocab_size
+        for name, ids in (("stop_token_ids", extras.stop_token_ids), ("logit_bias", [t for t, _ in extras.logit_bias])):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidArgument(f"{name}: token id {bad} not in 0..vocab_size-1 ({vocab - 1})")
+        if verify == VERIFY_OFF:
+            return
+        asked = {
+            "logprobs": extras.logprobs is not None,
+            "logit_bias": bool(extras.logit_bias),
+            "presence_penalty": bool(extras.presence_penalty),
+            "frequency_penalty": bool(extras.frequency_penalty),
+            "top_k": extras.top_k > 0,
+        }
+        first = next((n for n, on in asked.items() if on), None)
+        if first is not None:
+            raise InvalidArgument(
+                f"{first}: not served with verified decoding (its acceptance rule compares the two caches'"
+                " temperature/top-p distributions only); ask without verify, or without this field"
+            )
 
     def _repair(self, spec: common_pb2.CodecSpec) -> tuple[common_pb2.CodecSpec, Repair | None]:
         """The transfer spec without the option `repair` (the consumer's, never a codec's), and the

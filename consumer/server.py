@@ -32,7 +32,7 @@ from consumer.prefix_cache import PrefixCache
 from consumer.probe import BackgroundProbe
 from consumer.producer_client import ProducerClient
 from consumer.producer_memory import ProducerMemory
-from consumer.request import AUDIT_OFF, FAIL, ORACLE_MODE, VERIFY_OFF, Commit, GenerateJob, GenerateResult, TokenOut
+from consumer.request import AUDIT_OFF, FAIL, ORACLE_MODE, VERIFY_OFF, Commit, Extras, GenerateJob, GenerateResult, TokenOut
 from consumer.requests import JobBuilder
 from consumer.runner import scratch_limit_bytes
 from shared import codecs as codec_lib
@@ -63,6 +63,8 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         self.transfer_fallbacks = 0
         self.auto_choices = 0
         self.probe: BackgroundProbe | None = None  # ConsumerServer sets it: told of every Generate
+        # the model's one public name: /v1/models, Describe, logs, metrics (never a filesystem path)
+        self.model_name = config.served_model_name or describe.public_model_id(config.model)
 
     def attach(
         self,
@@ -176,23 +178,29 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
                 yield item_to_pb(item)
 
     async def generate_items(
-        self, request: consumer_pb2.GenerateRequest, timeout_s: float, caller: Any, received: float
+        self,
+        request: consumer_pb2.GenerateRequest,
+        timeout_s: float,
+        caller: Any,
+        received: float,
+        extras: Extras | None = None,
     ) -> AsyncGenerator[TokenOut | Commit | GenerateResult, None]:
         """One Generate whatever the transport (gRPC here, HTTP in consumer.openai_api): admission
         (max_inflight), outcome counting, the job, the pipeline, the result's bookkeeping; `caller`
-        answers cancelled() (the grpc context, or the HTTP request's stand-in)."""
+        answers cancelled() (the grpc context, or the HTTP request's stand-in); `extras`: what the
+        HTTP API asks beyond the message (stop strings, logit processors, log-probabilities)."""
         request_id = serving.request_id(request.request_id)
         if self.probe is not None:
             self.probe.touch()
         with serving.request_scope(request_id), self.admission.slot():
             async for item in self.outcomes.track(
-                self._generate(request, request_id, timeout_s, received), caller, log, "generate"
+                self._generate(request, request_id, timeout_s, received, extras), caller, log, "generate"
             ):
                 yield item
 
-    async def _generate(self, request, request_id: str, timeout_s: float, received: float):
+    async def _generate(self, request, request_id: str, timeout_s: float, received: float, extras: Extras | None):
         self._ready()
-        job = await self.jobs.build(request, request_id, timeout_s)
+        job = await self.jobs.build(request, request_id, timeout_s, extras)
         job.received_at = received
         log.info(
             "generate.start",
@@ -230,7 +238,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         loaded = self._ready()
         cfg = self.config
         return consumer_pb2.ConsumerServiceDescribeResponse(
-            model=describe.model_to_pb(loaded.info),
+            model=describe.model_to_pb(loaded.info, self.model_name),
             codecs=[describe.local_mode_pb(ORACLE_MODE), *describe.codecs_to_pb(self.codecs)],
             limits=common_pb2.Limits(
                 max_context_tokens=cfg.max_context_tokens,
@@ -285,7 +293,7 @@ class ConsumerServer:
         self.probe: BackgroundProbe | None = None
         self.engine_failure = ""  # why the engine process exited, once it has (--engine-process)
         # the OpenAI-compatible HTTP port (--http-port), on this servicer: the same admission and pipeline
-        self.http = OpenAIServer(self.servicer, config) if config.http_port >= 0 else None
+        self.http = OpenAIServer(self.servicer, config, self.server.why_not_serving) if config.http_port >= 0 else None
         self.http_port = -1
         self.kv_events: KVEventPublisher | None = None  # set by load when --kv-events-endpoint is given
 
@@ -300,7 +308,7 @@ class ConsumerServer:
         log.info(
             "server.started",
             address=self.address,
-            model=self.config.model,
+            model=self.servicer.model_name,
             producer=self.config.producer,
             http_port=self.http_port,
         )
@@ -347,7 +355,7 @@ class ConsumerServer:
         self.servicer.attach(loaded, batch, kv_admission, prefix, self.client)
         self.server.metrics.watch_engine(batch, pool, kv_admission, prefix, self.servicer.pipeline)
         self.server.metrics.watch_router(
-            loaded.info.model_id, self.servicer.admission, kv_admission, pool, prefix, self.kv_events
+            self.servicer.model_name, self.servicer.admission, kv_admission, pool, prefix, self.kv_events
         )
         self.link = link = readiness.ProducerLink(
             self.client.stub, self.servicer.codecs, self.client.transport, cfg.producer_check_interval_s, self._link_changed
@@ -380,7 +388,7 @@ class ConsumerServer:
         self.probe.start()
         log.info(
             "server.serving",
-            model=loaded.info.model_id,
+            model=self.servicer.model_name,
             dtype=loaded.info.dtype,
             dtype_reason=loaded.info.dtype_reason,
             device=loaded.info.device,

@@ -9,11 +9,17 @@ follows), and decoding continues on the exact cache. The draft blocks go back as
 drafting stops.
 
 Greedy: a draft stands when it is the exact model's argmax, so the answer is the oracle's token
-for token. Sampling: the speculative-sampling rule (Leviathan et al.; Chen et al.): draft x stands
-with probability min(1, p(x) / q(x)); at the first rejection the token is drawn from
-norm(max(0, p - q)); after all stand the next is drawn from p. p is the exact model's
-distribution, q the draft's, both after temperature and top-p, so every token's distribution is
-the oracle's. (A seed no longer fixes the tokens: how many drafts there are depends on timing.)
+for token. Sampling: the speculative-sampling rule (Leviathan et al.; Chen et al.;
+consumer.speculative, which also bounds what a draft keeps): draft x stands with probability
+min(1, p(x) / q(x)); at the first rejection the token is drawn from norm(max(0, p - q)); after all
+stand the next is drawn from p. p is the exact model's distribution, q the draft's, both after
+temperature and top-p, so every token's distribution is the oracle's. (A seed no longer fixes
+the tokens: how many drafts there are depends on timing.)
+
+Where the answer ends comes from its tokens (consumer.ending: a stop id, max_new_tokens, a stop
+string), never from when the engine's Finished arrives: the drafts are cut by their own ending,
+the verified tokens by the answer's, and the continuation is the pipeline's decode loop
+(consumer.decode) on the exact cache.
 
 Delivery: VERIFY_VERIFIED streams verified tokens only (the first ones when the drafts are
 checked); VERIFY_PROVISIONAL streams drafts as they come, then one `Commit` (how many of them
@@ -22,7 +28,7 @@ stand, the tokens that follow instead of the rest, the verified text), then veri
 The engine alone runs forwards and writes or frees blocks: this module hands it tasks and one job
 (the acceptance, on the engine thread beside the kept rows). With `--engine-process` the tasks run
 in the engine's process and the acceptance on the frontend's job thread, over the rows that
-process sends back (consumer.engine_process: the drafts' q rows, the check's kept rows): the same
+process sends back (consumer.engine_process: the drafts' q, the check's argmax ids or p): the same
 functions either way. Knows nothing about gRPC, codecs or the prefix cache.
 """
 
@@ -32,16 +38,20 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from consumer.batch import BatchEngine, Finished, Task
-from consumer.decoding import Detokenizer, Sampler, Sampling
+from consumer.decode import decode
+from consumer.decoding import Sampler, Sampling
+from consumer.ending import Ending, ending_of
 from consumer.engine_process import EngineProcess
 from consumer.engine_stream import engine_task
 from consumer.kv_pool import SequenceKV
 from consumer.request import VERIFY_PROVISIONAL, Commit, GenerateJob, GenerateResult, TokenOut
+from consumer.speculative import DraftSampler, accept_greedy, accept_sampled
 from shared import logs
 from shared.errors import DataLoss
 from shared.models import LoadedModel
@@ -56,44 +66,20 @@ def _ignore(_: Any) -> None:
     pass
 
 
-class DraftSampler(Sampler):
-    """A Sampler that keeps the distribution each draft token was drawn from (q), in order (engine
-    thread; under --engine-process the child's copy sends each row to this one, which keeps it);
-    greedy drafts keep nothing."""
+@dataclass
+class Drafts:
+    """What the drafting produced: the draft tokens (cut where they end the answer, and, sampled,
+    at the last one whose row the sampler kept), the sampler holding their rows, their own
+    ending, and a note for verify_decision."""
 
-    def __init__(self, sampling: Sampling, device: torch.device):
-        super().__init__(sampling, device)
-        self.drawn: list[torch.Tensor] = []  # [vocab] each
+    sampler: DraftSampler
+    ending: Ending
+    ids: list[int]
+    note: str = ""
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        if self.generator is None:
-            return int(torch.argmax(logits))
-        probs = self.probs(logits)
-        self.drawn.append(probs)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
-
-
-def accept_greedy(drafts: list[int], exact: list[int]) -> tuple[int, int]:
-    """exact: k + 1 ids, i the exact model's argmax after the question and drafts[:i]. Returns
-    (how many drafts in a row are its argmax, its argmax at the first that is not, or after all)."""
-    accepted = next((i for i, d in enumerate(drafts) if exact[i] != d), len(drafts))
-    return accepted, exact[accepted]
-
-
-def accept_sampled(drafts: list[int], q: list[torch.Tensor], p: torch.Tensor, generator: torch.Generator) -> tuple[int, int]:
-    """The speculative-sampling rule. p [k + 1, vocab]: the exact model's distributions (row i
-    after drafts[:i]); q: the k distributions the drafts were drawn from (unnormalized is fine).
-    Returns (drafts that stand, the token that follows them)."""
-    p = p / p.sum(dim=-1, keepdim=True)
-    for i, d in enumerate(drafts):
-        qi = q[i] / q[i].sum()
-        u = float(torch.rand((), generator=generator))
-        if u * float(qi[d]) < float(p[i, d]):  # u < p(d) / q(d); q(d) > 0: d was drawn from it
-            continue
-        residual = (p[i] - qi).clamp(min=0)  # [vocab]
-        dist = residual if float(residual.sum()) > 0 else p[i]
-        return i, int(torch.multinomial(dist, 1, generator=generator))
-    return len(drafts), int(torch.multinomial(p[-1], 1, generator=generator))
+    @property
+    def greedy(self) -> bool:
+        return self.sampler.generator is None
 
 
 class Verifier:
@@ -117,17 +103,65 @@ class Verifier:
         """The own prefill of the whole context into `exact` (an exact transfer's fallback)."""
         return await self._fill(job, exact, 0)
 
-    def _accept(self, job: GenerateJob, drafts: list[int], sampler: DraftSampler, check: Task) -> tuple[int, int]:
+    async def _draft(
+        self,
+        job: GenerateJob,
+        result: GenerateResult,
+        draft: SequenceKV,
+        filling: asyncio.Future,
+        drafts: Drafts,
+        first: Callable[[float], None],
+    ) -> AsyncGenerator[TokenOut, None]:
+        """Drafting: question and decode on the transferred cache until the drafts' tokens end
+        the answer, the sampler's rows reach the request's cap, or the exact cache is complete
+        (`filling`); under VERIFY_PROVISIONAL the drafts stream as they come."""
+        started = time.perf_counter()
+        task = Task(draft, list(job.question_ids), _ignore, drafts.sampler, job.max_new_tokens, job.stop_ids)
+        try:
+            async with contextlib.aclosing(engine_task(self.engine, job, task)) as events:
+                async for items in events:
+                    tokens = [item for item in items if not isinstance(item, Finished)]
+                    if not drafts.greedy:  # only drafts whose row was kept can be checked
+                        tokens = tokens[: max(0, len(drafts.sampler.rows) - len(drafts.ids))]
+                    ids, text = drafts.ending.take(tokens)
+                    if ids and not drafts.ids:
+                        result.question_prefill_ms = (time.perf_counter() - started) * 1e3
+                    drafts.ids += ids
+                    if ids and job.verify == VERIFY_PROVISIONAL:
+                        first(time.perf_counter())
+                        yield TokenOut(ids, text)
+                    if drafts.ending.reason:
+                        break  # the drafts' own tokens end the answer
+                    if drafts.sampler.limited and len(drafts.ids) == len(drafts.sampler.rows):  # every kept row drafted
+                        drafts.note += f"; drafting stopped: draft rows reached verify_draft_bytes {drafts.sampler.cap}"
+                        break
+                    if filling.done() or isinstance(items[-1], Finished):
+                        break  # the exact cache is complete: no more drafts (or the engine has no more)
+        except DataLoss as exc:  # the transferred cache gives non-finite logits: drafting stops there
+            drafts.note += "; drafting stopped: non-finite logits"
+            log.warning("generate.draft_failed", mode=job.mode, reason=str(exc)[:200])
+
+    def _accept(self, job: GenerateJob, drafts: Drafts, check: Task) -> tuple[int, int]:
         """On the engine thread (the frontend's, under --engine-process): the verification
         forward's kept rows (finite: the engine failed the task otherwise) -> (drafts that stand,
         next)."""
-        k = len(drafts)
-        kept = torch.cat(check.scores)[-(k + 1) :]  # [k + 1] argmax ids (greedy) or [k + 1, vocab] logits
-        if sampler.generator is None:
-            return accept_greedy(drafts, kept.tolist())
-        p = torch.stack([sampler.probs(row) for row in kept]).cpu()
+        k = len(drafts.ids)
+        if drafts.greedy:
+            return accept_greedy(drafts.ids, torch.cat(check.scores)[-(k + 1) :].tolist())  # [k + 1] argmax ids
         generator = torch.Generator().manual_seed((job.sampling.seed ^ ACCEPT_SEED) & SEED_MASK)
-        return accept_sampled(drafts, [q.cpu() for q in sampler.drawn[:k]], p, generator)
+        return accept_sampled(drafts.ids, drafts.sampler.rows[:k], check.nuclei[-(k + 1) :], generator)
+
+    async def _check(self, job: GenerateJob, exact: SequenceKV, drafts: Drafts) -> tuple[int, int]:
+        """Acceptance: one forward over question + drafts on the exact cache, its kept rows read
+        by the acceptance rule -> (drafts that stand, the exact model's token after them)."""
+        k = len(drafts.ids)
+        check = Task(exact, list(job.question_ids) + drafts.ids, _ignore, keep_logits=k + 1, keep_argmax=drafts.greedy)
+        if not drafts.greedy:
+            check.keep_nucleus = Sampler(job.sampling, self.loaded.device)  # p over its top-p support, as q
+        async with contextlib.aclosing(engine_task(self.engine, job, check)) as events:
+            async for _ in events:
+                pass
+        return await logs.run_in(self.engine, self._accept, job, drafts, check)
 
     async def answer(
         self,
@@ -145,8 +179,6 @@ class Verifier:
         from the prefix cache); verify; continue on `exact`. Yields token deltas (provisional ones
         and a Commit under VERIFY_PROVISIONAL), then the result. `release(draft)` once drafting
         stopped."""
-        tokenizer, M = self.loaded.tokenizer, job.max_new_tokens
-        base = len(job.context_ids) + len(job.question_ids)
         started = time.perf_counter()
         first_at: list[float] = []
 
@@ -158,84 +190,21 @@ class Verifier:
         draft.length = len(job.context_ids)  # (a context the prefix cache held whole was never streamed)
         filling = asyncio.ensure_future(fill(exact) if fill is not None else self._fill(job, exact, exact_from))
         try:
-            sampler = DraftSampler(job.sampling, self.loaded.device)
-            drafting = Task(draft, list(job.question_ids), _ignore, sampler, M, job.stop_ids)
-            drafts: list[int] = []
-            drafted_to = ""  # the draft's own finish ("stop" | "length"), when it got there
-            note = f"; exact cache: {exact_from} context tokens from the prefix cache" if exact_from and fill is None else ""
-            provisional = Detokenizer(tokenizer)
-            try:
-                async with contextlib.aclosing(engine_task(self.engine, job, drafting)) as events:
-                    async for items in events:
-                        ids = [item for item in items if not isinstance(item, Finished)]
-                        if ids and not drafts:
-                            result.question_prefill_ms = (time.perf_counter() - started) * 1e3
-                        drafts += ids
-                        if ids and job.verify == VERIFY_PROVISIONAL:
-                            first(time.perf_counter())
-                            yield TokenOut(ids, provisional.push_many(ids))
-                        last = items[-1]
-                        if isinstance(last, Finished):
-                            drafted_to = last.reason
-                            break
-                        if filling.done():
-                            break  # the exact cache is complete: no more drafts
-            except DataLoss as exc:  # the transferred cache gives non-finite logits: drafting stops there
-                note += "; drafting stopped: non-finite logits"
-                log.warning("generate.draft_failed", mode=job.mode, reason=str(exc)[:200])
+            sampler = DraftSampler(job.sampling, self.loaded.device, job.verify_draft_bytes)
+            drafts = Drafts(sampler, ending_of(self.loaded.tokenizer, job), [])
+            if exact_from and fill is None:
+                drafts.note = f"; exact cache: {exact_from} context tokens from the prefix cache"
+            async with contextlib.aclosing(self._draft(job, result, draft, filling, drafts, first)) as provisional:
+                async for delta in provisional:
+                    yield delta
             release(draft)  # freed once the draft task has left the batch
             fill_note = await filling
-            note = fill_note + note
-
-            k = len(drafts)
-            greedy = sampler.generator is None
-            check = Task(exact, list(job.question_ids) + drafts, _ignore, keep_logits=k + 1, keep_argmax=greedy)
-            async with contextlib.aclosing(engine_task(self.engine, job, check)) as events:
-                async for _ in events:
-                    pass
-            accepted, following = await logs.run_in(self.engine, self._accept, job, drafts, sampler, check)
-            exact.length = base + accepted  # later positions held rejected drafts: overwritten from here
-            verified = drafts[:accepted]
-            finish = drafted_to if accepted == k else ""
-            if not finish:
-                verified.append(following)
-                finish = "stop" if following in job.stop_ids else "length" if len(verified) >= M else ""
-            now = time.perf_counter()
-            result.drafted_tokens, result.accepted_tokens = k, accepted
-            result.time_to_verified_ms = (now - job.received_at) * 1e3
-            result.verify_ms = (now - started) * 1e3
-            replaced = f", draft {accepted + 1} replaced" if accepted < k else ""
-            result.verify_decision = f"verified: {accepted} of {k} drafts accepted{replaced}{note}"
-            log.info("generate.verified", drafted=k, accepted=accepted, exact_cache=fill_note.removeprefix("; exact cache: "))
-
-            detok = Detokenizer(tokenizer)
-            text = detok.push_many(verified)
-            first(now)
-            if job.verify == VERIFY_PROVISIONAL:
-                yield Commit(accepted, verified[accepted:], text)
-            else:
-                yield TokenOut(verified, text)
-            result.generated_tokens = len(verified)
-            if not finish:  # decoding continues on the exact cache, from the last verified token
-                cont = Sampler(
-                    Sampling(job.sampling.temperature, job.sampling.top_p, (job.sampling.seed ^ CONTINUE_SEED) & SEED_MASK),
-                    self.loaded.device,
-                )
-                task = Task(exact, [verified[-1]], _ignore, cont, M, job.stop_ids, generated=len(verified))
-                async with contextlib.aclosing(engine_task(self.engine, job, task, job.stream_interval)) as events:
-                    async for items in events:
-                        ids = [item for item in items if not isinstance(item, Finished)]
-                        if ids:
-                            result.generated_tokens += len(ids)
-                            yield TokenOut(ids, detok.push_many(ids))
-                        if isinstance(items[-1], Finished):
-                            finish = items[-1].reason
-                            break
-            rest = detok.flush()
-            if rest:
-                yield TokenOut([], rest)
+            accepted, following = await self._check(job, exact, drafts)
+            first(self._record(job, result, drafts, accepted, fill_note, started))
+            async with contextlib.aclosing(self._deliver(job, result, exact, drafts, accepted, following)) as verified:
+                async for item in verified:
+                    yield item
             done = time.perf_counter()
-            result.finish_reason = finish or "length"
             result.decode_ms = (done - first_at[0]) * 1e3
             result.total_ms = (done - job.received_at) * 1e3
             yield result
@@ -243,3 +212,43 @@ class Verifier:
             if not filling.done():
                 filling.cancel()  # its engine task leaves the batch at the next iteration
             await asyncio.gather(filling, return_exceptions=True)
+
+    async def _deliver(
+        self, job: GenerateJob, result: GenerateResult, exact: SequenceKV, drafts: Drafts, accepted: int, following: int
+    ) -> AsyncGenerator[TokenOut | Commit, None]:
+        """Delivery and continuation: the verified tokens (the accepted drafts, then the exact
+        model's token unless they end the answer) as one Commit or TokenOut; then, unless they
+        ended it, the pipeline's decode loop (consumer.decode) on the exact cache from the last."""
+        exact.length = len(job.context_ids) + len(job.question_ids) + accepted  # rejected drafts: overwritten from here
+        ending = ending_of(self.loaded.tokenizer, job)
+        verified, text = ending.take(drafts.ids[:accepted] + [following])
+        if job.verify == VERIFY_PROVISIONAL:
+            yield Commit(accepted, verified[accepted:], text)
+        else:
+            yield TokenOut(verified, text)
+        result.generated_tokens = len(verified)
+        if ending.reason:
+            rest = ending.flush()
+            if rest:
+                yield TokenOut([], rest)
+            result.finish_reason = ending.reason
+            return
+        s = job.sampling
+        cont = Sampler(Sampling(s.temperature, s.top_p, (s.seed ^ CONTINUE_SEED) & SEED_MASK), self.loaded.device)
+        task = Task(exact, [verified[-1]], _ignore, cont, job.max_new_tokens, job.stop_ids, generated=len(verified))
+        async with contextlib.aclosing(decode(self.engine, job, result, task, ending)) as out:
+            async for item in out:
+                yield item
+
+    @staticmethod
+    def _record(job: GenerateJob, result: GenerateResult, drafts: Drafts, accepted: int, fill_note: str, started: float) -> float:
+        """The check's outcome into the stats and the log; the time it was known."""
+        now = time.perf_counter()
+        k = len(drafts.ids)
+        result.drafted_tokens, result.accepted_tokens = k, accepted
+        result.time_to_verified_ms = (now - job.received_at) * 1e3
+        result.verify_ms = (now - started) * 1e3
+        replaced = f", draft {accepted + 1} replaced" if accepted < k else ""
+        result.verify_decision = f"verified: {accepted} of {k} drafts accepted{replaced}{fill_note}{drafts.note}"
+        log.info("generate.verified", drafted=k, accepted=accepted, exact_cache=fill_note.removeprefix("; exact cache: "))
+        return now

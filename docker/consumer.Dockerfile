@@ -57,7 +57,10 @@ ENV PATH=/opt/venv/bin:$PATH \
     SCD_CONSUMER_HOST=0.0.0.0 \
     SCD_CONSUMER_PORT=50052
 USER 10001:10001
-EXPOSE 50052
+# What it serves: gRPC on 50052; with SCD_CONSUMER_HTTP_PORT=8000 (compose sets it) the OpenAI-compatible
+# HTTP API on 8000; with SCD_CONSUMER_KV_EVENTS_ENDPOINT=tcp://*:5557 (and _REPLAY_ENDPOINT=tcp://*:5558)
+# KV events in vLLM's format and their replay.
+EXPOSE 50052 8000 5557 5558
 HEALTHCHECK --interval=5s --timeout=4s --start-period=120s --retries=3 \
     CMD ["python", "-m", "shared.healthcheck", "127.0.0.1:50052"]
 # exec form: SIGTERM reaches the server (PID 1), which turns NOT_SERVING and drains in-flight

@@ -57,7 +57,9 @@ ENV PATH=/opt/venv/bin:$PATH \
     SCD_PRODUCER_HOST=0.0.0.0 \
     SCD_PRODUCER_PORT=50051
 USER 10001:10001
-EXPOSE 50051
+# What it serves: gRPC on 50051; with SCD_PRODUCER_KV_EVENTS_ENDPOINT=tcp://*:5557 (and
+# _REPLAY_ENDPOINT=tcp://*:5558) its chunk store's KV events in vLLM's format and their replay.
+EXPOSE 50051 5557 5558
 HEALTHCHECK --interval=5s --timeout=4s --start-period=120s --retries=3 \
     CMD ["python", "-m", "shared.healthcheck", "127.0.0.1:50051"]
 # exec form: SIGTERM reaches the server (PID 1), which turns NOT_SERVING and drains in-flight

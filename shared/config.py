@@ -103,7 +103,7 @@ class ServerConfig:
     kv_events_block_size: int = 16  # vLLM block size the events' hashes use (a divisor of chunk_tokens)
     kv_events_hash: str = "sha256_cbor"  # block hash: sha256_cbor (cross-language) | sha256 (vLLM's pickle default)
     kv_events_hash_seed: str = "0"  # vLLM's PYTHONHASHSEED: the first block's parent is hash(seed); routers must use the same
-    kv_events_layout: str = "array"  # event encoding: array (msgspec array_like, tagged arrays) | map (newer vLLM, tagged maps)
+    kv_events_layout: str = "vllm-0.24"  # named for the vLLM that decodes it: vllm-0.24 (events as maps) | vllm-0.23 (arrays)
 
     @property
     def artifact_paths(self) -> list[str]:
@@ -135,8 +135,11 @@ class ServerConfig:
             raise ValueError("liveness_interval_s and liveness_timeout_s: must be > 0")
         if self.kv_events_hash not in ("sha256_cbor", "sha256"):
             raise ValueError(f"kv_events_hash: {self.kv_events_hash!r} not in sha256_cbor, sha256")
-        if self.kv_events_layout not in ("array", "map"):
-            raise ValueError(f"kv_events_layout: {self.kv_events_layout!r} not in array, map")
+        if self.kv_events_layout not in ("vllm-0.24", "vllm-0.23"):
+            raise ValueError(
+                f"kv_events_layout: {self.kv_events_layout!r} not in vllm-0.24 (events as maps, vLLM >= 0.24), "
+                "vllm-0.23 (events as arrays, vLLM <= 0.23)"
+            )
         if self.kv_events_block_size < 1:
             raise ValueError(f"kv_events_block_size: {self.kv_events_block_size} must be >= 1")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
@@ -227,10 +230,12 @@ class ConsumerConfig(ServerConfig):
     prefill_chunk: int = 512  # tokens one request prefills per engine iteration (chunked prefill)
     max_batch_tokens: int = 2048  # prefill tokens per engine iteration, all requests together
     stream_interval: int = 1  # tokens per streamed message after the first (1: each alone; as vLLM's --stream-interval)
+    verify_draft_bytes: int = 32 << 20  # verified decoding, sampled: draft rows one request keeps, bytes (consumer.speculative)
     engine_process: bool = False  # the engine's forwards in a child process, the KV pool in shared memory
     chunk_tokens: int = 256  # context chunk size of the prefix cache (a multiple of kv_block_tokens)
     prefix_cache_bytes: int = -1  # KV pool bytes the prefix cache may keep; -1: half the pool, 0: off
     http_port: int = -1  # OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models; consumer.openai_api); -1 off, 0 any free port
+    served_model_name: str = ""  # the model's one public name (/v1/models, Describe, logs, metrics); empty: --model's basename
 
     def validate(self) -> None:
         super().validate()
@@ -259,12 +264,19 @@ class ConsumerConfig(ServerConfig):
                 raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
         if self.kv_pool_bytes < 0 or self.max_queue < 0:
             raise ValueError("kv_pool_bytes and max_queue: must be >= 0")
+        if self.verify_draft_bytes < 0:
+            raise ValueError(f"verify_draft_bytes: {self.verify_draft_bytes} must be >= 0 (0: no sampled drafts)")
         if self.chunk_tokens < 1 or self.chunk_tokens % self.kv_block_tokens:
             raise ValueError(
                 f"chunk_tokens: {self.chunk_tokens} must be a positive multiple of kv_block_tokens {self.kv_block_tokens}"
             )
         if not -1 <= self.http_port <= 65535:
             raise ValueError(f"http_port: {self.http_port} not in -1..65535 (-1 off, 0 any free port)")
+        name = self.served_model_name
+        if len(name) > 128 or not all("!" <= ch <= "~" for ch in name):
+            raise ValueError(
+                f"served_model_name: must be at most 128 printable ASCII characters without spaces, got {name[:40]!r}"
+            )
         if self.prefix_cache_bytes < -1:
             raise ValueError("prefix_cache_bytes: must be >= -1 (-1: half the KV pool, 0: off)")
         modes = default_modes()

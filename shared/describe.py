@@ -21,9 +21,10 @@ def public_model_id(model_id: str) -> str:
     return model_id
 
 
-def model_to_pb(info: ModelInfo) -> common_pb2.ModelInfo:
+def model_to_pb(info: ModelInfo, name: str = "") -> common_pb2.ModelInfo:
+    """`name`: the served model name (the consumer's --served-model-name); "": public_model_id."""
     fields = dataclasses.asdict(info)
-    fields["model_id"] = public_model_id(info.model_id)
+    fields["model_id"] = name or public_model_id(info.model_id)
     return common_pb2.ModelInfo(**fields)
 
 

@@ -1,4 +1,5 @@
-"""Exact finiteness checks of large tensors, by a product with zeros.
+"""Whole-tensor value checks in one read each: finiteness by a plain sum (the exact product with
+zeros only where a sum is not finite), and each tensor's largest |value| (`peaks`).
 
 `x * 0` is 0 for every finite x and NaN for an infinity or a NaN, and a sum of zeros is 0. So a dot
 product (or a matrix-vector product, per row) with a zero vector is NaN exactly when an element
@@ -9,12 +10,16 @@ cost grows with the vocabulary.
 
 Half-precision tensors are widened to float32 first: BLAS has no fast half kernel on CPU.
 `finite_each` tries a plain sum per tensor first and takes the product only where a sum is not
-finite (a bad value or an overflow). Used by
-the engine on each step's logits and by the codecs on every rebuilt layer. Knows nothing else.
+finite (a bad value or an overflow). `peaks` is one min/max pass per tensor (NaN propagates), so
+a finite but absurd value is seen as what it is, not only when it overflows something. Used by
+the engine on each step's logits (`rows_finite`), by the quant codec on its scales
+(`finite_each`) and by the codecs on every rebuilt layer (`peaks`, against shared.kv_bound's
+limits). Knows nothing else.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -62,3 +67,18 @@ def _sum(x: torch.Tensor) -> torch.Tensor:
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether every element of every tensor is finite (non-floating tensors always are)."""
     return all(finite_each(tensors))
+
+
+def peaks(tensors: Sequence[torch.Tensor]) -> list[float]:
+    """Per tensor, its largest |element| (0.0 when empty): NaN when it holds a NaN, inf when an
+    infinity; one host sync for all. One `aminmax` pass per tensor, nothing tensor-sized
+    allocated (|x| would be); `peak <= limit` is then False for NaN as for any value past the
+    limit, and a caller that allows no limit (inf) checks `math.isfinite(peak)` too."""
+    out = [0.0] * len(tensors)
+    full = [i for i, t in enumerate(tensors) if t.numel()]
+    if full:
+        wide = torch.float64 if any(tensors[i].dtype == torch.float64 for i in full) else torch.float32  # exact
+        ends = torch.stack([torch.stack(torch.aminmax(tensors[i])).to(wide) for i in full]).tolist()  # [n, 2]
+        for i, (low, high) in zip(full, ends):
+            out[i] = math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
+    return out

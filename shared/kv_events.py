@@ -6,14 +6,20 @@ Wire (vLLM's `vllm/distributed/kv_events.py`, ZmqEventPublisher; re-implemented 
 - a ZMQ PUB socket (`--kv-events-endpoint`; bound when the address has `*`, `::`, or is ipc:// or
   inproc://, else connected, as vLLM does); each message is three frames: the topic (bytes,
   `--kv-events-topic`, "" by default), the batch's sequence number (8 bytes, big-endian, from 0)
-  and the msgpack payload of one EventBatch: `[ts, events, data_parallel_rank]` (array_like);
+  and the msgpack payload of one EventBatch, an array `[ts, events, data_parallel_rank]` in
+  every released vLLM (its EventBatch is `array_like`);
 - events are msgspec tagged structs, `omit_defaults`, field order as vLLM declares them:
   BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name,
   extra_keys=None, group_idx=None, kv_cache_spec_kind=None, kv_cache_spec_sliding_window=None),
-  BlockRemoved(block_hashes, medium, group_idx=None), AllBlocksCleared(). Layout "array" (the
-  default, `array_like=True`: `["BlockStored", hashes, parent, ...]`, every field present: msgspec
-  does not thin arrays) or "map" (newer vLLM: `{"type": "BlockStored", ...}`, defaults omitted),
-  `--kv-events-layout`;
+  BlockRemoved(block_hashes, medium, group_idx=None), AllBlocksCleared(). Two layouts
+  (`--kv-events-layout`), each named after the vLLM release whose own structs decode it
+  (tests/test_kv_events.py decodes our bytes with them): "vllm-0.24" (the default: events as
+  tagged maps, `{"type": "BlockStored", ...}`, defaults omitted; vLLM 0.24.0 dropped
+  `array_like` from its events, and 0.24.0 to 0.34.0 publish this) and "vllm-0.23" (events as
+  tagged arrays, `["BlockStored", hashes, parent, ...]`, every field present since msgspec does
+  not thin arrays: vLLM 0.23.0 and earlier);
+- the first batch after every start (sequence 0) is `[AllBlocksCleared]`, so a router that held
+  this endpoint's blocks from before a restart drops them;
 - replay (`--kv-events-replay-endpoint`, a ROUTER socket, always bound): a request
   `[identity, b"", start_seq (8 bytes big-endian)]` is answered with one
   `[identity, b"", seq, payload]` per buffered batch whose seq >= start_seq, then
@@ -21,14 +27,14 @@ Wire (vLLM's `vllm/distributed/kv_events.py`, ZmqEventPublisher; re-implemented 
 
 Block hashes (vLLM's `hash_block_tokens` and `init_none_hash`, vllm/v1/core/kv_cache_utils.py): a
 context's token ids in blocks of `block_size` (vLLM's default 16) tokens, only full blocks;
-block i's hash = H((parent, tuple(block i's token ids), None)), parent = block i-1's hash, and for
-block 0 NONE_HASH = H(seed) (vLLM: H(PYTHONHASHSEED), random when unset: set the router's hash seed
-to `--kv-events-hash-seed`); extra_keys None (no LoRA, multimodal input or cache salt here).
-H: "sha256_cbor" (the default: sha256 of the canonical CBOR encoding, vLLM's
-`--prefix-caching-hash-algo sha256_cbor`, what routers that recompute hashes in another language,
-llm-d's kv-cache indexer, reproduce) or "sha256" (vLLM's default: sha256 of the pickle, protocol 5,
-reproducible only in Python). On the wire a hash is vLLM's default external form
-(VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1): the digest's low 64 bits as an unsigned int.
+block i's digest = H((parent, tuple(block i's token ids), None)), parent = block i-1's digest
+(32 bytes), and for block 0 NONE_HASH = H(seed) with the seed hashed as a str (vLLM hashes the
+PYTHONHASHSEED string; set the router's seed to `--kv-events-hash-seed`); extra_keys None (no
+LoRA, multimodal input or cache salt here). H: "sha256_cbor" (the default: sha256 of the
+canonical CBOR encoding, vLLM's `--prefix-caching-hash-algo sha256_cbor`, reproducible in any
+language) or "sha256" (vLLM's default: sha256 of the pickle, protocol 5, Python only). On the wire
+a hash is vLLM's default external form (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1): the digest's last
+8 bytes read as a big-endian unsigned int. docs/operations.md works one block through, byte by byte.
 
 From chunks to blocks: our stores keep chunks of `chunk_tokens` tokens (a multiple of the block
 size, checked at start-up), so chunk [start, end) is blocks start/16 .. end/16 of the context, and a
@@ -66,7 +72,10 @@ import zmq
 log = logging.getLogger(__name__)
 
 HASH_ALGOS = ("sha256_cbor", "sha256")
-LAYOUTS = ("array", "map")
+# layout name -> whether events are arrays (msgspec array_like); each named after the vLLM release
+# whose own structs decode it
+LAYOUTS = {"vllm-0.24": False, "vllm-0.23": True}
+DEFAULT_LAYOUT = "vllm-0.24"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 U64 = (1 << 64) - 1
 
@@ -74,9 +83,12 @@ U64 = (1 << 64) - 1
 # --- the schema (vLLM's field order and struct options) -----------------------------------------------
 
 
-def structs(array_like: bool) -> dict[str, type]:
-    """vLLM's event structs in one layout: EventBatch is array_like in both; events are tagged by
-    their class name, as arrays (array_like) or as maps with a "type" key."""
+def structs(layout: str = DEFAULT_LAYOUT) -> dict[str, type]:
+    """vLLM's event structs in one layout (LAYOUTS): EventBatch is array_like in both; events are
+    tagged by their class name, as arrays (vllm-0.23) or as maps with a "type" key (vllm-0.24)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"kv events layout {layout!r} not in {sorted(LAYOUTS)}")
+    array_like = LAYOUTS[layout]
 
     class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
         ts: float
@@ -156,7 +168,8 @@ def hash_fn(algo: str):
 
 
 def external(digest: bytes) -> int:
-    """vLLM's external block hash (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1): the low 64 bits."""
+    """vLLM's external block hash (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1): the digest's last 8
+    bytes as a big-endian unsigned int (its low 64 bits)."""
     return int.from_bytes(digest, "big") & U64
 
 
@@ -279,19 +292,17 @@ class KVEventPublisher:
         block_size: int = 16,
         hash_algo: str = "sha256_cbor",
         hash_seed: str = "0",
-        layout: str = "array",
+        layout: str = DEFAULT_LAYOUT,
         buffer_steps: int = 10_000,
         max_queue: int = 100_000,
         hwm: int = 100_000,
         data_parallel_rank: int = 0,
     ):
-        if layout not in LAYOUTS:
-            raise ValueError(f"kv events layout {layout!r} not in {LAYOUTS}")
         self.tracker = BlockTracker(BlockHasher(hash_algo, hash_seed, block_size), medium)
         self.block_size = block_size
         self.topic = topic.encode()
         self.rank = data_parallel_rank
-        self.kinds = structs(layout == "array")
+        self.kinds = structs(layout)
         self.encoder = msgspec.msgpack.Encoder()
         self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -321,6 +332,8 @@ class KVEventPublisher:
             self._close_sockets()
             raise ValueError(f"kv events: cannot open {endpoint!r} / {replay_endpoint!r}: {e}") from e
         self._running = True
+        # sequence 0 of every start: a router drops what it held from this endpoint before a restart
+        self.queue.put_nowait(("cleared",))
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 

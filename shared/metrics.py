@@ -79,10 +79,15 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}  # labelled children by metric and labels
         r = self.registry
-        self.rpcs = Counter("scd_rpc", "gRPC calls finished, by method and status code", ["method", "code"], registry=r)
+        self.rpcs = Counter(
+            "scd_rpc",
+            "calls finished, by method and status (gRPC: the method and its status code; HTTP: 'POST /v1/completions', its HTTP status)",
+            ["method", "code"],
+            registry=r,
+        )
         self.rpc_seconds = Histogram(
             "scd_rpc_duration_seconds",
-            "gRPC call duration (streams: until the last message)",
+            "call duration, gRPC and HTTP (streams: until the last message)",
             ["method"],
             buckets=LATENCY_BUCKETS_S,
             registry=r,
@@ -418,6 +423,14 @@ class Metrics:
         self._child(self.rpc_seconds, method).observe(seconds)
         if code in CONTRACT_CODES:
             self._child(self.contract, method, code).inc()
+
+    def record_http(self, route: str, status: int, seconds: float, error_code: str = "") -> None:
+        """One finished HTTP request (consumer.openai_api) in the gRPC families: `route` as
+        'POST /v1/completions' (the method label), its HTTP status (the code label); `error_code`,
+        the status name of the error it answered, counts stream-contract violations as gRPC's do."""
+        self.record(route, str(status), seconds)
+        if error_code in CONTRACT_CODES:
+            self._child(self.contract, route, error_code).inc()
 
 
 def _code(context, exc: BaseException | None) -> str:

@@ -27,7 +27,7 @@ from typing import cast
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from shared import compute_dtype, logs, tiny
+from shared import compute_dtype, kv_bound, logs, tiny
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logs.get("models")
@@ -72,6 +72,12 @@ class LoadedModel:
     @property
     def layers(self) -> torch.nn.ModuleList:
         return self.model.model.layers
+
+    @functools.cached_property
+    def kv_bounds(self) -> tuple[kv_bound.LayerBound, ...]:
+        """Per layer, the most its keys and values can hold (shared.kv_bound), from the weights, once."""
+        info = self.info
+        return kv_bound.layer_bounds(self.model, info.hidden_size, info.num_kv_heads, info.head_dim)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -194,6 +200,8 @@ def load_model(model_id: str, dtype: str = "float32", device: str = "auto") -> L
 
 @torch.inference_mode()
 def warm_up(loaded: LoadedModel, tokens: int = 16) -> None:
-    """One short forward so the first request does not pay for lazy initialization."""
+    """One short forward so the first request does not pay for lazy initialization (and the K/V
+    limits the codecs check rebuilt layers against)."""
+    _ = loaded.kv_bounds
     ids = torch.arange(tokens, device=loaded.device).remainder(loaded.info.vocab_size)[None]
     loaded.model(ids)

@@ -80,33 +80,54 @@ LOG_REJECTIONS = 100
 log = logs.get("security")
 
 
+def bearer_matches(header: str | bytes, token: str) -> bool:
+    """Whether an `authorization` value is `Bearer <token>`: the scheme in any case (RFC 7235), one
+    or more spaces, the token compared in constant time."""
+    value = header.decode("latin-1") if isinstance(header, bytes) else header
+    scheme, _, credentials = value.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), token.encode())
+
+
+class Rejections:
+    """Calls refused for their token, counted; each logged as the warning `auth.rejected` (the
+    first LOG_REJECTIONS, then 1 in LOG_REJECTIONS: a flood stays bounded)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def note(self, method: str, has_header: bool) -> None:
+        self.count += 1
+        if self.count <= LOG_REJECTIONS or self.count % LOG_REJECTIONS == 0:
+            log.warning(
+                "auth.rejected",
+                method=method,
+                why="wrong bearer token" if has_header else "no bearer token",
+                rejected_total=self.count,
+            )
+
+
 class BearerTokenAuth(grpc.aio.ServerInterceptor):
     """Every call except a health Check must carry `authorization: Bearer <token>`; compared in
     constant time. A wrong or missing token is UNAUTHENTICATED and names neither."""
 
     def __init__(self, token: str, exempt: Sequence[str] = (HEALTH_CHECK,)):
-        self.expected = f"Bearer {token}".encode()
+        self.token = token
         self.exempt = tuple(exempt)
-        self.rejected = 0  # calls refused (logged as `auth.rejected`: the first LOG_REJECTIONS, then 1 in LOG_REJECTIONS)
+        self.rejections = Rejections()
+
+    @property
+    def rejected(self) -> int:
+        return self.rejections.count
 
     def allowed(self, metadata) -> bool:
         got = next((v for k, v in metadata or () if k == AUTH_HEADER), "")
-        got = got.encode() if isinstance(got, str) else got
-        return hmac.compare_digest(got, self.expected)
+        return bearer_matches(got, self.token)
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
         if handler is None or details.method.startswith(self.exempt) or self.allowed(details.invocation_metadata):
             return handler
-        has_header = any(k == AUTH_HEADER for k, _ in details.invocation_metadata or ())
-        self.rejected += 1
-        if self.rejected <= LOG_REJECTIONS or self.rejected % LOG_REJECTIONS == 0:  # bounded: a flood logs 1 in LOG_REJECTIONS
-            log.warning(
-                "auth.rejected",
-                method=details.method,
-                why="wrong bearer token" if has_header else "no bearer token",
-                rejected_total=self.rejected,
-            )
+        self.rejections.note(details.method, any(k == AUTH_HEADER for k, _ in details.invocation_metadata or ()))
         return _refuse(handler, "missing or invalid bearer token (metadata 'authorization: Bearer <token>')")
 
 

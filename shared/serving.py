@@ -126,9 +126,9 @@ class Admission:
                 self.idle.set()
 
 
-# an absolute path's directories ("/models/checkpoints/qa-base" -> "qa-base"); "5/26" and
-# "dns:///host:port" are left alone
-_PATH_DIRS = re.compile(r"(?<![\w.:/])(?:/[^\s/'\"(),]+)+/(?=[^\s/'\"(),]+)")
+# an absolute path's directories ("/models/checkpoints/qa-base" -> "qa-base"); "5/26",
+# "dns:///host:port" and the HTTP API's routes ("GET /v1/models") are left alone
+_PATH_DIRS = re.compile(r"(?<![\w.:/])(?!/v1/)(?:/[^\s/'\"(),]+)+/(?=[^\s/'\"(),]+)")
 
 
 def public_text(text: str) -> str:

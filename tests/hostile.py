@@ -116,6 +116,19 @@ async def consumer_of(script: Script, model: str = "tiny-llama", describe=None, 
         await server.stop(0)
 
 
+async def all_back(consumer: ConsumerServer) -> None:
+    """No call in flight, the prefix cache emptied (by the engine, its owner) and then every KV
+    block free again, within 2 s: nothing a failed or answered request held is kept."""
+    assert consumer.servicer.admission.inflight == 0
+    pool = consumer.servicer.batch.pool
+    await asyncio.wrap_future(consumer.servicer.batch.submit(consumer.servicer.prefix.clear))
+    for _ in range(100):  # releases run once the answers went out
+        if pool.free_blocks == pool.num_blocks:
+            break
+        await asyncio.sleep(0.02)
+    assert pool.free_blocks == pool.num_blocks, f"{pool.num_blocks - pool.free_blocks} blocks not returned"
+
+
 def rss_bytes() -> int:
     with open("/proc/self/status") as f:
         for line in f:

@@ -135,7 +135,7 @@ async def test_verified_decodings_tasks_run_in_the_engine_process_as_in_this_one
     from consumer.batch import BatchEngine
     from consumer.engine_stream import engine_task
     from consumer.request import GenerateJob
-    from consumer.verify import DraftSampler
+    from consumer.speculative import DraftSampler
 
     loaded = load_model("tiny-llama", "float32", "cpu")
     context = list(range(5, 45))
@@ -150,7 +150,7 @@ async def test_verified_decodings_tasks_run_in_the_engine_process_as_in_this_one
             await drain(Task(seq, list(context), sink=lambda _: None))
         draft = DraftSampler(Sampling(0.8, 0.9, 3), loaded.device)
         out = {"draft": await drain(Task(seqs[0], [50, 51], lambda _: None, draft, 6))}
-        out["q"] = torch.stack(draft.drawn)
+        out["q"] = torch.stack([row.dense() for row in draft.rows])
         logits = Task(seqs[1], [50, 51, 52, 53], lambda _: None, keep_logits=3)
         argmax = Task(seqs[2], [50, 51, 52, 53], lambda _: None, keep_logits=3, keep_argmax=True)
         out["filled"] = (await drain(logits), await drain(argmax))

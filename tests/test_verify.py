@@ -21,7 +21,8 @@ from consumer.engine_stream import engine_task
 from consumer.kv_pool import KVPool
 from consumer.request import VERIFY_VERIFIED, GenerateJob, GenerateResult, TokenOut
 from consumer.runner import Row, Runner
-from consumer.verify import Verifier, accept_greedy, accept_sampled
+from consumer.speculative import Nucleus, accept_greedy, accept_sampled
+from consumer.verify import Verifier
 from shared import logs
 from shared.errors import DataLoss
 from shared.models import load_model
@@ -80,8 +81,8 @@ def speculative_run(rng: torch.Generator, length: int, vocab: int, rule) -> tupl
         qi = chain_probs(tuple(drafts), 1, vocab, 2.0)
         q.append(qi)
         drafts.append(int(torch.multinomial(qi, 1, generator=rng)))
-    p = torch.stack([chain_probs(tuple(drafts[:i]), 0, vocab, 2.0) for i in range(k + 1)])
-    accepted, following = rule(drafts, q, p, rng)
+    p = [Nucleus.of(None, chain_probs(tuple(drafts[:i]), 0, vocab, 2.0), vocab) for i in range(k + 1)]
+    accepted, following = rule(drafts, [Nucleus.of(None, qi, vocab) for qi in q], p, rng)
     out = drafts[:accepted] + [following]
     while len(out) < length:
         out.append(int(torch.multinomial(chain_probs(tuple(out), 0, vocab, 2.0), 1, generator=rng)))
@@ -98,9 +99,9 @@ def total_variation(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...],
 def no_residual(drafts, q, p, rng):
     """A wrong rule (on rejection draw from p, not from norm(max(0, p - q))): the test must catch it."""
     for i, d in enumerate(drafts):
-        if float(torch.rand((), generator=rng)) * float(q[i][d]) >= float(p[i, d]):
-            return i, int(torch.multinomial(p[i], 1, generator=rng))
-    return len(drafts), int(torch.multinomial(p[-1], 1, generator=rng))
+        if float(torch.rand((), generator=rng)) * q[i].prob(d) >= p[i].prob(d):
+            return i, p[i].draw(rng)
+    return len(drafts), p[-1].draw(rng)
 
 
 def test_speculative_sampling_gives_the_exact_models_sequence_distribution():

@@ -4,16 +4,18 @@ With a different consumer model of the same architecture this is "naive reuse": 
 attends over the producer's cache as if it were its own. Also owns what every K/V-carrying
 codec shares: the raw K/V payloads and their schema (`kv_payloads`, `kv_schema`, reused by
 SCD's raw action) and `KVDecoder`, which assembles the consumer's cache layer by layer and
-refuses non-finite K/V.
+refuses K/V that are not finite or past what the consumer's own layer can produce
+(shared.kv_bound: a limit from its weights, so 3e38 or 1e30 fail whether or not they overflow).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 
-from shared import finite, kv
+from shared import finite, kv, kv_bound
 from shared.codecs.base import (
     CacheDecoder,
     Capture,
@@ -72,19 +74,26 @@ class KVDecoder(CacheDecoder):
             )
         self.kv_shape = (info.num_kv_heads, stream.sent_tokens, info.head_dim)
 
+    def limits(self, layer: int) -> tuple[float, float]:
+        """The most |element| of this layer's rebuilt (keys, values) may reach: what the consumer's
+        own layer can produce (shared.kv_bound, margin included)."""
+        bound = self.loaded.kv_bounds[layer]
+        return bound.keys, bound.values
+
     def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keep one layer's rebuilt K/V ([n_kv, T, hd] each) in the consumer's dtype; DataLoss
-        when a value is not finite (a corrupt payload must never reach attention)."""
+        when a value is not finite or past `limits` (a corrupt payload must never reach attention)."""
         error = KVDecoder.store_many([(self, layer, keys, values)])[0]
         if error is not None:
             raise error
 
     @staticmethod
     def store_many(items: Sequence[tuple[KVDecoder, int, torch.Tensor, torch.Tensor]]) -> list[BaseException | None]:
-        """store() of several requests' layers (decoder, layer, keys, values): one finiteness
-        check over all of them (shared.finite, one host sync) and the writes batched where the
-        caches allow (shared.kv.put_layers). Per item, its own error or None: one request's bad
-        values never keep another's from its cache."""
+        """store() of several requests' layers (decoder, layer, keys, values): one check of every
+        tensor's peak |value| against its decoder's `limits` (shared.finite.peaks, one host sync;
+        NaN and inf fail it too) and the writes batched where the caches allow
+        (shared.kv.put_layers). Per item, its own error or None: one request's bad values never
+        keep another's from its cache."""
         errors: list[BaseException | None] = [None] * len(items)
         ready: list[tuple[int, KVDecoder, int, torch.Tensor, torch.Tensor]] = []
         for i, (d, layer, keys, values) in enumerate(items):
@@ -95,14 +104,13 @@ class KVDecoder(CacheDecoder):
                     break
             else:
                 ready.append((i, d, layer, keys, values))
-        ok = finite.finite_each([t for _, _, _, keys, values in ready for t in (keys, values)])
+        peaks = finite.peaks([t for _, _, _, keys, values in ready for t in (keys, values)])
         kept = []
         for n, (i, d, layer, keys, values) in enumerate(ready):
-            if ok[2 * n] and ok[2 * n + 1]:
+            refused = _out_of_bounds(layer, zip(("keys", "values"), peaks[2 * n : 2 * n + 2], d.limits(layer)))
+            if refused is None:
                 kept.append((i, d, layer, keys, values))
-            else:
-                name = "keys" if not ok[2 * n] else "values"
-                errors[i] = DataLoss(f"layer {layer}: rebuilt {name} hold non-finite values (corrupt payload)")
+            errors[i] = refused
         ready = kept
         for _, d, _, _, _ in ready:
             if d.cache is None:
@@ -123,6 +131,20 @@ class KVDecoder(CacheDecoder):
             raise DataLoss(f"stream ended without layers {missing}")
         assert self.cache is not None  # every layer was stored
         return self.cache
+
+
+def _out_of_bounds(layer: int, checks) -> DataLoss | None:
+    """The first (name, peak, limit) whose peak is not finite or past its limit, as DataLoss."""
+    for name, peak, limit in checks:
+        if not math.isfinite(peak):
+            return DataLoss(f"layer {layer}: rebuilt {name} hold non-finite values (corrupt payload)")
+        if peak > limit:
+            return DataLoss(
+                f"layer {layer}: rebuilt {name} reach |{peak:.4g}|, past {limit:.4g}, the most this consumer's "
+                f"layer {layer} can produce ({kv_bound.MARGIN:g}x the bound from its weights, shared.kv_bound; "
+                "corrupt payload)"
+            )
+    return None
 
 
 class RawDecoder(KVDecoder):

@@ -107,6 +107,15 @@ class ScdDecoder(KVDecoder):
             "artifact": self.art.artifact_id,
         }
 
+    def limits(self, layer: int) -> tuple[float, float]:
+        """A Reuse layer is a projection mu + B z, which may gather a token's whole [k | v] norm
+        into one element: its limit is shared.kv_bound's `projected`; other actions rebuild K/V
+        the consumer's layer could make (or a quantization of them): the layer's own limits."""
+        if self.schedule.actions[layer].kind in ("reuse", "reuse_fp16"):
+            bound = self.loaded.kv_bounds[layer]
+            return bound.projected, bound.projected
+        return super().limits(layer)
+
     def add_layer(self, layer: int, payloads: dict[str, torch.Tensor]) -> None:
         keys, values = ops.decode_layer(
             self.art, layer, self.schedule.actions[layer], payloads, self.loaded, self.pos, self.art.geometry.quant_group

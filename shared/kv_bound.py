@@ -1,0 +1,106 @@
+"""How large the K/V of each layer of a model can be, from the model's own weights: the limits the
+codecs hold every rebuilt layer to (KVDecoder.store_many), so finite but absurd values (3e38,
+1e30, anything the layer cannot produce) fail the request, whether or not they would overflow
+attention. Knows nothing about codecs or the wire.
+
+Why a valid stream stays inside. A layer's K/V are functions of its normalized input
+`x = w ⊙ h / rms(h)` (Llama-style RMSNorm, weight w, width d). Whatever the hidden state h,
+`u = h / rms(h)` has `||u||_2 <= sqrt(d)` (rms includes eps, so strictly less). So, per output
+row j of a projection W (bias b):
+
+    |(x W^T + b)_j| = |<u, w ⊙ W_j>| + |b_j| <= sqrt(d) * ||w ⊙ W_j||_2 + |b_j|     (Cauchy-Schwarz)
+
+reached when h points along w ⊙ W_j. Values are these rows of W_v. Keys are rows of W_k, then
+RoPE: a rotation of pairs of elements scaled by the rotary embedding's attention_scaling s, so
+a post-RoPE element is at most s * sqrt(2) times the largest row bound; with a k_norm (Qwen3)
+each head is RMS-normalized again, its l2 norm is at most max|w_k_norm| * sqrt(head_dim), and a
+rotated element at most s times that. SCD Reuse rebuilds `y' = mu + B z` (B orthonormal, mu the
+mean of the layer's [k_pre | v] over calibration): for the projection of a vector y the layer can
+make, ||y'|| <= ||mu|| + ||y - mu|| <= 3R, R the bound on ||y||_2 (the l2 norm of the row bounds;
+||mu|| <= R as a mean); every element of y', RoPE'd or not, is within max(s, 1) * 3R (`projected`).
+
+Margin: every limit is MARGIN x the bound. It covers the rounding of a bf16/fp16 forward (a few
+ulps of 2^-8 relative per op), the codecs' quantization (quant dequantizes inside each group's
+[min, max] up to the fp16 rounding of its scale, < 0.1%; a Patch's fp16 x, < 0.1%; Reuse's int8
+codes, ||z' - z|| <= sqrt(r) / 254 * ||z||, under 7% at rank 256) and a producer whose weights
+are not the consumer's (raw from a fine-tuned variant, a heterogeneous pair's codes) so long as
+its own bound is within the margin of the consumer's (the QA pair's two models: within 3%). The
+bound is a worst case, reached by hidden states aimed at it (tests/test_kv_bound.py); on contexts
+of random tokens the tiny and QA models' largest |k| and |v| sit at 13-25% of the limits.
+
+A normalization this module cannot read (not `w ⊙ h / sqrt(mean(h^2) + eps)`, checked on the
+module itself at load) gives that layer no limit (inf): its K/V are then only held to be finite.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+MARGIN = 2.0
+
+
+@dataclass(frozen=True)
+class LayerBound:
+    """Limits on |element| of one layer's post-RoPE keys and values (MARGIN included)."""
+
+    keys: float
+    values: float
+    projected: float  # any element of an SCD Reuse rebuild of this layer (module doc)
+
+
+def _rms_weight(norm: Any, width: int) -> torch.Tensor | None:
+    """The weight w of a `w ⊙ h / sqrt(mean(h^2) + eps)` normalization over `width`, float32,
+    when the module computes exactly that on a probe; else None."""
+    weight = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if not isinstance(weight, torch.Tensor) or weight.shape != (width,) or eps is None:
+        return None
+    w = weight.detach().float()
+    g = torch.Generator().manual_seed(0)
+    probe = (torch.randn(3, width, generator=g) * torch.tensor([[1.0], [1e-3], [1e3]])).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        got = norm(probe).float()
+    h = probe.float()
+    want = w * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    tol = 4 * torch.finfo(weight.dtype).eps
+    if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())):
+        return None
+    return w
+
+
+def _row_bounds(proj: Any, w: torch.Tensor) -> torch.Tensor:
+    """sqrt(d) * ||w ⊙ W_j||_2 + |b_j| per output row j of a Linear, float32 [out]."""
+    weight = proj.weight.detach().float()  # [out, d]
+    rows = math.sqrt(w.shape[0]) * (weight * w).norm(dim=1)
+    if getattr(proj, "bias", None) is not None:
+        rows = rows + proj.bias.detach().float().abs()
+    return rows
+
+
+def layer_bounds(model: Any, hidden_size: int, num_kv_heads: int, head_dim: int) -> tuple[LayerBound, ...]:
+    """Per layer of a Hugging Face causal LM (`model.model.layers`, `model.model.rotary_emb`), the
+    limits of the module doc, from its weights (float32, on its device)."""
+    s = float(getattr(model.model.rotary_emb, "attention_scaling", 1.0))
+    out = []
+    for layer in model.model.layers:
+        attn: Any = layer.self_attn
+        w = _rms_weight(layer.input_layernorm, hidden_size)
+        if w is None:
+            out.append(LayerBound(math.inf, math.inf, math.inf))
+            continue
+        rows_k = _row_bounds(attn.k_proj, w)  # [n_kv * hd]
+        rows_v = _row_bounds(attn.v_proj, w)
+        keys = s * math.sqrt(2) * float(rows_k.max())
+        key_norm = float(rows_k.norm())  # ||k_pre||_2 over all heads, one token
+        if hasattr(attn, "k_norm"):
+            w_k = _rms_weight(attn.k_norm, head_dim)
+            head = math.inf if w_k is None else float(w_k.abs().max()) * math.sqrt(head_dim)
+            keys, key_norm = s * head, math.sqrt(num_kv_heads) * head
+        values = float(rows_v.max())
+        norm = math.hypot(key_norm, float(rows_v.norm()))  # R: ||[k_pre | v]||_2, one token
+        out.append(LayerBound(MARGIN * keys, MARGIN * values, MARGIN * max(s, 1.0) * 3 * norm))
+    return tuple(out)
