@@ -27,6 +27,7 @@ def scd_stats(r: GenerateResult, seed: int) -> dict[str, Any]:
         "ttft_ms": round(r.ttft_ms, 3),
         "total_ms": round(r.total_ms, 3),
         "bytes_received": r.bytes_received,
+        "prefix_reused_tokens": r.prefix_reused_tokens,  # from the consumer's prefix cache, this tenant's only
         "seed": seed,
     }
     if r.auto is not None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from consumer.request import Extras
+from shared import tenants
 from shared.config import ConsumerConfig
 from shared.errors import InvalidArgument
 from shared.pb import common_pb2, consumer_pb2
@@ -76,7 +77,15 @@ CHAT_NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
 # the fields honoured (or taken as identifiers) on each route, beyond NEUTRAL ones
 COMMON = {"model", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "max_tokens", "seed", "stop"}
 COMMON |= {"stream", "stream_options", "temperature", "top_p", "user"}
-EXTENSIONS = {"return_token_ids", "stop_token_ids", "top_k", "scd", "scd_mode", "scd_options"}  # vLLM's and this server's
+EXTENSIONS = {
+    "return_token_ids",
+    "stop_token_ids",
+    "top_k",
+    "cache_salt",
+    "scd",
+    "scd_mode",
+    "scd_options",
+}  # vLLM's and this server's
 COMPLETIONS = COMMON | {"prompt", "echo"} | EXTENSIONS | set(COMPLETIONS_NEUTRAL)
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "metadata", "parallel_tool_calls"}
 CHAT |= {"safety_identifier", "prompt_cache_key"} | EXTENSIONS | set(CHAT_NEUTRAL)
@@ -183,6 +192,7 @@ class Params:
     logprobs: int | None = None  # alternatives per token (None: no log-probabilities)
     extras: Extras = field(default_factory=Extras)
     scd: dict[str, Any] = field(default_factory=dict)  # the `scd` extension, checked
+    cache_salt: str = ""  # vLLM's extension: the tenant whose cached prefixes this request may reuse (shared.tenants)
 
 
 def read_params(body: Mapping[str, Any], cfg: ConsumerConfig, chat: bool) -> Params:
@@ -230,6 +240,11 @@ def read_params(body: Mapping[str, Any], cfg: ConsumerConfig, chat: bool) -> Par
         logprobs=p.logprobs,
     )
     p.scd = _scd(body)
+    salt = body.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str) or not salt:
+            raise InvalidArgument(f"cache_salt: {show(salt)} not a non-empty string")
+        p.cache_salt = tenants.checked_salt(salt)
     return p
 
 
@@ -425,4 +440,5 @@ def generate_request(
         audit_positions=scd.get("audit_positions", 0),
         on_transfer_failure=scd.get("on_transfer_failure", consumer_pb2.TRANSFER_FAILURE_POLICY_UNSPECIFIED),
         fallback_to_oracle=scd.get("fallback_to_oracle", False),
+        cache_salt=p.cache_salt,
     )

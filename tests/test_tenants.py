@@ -95,3 +95,25 @@ async def test_the_consumers_prefix_cache_and_the_producers_prefix_keys_are_per_
     assert other.prefix_reused_tokens == 0 and not other.producer_store_hit
     assert unsalted.prefix_reused_tokens == 0 and not unsalted.producer_store_hit
     assert ids_a == ids_b == ids_c
+
+
+async def test_an_http_cache_salt_is_the_tenant_as_over_grpc():
+    """vLLM's `cache_salt` body field on the OpenAI port: a tenant's repeated prompt reuses its own
+    cached chunks, another salt's same prompt reuses none (same tokens either way); a salt over
+    its limit is a 400 naming the field."""
+    from tests.http_api import post
+
+    ids = contexts(100, seed=113)[0]
+    kw = {"chunk_tokens": 32}
+    async with running_pair("tiny-llama", producer_kw=kw, consumer_kw={**kw, "http_port": 0}) as pair:
+        body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "scd": {"mode": "raw"}}
+        first = await post(pair, "/v1/completions", {**body, "cache_salt": "a"})
+        again = await post(pair, "/v1/completions", {**body, "cache_salt": "a"})
+        other = await post(pair, "/v1/completions", {**body, "cache_salt": "b"})
+        long = await post(pair, "/v1/completions", {**body, "cache_salt": "x" * (tenants.MAX_SALT_BYTES + 1)})
+    assert first[0] == again[0] == other[0] == 200, (first, again, other)
+    assert first[1]["scd"]["prefix_reused_tokens"] == 0
+    assert again[1]["scd"]["prefix_reused_tokens"] == 96
+    assert other[1]["scd"]["prefix_reused_tokens"] == 0
+    assert first[1]["choices"][0]["text"] == again[1]["choices"][0]["text"] == other[1]["choices"][0]["text"]
+    assert long[0] == 400 and long[1]["error"]["param"] == "cache_salt", long
