@@ -172,7 +172,8 @@ async def test_http_requests_are_counted_and_timed_in_the_rpc_families(pair):
     await call(pair, "GET", "/v1/nowhere")
     await call(pair, "GET", "/health")
     after = scrape(pair)
-    assert sample(after, "scd_rpc_total", method="POST /v1/completions", code="200") == ok + 1
+    # >=: a request an earlier test of this module left finishing may land between the two scrapes
+    assert sample(after, "scd_rpc_total", method="POST /v1/completions", code="200") >= ok + 1
     assert sample(after, "scd_rpc_total", method="POST /v1/completions", code="400") >= 1
     assert sample(after, "scd_rpc_total", method="GET unmatched", code="404") >= 1
     assert sample(after, "scd_rpc_duration_seconds_count", method="POST /v1/completions") >= ok + 2
