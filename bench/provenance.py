@@ -40,12 +40,6 @@ def weights_of(model: str) -> str:
     return "unknown"
 
 
-def model_fields(info) -> dict:
-    """What a row records of a loaded model (shared.models.ModelInfo): its weights label, digest,
-    compute dtype and, for a registry model, where the weights came from."""
-    return {"weights": weights_of(info.model_id), "weight_digest": info.weight_digest, "dtype": info.dtype, "origin": info.origin}
-
-
 def artifact_fields(path: str | Path | None) -> dict:
     """{"artifact", "calibration_corpus"} of an SCD artifact file (its metadata's corpus name)."""
     if not path:

