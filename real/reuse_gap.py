@@ -127,8 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     rows.append(
         {
             **summary(rows),
-            "producer": model_row(producer.info),
-            "consumer": model_row(consumer.info),
+            "producer_model": model_row(producer.info),
+            "consumer_model": model_row(consumer.info),
             "context_tokens": args.context_tokens,
             "wall_s": round(time.perf_counter() - start, 1),
         }

@@ -92,3 +92,25 @@ def test_kl_is_zero_on_the_exact_cache_and_grows_with_a_perturbed_one():
     assert kl.mean_kl(model, exact, exact, following) == pytest.approx(0.0, abs=1e-6)
     assert kl.mean_kl(model, exact, other, following) > 1e-3
     assert exact.get_seq_length() == other.get_seq_length() == ids.shape[1]  # cropped back after each read
+
+
+def test_the_reuse_gap_summary_pairs_examples_by_seed():
+    from real.reuse_gap import MODES, summary
+
+    f1 = {
+        (1, "producer"): 0.2,
+        (1, "oracle"): 1.0,
+        (1, "naive_reuse"): 0.5,
+        (2, "producer"): 0.0,
+        (2, "oracle"): 0.5,
+        (2, "naive_reuse"): 0.5,
+    }
+    rows = [
+        {"kind": "task", "seed": s, "mode": m, "f1": f1[(s, m)], "em": 0.0, "recall": 1.0, "identical_to_oracle": m == "oracle"}
+        for s in (1, 2)
+        for m in MODES
+    ]
+    got = summary([*rows, {"kind": "kl", "mean_kl": 0.25}])
+    assert got["n"] == 2 and got["producer"]["f1"] == 0.1 and got["oracle"]["identical_to_oracle"] == 1.0
+    assert got["naive_reuse_f1_gap"] == 0.25  # (1.0 - 0.5 + 0.5 - 0.5) / 2
+    assert got["naive_reuse_mean_kl"] == 0.25
