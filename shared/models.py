@@ -27,7 +27,7 @@ from typing import cast
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from shared import compute_dtype, kv_bound, logs, tiny
+from shared import compute_dtype, kv_bound, logs, pretrained, tiny
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logs.get("models")
@@ -47,6 +47,7 @@ class ModelInfo:
     vocab_size: int
     dtype_reason: str = ""  # why `dtype` computes (shared.compute_dtype.choose), e.g. "--dtype auto: ...: float32"
     identity: str = ""  # what shapes its K/V: weights at their precision, forward config, dtype (`model_identity`)
+    origin: str = ""  # where the weights came from, for a registry model (shared.pretrained.origin), else ""
 
     def kv_bytes(self, tokens: int) -> int:
         """Bytes of the full K and V cache for `tokens` tokens in this model's dtype."""
@@ -87,9 +88,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_path(model_id: str) -> str:
-    """A builtin tiny name becomes its (built-on-demand) directory; anything else is passed on."""
+    """A builtin tiny name or a registry model's short name (shared.pretrained) becomes its
+    (built-on-demand) directory; anything else is passed on."""
     if model_id in tiny.BUILTIN and not Path(model_id).exists():
         return str(tiny.ensure_tiny(model_id))
+    if model_id in pretrained.NAMES and not Path(model_id).exists():
+        return str(pretrained.ensure(model_id))
     return model_id
 
 
@@ -194,6 +198,7 @@ def load_model(model_id: str, dtype: str = "float32", device: str = "auto") -> L
         vocab_size=cfg.vocab_size,
         dtype_reason=choice.reason,
         identity=model_identity(exact_digest, config_digest(model.config), dtype),
+        origin=pretrained.origin(path),
     )
     return LoadedModel(model=model, tokenizer=tokenizer, info=info)
 

@@ -1,6 +1,6 @@
 """The import layering, read from the source (ast), so it cannot drift:
 
-    bench  ->  qa  ->  {producer, consumer, calibration}  ->  shared
+    bench  ->  real  ->  qa  ->  {producer, consumer, calibration}  ->  shared
 
 A module may import its own package or a package of a lower layer, never one beside or above
 it, and no set of modules imports itself in a cycle. Every import counts, also those inside
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYER = {"shared": 0, "producer": 1, "consumer": 1, "calibration": 1, "qa": 2, "bench": 3}
+LAYER = {"shared": 0, "producer": 1, "consumer": 1, "calibration": 1, "qa": 2, "real": 3, "bench": 4}
 
 
 def module_name(path: Path) -> str:
@@ -131,7 +131,7 @@ def test_the_serving_runtime_loads_without_offline_packages(module):
     import subprocess
     import sys
 
-    code = (f"import sys, {module}; bad = [m for m in ('calibration', 'qa', 'bench', 'producer', 'consumer') "
+    code = (f"import sys, {module}; bad = [m for m in ('calibration', 'qa', 'real', 'bench', 'producer', 'consumer') "
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
