@@ -230,9 +230,7 @@ class ConsumerConfig(ServerConfig):
     prefill_chunk: int = 512  # tokens one request prefills per engine iteration (chunked prefill)
     max_batch_tokens: int = 2048  # prefill tokens per engine iteration, all requests together
     stream_interval: int = 1  # tokens per streamed message after the first (1: each alone; as vLLM's --stream-interval)
-    verify_draft_bytes: int = (
-        32 << 20
-    )  # verified decoding, sampled: draft rows one request keeps, bytes (consumer.engine.speculative)
+    verify_draft_bytes: int = 32 << 20  # verified decoding: sampled drafts a request keeps, bytes (consumer.engine.speculative)
     engine_process: bool = False  # the engine's forwards in a child process, the KV pool in shared memory
     chunk_tokens: int = 256  # context chunk size of the prefix cache (a multiple of kv_block_tokens)
     prefix_cache_bytes: int = -1  # KV pool bytes the prefix cache may keep; -1: half the pool, 0: off

@@ -385,7 +385,7 @@ class Metrics:
         return child
 
     def observe_generate(self, result) -> None:
-        """One finished Generate (consumer.pipeline.pipeline.GenerateResult)."""
+        """One finished Generate (consumer.request.job.GenerateResult)."""
         mode = result.codec
         self._child(self.generates, mode).inc()
         for stage in GENERATE_STAGES:

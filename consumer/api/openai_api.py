@@ -166,7 +166,7 @@ def ssl_context(cfg: ConsumerConfig) -> ssl.SSLContext | None:
 
 
 class OpenAIServer:
-    """The HTTP app over a ConsumerServicer (duck-typed: consumer.api.servicer imports this module);
+    """The HTTP app over a ConsumerServicer (duck-typed; consumer/server.py wires the two fronts);
     `why_not` answers the gRPC health rule per service ("" serving: shared.serving.Server's)."""
 
     def __init__(self, servicer: Any, config: ConsumerConfig, why_not: Callable[[str], str] = lambda _: ""):

@@ -1,5 +1,6 @@
-"""Consumer gRPC servicer (thin: validate and tokenize the request, run RequestPipeline, convert
-events to messages) and process wiring (config, model load, producer client, health, drain)."""
+"""The consumer's gRPC front (thin: validate and tokenize the request, run RequestPipeline, convert
+events to messages). The process around it (model load, engine, producer link, the HTTP front,
+health, drain) is wired by the composition root, consumer/server.py."""
 
 from __future__ import annotations
 

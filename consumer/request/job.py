@@ -75,9 +75,7 @@ class GenerateJob:
     # the answer ends at the first token whose text completes one (consumer.request.ending: finish "stop",
     # that token kept, the text cut before the string)
     stop_strings: tuple[str, ...] = ()
-    verify_draft_bytes: int | None = (
-        None  # verified decoding: bytes of kept draft rows (consumer.engine.speculative); None: no cap
-    )
+    verify_draft_bytes: int | None = None  # verified decoding: kept draft rows, bytes (consumer.engine.speculative); None: no cap
     # whose cached KV it may reuse (shared.tenants: its cache_salt, else the caller's token): in the
     # root of its prefix cache keys, and sent to the producer as PrefillRequest.cache_salt
     tenant: str = ""
