@@ -163,27 +163,27 @@ artifact-candidates: $(PB_GEN)
 	$(PYTHON) -m calibration.candidates artifacts/qa-deep-base-to-lora.safetensors $(DEEP_CORPUS)
 
 bench-quality: $(PB_GEN)
-	$(PYTHON) -m bench.quality
+	$(PYTHON) -m bench.serving.quality
 
 # Does the consumer's cache audit catch SCD answers that diverge from its own prefill, on the
 # shifted sets of qa/shifted.py? One JSON line per set and a summary -> bench/results/audit.{jsonl,md}
 # (about 8 min on this 2-core CPU). AUDIT_ARGS e.g. "--audit-positions 16 --n 10".
 AUDIT_ARGS ?=
 bench-audit: $(PB_GEN)
-	$(PYTHON) -m bench.audit $(AUDIT_ARGS)
+	$(PYTHON) -m bench.serving.audit $(AUDIT_ARGS)
 
 # scd alone, + repair, + the audit's fallback, + verify, and the oracle on the trained QA pairs and
 # qa.shifted's sets; then the 0.5B shape's 256-token answers over a tc-shaped 100 Mbit link (needs
 # root; VERIFY_ARGS="--link loopback" without). Rows: bench/results/verify.jsonl.
 VERIFY_ARGS ?=
 bench-verify: $(PB_GEN)
-	$(PYTHON) -m bench.verify $(VERIFY_ARGS)
+	$(PYTHON) -m bench.serving.verify $(VERIFY_ARGS)
 
 # Needs root (network namespaces + tc). TTFT_ARGS narrows the grid, e.g. TTFT_ARGS="--quick".
 TTFT_ARGS ?=
 bench-ttft: $(PB_GEN)
-	$(PYTHON) -m bench.ttft $(TTFT_ARGS)
-	$(PYTHON) -m bench.projection
+	$(PYTHON) -m bench.serving.ttft $(TTFT_ARGS)
+	$(PYTHON) -m bench.figures.projection
 
 # The issue-13 TTFT grid for the Qwen2.5-0.5B-shaped random model (root; about 1-1.5 h on this
 # 2-core CPU): sudo make bench-ttft TTFT_ARGS='$(TTFT_GRID_05B)'. The scd mode uses the
@@ -199,12 +199,12 @@ TTFT_GRID_05B := --model-scale qwen05b --artifacts .cache/artifacts --contexts 5
 # THROUGHPUT_ARGS="--quick": the QA pair, raw+scd, concurrency 1 and 32 (a few minutes).
 THROUGHPUT_ARGS ?=
 bench-throughput: $(PB_GEN)
-	$(PYTHON) -m bench.throughput $(THROUGHPUT_ARGS)
+	$(PYTHON) -m bench.serving.throughput $(THROUGHPUT_ARGS)
 
 # docs/results.md and the README's generated blocks from the committed rows (bench/templates/,
-# bench/figures.py); tests/test_results_doc.py fails when they differ from what this writes.
+# bench/figures/figures.py); tests/test_results_doc.py fails when they differ from what this writes.
 results-doc: $(PB_GEN)
-	$(PYTHON) -m bench.report
+	$(PYTHON) -m bench.figures.report
 
 # Prefix reuse: workloads multi-turn / one document many questions / shared preamble; variants
 # no store, whole-context store, producer chunks (+ consumer chunks once the consumer has them);
@@ -212,13 +212,13 @@ results-doc: $(PB_GEN)
 # PREFIX_ARGS="--quick": multi-turn on the QA pair in float32 (a few minutes).
 PREFIX_ARGS ?=
 bench-prefix: $(PB_GEN)
-	$(PYTHON) -m bench.prefix $(PREFIX_ARGS)
+	$(PYTHON) -m bench.serving.prefix $(PREFIX_ARGS)
 
 # Mode auto against every fixed candidate within the budget, per rate (10/50/100/1000 Mbit,
 # unshaped), delay (0/20 ms) and store (cold/warm), and a run whose rate steps 100 -> 10 -> 100
 # Mbit (needs root for the shaped link; ADAPTIVE_ARGS=--quick: the QA pair at two rates).
 bench-adaptive: $(PB_GEN)
-	$(PYTHON) -m bench.adaptive $(ADAPTIVE_ARGS)
+	$(PYTHON) -m bench.serving.adaptive $(ADAPTIVE_ARGS)
 
 # Rounds of 32 concurrent Generate streams over every mode with random cancels and tiny deadlines,
 # at the services' shipped --max-inflight (refusals counted by status) with the head-of-line check
@@ -226,22 +226,22 @@ bench-adaptive: $(PB_GEN)
 # and bench/results/load.jsonl (~5 min). LOAD_ARGS e.g. "--quick" (smoke) or "--limits defaults".
 LOAD_ARGS ?=
 load-test: $(PB_GEN)
-	$(PYTHON) -m bench.load_test $(LOAD_ARGS)
+	$(PYTHON) -m bench.serving.load_test $(LOAD_ARGS)
 
 # 3 producers behind one consumer's ring_hash / round_robin target on loopback, a producer
 # stopped mid-run; one JSON line, also written to bench/results/pool.json (about 15 s).
 pool-test: $(PB_GEN)
-	$(PYTHON) -m bench.pool_test --out bench/results/pool.json
+	$(PYTHON) -m bench.serving.pool_test --out bench/results/pool.json
 
 # gRPC stream vs plain TCP socket payload throughput on loopback -> bench/results/transport.jsonl
 bench-transport: $(PB_GEN)
-	$(PYTHON) -m bench.transport $(TRANSPORT_ARGS)
+	$(PYTHON) -m bench.micro.transport $(TRANSPORT_ARGS)
 
 # One shot on a GPU machine (no downloads): tests/test_gpu.py, CUDA-event prefill timings, the
 # TTFT grid on loopback (0.5B shape at 2048/8192 tokens, 7B shape at 2048) -> bench/results/gpu.jsonl.
 # GPU_CHECK_ARGS="--device cpu --quick" runs it on tiny shapes here.
 gpu-check: $(PB_GEN)
-	$(PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)
+	$(PYTHON) -m bench.serving.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(PB_OUT)/scd .cache .pytest_cache

@@ -1,1 +1,13 @@
-"""Demo and benchmarks: real services in subprocesses, driven over gRPC, printing JSON lines."""
+"""Demo and benchmarks: real services in subprocesses, driven over gRPC, printing JSON lines.
+
+    harness/   what every benchmark runs on: the services as processes, the shaped link (netns,
+               tc, relay, link probes), workloads and model scales, the trained pairs, provenance,
+               CPU per stage, FLOP counts; imports no other bench package
+    micro/     one mechanism alone: gRPC transport, the gRPC call floor, the engine's step, a log
+               line's CPU, the batched rebuild's CPU; imports harness/
+    serving/   the pair under load: throughput, load and pool tests, prefix reuse and turns, mode
+               auto per link, quality, the cache audit, verified decoding, TTFT (ttft/), the GPU check
+    figures/   the committed rows (bench/results/) -> the figures -> docs/results.md and the
+               README's generated blocks (`python -m bench.figures.report`)
+    demo.py    `make demo`
+"""

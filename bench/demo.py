@@ -17,8 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-from bench import services
-from consumer.client import ConsumerClient, prompt
+from bench.harness import services
+from consumer.api.client import ConsumerClient, prompt
 from shared.labels import options_label
 
 PAIR = Path(services.ROOT / "checkpoints")

@@ -10,7 +10,7 @@ per transfer mode), asks the demo's question through the `openai` client over th
 port, replays the consumer's KV events from sequence 0 over the published replay port, asks each
 producer replica how many prefills it served, stops the stack (SIGTERM, drain) and removes it.
 
-Prints one JSON line, bench.compose_report's report: images_built, healthy_after_s (from `up` to
+Prints one JSON line, bench.serving.compose_report's report: images_built, healthy_after_s (from `up` to
 every container healthy), demo_modes_ok (every mode the demo asks, bench.demo.modes_asked over the
 consumer's codecs, answered with tokens), producers (healthy producer replicas), http_ok (the
 `openai` client got the task's gold answer from the served model), kv_events_ok (AllBlocksCleared
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's bench/ and consumer/, whatever the venv points at
 
 from bench import demo  # noqa: E402
-from bench.compose_report import verdict  # noqa: E402
+from bench.serving.compose_report import verdict  # noqa: E402
 
 PROJECT = "scd-smoke"
 LOCAL_BASE = "scd-base:bookworm"
@@ -114,7 +114,7 @@ def codecs(address: str) -> list[str]:
     """The codecs the consumer describes (what the demo asks besides the default)."""
     import asyncio
 
-    from consumer.client import ConsumerClient
+    from consumer.api.client import ConsumerClient
 
     async def ask() -> list[str]:
         async with ConsumerClient(address) as client:

@@ -1,8 +1,8 @@
 """Shifted evaluation sets for the tuned consumer: where a codec calibrated on the QA task may
-leave its calibrated regime, and an in-distribution set to compare with (`bench.audit`).
+leave its calibrated regime, and an in-distribution set to compare with (`bench.serving.audit`).
 
 Every example is deterministic in (set, index) and drawn from test-split seeds far from the ones
-anything else reads (training reads train seeds, calibration train + validation, bench.quality
+anything else reads (training reads train seeds, calibration train + validation, bench.serving.quality
 and qa.evaluate test seeds 0..199): set number s uses test seeds SEED_BASE + s * SEED_STRIDE + i.
 The set numbers are fixed, so adding a set never changes another one.
 
@@ -32,7 +32,7 @@ from qa.task import END, NAMES, RELATIONS, VALUES, Fact, global_seed, make_examp
 
 SEED_BASE = 70_000_000  # test-split seeds from here on are read only by this module
 SEED_STRIDE = 1_000_000  # seeds per set
-CTX_TOKENS = 512  # the tuned task's serving length (bench.quality, calibration's predictor)
+CTX_TOKENS = 512  # the tuned task's serving length (bench.serving.quality, calibration's predictor)
 LONG_CTX_TOKENS = 800  # beyond training (<= 120 facts), within distinct value words (<= 1150)
 REPEATED_POOL = 12  # value words shared by all facts of a repeated_values context
 NOISE_WORDS: tuple[str, ...] = (END, *RELATIONS, *NAMES, *VALUES)

@@ -32,8 +32,8 @@ class Validated(Protocol):
 
 
 C = TypeVar("C", bound=Validated)
-ORACLE_MODE = "oracle"  # the consumer's own prefill, as consumer.pipeline names it (shared never imports consumer)
-AUTO_MODE = "auto"  # the consumer picks the fastest mode within a loss budget (consumer.auto)
+ORACLE_MODE = "oracle"  # the consumer's own prefill, as consumer.pipeline.pipeline names it (shared never imports consumer)
+AUTO_MODE = "auto"  # the consumer picks the fastest mode within a loss budget (consumer.auto.chooser)
 LB_POLICIES = ("ring_hash", "round_robin", "pick_first")
 
 
@@ -218,11 +218,11 @@ class ConsumerConfig(ServerConfig):
     max_inflight: int = 64  # concurrent Generate calls (running or waiting for KV memory); more get RESOURCE_EXHAUSTED
     audit_threshold: float = 0.05  # cache-audit error counted as divergence when the codec has no calibrated one
     default_timeout_s: float = 120.0  # deadline in seconds of a call whose caller sets none
-    default_mode: str = ""  # mode of a request naming none; empty: auto (consumer.defaults)
+    default_mode: str = ""  # mode of a request naming none; empty: auto (consumer.auto.defaults)
     allow_naive_reuse_default: bool = False  # allow a --default-mode raw/quant/recompute across unlike weights
     probe_idle_s: float = 60.0  # idle this long: one small background transfer keeps auto's estimates fresh (0: off)
     producer_check_interval_s: float = 10.0  # re-check of the producer link (reachable, authenticated, compatible)
-    # the batch engine (consumer/batch.py, docs/design.md "The serving engine")
+    # the batch engine (consumer/engine/batch.py, docs/design.md "The serving engine")
     max_batch: int = 32  # rows per engine forward (1: one request per forward, the pre-batching behaviour)
     kv_pool_bytes: int = 0  # KV pool size; 0: max_batch requests of 2048 tokens or two of the largest allowed, capped by memory
     kv_block_tokens: int = 16  # tokens per KV pool block
@@ -230,11 +230,11 @@ class ConsumerConfig(ServerConfig):
     prefill_chunk: int = 512  # tokens one request prefills per engine iteration (chunked prefill)
     max_batch_tokens: int = 2048  # prefill tokens per engine iteration, all requests together
     stream_interval: int = 1  # tokens per streamed message after the first (1: each alone; as vLLM's --stream-interval)
-    verify_draft_bytes: int = 32 << 20  # verified decoding, sampled: draft rows one request keeps, bytes (consumer.speculative)
+    verify_draft_bytes: int = 32 << 20  # verified decoding: sampled drafts a request keeps, bytes (consumer.engine.speculative)
     engine_process: bool = False  # the engine's forwards in a child process, the KV pool in shared memory
     chunk_tokens: int = 256  # context chunk size of the prefix cache (a multiple of kv_block_tokens)
     prefix_cache_bytes: int = -1  # KV pool bytes the prefix cache may keep; -1: half the pool, 0: off
-    http_port: int = -1  # OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models; consumer.openai_api); -1 off, 0 any free port
+    http_port: int = -1  # OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models; consumer.api.openai_api); -1 off, 0 any free port
     served_model_name: str = ""  # the model's one public name (/v1/models, Describe, logs, metrics); empty: --model's basename
 
     def validate(self) -> None:

@@ -7,7 +7,7 @@ handshake: `tls.handshake_failed`, counted in `handshake_failures`; errors: `grp
 lines are dropped), anything else passes through unchanged and in order. Python's own `sys.stderr`
 (the services' JSON log lines, tracebacks) is pointed at the real stderr instead, so a service's
 lines never take the pipe's detour: each took a second read, decode, match and write on the
-reader thread (twice the CPU per line: bench.log_cost). Lines of the two
+reader thread (twice the CPU per line: bench.micro.log_cost). Lines of the two
 sources may interleave in another order than they were written. `close` (at exit) puts fd 2
 back and waits for the reader to drain, so a last line written before exit is not lost.
 Only the service entry points install it (`shared.serving.main`); tests and tools never do.

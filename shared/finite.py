@@ -5,7 +5,7 @@ zeros only where a sum is not finite), and each tensor's largest |value| (`peaks
 product (or a matrix-vector product, per row) with a zero vector is NaN exactly when an element
 is not finite. Nothing can overflow: every term is 0. On this CPU that is one BLAS pass, about 15x
 faster than `torch.isfinite(x).all()`, which builds a bool tensor the size of x element by element.
-bench.engine_step times both on a decode step's logits; its rows are in docs/results.md. The
+bench.micro.engine_step times both on a decode step's logits; its rows are in docs/results.md. The
 cost grows with the vocabulary.
 
 Half-precision tensors are widened to float32 first: BLAS has no fast half kernel on CPU.
@@ -50,7 +50,7 @@ def finite_each(tensors: Sequence[torch.Tensor]) -> list[bool]:
     is finite only if every element is, so a finite sum settles it. A sum that is not finite is
     either a bad element or finite values overflowing the dtype's range; only those tensors take
     the exact product with zeros. The product allocates a zero vector the tensor's size; one
-    request's rebuilt K/V checks 2-4x faster by sums (bench.engine_step's kv_check rows)."""
+    request's rebuilt K/V checks 2-4x faster by sums (bench.micro.engine_step's kv_check rows)."""
     floating = [i for i, t in enumerate(tensors) if t.is_floating_point()]
     flags = [True] * len(tensors)
     if floating:

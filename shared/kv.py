@@ -25,7 +25,7 @@ from shared.models import LoadedModel
 
 class KVSink(Protocol):
     """Where a consumer's rebuilt layers are written: a DynamicCache, or the engine's KV pool
-    blocks of one request (consumer.kv_pool.SequenceKV). keys/values [1, n_kv, T, hd], post-RoPE."""
+    blocks of one request (consumer.engine.kv_pool.SequenceKV). keys/values [1, n_kv, T, hd], post-RoPE."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any: ...
 

@@ -6,7 +6,7 @@ mmap threshold (128 KiB at start, raised by itself as large blocks are freed) wi
 and gives it back with munmap: page faults and zeroed pages on every message. A fixed threshold
 above the message size keeps those buffers in the heap, where the next message reuses them; the
 trim threshold (twice the mmap threshold) bounds the free memory the heap keeps at its top.
-bench.transport measures it (`--malloc-mmap-threshold 0` is glibc's own behaviour).
+bench.micro.transport measures it (`--malloc-mmap-threshold 0` is glibc's own behaviour).
 
 Applied once at start-up, before the model loads. A C library that is not glibc (musl, macOS) is
 left alone and says so. Knows nothing about the services.

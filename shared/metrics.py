@@ -228,8 +228,8 @@ class Metrics:
         self.registry.register(_Callback(families))
 
     def watch_engine(self, engine, pool, admission, prefix=None, generate=None) -> None:
-        """The consumer's batch engine (consumer.batch), its KV pool, KV admission queue, prefix
-        cache (consumer.prefix_cache, when on) and request pipeline's rebuilds (consumer.pipeline)."""
+        """The consumer's batch engine (consumer.engine.batch), its KV pool, KV admission queue, prefix
+        cache (consumer.engine.prefix_cache, when on) and request pipeline's rebuilds (consumer.pipeline.pipeline)."""
 
         def families():
             if prefix is not None:
@@ -348,7 +348,7 @@ class Metrics:
         self.registry.register(_Callback(families))
 
     def watch_probes(self, probe) -> None:
-        """Mode auto's background probes (consumer.probe): transfers measured, by why (idle |
+        """Mode auto's background probes (consumer.auto.probe): transfers measured, by why (idle |
         link), and the ones that failed."""
 
         def families():
@@ -385,7 +385,7 @@ class Metrics:
         return child
 
     def observe_generate(self, result) -> None:
-        """One finished Generate (consumer.pipeline.GenerateResult)."""
+        """One finished Generate (consumer.request.job.GenerateResult)."""
         mode = result.codec
         self._child(self.generates, mode).inc()
         for stage in GENERATE_STAGES:
@@ -425,7 +425,7 @@ class Metrics:
             self._child(self.contract, method, code).inc()
 
     def record_http(self, route: str, status: int, seconds: float, error_code: str = "") -> None:
-        """One finished HTTP request (consumer.openai_api) in the gRPC families: `route` as
+        """One finished HTTP request (consumer.api.openai_api) in the gRPC families: `route` as
         'POST /v1/completions' (the method label), its HTTP status (the code label); `error_code`,
         the status name of the error it answered, counts stream-contract violations as gRPC's do."""
         self.record(route, str(status), seconds)

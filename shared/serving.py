@@ -492,7 +492,7 @@ def intra_op_threads(configured: int, device: str, env: Mapping[str, str]) -> tu
     On a GPU the model computes on the device, and what torch still does on the CPU is small
     (cutting a layer's K/V into chunks, a copy, a check over quantization scales). On an H200 box
     (16 cores, load 5-10) such ops, the producer's per-chunk clones of the 7B shape's K/V and the
-    consumer's finiteness checks, took most of both services' time (bench.ttft --profile-dir); our
+    consumer's finiteness checks, took most of both services' time (bench.serving.ttft --profile-dir); our
     reading, not measured, is that each one above torch's grain size woke an OpenMP team of one
     thread per core. vLLM's GPU workers likewise set torch to one thread unless OMP_NUM_THREADS
     says otherwise."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from consumer.client import ConsumerClient, prompt  # noqa: F401  (re-exported for tests)
+from consumer.api.client import ConsumerClient, prompt  # noqa: F401  (re-exported for tests)
 from consumer.server import ConsumerServer
 from producer.server import ProducerServer
 from shared import compute_dtype, logs

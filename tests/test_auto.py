@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from consumer.client import ConsumerClient
+from consumer.api.client import ConsumerClient
 from producer.server import ProducerServer
 from qa.task import make_example
 from shared.config import ProducerConfig
@@ -336,11 +336,11 @@ def test_a_link_paced_stream_is_watched_from_the_call_on():
     paces (from the first layer, its slowest gap left out) reads the same bursts as fast."""
     import time
 
-    from consumer.auto import AutoChoice, Budget, Candidate, Scored
-    from consumer.decoding import Sampling
-    from consumer.planner import Estimate, Ewma, TransferPlanner, mode_key
-    from consumer.request import LOCAL_PREFILL, GenerateJob, GenerateResult
-    from consumer.transfer import Transfer, TransferTooSlow
+    from consumer.auto.chooser import AutoChoice, Budget, Candidate, Scored
+    from consumer.auto.planner import Estimate, Ewma, TransferPlanner, mode_key
+    from consumer.engine.decoding import Sampling
+    from consumer.request.job import LOCAL_PREFILL, GenerateJob, GenerateResult
+    from consumer.request.transfer import Transfer, TransferTooSlow
     from shared.codecs.raw import RawCodec
 
     planner = TransferPlanner()

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from consumer.auto import Chooser
-from consumer.client import prompt
-from consumer.planner import Fit, Observation, TransferPlanner, mode_key, pipelined
-from consumer.producer_memory import ProducerMemory
+from consumer.api.client import prompt
+from consumer.auto.chooser import Chooser
+from consumer.auto.planner import Fit, Observation, TransferPlanner, mode_key, pipelined
+from consumer.auto.producer_memory import ProducerMemory
 from shared import codecs as codec_lib
 from shared.models import load_model
 from shared.pb import common_pb2
@@ -118,7 +118,7 @@ def test_named_and_no_mode_requests_teach_one_estimate_that_converges(pair):
     assert s5.estimate.confident and s5.estimate.ms == pytest.approx(remote_truth("s5", 511), rel=0.25), s5.estimate.detail
     assert s6.estimate.ms == pytest.approx(remote_truth("s6", 511), rel=1.0), s6.estimate.detail  # within 2x, not 17x
     assert chooser.key("scd", named) == s5.key  # the named default and auto's candidate: one key
-    # the plain label a named request's options make (consumer.transfer's mid-stream watch reads it) answers too
+    # the plain label a named request's options make (consumer.request.transfer's mid-stream watch reads it) answers too
     assert planner.bytes_per_token.get(mode_key("scd", named)) is planner.bytes_per_token[s5.key]
     assert not [k for k in planner.encode if "=," in k or k.endswith("=)") or k == "scd"]  # no empty-option keys
     snapshot = planner.snapshot()

@@ -15,8 +15,8 @@ import pytest
 import structlog
 from grpc_health.v1 import health_pb2
 
-from bench.services import free_port
-from consumer.readiness import HEALTH_SERVICE
+from bench.harness.services import free_port
+from consumer.link.readiness import HEALTH_SERVICE
 from consumer.server import ConsumerServer
 from producer.server import ProducerServer
 from qa.task import make_example
@@ -180,7 +180,7 @@ async def test_messages_name_what_to_fix():
     logged by the producer."""
     import grpc
 
-    from consumer import readiness
+    from consumer.link import readiness
     from shared import config as config_lib
     from shared.pb import producer_pb2, producer_pb2_grpc
 

@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
-from consumer.batch import BatchEngine, Finished, Task
-from consumer.decoding import Sampler, Sampling
-from consumer.kv_admission import KVAdmission
-from consumer.kv_pool import KVPool
-from consumer.runner import Row, Runner
+from consumer.engine.batch import BatchEngine, Finished, Task
+from consumer.engine.decoding import Sampler, Sampling
+from consumer.engine.kv_admission import KVAdmission
+from consumer.engine.kv_pool import KVPool
+from consumer.engine.runner import Row, Runner
 from shared.errors import DataLoss, DeadlineExceeded, ResourceExhausted
 from shared.models import load_model
 
@@ -230,7 +230,7 @@ async def test_kv_admission_limits_queue_and_release(loaded):
 
 
 def test_pack_keeps_padding_under_twice_the_work():
-    from consumer.batch import pack
+    from consumer.engine.batch import pack
 
     rows = [(object(), n) for n in (5, 512, 7, 6, 300, 4)]
     groups = pack(rows)  # type: ignore[arg-type]
@@ -322,10 +322,10 @@ def test_kv_codecs_rebuild_several_requests_into_the_pool_in_one_call(loaded, co
 
 
 async def test_a_request_takes_the_tokens_that_arrived_together_in_one_message():
-    """consumer.engine_stream.take_ready: what a loaded event loop sends as one TokenDelta. Everything
+    """consumer.request.engine_stream.take_ready: what a loaded event loop sends as one TokenDelta. Everything
     queued up to the request's Finished, never past it; an error ends the batch and comes apart,
     after the tokens that preceded it."""
-    from consumer.engine_stream import take_ready
+    from consumer.request.engine_stream import take_ready
 
     queue: asyncio.Queue = asyncio.Queue()
     assert take_ready(5, queue) == ([5], None)  # nothing else waiting: one token, as before
@@ -379,11 +379,11 @@ def test_grouped_jobs_queued_together_run_as_one_call(loaded):
 
 
 async def test_a_deadline_during_decode_ends_the_request_after_the_tokens_before_it(loaded):
-    """consumer.engine_stream: a request whose deadline passes while the engine still decodes for it gets
+    """consumer.request.engine_stream: a request whose deadline passes while the engine still decodes for it gets
     the tokens sampled before the deadline, then DeadlineExceeded; the engine drops its task and
     its blocks can go back."""
-    from consumer.engine_stream import engine_task
-    from consumer.request import GenerateJob
+    from consumer.request.engine_stream import engine_task
+    from consumer.request.job import GenerateJob
 
     pool = pool_for(loaded)
     engine = BatchEngine(loaded, pool, max_batch=4)

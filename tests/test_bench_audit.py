@@ -1,5 +1,5 @@
 """The shifted evaluation sets (qa.shifted) keep their promises and are deterministic, and a small
-run of the audit benchmark (bench.audit) through the real services prints its JSON lines."""
+run of the audit benchmark (bench.serving.audit) through the real services prints its JSON lines."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from bench import audit
+from bench.serving import audit
 from qa import shifted
 from qa.task import QUERY_CLOSE, QUERY_OPEN, SPLIT_SIZE, vocabulary
 

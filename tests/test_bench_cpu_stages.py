@@ -1,19 +1,19 @@
-"""bench.cpu_stages: py-spy's raw stacks into the consumer loop's stages, and per-thread CPU."""
+"""bench.harness.cpu_stages: py-spy's raw stacks into the consumer loop's stages, and per-thread CPU."""
 
 from __future__ import annotations
 
 import os
 import threading
 
-from bench import cpu_stages
+from bench.harness import cpu_stages
 
 RAW = """\
 thread (10): MainThread;<module> (consumer/__main__.py:10);run (uvloop/__init__.py:92);Runner.run (asyncio/runners.py:118) 50
-thread (10): MainThread;Runner.run (asyncio/runners.py:118);pump (consumer/transfer.py:200);feed (consumer/stream_reader.py:90) 7
-thread (10): MainThread;Runner.run (asyncio/runners.py:118);feed (consumer/stream_reader.py:90);msg (structlog/_output.py:5) 2
-thread (10): MainThread;Runner.run (asyncio/runners.py:118);pump (consumer/transfer.py:200);_read (grpc/aio/_call.py:1) 3
-thread (10): MainThread;Runner.run (asyncio/runners.py:118);_answer (consumer/pipeline.py:400);push_many (consumer/decoding.py:9) 4
-thread (11): consumer-engine;_loop (consumer/batch.py:300);forward (consumer/runner.py:150) 90
+thread (10): MainThread;Runner.run (asyncio/runners.py:118);pump (consumer/request/transfer.py:200);feed (consumer/link/stream_reader.py:90) 7
+thread (10): MainThread;Runner.run (asyncio/runners.py:118);feed (consumer/link/stream_reader.py:90);msg (structlog/_output.py:5) 2
+thread (10): MainThread;Runner.run (asyncio/runners.py:118);pump (consumer/request/transfer.py:200);_read (grpc/aio/_call.py:1) 3
+thread (10): MainThread;Runner.run (asyncio/runners.py:118);_answer (consumer/pipeline/pipeline.py:400);push_many (consumer/engine/decoding.py:9) 4
+thread (11): consumer-engine;_loop (consumer/engine/batch.py:300);forward (consumer/engine/runner.py:150) 90
 """
 
 
@@ -27,7 +27,7 @@ def test_raw_stacks_into_stages_by_their_innermost_named_frame():
 
 
 def test_thread_cpu_and_the_engine_threads_os_name():
-    from consumer.batch import name_os_thread
+    from consumer.engine.batch import name_os_thread
 
     names: dict[int, str] = {}
 

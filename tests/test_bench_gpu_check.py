@@ -1,5 +1,5 @@
-"""bench.gpu_check --device cpu --quick: the GPU check's three steps (tests/test_gpu.py, in-process
-prefill timing, bench.ttft on loopback) end to end on tiny shapes, one JSON line each."""
+"""bench.serving.gpu_check --device cpu --quick: the GPU check's three steps (tests/test_gpu.py, in-process
+prefill timing, bench.serving.ttft on loopback) end to end on tiny shapes, one JSON line each."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from bench.services import ROOT
-from bench.ttft import report
+from bench.harness.services import ROOT
+from bench.serving.ttft import report
 
 
 @pytest.mark.timeout(180)
 def test_gpu_check_runs_on_cpu_quick(tmp_path):
     out = tmp_path / "gpu.jsonl"
-    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--quick", "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "bench.serving.gpu_check", "--device", "cpu", "--quick", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]

@@ -1,4 +1,4 @@
-"""bench.grpc_floor: a real gRPC server process and client process with nothing of SCD in them;
+"""bench.micro.grpc_floor: a real gRPC server process and client process with nothing of SCD in them;
 every call gets its streamed messages, CPU per call is read for both ends, bulk rows carry the
 socket's figure from the same round, and --keep appends exactly the printed rows."""
 
@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
-from bench.services import ROOT
+from bench.harness.services import ROOT
 
 
 @pytest.mark.timeout(120)
 def test_small_and_bulk_calls(tmp_path):
     out = tmp_path / "floor.jsonl"
-    base = [sys.executable, "-m", "bench.grpc_floor", "--rounds", "1", "--seconds", "0.5", "--keep", "--out", str(out)]
+    base = [sys.executable, "-m", "bench.micro.grpc_floor", "--rounds", "1", "--seconds", "0.5", "--keep", "--out", str(out)]
     small = subprocess.run([*base, "--loops", "uvloop,asyncio", "--concurrency", "4"], cwd=ROOT,
                            capture_output=True, text=True, timeout=100)
     assert small.returncode == 0, small.stderr[-3000:]

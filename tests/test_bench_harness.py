@@ -1,4 +1,4 @@
-"""The TTFT benchmark harness (bench.ttft, bench.netns, bench.plot, bench.projection): parsing,
+"""The TTFT benchmark harness (bench.serving.ttft, bench.harness.netns, bench.figures.plot, bench.figures.projection): parsing,
 statistics, the efficiency lower bound, interleaving order, link cleanup, and a loopback smoke run
 of the real harness with tiny models."""
 
@@ -13,9 +13,10 @@ import time
 
 import pytest
 
-from bench import netns, plot, projection
-from bench.services import ROOT
-from bench.ttft import cli, grid, report
+from bench.figures import plot, projection
+from bench.harness import netns
+from bench.harness.services import ROOT
+from bench.serving.ttft import cli, grid, report
 
 KEYS = ["model", "shaping", "bandwidth_mbit", "ctx_tokens", "mode", "schedule", "store", "ttft_ms_median",
         "ttft_ms_min", "ttft_ms_max", "runs", "bytes", "efficiency", "ttft_lower_bound_ms", "load_avg_1m",
@@ -218,7 +219,7 @@ def test_shaped_mode_refuses_clearly_without_root(monkeypatch, capsys):
 def test_smoke_loopback_run(tmp_path):
     out = tmp_path / "ttft.jsonl"
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "bench.ttft", "--no-shaping", "--quick", "--model-scale", "tiny",
+    done = subprocess.run([sys.executable, "-m", "bench.serving.ttft", "--no-shaping", "--quick", "--model-scale", "tiny",
                            "--producer-model", "tiny-llama", "--modes", "raw", "oracle", "--contexts", "64",
                            "--warmup", "1", "--runs", "2", "--no-plot", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=170)

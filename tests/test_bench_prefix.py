@@ -1,12 +1,12 @@
-"""bench.prefix without services: its workloads have the shapes the issue asks for, and its
+"""bench.serving.prefix without services: its workloads have the shapes the issue asks for, and its
 variant list names the consumer-side hook."""
 
 from __future__ import annotations
 
 import json
 
-from bench import prefix
-from bench.throughput import Model
+from bench.serving import prefix
+from bench.serving.throughput import Model
 
 
 def model(tmp_path) -> Model:

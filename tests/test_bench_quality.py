@@ -1,10 +1,10 @@
-"""bench.quality chooses the headline schedule on one split and labels the rows it reports: the
+"""bench.serving.quality chooses the headline schedule on one split and labels the rows it reports: the
 cheapest schedule within the pair's F1 target on the rows it is given, nothing when none is."""
 
 from __future__ import annotations
 
-from bench.pairs import pick_headline
-from bench.quality import label, table
+from bench.harness.pairs import pick_headline
+from bench.serving.quality import label, table
 
 
 def _row(mode: str, schedule: str, bytes_per_token: float, gap: float, **extra) -> dict:

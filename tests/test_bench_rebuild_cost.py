@@ -1,4 +1,4 @@
-"""bench.rebuild_cost: the trained pair's batched SCD rebuild, run as a command from the repo root
+"""bench.micro.rebuild_cost: the trained pair's batched SCD rebuild, run as a command from the repo root
 (the code it measures); one row with the schedule it rebuilt and a positive CPU per request."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import json
 import subprocess
 import sys
 
-from bench.services import ROOT
+from bench.harness.services import ROOT
 
 
 def test_a_small_batch_rebuilds_and_writes_its_row(tmp_path):
     out = tmp_path / "rebuild.jsonl"
-    done = subprocess.run([sys.executable, "-m", "bench.rebuild_cost", "--batch", "3", "--ctx", "40", "--reps", "2",
+    done = subprocess.run([sys.executable, "-m", "bench.micro.rebuild_cost", "--batch", "3", "--ctx", "40", "--reps", "2",
                            "--label", "test", "--keep", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]

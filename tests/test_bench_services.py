@@ -1,4 +1,4 @@
-"""bench.services: a benchmark killed with SIGTERM stops the producer and consumer it started
+"""bench.harness.services: a benchmark killed with SIGTERM stops the producer and consumer it started
 (no orphaned services holding ports and CPU)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from bench.services import ROOT
+from bench.harness.services import ROOT
 
 SCRIPT = """
 import time

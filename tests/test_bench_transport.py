@@ -1,4 +1,4 @@
-"""bench.transport --quick: real producer processes on loopback, the raw codec's stream against a
+"""bench.micro.transport --quick: real producer processes on loopback, the raw codec's stream against a
 plain TCP socket; one JSON line per chunk size, the same lines in the output file."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from bench import transport
-from bench.services import ROOT
+from bench.harness.services import ROOT
+from bench.micro import transport
 
 KEYS = {"grpc_MBps", "socket_MBps", "ratio", "chunk_bytes"}
 
@@ -20,7 +20,7 @@ KEYS = {"grpc_MBps", "socket_MBps", "ratio", "chunk_bytes"}
 def test_quick_transport_run(tmp_path):
     out = tmp_path / "transport.jsonl"
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "bench.transport", "--quick", "--out", str(out)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "bench.micro.transport", "--quick", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=140)
     elapsed = time.monotonic() - started
     assert done.returncode == 0, done.stderr[-3000:]
@@ -35,4 +35,4 @@ def test_quick_transport_run(tmp_path):
         assert r["weights"] == "random"  # what the row ran on
         assert r["ratio"] == pytest.approx(r["grpc_MBps"] / r["socket_MBps"], rel=0.02)
     assert "best ratio" in done.stderr
-    print(f"bench.transport --quick took {elapsed:.1f}s")
+    print(f"bench.micro.transport --quick took {elapsed:.1f}s")

@@ -1,4 +1,4 @@
-"""`make compose-smoke`'s check without Docker: bench.compose_report.verdict on the observations the
+"""`make compose-smoke`'s check without Docker: bench.serving.compose_report.verdict on the observations the
 last passing run recorded (bench/results/compose-run.json), and on that recording with one thing
 wrong. The demo's modes come from the demo itself (bench.demo.modes_asked), so a mode the demo
 adds (as it added `default`) cannot make a passing stack fail the check, and a mode it skips fails.
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.compose_report import verdict
 from bench.demo import DEFAULT, modes_asked
+from bench.serving.compose_report import verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = json.loads((ROOT / "bench/results/compose-run.json").read_text())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from consumer.defaults import DefaultMode, safest
+from consumer.auto.defaults import DefaultMode, safest
 from shared.codecs.scd import ScdCodec
 from shared.errors import InvalidArgument
 from shared.pb import common_pb2, consumer_pb2

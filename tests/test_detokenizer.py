@@ -8,7 +8,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from consumer.decoding import Detokenizer
+from consumer.engine.decoding import Detokenizer
 from shared.models import load_model
 
 

@@ -115,7 +115,7 @@ def test_the_readme_runs_the_trained_pair_by_hand():
     import json
     import subprocess
 
-    from bench.services import free_port
+    from bench.harness.services import free_port
 
     if not (ROOT / "checkpoints/qa-base/config.json").exists() or not (ROOT / "artifacts/qa-base-to-tuned.safetensors").exists():
         pytest.skip("the trained pair is not in this checkout")

@@ -1,4 +1,4 @@
-"""consumer/ending.py: an answer ends at its first stop id, at max_new_tokens, or at the first token
+"""consumer/request/ending.py: an answer ends at its first stop id, at max_new_tokens, or at the first token
 whose text completes a stop string (the text cut before it, a possible start of one held back),
 whichever its tokens reach first, however they are split into batches."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from consumer.ending import Ending
+from consumer.request.ending import Ending
 from shared.models import load_model
 
 

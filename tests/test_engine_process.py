@@ -1,4 +1,4 @@
-"""The frontend/engine split (`--engine-process`, consumer.engine_process): real services whose
+"""The frontend/engine split (`--engine-process`, consumer.engine.process): real services whose
 engine runs in a child process over a shared-memory KV pool. Same answers as the in-process
 engine; a cancelled request's blocks are freed only once the engine has let its task go; an engine
 process that dies fails its requests UNAVAILABLE and takes the service out of liveness and
@@ -15,11 +15,11 @@ import grpc
 import pytest
 import torch
 
-from consumer.batch import Finished, Task
-from consumer.client import prompt
-from consumer.decoding import Sampler, Sampling
-from consumer.engine_process import EngineProcess
-from consumer.kv_pool import KVPool
+from consumer.api.client import prompt
+from consumer.engine.batch import Finished, Task
+from consumer.engine.decoding import Sampler, Sampling
+from consumer.engine.kv_pool import KVPool
+from consumer.engine.process import EngineProcess
 from shared.models import load_model
 from shared.pb import common_pb2, consumer_pb2
 from tests.conftest import running_pair
@@ -114,7 +114,7 @@ async def test_a_dead_engine_process_fails_its_requests_unavailable_and_the_serv
 def test_a_pool_larger_than_shared_memory_is_refused_by_name(tmp_path):
     """--engine-process moves a CPU pool to /dev/shm: one that cannot fit there is a start-up error
     naming both sizes and the fix, not a bus error at the first write."""
-    from consumer.engine_process import check_shm
+    from consumer.engine.process import check_shm
 
     loaded = load_model("tiny-llama", "float32", "cpu")
     pool = KVPool(loaded.info, loaded.device, 64 * loaded.info.kv_bytes(1), 16)
@@ -128,14 +128,14 @@ def test_a_pool_larger_than_shared_memory_is_refused_by_name(tmp_path):
 
 
 async def test_verified_decodings_tasks_run_in_the_engine_process_as_in_this_one():
-    """What verified decoding hands the engine (consumer.verify) gives the same outcome in the
+    """What verified decoding hands the engine (consumer.exact.verify) gives the same outcome in the
     child as in process: a sampled draft's tokens and the q rows it drew them from (sent back to
     the frontend's DraftSampler), a check task's kept logits (or only their argmax ids), and a
     continuation that counts on from the tokens it was given (`generated`)."""
-    from consumer.batch import BatchEngine
-    from consumer.engine_stream import engine_task
-    from consumer.request import GenerateJob
-    from consumer.speculative import DraftSampler
+    from consumer.engine.batch import BatchEngine
+    from consumer.engine.speculative import DraftSampler
+    from consumer.request.engine_stream import engine_task
+    from consumer.request.job import GenerateJob
 
     loaded = load_model("tiny-llama", "float32", "cpu")
     context = list(range(5, 45))

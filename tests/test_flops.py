@@ -1,4 +1,4 @@
-"""The analytic FLOP counts behind the benchmarks' cost ratios (bench.flops, bench.quality):
+"""The analytic FLOP counts behind the benchmarks' cost ratios (bench.harness.flops, bench.serving.quality):
 they add up layer by layer, SCD's consumer side and predictors count only where a schedule uses
 them, and a recompute span costs its share of the consumer's prefill."""
 
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from bench import flops
-from bench.quality import compute_costs
-from bench.services import ROOT
+from bench.harness import flops
+from bench.harness.services import ROOT
+from bench.serving.quality import compute_costs
 from shared.scd.artifact import Artifact
 
 CONFIG = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512, "num_hidden_layers": 6}

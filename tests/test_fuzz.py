@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from consumer.stream_reader import Expectation, LayerPayloads, StreamReader
+from consumer.link.stream_reader import Expectation, LayerPayloads, StreamReader
 from producer.server import ProducerServer
 from shared import wire_bytes
 from shared.codecs import create_codecs

@@ -1,5 +1,5 @@
 """Both services on CUDA against CPU float32 references (skipped where there is no GPU; run by
-`make gpu-check`, bench.gpu_check).
+`make gpu-check`, bench.serving.gpu_check).
 
 Rule (tests/greedy.py): the whole greedy sequence from the services equals the reference's up to
 the first position where the reference's top-2 logits are within NEAR_TIE, and entirely when there

@@ -108,7 +108,7 @@ async def test_consumer_not_ready_when_the_producer_is_incompatible(monkeypatch,
     Describe reports another api_version; the default auto stays ready (it serves by the own
     prefill) and the link's own health service says the producer is unusable. The check itself
     compares api_version and codec format versions."""
-    from consumer import compat
+    from consumer.link import compat
     from consumer.server import ConsumerServer
     from producer.server import ProducerServer
     from shared.config import ConsumerConfig, ProducerConfig

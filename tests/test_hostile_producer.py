@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from calibration.distill import distill
-from consumer.client import ConsumerClient
+from consumer.api.client import ConsumerClient
 from producer.server import ProducerServer
 from shared.config import ProducerConfig
 from shared.models import load_model
@@ -396,7 +396,7 @@ async def test_local_prefill_policy_covers_an_unreachable_producer():
 async def test_a_second_stream_prefix_cannot_touch_a_handed_over_layer(world):
     """The reader hands a payload over only once it is complete and never writes it again:
     feeding the rest of a stream after the trailer fails without changing earlier tensors."""
-    from consumer.stream_reader import Expectation, LayerPayloads, StreamReader
+    from consumer.link.stream_reader import Expectation, LayerPayloads, StreamReader
     from shared.codecs import create_codecs
 
     model = load_model("tiny-llama", "float32", "cpu")

@@ -16,7 +16,7 @@ import asyncio
 import pytest
 import torch
 
-from consumer.client import ConsumerClient
+from consumer.api.client import ConsumerClient
 from producer.server import ProducerServer
 from shared.config import ProducerConfig
 from tests import test_hostile_producer

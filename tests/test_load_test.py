@@ -1,4 +1,4 @@
-"""bench.load_test at the shipped limits (its --quick smoke run, gRPC and HTTP streams): what a
+"""bench.serving.load_test at the shipped limits (its --quick smoke run, gRPC and HTTP streams): what a
 user of the defaults gets, with refusals counted by status apart from errors, rows that carry the limits they ran at,
 and the head-of-line probe timing cold requests."""
 
@@ -9,7 +9,7 @@ import asyncio
 import grpc
 import pytest
 
-from bench import load_test
+from bench.serving import load_test
 from shared.config import ConsumerConfig, ProducerConfig
 
 

@@ -1,4 +1,4 @@
-"""bench.netns beyond rate limits: the link spec, its label and commands (anywhere), then on a real
+"""bench.harness.netns beyond rate limits: the link spec, its label and commands (anywhere), then on a real
 link (root, `ip`, `tc`; skipped elsewhere): RTT through the delay relay, a rate and a delay
 changed mid-run and seen by measurements, loss applied or refused, nothing left after cleanup."""
 
@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from bench import linkprobe, netns, shaping
-from bench.shaping import LinkSpec
+from bench.harness import linkprobe, netns, shaping
+from bench.harness.shaping import LinkSpec
 
 # names and addresses of our own: other tests (test_bench_harness) and benchmarks use theirs
 NAMES = netns.LinkNames("scd-t22-p", "scd-t22-c", "scdt22-p", "scdt22-c", "10.99.22.1", "10.99.22.2")

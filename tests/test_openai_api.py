@@ -1,4 +1,4 @@
-"""The consumer's OpenAI-compatible HTTP port (consumer.openai_api) on a real producer/consumer
+"""The consumer's OpenAI-compatible HTTP port (consumer.api.openai_api) on a real producer/consumer
 pair: /v1/completions and /v1/chat/completions, streaming and not, answer with the same tokens as
 gRPC Generate for the same prompt and mode (greedy, float32); /v1/models; bad input answers
 OpenAI's error JSON with the right status and the field named. Plain HTTP (aiohttp's client) and
@@ -15,9 +15,9 @@ import openai
 import pytest
 import trustme
 
-from consumer import openai_chat
-from consumer import openai_schema as schema
-from consumer.decoding import StopText
+from consumer.api import openai_chat
+from consumer.api import openai_schema as schema
+from consumer.engine.decoding import StopText
 from consumer.server import ConsumerServer
 from shared.config import ConsumerConfig
 from shared.errors import InvalidArgument

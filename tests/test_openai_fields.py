@@ -15,7 +15,7 @@ import torch
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
-from consumer import openai_schema as schema
+from consumer.api import openai_schema as schema
 from tests.conftest import Pair, running_pair
 from tests.http_api import post, stream, url
 

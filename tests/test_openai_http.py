@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
-from consumer import openai_schema as schema
+from consumer.api import openai_schema as schema
 from consumer.server import ConsumerServer
 from shared import serving, tiny
 from shared.config import ConsumerConfig

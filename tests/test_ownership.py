@@ -20,10 +20,10 @@ import threading
 
 import pytest
 
-from consumer.batch import BatchEngine, Finished, Task, split_gather
-from consumer.kv_pool import KVPool
-from consumer.prefix_cache import PrefixCache
-from consumer.runner import Runner
+from consumer.engine.batch import BatchEngine, Finished, Task, split_gather
+from consumer.engine.kv_pool import KVPool
+from consumer.engine.prefix_cache import PrefixCache
+from consumer.engine.runner import Runner
 from producer.server import ProducerServer
 from shared import chunks
 from shared.config import ProducerConfig
@@ -225,9 +225,9 @@ async def test_a_producer_swapped_behind_one_address_is_keyed_by_its_own_header(
 
 
 def test_auto_counts_raw_exact_only_in_the_consumers_dtype(loaded):
-    from consumer.auto import Chooser
-    from consumer.planner import TransferPlanner
-    from consumer.producer_memory import ProducerMemory
+    from consumer.auto.chooser import Chooser
+    from consumer.auto.planner import TransferPlanner
+    from consumer.auto.producer_memory import ProducerMemory
     from shared import codecs as codec_lib
 
     codecs = codec_lib.create_codecs(loaded, artifacts=[])

@@ -1,4 +1,4 @@
-"""The consumer's running estimates (consumer.planner): what each measurement teaches, the link
+"""The consumer's running estimates (consumer.auto.planner): what each measurement teaches, the link
 measured from the stream's own span (a compute-paced span only a lower bound), the round trip,
 and the pipelined time of a candidate; and the real services honouring fallback_to_oracle."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from consumer.planner import Fit, Observation, TransferPlanner, arrived_then_computed, pipelined
+from consumer.auto.planner import Fit, Observation, TransferPlanner, arrived_then_computed, pipelined
 from shared.pb import common_pb2
 from tests.conftest import prompt, running_pair
 from tests.test_end_to_end import CONTEXT, QUESTION
@@ -147,7 +147,7 @@ def slow_own_prefill(planner: TransferPlanner, ms_per_token: float = 1e6) -> Non
 
 
 def test_producer_memory_remembers_prefixes_per_mode_and_stays_bounded():
-    from consumer.producer_memory import PENDING, ProducerMemory
+    from consumer.auto.producer_memory import PENDING, ProducerMemory
 
     m = ProducerMemory(capacity=16)
     ids = list(range(1000))

@@ -1,4 +1,4 @@
-"""The producer pool on gRPC's own load balancing (bench.pool_test, small): ring_hash on the
+"""The producer pool on gRPC's own load balancing (bench.serving.pool_test, small): ring_hash on the
 context hash keeps a context on one producer (repeats are store hits), round_robin does not,
 and stopping a producer mid-run fails no request when LOCAL_PREFILL is allowed."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from bench import pool_test
-from consumer.producer_client import HASH_HEADER, channel_options, context_hash, service_config
+from bench.serving import pool_test
+from consumer.link.producer_client import HASH_HEADER, channel_options, context_hash, service_config
 
 
 async def test_pool_affinity_and_failover():

@@ -13,9 +13,9 @@ import grpc
 import pytest
 import torch
 
-import consumer.producer_client
-from consumer.client import ConsumerClient
-from consumer.stream_reader import Expectation, LayerPayloads, StreamReader, StreamTrailer
+import consumer.link.producer_client
+from consumer.api.client import ConsumerClient
+from consumer.link.stream_reader import Expectation, LayerPayloads, StreamReader, StreamTrailer
 from producer import coalesce
 from producer.coalesce import Coalesced
 from producer.server import ProducerServer
@@ -390,7 +390,7 @@ async def test_round_trip_through_real_services(chunk_tokens, monkeypatch):
     """Consumer and producer as served: the same answer as the consumer's own prefill, cold and
     replayed from the producer's store (whole contexts, or chunks: their layers assembled together),
     the replay in 2 gRPC messages instead of layers + 2."""
-    monkeypatch.setattr(consumer.producer_client, "StreamReader", CountingReader)
+    monkeypatch.setattr(consumer.link.producer_client, "StreamReader", CountingReader)
     CountingReader.counts = []
     async with running_pair(
         "tiny-llama", producer_kw={"chunk_tokens": chunk_tokens}, consumer_kw={"prefix_cache_bytes": 0}

@@ -10,8 +10,8 @@ import asyncio
 
 import pytest
 
-from consumer.kv_pool import KVPool
-from consumer.prefix_cache import PrefixCache
+from consumer.engine.kv_pool import KVPool
+from consumer.engine.prefix_cache import PrefixCache
 from shared import chunks
 from shared.models import load_model
 from shared.pb import common_pb2

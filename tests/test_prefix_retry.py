@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import grpc
 
-from consumer.client import ConsumerClient
+from consumer.api.client import ConsumerClient
 from producer.server import ProducerServer
 from shared.config import ProducerConfig
 from shared.pb import producer_pb2, producer_pb2_grpc

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from calibration.predictor_training import model_config
-from consumer.producer_client import context_hash
+from consumer.link.producer_client import context_hash
 from producer.chunk_store import ChunkEntry, ChunkStore, Index, Slot
 from producer.encode import EncodePool
 from producer.prefill import EncodedLayer, PrefillDone, PrefillEngine

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from bench import services
-from consumer.client import ConsumerClient, prompt
+from bench.harness import services
+from consumer.api.client import ConsumerClient, prompt
 
 
 def test_processes_log_request_id_and_exit_cleanly_on_sigterm(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.services import free_port
+from bench.harness.services import free_port
 from consumer.server import ConsumerServer
 from producer.server import ProducerServer
 from shared.config import ConsumerConfig, ProducerConfig

@@ -1,7 +1,7 @@
-"""bench.relay on loopback, in-process (no root): bytes arrive exactly and in order both ways
+"""bench.harness.relay on loopback, in-process (no root): bytes arrive exactly and in order both ways
 under delay and jitter, the RTT is twice the one-way delay, half-close and reset cross it,
 backpressure bounds what it holds, gRPC runs through it, and its delay changes mid-connection
-(in-process and through the control channel of `python -m bench.relay`)."""
+(in-process and through the control channel of `python -m bench.harness.relay`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from bench.relay import CHUNK, Delay, Relay, RelayProcess, release_at, sent_at
+from bench.harness.relay import CHUNK, Delay, Relay, RelayProcess, release_at, sent_at
 
 
 @pytest.fixture

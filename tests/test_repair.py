@@ -1,4 +1,4 @@
-"""Anchor-token repair (consumer/repair.py): the option's validation; the recompute of every token
+"""Anchor-token repair (consumer/exact/repair.py): the option's validation; the recompute of every token
 is the consumer's own prefill whatever the rebuilt cache held (one forward, or in chunks); the
 question's attention mass equals transformers' eager attention weights; a partial repair writes
 the anchors' blocks only; and through the real services: a hostile-but-finite stream repaired at
@@ -15,10 +15,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from consumer import repair
-from consumer.decoding import Sampling
-from consumer.kv_pool import KVPool
-from consumer.request import GenerateJob
+from consumer.engine.decoding import Sampling
+from consumer.engine.kv_pool import KVPool
+from consumer.exact import repair
+from consumer.request.job import GenerateJob
 from shared import kv
 from shared.errors import InvalidArgument
 from shared.models import load_model

@@ -10,10 +10,10 @@ import random
 import threading
 from typing import Any, cast
 
-from consumer.decoding import Detokenizer
-from consumer.engine_stream import mailbox
-from consumer.producer_memory import ProducerMemory
-from consumer.transfer import Transfer
+from consumer.auto.producer_memory import ProducerMemory
+from consumer.engine.decoding import Detokenizer
+from consumer.request.engine_stream import mailbox
+from consumer.request.transfer import Transfer
 from shared import chunks
 from shared.codecs.base import LayerJob
 from shared.models import load_model

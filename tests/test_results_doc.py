@@ -1,10 +1,10 @@
 """The results documents are generated from the committed rows (`make results-doc`,
-bench.report): docs/results.md and the README's generated blocks must equal what the rows give,
+bench.figures.report): docs/results.md and the README's generated blocks must equal what the rows give,
 and the counts they quote come from the source they count."""
 
 from __future__ import annotations
 
-from bench import figures, report
+from bench.figures import figures, report
 
 
 def test_committed_documents_equal_what_the_rows_give():
@@ -43,11 +43,11 @@ def test_figures_quote_what_the_rows_say():
 
 
 def test_throughput_cells_take_the_latest_run_and_the_median_of_its_repetitions(tmp_path):
-    """bench.throughput rows: a cell's figures come from its latest run only (every repetition of
+    """bench.serving.throughput rows: a cell's figures come from its latest run only (every repetition of
     it, medians), or for rows written before runs had ids, from the last pair written."""
     import json
 
-    from bench import service_figures
+    from bench.figures import serving as service_figures
 
     def row(mb, tok, run=None, rep=0, mode="raw"):
         r = {"model": "m", "weights": "trained", "dtype": "float32", "torch_threads": 1, "mode": mode, "output": "long",
@@ -76,7 +76,7 @@ def test_engine_process_cells_stand_apart_and_compare_with_one_process(tmp_path)
     table, and each is compared with the same cell run in one process."""
     import json
 
-    from bench import service_figures
+    from bench.figures import serving as service_figures
 
     def row(mb, tok, split, ttft):
         return {"model": "m", "weights": "trained", "dtype": "float32", "torch_threads": 1, "mode": "raw", "output": "long",
@@ -95,7 +95,7 @@ def test_engine_process_cells_stand_apart_and_compare_with_one_process(tmp_path)
 
 
 def test_verify_speed_pairs_runs_within_each_invocation():
-    from bench.verify_figures import _paired, _runs_of
+    from bench.figures.verify import _paired, _runs_of
 
     def r(policy: str, each: list[float] | None) -> dict:
         return {"policy": policy, **({"completion_ms_each": each} if each is not None else {})}

@@ -12,7 +12,7 @@ import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 
-from consumer.client import ConsumerClient, prompt
+from consumer.api.client import ConsumerClient, prompt
 from consumer.server import ConsumerServer
 from producer.server import ProducerServer
 from shared import describe, security, serving

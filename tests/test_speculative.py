@@ -1,4 +1,4 @@
-"""consumer/speculative.py: a sampled draft keeps only what the acceptance reads. The bound, per
+"""consumer/engine/speculative.py: a sampled draft keeps only what the acceptance reads. The bound, per
 drafted token: min(8 s, 4 V) bytes (s the top-p nucleus, V the vocabulary) where the whole row
 took 4 V (0.6 MB at Qwen's 151936); what the engine process pickles per draft token is that row;
 per request, the cap (`--verify-draft-bytes`) stops keeping rows, and so drafting, at its bound;
@@ -11,10 +11,10 @@ import pickle
 import pytest
 import torch
 
-from consumer.batch import Task
-from consumer.decoding import Sampler, Sampling
-from consumer.engine_process import _rows
-from consumer.speculative import Nucleus, DraftSampler, accept_sampled, row_bytes
+from consumer.engine.batch import Task
+from consumer.engine.decoding import Sampler, Sampling
+from consumer.engine.process import _rows
+from consumer.engine.speculative import DraftSampler, Nucleus, accept_sampled, row_bytes
 
 QWEN_VOCAB = 151936
 
@@ -45,7 +45,7 @@ def test_a_drafts_row_is_its_nucleus_within_the_bound(top_p):
 
 
 def test_the_engine_process_pickles_a_drafts_row_not_the_vocabulary():
-    """What the child sends with a sampled draft token (consumer.engine_process._rows): its row's
+    """What the child sends with a sampled draft token (consumer.engine.process._rows): its row's
     arrays, pickled to about the row's bytes (the whole row was 4 V)."""
     draft = DraftSampler(Sampling(1.0, 0.9, 3), torch.device("cpu"))
     task = Task(None, [1], lambda _: None, draft)  # type: ignore[arg-type]  (only the sampler is read)

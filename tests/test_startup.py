@@ -164,7 +164,7 @@ async def test_rejected_tls_handshakes_are_counted_and_logged_as_json(tmp_path):
 
     import grpc
 
-    from bench.services import free_port
+    from bench.harness.services import free_port
     from tests.conftest import wait_serving
 
     ca, rogue_ca = trustme.CA(), trustme.CA()

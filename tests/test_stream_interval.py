@@ -1,4 +1,4 @@
-"""--stream-interval (consumer.engine_stream.engine_task): the first token goes out alone, then up
+"""--stream-interval (consumer.request.engine_stream.engine_task): the first token goes out alone, then up
 to N tokens per TokenDelta, the same tokens and text as one per message; the config refuses 0."""
 
 from __future__ import annotations

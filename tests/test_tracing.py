@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from bench.services import free_port
+from bench.harness.services import free_port
 from shared.pb import common_pb2
 from shared.serving import TRACE_FLUSH_S
 from tests.conftest import prompt, running_pair

@@ -1,4 +1,4 @@
-"""Verified decoding (consumer/verify.py): the acceptance rules, the runner's and engine's logits at
+"""Verified decoding (consumer/exact/verify.py): the acceptance rules, the runner's and engine's logits at
 every position of a row, the sampled answer's distribution (the oracle's, by a total-variation
 bound over many seeded runs that the unverified draft distribution fails), and through the real
 services: greedy answers equal the oracle's on a heterogeneous pair and on a hostile-but-finite
@@ -14,15 +14,15 @@ import grpc
 import pytest
 import torch
 
-from consumer.batch import BatchEngine, Task
-from consumer.decoding import Sampler, Sampling
-from consumer.engine_process import EngineProcess
-from consumer.engine_stream import engine_task
-from consumer.kv_pool import KVPool
-from consumer.request import VERIFY_VERIFIED, GenerateJob, GenerateResult, TokenOut
-from consumer.runner import Row, Runner
-from consumer.speculative import Nucleus, accept_greedy, accept_sampled
-from consumer.verify import Verifier
+from consumer.engine.batch import BatchEngine, Task
+from consumer.engine.decoding import Sampler, Sampling
+from consumer.engine.kv_pool import KVPool
+from consumer.engine.process import EngineProcess
+from consumer.engine.runner import Row, Runner
+from consumer.engine.speculative import Nucleus, accept_greedy, accept_sampled
+from consumer.exact.verify import Verifier
+from consumer.request.engine_stream import engine_task
+from consumer.request.job import VERIFY_VERIFIED, GenerateJob, GenerateResult, TokenOut
 from shared import logs
 from shared.errors import DataLoss
 from shared.models import load_model
@@ -528,7 +528,7 @@ async def test_identical_weights_build_the_exact_cache_by_a_raw_transfer_beside_
 
 def raw_transfer(tokens: int, producer_ms_per_token: float):
     """A raw transfer's observation: the producer's prefill at the given rate, a fast link."""
-    from consumer.planner import Observation
+    from consumer.auto.planner import Observation
 
     return Observation(
         "raw",
@@ -548,7 +548,7 @@ def raw_transfer(tokens: int, producer_ms_per_token: float):
 async def test_the_exact_transfer_is_chosen_only_when_estimated_faster_than_the_own_prefill():
     """Chooser.exact_transfer: None without estimates, without an exact remote candidate (other
     weights) or when the own prefill is faster; the raw candidate when its estimate is lower."""
-    from consumer.planner import Observation
+    from consumer.auto.planner import Observation
 
     async with running_pair("tiny-llama") as pair:
         chooser, planner = pair.consumer.servicer.chooser, pair.consumer.servicer.planner

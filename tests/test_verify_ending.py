@@ -1,6 +1,6 @@
-"""Verified decoding ends where its tokens say (consumer.ending: a stop id, max_new_tokens, a stop
+"""Verified decoding ends where its tokens say (consumer.request.ending: a stop id, max_new_tokens, a stop
 string), whatever order the engine's last draft token and its Finished reach the verifier in:
-a post hook (consumer.batch.PostHook) holds the drafting task's posts until the exact cache is
+a post hook (consumer.engine.batch.PostHook) holds the drafting task's posts until the exact cache is
 complete, then shows the verifier the drafts with their Finished, or without it (the Finished
 never arrives before the verifier moves on; issue 43: 30 ms of delay gave [379, 245, ...]
 finish=length where the answer is [379] finish=stop). Greedy answers equal the exact model's;
@@ -19,14 +19,14 @@ from typing import Any
 import pytest
 import torch
 
-from consumer.batch import BatchEngine, Task
-from consumer.decoding import Sampler, Sampling
-from consumer.engine_process import EngineProcess
-from consumer.engine_stream import engine_task
-from consumer.kv_pool import KVPool, SequenceKV
-from consumer.request import VERIFY_PROVISIONAL, VERIFY_VERIFIED, Commit, GenerateJob, GenerateResult, TokenOut
-from consumer.speculative import DraftSampler, row_bytes
-from consumer.verify import Verifier
+from consumer.engine.batch import BatchEngine, Task
+from consumer.engine.decoding import Sampler, Sampling
+from consumer.engine.kv_pool import KVPool, SequenceKV
+from consumer.engine.process import EngineProcess
+from consumer.engine.speculative import DraftSampler, row_bytes
+from consumer.exact.verify import Verifier
+from consumer.request.engine_stream import engine_task
+from consumer.request.job import VERIFY_PROVISIONAL, VERIFY_VERIFIED, Commit, GenerateJob, GenerateResult, TokenOut
 from shared import logs
 from shared.models import load_model
 from tests.test_end_to_end import local_greedy

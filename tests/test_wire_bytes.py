@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from consumer.stream_reader import Expectation, LayerPayloads, StreamReader, StreamTrailer
+from consumer.link.stream_reader import Expectation, LayerPayloads, StreamReader, StreamTrailer
 from producer.server import ProducerServer
 from shared import wire, wire_bytes
 from shared.codecs import create_codecs

@@ -64,7 +64,7 @@ def decode_quant(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 (keys, values) [n_kv, T, hd] on device; DataLoss when a scale or min is not finite.
     The scales are checked where they are decoded (one host sync): on a GPU, a check on the CPU
-    was most of the 7B shape's rebuild (bench.ttft --profile-dir on an H200)."""
+    was most of the 7B shape's rebuild (bench.serving.ttft --profile-dir on an H200)."""
     on_device = {name: payloads[name].to(device) for name in quantize.PAYLOADS}
     names = ("k_scale", "k_min", "v_scale", "v_min")
     for name, ok in zip(names, finite.finite_each([on_device[name] for name in names])):

@@ -109,7 +109,7 @@ class Artifact:
 
     def default_entry(self) -> ScheduleEntry:
         """The artifact's default schedule: the one chosen on validation (meta["default_schedule"],
-        written by `set_default`, e.g. bench.quality's headline), else the lowest-loss one."""
+        written by `set_default`, e.g. bench.serving.quality's headline), else the lowest-loss one."""
         chosen = self.meta.get("default_schedule", {}).get("name")
         for e in self.schedules:
             if e.name == chosen:

@@ -1,0 +1,176 @@
+"""`python -m bench.micro.engine_step`: the batch engine's decode forward against the bare model's, alone.
+
+bench.serving.throughput's ceiling is the bare Hugging Face decode step (DynamicCache) at batch = streams;
+its rows compare the whole service with it. This isolates the engine's own part: one decode step
+of `consumer.engine.runner.Runner` over the KV pool (ragged rows, per-row masks, the block gather into
+scratch buffers, in-place writes) against one step of the model with a DynamicCache of the same
+batch and context, both in this process, interleaved round by round, median of `--steps` steps.
+No gRPC, no scheduler, no other process: what is left between a service row and the ceiling is
+not the forward.
+
+One JSON line per (batch, round) to bench/results/engine_step.jsonl (`--out-dir` to change):
+model, weights, dtype, device, batch, ctx_tokens, engine_step_ms, bare_step_ms, gather_ms (the per-step
+block gather alone, every layer, K and V), logits_check_ms and logits_isfinite_ms (the engine's
+check of a step's [batch, vocab] logits for non-finite rows, shared.finite, against
+`torch.isfinite(...).all(dim=1)`), vocab, torch_threads, load_avg_1m, code.
+Per round and `--kv-check-ctx` context, one line to kv_check.jsonl: the codecs' check of one
+request's rebuilt K/V (kv_check_ms: each tensor's peak |value| by shared.finite.peaks against the
+consumer layer's limits, shared.kv_bound, as KVDecoder.store_many does it), against the finiteness
+check it replaced (kv_check_sums_ms, shared.finite.finite_each: a sum per tensor, the product with
+zeros only where a sum is not finite) and the product with zeros alone (kv_check_product_ms).
+Rows before the limits (no kv_check_sums_ms) timed finite_each as kv_check_ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.harness import services
+
+RESULTS = services.ROOT / "bench" / "results"
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # a step's kernels done: wall time, not launch time
+
+
+def _median_ms(fn, steps: int) -> float:
+    times = []
+    for _ in range(steps + 2):  # the first two warm up
+        _sync()
+        started = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[2:]) * 1e3
+
+
+def measure(loaded, batch: int, ctx: int, steps: int) -> dict:
+    """One interleaved pair of timings at this batch and context."""
+    from transformers import DynamicCache
+
+    from consumer.engine.kv_pool import KVPool
+    from consumer.engine.runner import Row, Runner
+    from shared.finite import rows_finite
+
+    vocab = loaded.info.vocab_size
+    pool = KVPool(loaded.info, loaded.device, batch * (ctx + steps + 40) * loaded.info.kv_bytes(1), 16)
+    runner = Runner(loaded, pool)
+    seqs = [pool.allocate(ctx + steps + 8) for _ in range(batch)]
+    ids = torch.randint(4, vocab, (batch, ctx), device=loaded.device)
+    with torch.inference_mode():
+        for seq, row in zip(seqs, ids.tolist()):
+            runner.forward([Row(seq, row, 0)])
+
+        def engine_step() -> None:
+            runner.forward([Row(seq, [7], seq.length) for seq in seqs])
+
+        engine_ms = _median_ms(engine_step, steps)
+        cache = DynamicCache(config=loaded.model.config)
+        loaded.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        step = torch.full((batch, 1), 7, device=loaded.device)
+        bare_ms = _median_ms(lambda: loaded.model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1), steps)
+        flat = torch.stack([seq.table[: -(-ctx // 16)] for seq in seqs]).view(-1)
+
+        def gather() -> None:
+            for layer in range(loaded.info.num_layers):
+                for buf in (pool.k, pool.v):
+                    buf[layer].index_select(0, flat)
+
+        gather_ms = _median_ms(gather, steps)
+        # the engine's check of each step's logits for non-finite rows, against torch's isfinite
+        logits = torch.randn(batch, vocab, device=loaded.device)
+        finite_ms = _median_ms(lambda: rows_finite(logits).tolist(), steps)
+        isfinite_ms = _median_ms(lambda: torch.isfinite(logits).all(dim=1).tolist(), steps)
+    return {"engine_step_ms": round(engine_ms, 3), "bare_step_ms": round(bare_ms, 3), "gather_ms": round(gather_ms, 3),
+            "vocab": vocab, "logits_check_ms": round(finite_ms, 3), "logits_isfinite_ms": round(isfinite_ms, 3)}
+
+
+def kv_check(loaded, ctx: int, steps: int) -> dict:
+    """The codecs' check of one request's rebuilt context K/V (every layer, keys and values, as
+    KVDecoder.store_many checks them: peaks against the layer's limits, one host sync) against the
+    finiteness check by sums it replaced (shared.finite.finite_each) and the product with zeros
+    over each tensor (shared.finite._exact), interleaved in one round."""
+    from shared import finite
+
+    info = loaded.info
+    tensors = [torch.randn(1, info.num_kv_heads, ctx, info.head_dim, device=loaded.device).to(loaded.dtype)
+               for _ in range(2 * info.num_layers)]
+    limits = [limit for bound in loaded.kv_bounds for limit in (bound.keys, bound.values)]
+
+    def bounded() -> bool:
+        return all(peak <= limit for peak, limit in zip(finite.peaks(tensors), limits))
+
+    assert bounded()  # noise of unit scale is inside every layer's limits: the timed path is the passing one
+    check_ms = _median_ms(bounded, steps)
+    sums_ms = _median_ms(lambda: finite.finite_each(tensors), steps)
+    product_ms = _median_ms(lambda: [finite._exact(t) for t in tensors], steps)
+    return {"tensors": len(tensors), "kv_bytes": sum(t.nbytes for t in tensors), "kv_check_ms": round(check_ms, 3),
+            "kv_check_sums_ms": round(sums_ms, 3), "kv_check_product_ms": round(product_ms, 3)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--model", default="checkpoints/qa-tuned")
+    parser.add_argument("--weights", default="trained", help="what the rows say the weights are")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batches", default="1,8,32", help="comma-separated; empty: the K/V check alone")
+    parser.add_argument("--ctx", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (cuda when present); CUDA steps are timed to their end")
+    parser.add_argument("--out-dir", default=str(RESULTS))
+    parser.add_argument("--kv-check-ctx", default="512,2048,8192",
+                        help="contexts at which a request's rebuilt K/V check is timed (rows to kv_check.jsonl); empty: none")
+    args = parser.parse_args(argv)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    from shared import malloc_tuning
+    from shared.models import load_model
+
+    malloc_tuning.tune(malloc_tuning.DEFAULT_MMAP_THRESHOLD)  # the services' heap setting (--malloc-mmap-threshold)
+
+    loaded = load_model(str(services.ROOT / args.model), args.dtype, args.device)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    code = services.code_version()
+    with open(out_dir / "engine_step.jsonl", "a") as out:
+        for round_ in range(args.rounds):
+            for batch in [int(b) for b in args.batches.split(",") if b]:
+                row = {
+                    "bench": "engine_step",
+                    "model": Path(args.model).name,
+                    "weights": args.weights,
+                    "dtype": args.dtype,
+                    "device": str(loaded.device),
+                    "batch": batch,
+                    "ctx_tokens": args.ctx,
+                    "round": round_,
+                    **measure(loaded, batch, args.ctx, args.steps),
+                    "torch_threads": args.torch_threads or torch.get_num_threads(),
+                    "load_avg_1m": round(os.getloadavg()[0], 2),
+                    "code": code,
+                }
+                print(json.dumps(row), flush=True)
+                out.write(json.dumps(row) + "\n")
+            with open(out_dir / "kv_check.jsonl", "a") as checks:
+                for ctx in [int(c) for c in args.kv_check_ctx.split(",") if c]:
+                    row = {"bench": "kv_check", "model": Path(args.model).name, "weights": args.weights, "dtype": args.dtype,
+                           "device": str(loaded.device), "ctx_tokens": ctx, "round": round_, **kv_check(loaded, ctx, args.steps),
+                           "torch_threads": args.torch_threads or torch.get_num_threads(),
+                           "load_avg_1m": round(os.getloadavg()[0], 2), "code": code}
+                    print(json.dumps(row), flush=True)
+                    checks.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

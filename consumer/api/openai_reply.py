@@ -1,0 +1,177 @@
+"""The pipeline's items -> OpenAI's response and stream-chunk objects (consumer.api.openai_api sends
+them): text (cut before a stop string, after the echoed prompt), token ids, log-probabilities in
+each route's own shape, `usage`, and the SCD request's facts under `scd` (the mode that ran, the
+seed it sampled with, what verification or the audit did). No aiohttp, no compute.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from consumer.engine.decoding import StopText, TokenLogprobs
+from consumer.request.job import GenerateResult, TokenOut
+
+MIN_LOGPROB = -9999.0  # what -inf is sent as (JSON has no infinity), as vLLM does
+
+
+def scd_stats(r: GenerateResult, seed: int) -> dict[str, Any]:
+    """The `scd` object of a response: what the consumer did for this request."""
+    out: dict[str, Any] = {
+        "mode": r.codec,
+        "options": dict(r.options),
+        "context_tokens": r.context_tokens,
+        "question_tokens": r.question_tokens,
+        "generated_tokens": r.generated_tokens,
+        "ttft_ms": round(r.ttft_ms, 3),
+        "total_ms": round(r.total_ms, 3),
+        "bytes_received": r.bytes_received,
+        "prefix_reused_tokens": r.prefix_reused_tokens,  # from the consumer's prefix cache, this tenant's only
+        "seed": seed,
+    }
+    if r.auto is not None:
+        out["auto_reason"] = r.auto.reason
+    if r.transfer_failure:
+        out["transfer_failure"] = r.transfer_failure
+    if r.audit_decision:
+        out["audit_decision"] = r.audit_decision
+    if r.verify_decision:
+        out.update(
+            verify_decision=r.verify_decision,
+            drafted_tokens=r.drafted_tokens,
+            accepted_draft_tokens=r.accepted_tokens,
+            time_to_verified_ms=round(r.time_to_verified_ms, 3),
+        )
+    return out
+
+
+@dataclass
+class Reply:
+    """One answer's identity, totals and formatting: `take` each TokenOut, then `whole` or the
+    stream's `chunk`s."""
+
+    id: str
+    model: str
+    chat: bool
+    prompt_tokens: int
+    tokenizer: Any
+    seed: int
+    stops: list[str] = field(default_factory=list)
+    echo: str = ""  # /v1/completions with echo: the prompt, before the completion
+    created: int = field(default_factory=lambda: int(time.time()))
+    ids: list[int] = field(default_factory=list)
+    text: str = ""  # the completion's text so far, cut before a stop string
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    result: GenerateResult | None = None
+    offset: int = 0  # completions' text_offset of the next token
+
+    def __post_init__(self) -> None:
+        self.stop = StopText(self.stops)
+        self.offset = len(self.echo)
+
+    def take(self, item: TokenOut) -> str:
+        """An item's ids and log-probabilities kept; returns the text that may be shown now (none
+        after a stop string: the answer ends before it)."""
+        self.ids += item.ids
+        if item.logprobs:
+            self.logprobs += item.logprobs
+        shown = self.stop.push(item.text)
+        self.text += shown
+        return shown
+
+    def end(self, result: GenerateResult) -> str:
+        """The result: its finish reason (a stop string met here is "stop" too) and the text held back."""
+        self.result = result
+        rest = "" if self.stop.hit else self.stop.flush()
+        self.text += rest
+        self.finish_reason = "stop" if self.stop.hit else result.finish_reason
+        return rest
+
+    def usage(self) -> dict[str, int]:
+        done = len(self.ids)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done, "total_tokens": self.prompt_tokens + done}
+
+    def scd(self) -> dict[str, Any] | None:
+        return scd_stats(self.result, self.seed) if self.result is not None else None
+
+    def _envelope(self, streamed: bool) -> dict[str, Any]:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if streamed and self.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def format_logprobs(self, records: list[TokenLogprobs]) -> dict[str, Any]:
+        """Completions: {tokens, token_logprobs, top_logprobs (the chosen token among them), text_offset};
+        chat: {content: [{token, logprob, bytes, top_logprobs: [...]}], refusal}."""
+        if self.chat:
+            content = []
+            for r in records:
+                token = self._token(r.id)
+                top = [self._chat_entry(self._token(i), lp) for i, lp in r.top]
+                content.append({**self._chat_entry(token, r.logprob), "top_logprobs": top})
+            return {"content": content, "refusal": None}
+        tokens = [self._token(r.id) for r in records]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offset)
+            self.offset += len(token)
+        tops = []
+        for token, r in zip(tokens, records, strict=True):
+            alternatives = {self._token(i): max(lp, MIN_LOGPROB) for i, lp in r.top}
+            alternatives.setdefault(token, max(r.logprob, MIN_LOGPROB))  # the chosen token always among them
+            tops.append(alternatives)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [max(r.logprob, MIN_LOGPROB) for r in records],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    @staticmethod
+    def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(token.encode("utf-8"))}
+
+    def chunk(
+        self,
+        text: str | None,
+        ids: list[int] | None,
+        records: list[TokenLogprobs] | None = None,
+        finish: str | None = None,
+        role: bool = False,
+    ) -> dict[str, Any]:
+        """One stream chunk: a text delta (None: none) with its ids and log-probabilities when
+        asked, or the last one with its finish reason and `scd`."""
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        choice["logprobs"] = self.format_logprobs(records) if records else None
+        choice["finish_reason"] = finish
+        if ids is not None:
+            choice["token_ids"] = ids
+        out = {**self._envelope(True), "choices": [choice]}
+        if finish is not None:
+            out["scd"] = self.scd()
+        return out
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**self._envelope(True), "choices": [], "usage": self.usage()}
+
+    def whole(self, token_ids: bool, logprobs: bool) -> dict[str, Any]:
+        """The non-streaming response, with `usage` and the SCD request's facts under `scd`."""
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": self.text}
+        else:
+            choice["text"] = self.echo + self.text
+        choice["logprobs"] = self.format_logprobs(self.logprobs) if logprobs else None
+        if token_ids:
+            choice["token_ids"] = self.ids
+        return {**self._envelope(False), "choices": [choice], "usage": self.usage(), "scd": self.scd()}

@@ -1,0 +1,81 @@
+"""What a finished request teaches (consumer.api.servicer calls `learn` once per answered Generate): its
+measurements into the transfer planner's fits (consumer.auto.planner), the overhead the planner's
+model left out (the measured TTFT against the estimate made before the request ran: auto's
+choice's, or a named mode's), and what its transfer left in the producer's store into the
+producer memory (consumer.auto.producer_memory). Knows nothing about gRPC."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+from consumer.auto.planner import Observation, TransferPlanner
+from consumer.auto.producer_memory import ProducerMemory
+from consumer.request.job import ORACLE_MODE, GenerateJob, GenerateResult
+
+
+def learn(
+    planner: TransferPlanner,
+    memory: ProducerMemory,
+    key_of: Callable[[str, Mapping[str, str]], str],
+    job: GenerateJob,
+    item: GenerateResult,
+) -> None:
+    """A finished request's measurements into the planner, and what its transfer left in the
+    producer's store into the memory (under the candidate's canonical key, `key_of`); a flagged
+    cache re-transferred or replaced is no clean sample."""
+    if item.audit_decision.startswith("diverged:"):
+        return
+    if item.abandoned_span is not None:
+        planner.observe_abandoned(*item.abandoned_span)
+    _overhead(planner, job, item)
+    observed = _observation(job, item)
+    planner.observe(observed)
+    if item.trailer is not None and item.codec != ORACLE_MODE and job.codec is not None:
+        if item.stream_producer is not None:  # what the stream's header said, not the link check
+            key = key_of(job.codec.name, job.options)
+            identity, dtype = item.stream_producer
+            producer = f"{identity}|{job.tenant}" if identity else ""  # the tenant's own state there (Chooser._estimate)
+            memory.remember(producer, dtype, key, job.context_ids, item.chunk_tokens)
+
+
+def _overhead(planner: TransferPlanner, job: GenerateJob, item: GenerateResult) -> None:
+    """The measured time to the KV (TTFT minus the question prefill) against what the model said
+    before the request ran: auto's choice's estimate, or a named mode's (GenerateJob.estimate)."""
+    chosen = next((s for s in job.auto.scored if s.chosen), None) if job.auto is not None else None
+    remote, base_ms = (chosen.candidate.remote, chosen.estimate.base_ms) if chosen else (job.codec is not None, None)
+    if job.auto is None and job.estimate is not None:
+        base_ms = job.estimate.base_ms
+    if item.verify_decision.startswith("verified"):
+        return  # its first token waited for the exact cache: no sample of the transfer's overhead
+    if base_ms is not None and not item.transfer_failure and item.generated_tokens:
+        planner.observe_overhead(remote, item.ttft_ms - item.question_prefill_ms, base_ms)
+
+
+def _observation(job: GenerateJob, item: GenerateResult) -> Observation:
+    observed = Observation(
+        item.codec,
+        item.options if item.transfer_failure else job.options,
+        item.context_tokens,
+        item.bytes_received,
+        item.rebuild_ms,
+        local_tokens=item.local_tokens,
+        local_prefill_ms=item.local_prefill_ms,
+        producer_prefill_ms=item.producer_prefill_ms,
+        producer_encode_ms=item.producer_encode_ms,
+        producer_store_hit=item.producer_store_hit,
+        question_tokens=item.question_tokens,
+        question_prefill_ms=item.question_prefill_ms,
+    )
+    t = item.trailer if item.codec != ORACLE_MODE else None  # the stream the KV came from
+    if t is None:
+        return observed
+    return dataclasses.replace(
+        observed,
+        sent_tokens=item.sent_tokens,
+        computed_tokens=t.computed_tokens,
+        queue_ms=t.queue_ms,
+        header_ms=t.header_ms,
+        span_ms=t.span_ms,
+        span_bytes=t.span_bytes,
+    )

@@ -1,0 +1,315 @@
+"""One transfer into a request's KV blocks: pull the producer's stream (through a `TransferSource`,
+the contract enforced by consumer.link.stream_reader) and rebuild each layer into the blocks on the
+engine thread as soon as its payloads arrive, while later layers are still in flight: each layer is
+handed to the engine as it arrives, without awaiting the one before (`Rebuilds`); the first
+failure of a rebuild ends the stream, and a failed stream cancels the rebuilds not yet run.
+
+Under LOCAL_PREFILL the stream is watched as it arrives (`watch`): when, at the throughput
+observed so far (since the call opened for a stream the link paces, since its first layer
+otherwise), the rest would take longer than the consumer's own prefill of
+the whole context (consumer.auto.planner's estimate, with a margin), it raises TransferTooSlow and the
+pipeline prefills instead. Knows nothing about gRPC, the prefix cache or answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, Protocol
+
+from consumer.auto.planner import TransferPlanner, mode_key
+from consumer.engine.batch import BatchEngine
+from consumer.engine.kv_pool import SequenceKV
+from consumer.engine.process import EngineProcess
+from consumer.link.prefix_keys import PrefixKeys
+from consumer.link.stream_reader import Event, Expectation, LayerPayloads, StreamHeader, StreamTrailer
+from consumer.request.job import LOCAL_PREFILL, GenerateJob, GenerateResult, left
+from shared import logs
+from shared.codecs import CacheDecoder
+from shared.codecs.base import LayerJob, add_layers
+from shared.errors import DataLoss, DeadlineExceeded, ServiceError, Unavailable
+from shared.models import LoadedModel
+
+log = logs.get("consumer.request.transfer")
+ABANDON_MARGIN = 1.25  # abandon a stream when the rest is estimated to take this x the own prefill ...
+ABANDON_SLACK_MS = 20.0  # ... plus this
+ABANDON_MIN_WATCH_S = 0.05  # and only after watching it this long since its first layer
+ABANDON_MIN_GAPS = 2  # and this many gaps between layers (the slowest one is left out of the rate)
+
+
+class TransferTooSlow(DeadlineExceeded):
+    """The stream's observed throughput makes finishing it slower than the own prefill."""
+
+
+class TransferSource(Protocol):
+    def open(
+        self, request_id: str, context_ids: list[int], expect: Expectation, timeout_s: float
+    ) -> AsyncGenerator[Event, None]: ...
+
+
+class Rebuilds:
+    """One transfer's layer rebuilds in flight on the engine: their futures complete on the engine
+    thread, and the event loop hears of them twice at most (the first failure, or all done), not
+    once per layer."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.failed: asyncio.Future = loop.create_future()  # set with the first failure's exception
+        self._done: asyncio.Future = loop.create_future()
+        self._futures: list[concurrent.futures.Future] = []
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._closed = False  # the stream ended: the last rebuild to finish completes `_done`
+        self._cancelling = False
+        self.took_ms = 0.0
+
+    def add(self, layer: int, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._pending += 1
+        self._futures.append(future)
+        future.add_done_callback(lambda f: self._finished(layer, f))
+
+    def _finished(self, layer: int, future: concurrent.futures.Future) -> None:  # any thread
+        error: BaseException | None
+        if future.cancelled():  # by cancel() below, or by an engine that stopped: never a layer left unbuilt unsaid
+            error = None if self._cancelling else Unavailable(f"the engine stopped before layer {layer} was rebuilt")
+        else:
+            error = future.exception()
+        with self._lock:
+            self._pending -= 1
+            if error is None and not future.cancelled():  # (a result: its ms)
+                self.took_ms += future.result()
+            last = self._closed and self._pending == 0
+        if error is not None:
+            self.loop.call_soon_threadsafe(self._fail, layer, error)
+        elif last:
+            self.loop.call_soon_threadsafe(self._all)
+
+    def _fail(self, layer: int, error: BaseException) -> None:
+        if self.failed.done():
+            return
+        if not isinstance(error, ServiceError):  # peer data the decoder could not use: never a crash, never INTERNAL
+            log.warning("generate.rebuild_failed", layer=layer, error=f"{type(error).__name__}: {str(error)[:200]}")
+            error = DataLoss(f"layer {layer}: payloads could not be decoded ({type(error).__name__})")
+        self.failed.set_exception(error)
+
+    def _all(self) -> None:
+        if not self._done.done():
+            self._done.set_result(None)
+
+    def raise_failure(self) -> None:
+        if self.failed.done():
+            self.failed.result()  # raises the failure
+
+    async def all_done(self) -> None:
+        """Wait for every layer handed over; the first failure raised."""
+        with self._lock:
+            self._closed = True
+            idle = self._pending == 0
+        if idle:
+            self._all()
+        await asyncio.wait([self._done, self.failed], return_when=asyncio.FIRST_COMPLETED)
+        self.raise_failure()
+
+    def cancel(self) -> None:
+        self._cancelling = True
+        for future in self._futures:
+            future.cancel()  # no-op for those running or done: the engine skips the rest
+        if not self.failed.done():
+            self.failed.cancel()
+        elif not self.failed.cancelled():
+            self.failed.exception()  # retrieved: no "never retrieved" warning
+
+
+class Transfer:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        engine: BatchEngine | EngineProcess,
+        source: TransferSource | None,
+        keys: PrefixKeys,
+        planner: TransferPlanner | None,
+    ):
+        self.loaded, self.engine, self.source, self.keys, self.planner = loaded, engine, source, keys, planner
+        self.rebuilt_layers = 0  # layer rebuilds run ...
+        self.batched_layers = 0  # ... of which in a decode shared with other requests
+
+    def _rebuild_many(self, jobs: list[LayerJob]) -> list[float | BaseException]:
+        """Several requests' layer rebuilds queued together, on the engine thread (a grouped
+        engine job): batched where their decoders allow (shared.codecs.base.add_layers), in waves
+        that hold one layer per request, so that each request's layers are added in order (its
+        layers are handed over without waiting for each other); per job the ms its wave took, or
+        the exception its own rebuild raised (a request's layers after a failed one are not run)."""
+        out: list[float | BaseException | None] = [None] * len(jobs)
+        waves: list[list[int]] = []
+        seen: dict[int, int] = {}  # id(decoder) -> its jobs so far
+        for i, job in enumerate(jobs):
+            n = seen.get(id(job.decoder), 0)
+            seen[id(job.decoder)] = n + 1
+            if n == len(waves):
+                waves.append([])
+            waves[n].append(i)
+        failed: dict[int, BaseException] = {}
+        for wave in waves:
+            skipped = [i for i in wave if id(jobs[i].decoder) in failed]
+            for i in skipped:
+                out[i] = failed[id(jobs[i].decoder)]
+            live = [i for i in wave if id(jobs[i].decoder) not in failed]
+            if not live:
+                continue
+            started = time.perf_counter()
+            errors, batched = add_layers([jobs[i] for i in live])
+            took = (time.perf_counter() - started) * 1e3
+            self.rebuilt_layers += len(live)
+            self.batched_layers += batched
+            for i, error in zip(live, errors):
+                out[i] = took if error is None else error
+                if error is not None:
+                    failed[id(jobs[i].decoder)] = error
+        return [r if r is not None else 0.0 for r in out]
+
+    async def _timed(self, fn, *args) -> tuple[Any, float]:
+        def run():
+            started = time.perf_counter()
+            value = fn(*args)
+            return value, (time.perf_counter() - started) * 1e3
+
+        return await logs.run_in(self.engine, run)
+
+    def watch(
+        self, job: GenerateJob, result: GenerateResult, sent_tokens: int, opened: float = 0.0
+    ) -> Callable[[int], None] | None:
+        """Under LOCAL_PREFILL, a check to call with the bytes received after each layer: it raises
+        TransferTooSlow when, at the throughput measured so far, the rest of the stream would take
+        longer than the own prefill of the whole context (ABANDON_MARGIN, ABANDON_SLACK_MS), after
+        two gaps at least (ABANDON_MIN_GAPS). How the throughput is measured follows what auto's
+        estimate expects to pace the stream (`Estimate.link_paced`):
+        - the link (a store replay, or a wire slower than the producer's forward): bytes over the
+          time since the call was opened (`opened`), every gap counted. A shaped link delivers in
+          bursts (several layers at once, then nothing for seconds): any gap left out would read
+          it faster than it is;
+        - the producer's forward (or not known: a named mode): bytes since the first layer over
+          the time since, the slowest gap left out: one stall of the forward (a busy host, a GC)
+          is not a slow stream, and a stream slow throughout is slow without its worst gap too.
+        None when not allowed or not estimable (no byte or own-prefill estimate yet)."""
+        if job.on_failure != LOCAL_PREFILL or self.planner is None or job.codec is None:
+            return None
+        local = self.planner.estimate_local(len(job.context_ids)).ms
+        per_token = self.planner.bytes_per_token.get(mode_key(job.codec.name, job.options))
+        prior = job.auto.chosen.bytes_per_token if job.auto is not None else None
+        bpt = per_token.value if per_token is not None and per_token.value is not None else prior
+        if local is None or not bpt:
+            return None
+        expected = bpt * sent_tokens
+        chosen = next((s for s in job.auto.scored if s.chosen), None) if job.auto is not None else None
+        link_paced = chosen is not None and chosen.estimate.link_paced and opened > 0
+        seen: list[tuple[float, int]] = [(opened, 0)] if link_paced else []  # (when, bytes received) after each layer
+
+        def check(received: int) -> None:
+            now = time.perf_counter()
+            if seen and received <= seen[-1][1]:
+                return
+            seen.append((now, received))
+            watched_s = now - seen[0][0]
+            if len(seen) <= ABANDON_MIN_GAPS or watched_s < ABANDON_MIN_WATCH_S:
+                return
+            if link_paced:
+                rate = received / max(watched_s * 1e3, 1e-6)  # bytes per ms
+            else:
+                gaps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(seen, seen[1:])]
+                worst = max(gaps, key=lambda g: g[0] / g[1])  # the slowest per byte
+                rate = (received - seen[0][1] - worst[1]) / max((watched_s - worst[0]) * 1e3, 1e-6)
+            rest_ms = max(expected - received, 0.0) / rate
+            if rest_ms > ABANDON_MARGIN * local + ABANDON_SLACK_MS:
+                result.abandoned_span = (received - seen[0][1], watched_s * 1e3)
+                log.info(
+                    "transfer.watch",
+                    link_paced=link_paced,
+                    request_id=job.request_id,
+                    arrivals_ms=[round((t - opened) * 1e3, 1) for t, _ in seen],
+                    received=[b for _, b in seen],
+                )
+                raise TransferTooSlow(
+                    f"transfer abandoned mid-stream: at {rate * 8e-3:.2f} Mbit/s"
+                    f" ({'since the call opened' if link_paced else 'since the first layer, its slowest gap left out'}) the remaining"
+                    f" ~{max(expected - received, 0) / 1e6:.2f} MB take ~{rest_ms:.0f} ms > own prefill ~{local:.0f} ms"
+                )
+
+        return check
+
+    async def pull(
+        self, job: GenerateJob, result: GenerateResult, seq: SequenceKV, partial: tuple[int, str] | None = None
+    ) -> CacheDecoder:
+        """Pull the producer stream and rebuild each layer into seq on the engine thread while
+        later ones arrive (from `partial`'s first token on, when given); the first failure of
+        either side cancels the other."""
+        assert job.codec is not None and self.source is not None
+        source, codec = self.source, job.codec
+        started = time.perf_counter()
+        first, key = partial or (0, "")
+        seq.first_write = first
+        result.sent_tokens = len(job.context_ids) - first
+        watch = self.watch(job, result, result.sent_tokens, started) if partial is None else None
+        expect = Expectation(len(job.context_ids), job.codec, job.options, self.loaded.info, first, key, job.tenant)
+        budget = left(job, "transfer")
+        if job.transfer_budget_s is not None:
+            budget = min(budget, job.transfer_budget_s)
+        state: dict[str, Any] = {}
+        rebuilds = Rebuilds(asyncio.get_running_loop())
+
+        async def pump() -> None:
+            stream = source.open(job.request_id, job.context_ids, expect, budget)
+            try:
+                async for event in stream:
+                    if isinstance(event, LayerPayloads):
+                        result.bytes_received += event.nbytes
+                        # handed to the engine at once: no round trip awaited per layer
+                        layer = LayerJob(state["decoder"], event.layer, event.payloads)
+                        try:
+                            rebuilds.add(event.layer, self.engine.submit_grouped(self._rebuild_many, layer))
+                        except RuntimeError:  # stopping
+                            raise Unavailable("the consumer's engine stopped") from None
+                        if watch is not None:
+                            watch(result.bytes_received)
+                    elif isinstance(event, StreamHeader):
+                        event.decoder.bind(seq)  # rebuilt layers go straight into the request's blocks
+                        state["decoder"] = event.decoder
+                        info = event.stream
+                        self.keys.saw_stream(codec, job.options, info, event.chunk_tokens)
+                        result.stream_producer = (info.producer_identity, info.kv_dtype)
+                        result.chunk_tokens = event.chunk_tokens
+                        result.options = {**event.stream.options, **event.stream.metadata}
+                        producer_kv = dataclasses.replace(self.loaded.info, dtype=event.stream.kv_dtype)
+                        result.raw_kv_bytes = producer_kv.kv_bytes(event.stream.num_tokens)
+                    elif isinstance(event, StreamTrailer):
+                        state["trailer"] = event
+            finally:
+                await stream.aclose()
+
+        pumping = asyncio.ensure_future(pump())
+        try:
+            # the stream, unless a rebuild fails first (that ends the stream at once)
+            await asyncio.wait([pumping, rebuilds.failed], return_when=asyncio.FIRST_COMPLETED)
+            rebuilds.raise_failure()
+            await pumping
+            await rebuilds.all_done()
+        finally:
+            pumping.cancel()
+            rebuilds.cancel()  # layers not rebuilt yet never run once the transfer failed
+            await asyncio.gather(pumping, return_exceptions=True)
+        result.rebuild_ms += rebuilds.took_ms
+        trailer: StreamTrailer = state["trailer"]
+        result.transfer_ms += (time.perf_counter() - started) * 1e3
+        result.producer_prefill_ms = trailer.prefill_ms
+        result.producer_encode_ms = trailer.encode_ms
+        result.producer_store_hit = trailer.store_hit
+        result.trailer = trailer
+        decoder: CacheDecoder = state["decoder"]
+        _, took = await self._timed(decoder.finish)
+        result.rebuild_ms += took
+        seq.length = len(job.context_ids)
+        return decoder
