@@ -154,11 +154,11 @@ async def test_concurrent_requests_rebuild_their_layers_in_one_call_and_answer_a
         queued = 0
         for _ in range(6000):
             queued = sum(job.many is not None for job in list(engine.jobs))
-            if queued == len(questions):
+            if queued >= len(questions):  # later layers may queue within one poll
                 break
             await asyncio.sleep(0.01)
         gate.set()
-        assert queued == len(questions), f"only {queued} of {len(questions)} first layers queued before the gate opened"
+        assert queued >= len(questions), f"only {queued} of {len(questions)} first layers queued before the gate opened"
         await asyncio.wrap_future(held)
         together = [ids for ids, _, _ in await answers]
         assert together == alone
