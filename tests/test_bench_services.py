@@ -13,7 +13,7 @@ from bench.harness.services import ROOT
 
 SCRIPT = """
 import time
-from bench import services
+from bench.harness import services
 with services.running(["--model", "tiny-llama"], ["--model", "tiny-llama"], log_dir=services.ROOT / "bench/runs/sigterm") as (p, c):
     print("UP", p.process.pid, c.process.pid, flush=True)
     for _ in range(1200):  # a benchmark's main thread keeps running Python code; one long sleep would not
