@@ -220,10 +220,12 @@ bench-prefix: $(PB_GEN)
 bench-adaptive: $(PB_GEN)
 	$(PYTHON) -m bench.serving.adaptive $(ADAPTIVE_ARGS)
 
-# Rounds of 32 concurrent Generate streams over every mode with random cancels and tiny deadlines,
-# at the services' shipped --max-inflight (refusals counted by status) with the head-of-line check
-# (a cold request beside a stalled reader), then again with the limits raised; JSON lines to stdout
-# and bench/results/load.jsonl (~5 min). LOAD_ARGS e.g. "--quick" (smoke) or "--limits defaults".
+# 20 rounds of 32 concurrent Generate streams (and 8 HTTP ones) over every mode with random cancels
+# and tiny deadlines, at the services' shipped --max-inflight (refusals counted by status) with the
+# head-of-line check (a cold request beside a stalled reader), then again with the limits raised;
+# JSON lines to stdout and bench/results/load.jsonl (~5 min). Exits 1 on a wrong answer, an
+# unexpected error, a leaked slot, or an RSS that does not level off (bench/harness/rss_trend.py).
+# LOAD_ARGS e.g. "--quick" (smoke), "--limits defaults", "--rounds 40", "--heap-trace DIR".
 LOAD_ARGS ?=
 load-test: $(PB_GEN)
 	$(PYTHON) -m bench.serving.load_test $(LOAD_ARGS)

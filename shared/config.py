@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, NoReturn, Protocol, TypeVar
 
+from shared import kernel_cache
 from shared.compute_dtype import AUTO as AUTO_DTYPE
 from shared.models import DTYPES
 from shared.tracing import TRACE_MODES
@@ -96,6 +97,7 @@ class ServerConfig:
     liveness_timeout_s: float = 30.0  # an iteration without progress this long: liveness NOT_SERVING
     torch_threads: int = 0  # torch's intra-op threads (0: one on CUDA, else one per core; shared.serving)
     malloc_mmap_threshold: int = 33554432  # glibc: message-sized buffers reused from the heap (shared.malloc_tuning); 0 off
+    onednn_cache_entries: int = kernel_cache.DEFAULT_ENTRIES  # CPU: matmul kernels oneDNN keeps (shared.kernel_cache); -1: 1024
     # KV cache events in vLLM's wire format (shared.kv_events): the producer's chunk store, the consumer's prefix cache
     kv_events_endpoint: str = ""  # ZMQ PUB address of KV events (tcp://*:5557 binds, tcp://host:port connects); "" off
     kv_events_replay_endpoint: str = ""  # ZMQ ROUTER address answering replay requests (tcp://*:5558); "" off
@@ -129,6 +131,8 @@ class ServerConfig:
             raise ValueError("tls_client_ca: needs tls_cert and tls_key (mTLS is TLS with client certificates)")
         if self.malloc_mmap_threshold < 0:
             raise ValueError(f"malloc_mmap_threshold: {self.malloc_mmap_threshold} must be >= 0 (0: glibc's defaults)")
+        if self.onednn_cache_entries < -1:
+            raise ValueError(f"onednn_cache_entries: {self.onednn_cache_entries} must be >= -1 (-1: oneDNN's default)")
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads: {self.torch_threads} must be >= 0 (0: torch's default)")
         if self.liveness_interval_s <= 0 or self.liveness_timeout_s <= 0:

@@ -446,6 +446,9 @@ def main(service: str, config_cls: type[ServerConfig], server_cls: type, argv: l
     from shared import malloc_tuning
 
     logs.get(service).info("startup.malloc", setting=malloc_tuning.tune(cfg.malloc_mmap_threshold))
+    from shared import kernel_cache  # before the model loads: oneDNN reads its cache sizes at its first kernel
+
+    logs.get(service).info("startup.kernel_cache", setting=kernel_cache.bound(cfg.onednn_cache_entries))
     threads, why = intra_op_threads(cfg.torch_threads, cfg.device, os.environ)
     if threads:
         import torch
@@ -468,6 +471,10 @@ def main(service: str, config_cls: type[ServerConfig], server_cls: type, argv: l
     failed: list[str] = []
 
     async def serve(stop: asyncio.Event) -> None:
+        from shared import heap_trace  # a diagnostic: SCD_HEAP_TRACE=<dir> turns it on, SIGUSR2 dumps
+
+        if heap_trace.install(service, asyncio.get_running_loop()):
+            logs.get(service).warning("startup.heap_trace", directory=os.environ[heap_trace.ENV], note="diagnostic: slow")
         server = server_cls(cfg)
         try:
             await server.start()

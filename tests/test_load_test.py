@@ -44,3 +44,11 @@ async def test_quick_run_at_the_shipped_defaults(tmp_path):
     assert run["refused"] == sum(run["refused_by_status"].values())
     assert hol["hol_request"] == "cold" and hol["hol_runs"] == 2 and hol["hol_ttft_alone_ms"] > 0
     assert out.read_text().count("\n") == 2
+    # RSS per round of each process; 2 rounds give no verdict on its trend (bench.harness.rss_trend), and nothing fails
+    assert [len(v) for v in run["rss_kib_per_round"].values()] == [2, 2] and run["rss_levels_off"] is None
+    assert load_test.failures(rows) == []
+    bad = {**run, "rss_trend": {"consumer": {"levels_off": False, "peak_rise_pct_per_round": 1.3, "slope_pct_per_round": 1.0}}}
+    assert load_test.failures([bad]) == [
+        "limits defaults: consumer RSS does not level off: its peak rose 1.3% a round over the second half "
+        f"(limit {run['max_rise_pct_per_round']}%; slope 1.0% a round)"
+    ]

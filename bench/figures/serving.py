@@ -12,6 +12,7 @@ from pathlib import Path
 
 from bench.figures.rows import ROOT, artifact_meta, cells_of, json_line, rows_of, span, span_words
 from bench.harness.pairs import PAIRS
+from bench.harness.rss_trend import MAX_RISE_PCT_PER_ROUND, second_half
 from bench.serving.audit import table as audit_table
 from bench.serving.ttft.grid import Mode
 from shared.labels import mode_label
@@ -195,6 +196,7 @@ def load(root: Path = ROOT) -> dict:
         "lines": "\n".join(json_line(r) for r in rows),
         "runs_text": "\n\n".join(texts),
         "hol_text": hol_text,
+        "max_rise": MAX_RISE_PCT_PER_ROUND,
         "readme": _load_readme(runs, at_defaults[0] if at_defaults else None, hol, defaults),
     }
 
@@ -222,7 +224,32 @@ def _load_run_text(r: dict, defaults: dict) -> str:
         f"{r['rss_growth_pct']}% between round 2 and the last, {r['slots_leaked']} slots in flight after settling, "
         f"counters {'balanced' if r['accounting_balanced'] else 'NOT balanced'} on both services; answered calls "
         f"p50 {admitted[0]} ms, p95 {admitted[1]} ms (load {r['load_avg_1m']} on {r['cores']} cores)."
+        + _rss_trend_text(r)
     )
+
+
+def _rss_short(r: dict) -> str:
+    t = (r.get("rss_trend") or {}).get("consumer") or {}
+    if t.get("levels_off") is None:
+        return f"RSS {r['rss_growth_pct']:+}%"
+    verdict = "levels off" if t["levels_off"] else "does NOT level off"
+    return f"the consumer's RSS {verdict} (its peak {t['peak_rise_pct_per_round']:+}% a round over rounds {r['rounds'] // 2 + 1}-{r['rounds']})"
+
+
+def _rss_trend_text(r: dict) -> str:
+    """The RSS verdict of a row that has one (bench.harness.rss_trend; rows before it only had rss_growth_pct)."""
+    trends = r.get("rss_trend") or {}
+    if not any(t.get("levels_off") is not None for t in trends.values()):
+        return ""
+    parts = []
+    for name, t in trends.items():
+        tail = second_half(r["rss_kib_per_round"][name])
+        parts.append(
+            f"the {name}'s RSS {'levels off' if t['levels_off'] else 'does NOT level off'} (second half: "
+            f"{min(tail) / 1024:.0f}-{max(tail) / 1024:.0f} MiB, slope {t['slope_pct_per_round']:+}% a round, "
+            f"peak {t['peak_rise_pct_per_round']:+}% a round)"
+        )
+    return f" Over the rounds, {' and '.join(parts)}; limit {r['max_rise_pct_per_round']}% a round."
 
 
 def _load_readme(runs: list[dict], at_defaults: dict | None, hol: dict | None, defaults: dict) -> str:
@@ -239,7 +266,7 @@ def _load_readme(runs: list[dict], at_defaults: dict | None, hol: dict | None, d
     text = (
         f"{shown['rounds']} rounds of {shown['streams']} concurrent Generate streams over all modes {limits}, a third "
         f"cancelled at random, some with tiny deadlines: {_refused(shown)}, {shown['unexpected_errors']} "
-        f"unexpected errors, {shown['wrong_answers']} wrong answers, RSS {shown['rss_growth_pct']:+}%, "
+        f"unexpected errors, {shown['wrong_answers']} wrong answers, {_rss_short(shown)}, "
         f"{shown['slots_leaked']} slots leaked, counters {'balanced' if shown['accounting_balanced'] else 'NOT balanced'}"
     )
     if hol and hol.get("hol_request") == "cold":

@@ -16,9 +16,12 @@ the services' shipped limits, then (labelled) with the limits raised.
    HTTP; 429 (max_inflight) and 503 "overloaded" are refusals; any other status, or an error
    event in the stream, is an unexpected error (counted with the gRPC ones, and apart:
    http_unexpected_errors).
-3. Settle, then read both services' Describe counters: slots in flight must be 0 and
-   started == completed + cancelled + failed on both. RSS of both processes is read from /proc
-   after round 2 and after the last round.
+3. After each round, settle and read both processes' RSS from /proc (`rss_kib_per_round`); over
+   the second half of the rounds, its slope and the rise of its peak per round (bench.harness.rss_trend:
+   the verdict `rss_levels_off`). At the end, both services' Describe counters: slots in flight
+   must be 0 and started == completed + cancelled + failed on both. `--heap-trace DIR` also
+   asks the consumer (SCD_HEAP_TRACE, shared.heap_trace) for a heap dump after each round and
+   adds what grew from round 2 to the last (`heap_growth_round2_to_last`).
 4. Head-of-line check (at the shipped limits): the TTFT of a request that needs the producer's
    compute thread (raw, a context the producer has never seen) while another caller reads its own
    large Prefill stream at ~1 KB/s, interleaved with the same kind of cold request alone; prints
@@ -29,9 +32,13 @@ consumer 64), `raised` with --max-inflight RAISED on both; `both` (the default) 
 turn. One JSON line per run and one for the head-of-line check, each with `limits`,
 `producer_max_inflight`, `consumer_max_inflight` and `weights`; the run lines are
 {"streams", "http_streams", "rounds", "requests", "ok", "cancelled", "refused", "refused_by_status",
- "unexpected_errors", "wrong_answers", "rss_growth_pct", "slots_leaked", "accounting_balanced",
- "admitted_p50_ms", "admitted_p95_ms" (end-to-end latency of the calls answered OK), ...}.
-`--quick` is a smoke run (8 streams and 2 HTTP streams, 2 rounds, 2 head-of-line repetitions).
+ "unexpected_errors", "wrong_answers", "rss_growth_pct" (both processes, round 2 to the last),
+ "rss_kib_per_round", "rss_trend", "rss_levels_off", "slots_leaked", "accounting_balanced",
+ "admitted_p50_ms", "admitted_p95_ms" (end-to-end latency of the calls answered OK),
+ "consumer_cpu_ms_per_request", ...}. The process exits 1 on a wrong answer, an unexpected error,
+a slot in flight or unbalanced counters after settling, or an RSS that does not level off.
+`--quick` is a smoke run (8 streams and 2 HTTP streams, 2 rounds: no RSS verdict, 2 head-of-line
+repetitions).
 """
 
 from __future__ import annotations
@@ -50,7 +57,9 @@ from pathlib import Path
 import aiohttp
 import grpc
 
-from bench.harness import provenance, services
+from bench.harness import provenance, rss_trend, services
+from bench.micro.transport import process_cpu_s
+from shared import heap_trace
 from shared.config import ConsumerConfig, ProducerConfig
 from shared.pb import common_pb2, consumer_pb2, consumer_pb2_grpc, producer_pb2, producer_pb2_grpc
 
@@ -72,19 +81,6 @@ def refusal(err: grpc.aio.AioRpcError) -> str | None:
     if err.code() == grpc.StatusCode.UNAVAILABLE and "overloaded" in (err.details() or ""):
         return "UNAVAILABLE (producer overloaded)"
     return None
-
-
-def rss_kib(pid: int) -> int:
-    """Resident KiB of a process and its children (the consumer's engine process under --engine-process)."""
-    total = 0
-    for p in (pid, *services.children(pid)):
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:  # exited meanwhile
-            pass
-    return total
 
 
 def build_artifact(directory: Path) -> None:
@@ -235,23 +231,35 @@ async def storm(stub, pstub, producer, consumer, args, refs: dict, http_url: str
     rng = random.Random(args.seed)
     tally: dict = {"ok": 0, "cancelled": 0, "refused": {}, "unexpected_errors": 0, "wrong_answers": 0, "latency_ms": [],
                    "http_unexpected_errors": 0}
-    rss_round2 = None
+    procs = {"consumer": consumer.process.pid, "producer": producer.process.pid}
+    rss: dict[str, list[int]] = {name: [] for name in procs}
     http_streams = args.http_streams if http_url else 0
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) if http_streams else None
+    cpu_start = process_cpu_s(consumer.process.pid)
     for r in range(args.rounds):
         calls = [one(stub, rng, refs, args, tally) for _ in range(args.streams)]
         calls += [one_http(session, http_url, rng, http_refs or {}, args, tally) for _ in range(http_streams)]
         rng.shuffle(calls)
         await asyncio.gather(*calls)
         await settle(stub, pstub)
-        if r == 1:
-            rss_round2 = rss_kib(producer.process.pid) + rss_kib(consumer.process.pid)
+        for name, pid in procs.items():
+            rss[name].append(rss_trend.rss_kib(pid))
+        if args.heap_trace:  # after the RSS reading: the dump itself allocates
+            await rss_trend.heap_dump(args.heap_trace, consumer.process.pid, r)
         print(f"# round {r + 1}/{args.rounds}: {tally['ok']} ok, {tally['cancelled']} cancelled, "
-              f"{sum(tally['refused'].values())} refused, {tally['unexpected_errors']} unexpected", file=sys.stderr)
+              f"{sum(tally['refused'].values())} refused, {tally['unexpected_errors']} unexpected; RSS MiB "
+              + ", ".join(f"{n} {v[-1] / 1024:.1f}" for n, v in rss.items()), file=sys.stderr)
     if session is not None:
         await session.close()
     c, p, balanced = await settle(stub, pstub)
-    rss_last = rss_kib(producer.process.pid) + rss_kib(consumer.process.pid)
+    cpu_ms = 1e3 * (process_cpu_s(consumer.process.pid) - cpu_start) / max(1, tally["ok"] + tally["cancelled"])
+    heap = {}
+    if args.heap_trace and args.rounds > 2:  # what grew from round 2 to the last
+        pid = consumer.process.pid
+        heap = {"heap_growth_round2_to_last": rss_trend.diff_dumps(args.heap_trace / f"consumer-{pid}-001.json",
+                                                                   args.heap_trace / f"consumer-{pid}-{args.rounds - 1:03d}.json")}
+    total = [sum(v) for v in zip(*rss.values(), strict=True)]
+    trends = {name: rss_trend.trend(series) for name, series in rss.items()}
     lat = tally["latency_ms"]
     return {
         "streams": args.streams, "http_streams": http_streams, "rounds": args.rounds,
@@ -259,14 +267,18 @@ async def storm(stub, pstub, producer, consumer, args, refs: dict, http_url: str
         "ok": tally["ok"], "cancelled": tally["cancelled"], "refused": sum(tally["refused"].values()),
         "refused_by_status": dict(sorted(tally["refused"].items())),
         "unexpected_errors": tally["unexpected_errors"], "wrong_answers": tally["wrong_answers"],
-        "rss_growth_pct": round(100 * (rss_last - rss_round2) / rss_round2, 2) if rss_round2 else None,
+        "rss_growth_pct": round(100 * (total[-1] - total[1]) / total[1], 2) if len(total) > 1 else None,
+        "rss_kib_per_round": rss, "rss_trend": trends,
+        "rss_levels_off": None if None in (t["levels_off"] for t in trends.values()) else all(t["levels_off"] for t in trends.values()),
+        "max_rise_pct_per_round": rss_trend.MAX_RISE_PCT_PER_ROUND,
         "slots_leaked": c.inflight + p.inflight, "accounting_balanced": balanced,
         "admitted_p50_ms": percentile(lat, 0.5), "admitted_p95_ms": percentile(lat, 0.95),
+        "consumer_cpu_ms_per_request": round(cpu_ms, 1),
         "consumer": {"started": c.generates_started, "completed": c.generates_completed,
                      "cancelled": c.generates_cancelled, "failed": c.generates_failed},
         "producer": {"started": p.prefills_started, "completed": p.prefills_completed,
                      "cancelled": p.prefills_cancelled, "failed": p.prefills_failed},
-        "load_avg_1m": round(os.getloadavg()[0], 2), "cores": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2), "cores": os.cpu_count(), **heap,
     }
 
 
@@ -305,12 +317,13 @@ async def run_at(limits: str, args, artifacts: str, log_dir: Path) -> list[dict]
     split = ["--engine-process"] if args.engine_process else []
     http_port = services.free_port() if args.http_streams else -1
     split += ["--http-port", str(http_port)] if http_port > 0 else []
+    trace = ["env", f"{heap_trace.ENV}={args.heap_trace}"] if args.heap_trace else []
     labels = {"limits": limits, "producer_max_inflight": inflight["producer"], "consumer_max_inflight": inflight["consumer"],
               "engine_process": args.engine_process, "weights": provenance.weights_of("tiny-llama"),
               "code": services.code_version()}
     lines = []
-    with services.running([*common, *flags, "--max-chunk-bytes", "1024"], [*common, *flags, *split], log_dir / limits) as (
-            producer, consumer):
+    with services.running([*common, *flags, "--max-chunk-bytes", "1024"], [*common, *flags, *split], log_dir / limits,
+                          consumer_prefix=trace) as (producer, consumer):
         async with grpc.aio.insecure_channel(consumer.address) as cch, grpc.aio.insecure_channel(producer.address) as pch:
             stub = consumer_pb2_grpc.ConsumerServiceStub(cch)
             pstub = producer_pb2_grpc.ProducerServiceStub(pch)
@@ -352,11 +365,30 @@ async def main_async(args) -> list[dict]:
     return lines
 
 
+def failures(rows: list[dict]) -> list[str]:
+    """What makes `make load-test` fail, one line each: a wrong answer, an unexpected error, a slot
+    in flight or counters out of balance after settling, or a process whose RSS does not level off
+    (bench.harness.rss_trend)."""
+    out = []
+    for r in (r for r in rows if "rounds" in r):
+        at = f"limits {r['limits']}"
+        if r["wrong_answers"] or r["unexpected_errors"]:
+            out.append(f"{at}: {r['wrong_answers']} wrong answers, {r['unexpected_errors']} unexpected errors")
+        if r["slots_leaked"] or not r["accounting_balanced"]:
+            out.append(f"{at}: {r['slots_leaked']} slots in flight after settling, counters balanced {r['accounting_balanced']}")
+        for name, t in r["rss_trend"].items():
+            if t["levels_off"] is False:
+                out.append(f"{at}: {name} RSS does not level off: its peak rose {t['peak_rise_pct_per_round']}% a round over "
+                           f"the second half (limit {r['max_rise_pct_per_round']}%; slope {t['slope_pct_per_round']}% a round)")
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m bench.serving.load_test", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=20,
+                   help="rounds per run; the RSS verdict needs >= 10 (bench.harness.rss_trend: the second half's peaks)")
     p.add_argument("--http-streams", type=int, default=-1,
                    help="concurrent HTTP streams (/v1/completions) per round beside the gRPC ones; -1: a quarter of --streams, 0: none")
     p.add_argument("--max-new-tokens", type=int, default=8)
@@ -368,14 +400,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--engine-process", action="store_true",
                    help="the consumer with --engine-process (its engine in a child process); rows say engine_process")
     p.add_argument("--quick", action="store_true", help="smoke run: 8 streams, 2 rounds, 2 head-of-line repetitions")
+    p.add_argument("--heap-trace", type=Path, default=None, metavar="DIR",
+                   help="run the consumer with tracemalloc (shared.heap_trace, slow) and write a heap dump into DIR after "
+                        "every round; the row gets heap_growth_round2_to_last (RSS readings include tracemalloc's own memory)")
     p.add_argument("--out", type=Path, default=services.ROOT / "bench/results/load.jsonl")
     args = p.parse_args(argv)
     if args.quick:
         args.streams, args.rounds, args.hol_runs, args.max_new_tokens = 8, 2, 2, 4
+    if args.heap_trace:
+        args.heap_trace = args.heap_trace.resolve()
+        args.heap_trace.mkdir(parents=True, exist_ok=True)
     if args.http_streams < 0:
         args.http_streams = max(1, args.streams // 4)
     return asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":
-    main()
+    bad = failures(main())
+    for line in bad:
+        print(f"# FAIL {line}", file=sys.stderr)
+    sys.exit(1 if bad else 0)
