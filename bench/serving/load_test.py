@@ -402,7 +402,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--quick", action="store_true", help="smoke run: 8 streams, 2 rounds, 2 head-of-line repetitions")
     p.add_argument("--heap-trace", type=Path, default=None, metavar="DIR",
                    help="run the consumer with tracemalloc (shared.heap_trace, slow) and write a heap dump into DIR after "
-                        "every round; the row gets heap_growth_round2_to_last (RSS readings include tracemalloc's own memory)")
+                        "every round; the row gets heap_growth_round2_to_last (RSS readings include tracemalloc's own memory; "
+                        "SCD_HEAP_TRACE_FRAMES=0 in the environment: no tracemalloc, the rest of each dump kept)")
     p.add_argument("--out", type=Path, default=services.ROOT / "bench/results/load.jsonl")
     args = p.parse_args(argv)
     if args.quick:
