@@ -63,7 +63,14 @@ from shared import heap_trace
 from shared.config import ConsumerConfig, ProducerConfig
 from shared.pb import common_pb2, consumer_pb2, consumer_pb2_grpc, producer_pb2, producer_pb2_grpc
 
-MODES = [("oracle", {}), ("raw", {}), ("quant", {"bits": "8"}), ("quant", {"bits": "4"}), ("recompute", {}), ("scd", {})]
+MODES = [("oracle", {}), ("raw", {}), ("quant", {"bits": "8"}), ("quant", {"bits": "4"}), ("recompute", {}), ("scd", {}),
+         ("scd+verify", {}), ("quant+verify", {"bits": "4"})]  # "+verify": verified decoding (its answer is the oracle's)
+VERIFIED = "+verify"
+
+
+def codec_of(mode: str) -> tuple[str, bool]:
+    """('scd', True) for 'scd+verify': the codec asked and whether the answer is verified."""
+    return mode.removesuffix(VERIFIED), mode.endswith(VERIFIED)
 CONTEXTS = [
     "The producer reads a long context and the consumer writes the answer. " * 6,
     "Semantic cache distillation sends compact codes instead of the raw key value cache. " * 9,
@@ -97,8 +104,11 @@ def build_artifact(directory: Path) -> None:
 
 
 def request(mode: str, options: dict, context: str, max_new: int) -> consumer_pb2.GenerateRequest:
+    codec, verified = codec_of(mode)
+    verify = consumer_pb2.VERIFY_POLICY_VERIFIED if verified else consumer_pb2.VERIFY_POLICY_UNSPECIFIED
     return consumer_pb2.GenerateRequest(context=consumer_pb2.Prompt(text=context), question=consumer_pb2.Prompt(text=QUESTION),
-                                        max_new_tokens=max_new, transfer=common_pb2.CodecSpec(name=mode, options=options))
+                                        max_new_tokens=max_new, transfer=common_pb2.CodecSpec(name=codec, options=options),
+                                        verify=verify)
 
 
 async def answer(stub, req, timeout: float) -> tuple[list[int], float]:
@@ -146,8 +156,10 @@ async def one(stub, rng: random.Random, refs: dict, args, tally: dict) -> None:
 
 def http_body(mode: str, options: dict, context: str, max_new: int) -> dict:
     """The OpenAI-compatible request for (mode, context): the context and question as one prompt."""
-    return {"prompt": context + QUESTION, "max_tokens": max_new, "temperature": 0, "scd_mode": mode,
-            "scd_options": options, "return_token_ids": True, "stream": True}
+    codec, verified = codec_of(mode)
+    scd = {"mode": codec, "options": options, **({"verify": "verified"} if verified else {})}
+    return {"prompt": context + QUESTION, "max_tokens": max_new, "temperature": 0, "scd": scd,
+            "return_token_ids": True, "stream": True}
 
 
 async def http_answer(session: aiohttp.ClientSession, url: str, body: dict, cancel_at: float | None = None) -> tuple[int, list[int], str]:
@@ -331,6 +343,11 @@ async def run_at(limits: str, args, artifacts: str, log_dir: Path) -> list[dict]
             for m, (mode, options) in enumerate(MODES):
                 for c, context in enumerate(CONTEXTS):
                     refs[(m, c)], _ = await answer(stub, request(mode, options, context, args.max_new_tokens), 120)
+            oracle = next(m for m, (mode, _) in enumerate(MODES) if mode == "oracle")
+            for m, (mode, _) in enumerate(MODES):  # verified answers are the oracle's (greedy), alone
+                for c in range(len(CONTEXTS)):
+                    if codec_of(mode)[1] and refs[(m, c)] != refs[(oracle, c)]:
+                        raise RuntimeError(f"verified {mode} answers {refs[(m, c)]} where the oracle answers {refs[(oracle, c)]}")
             http_url, http_refs = "", {}
             if http_port > 0:  # the HTTP references: each request alone, over HTTP (its own prompt split)
                 host = consumer.address.rsplit(":", 1)[0]
