@@ -360,7 +360,7 @@ class OpenAIServer:
         seed = params.seed if params.seed is not None else secrets.randbits(schema.SEED_BITS)
         echo = (text or str(loaded.tokenizer.decode(ids))) if params.echo else ""
         kind = "chatcmpl" if chat else "cmpl"
-        reply = Reply(f"{kind}-{rid}", self.model_id(), chat, len(ids), loaded.tokenizer, seed, params.stop, echo)
+        reply = Reply(f"{kind}-{rid}", self.model_id(), chat, len(ids), loaded.tokenizer, seed, echo)
         generate = schema.generate_request(rid, context, question, params, seed)
         items = self.servicer.generate_items(generate, self.config.default_timeout_s, _Caller(request), received, params.extras)
         with structlog.contextvars.bound_contextvars(request_id=rid):
@@ -394,9 +394,8 @@ class OpenAIServer:
         try:
             while item is not None:
                 if isinstance(item, TokenOut):
-                    ended = reply.stop.hit  # past a stop string: counted, not sent
-                    text = reply.take(item)
-                    if not ended and (text or item.logprobs or (item.ids and params.return_token_ids)):
+                    text = reply.take(item)  # (the pipeline sends nothing past a stop string: request.ending)
+                    if text or item.logprobs or (item.ids and params.return_token_ids):
                         ids = item.ids if params.return_token_ids else None
                         await response.write(sse(reply.chunk(text, ids, item.logprobs)))
                 elif isinstance(item, GenerateResult):

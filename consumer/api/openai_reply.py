@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from consumer.engine.decoding import StopText, TokenLogprobs
+from consumer.engine.decoding import TokenLogprobs
 from consumer.request.job import GenerateResult, TokenOut
 
 MIN_LOGPROB = -9999.0  # what -inf is sent as (JSON has no infinity), as vLLM does
@@ -57,37 +57,33 @@ class Reply:
     prompt_tokens: int
     tokenizer: Any
     seed: int
-    stops: list[str] = field(default_factory=list)
     echo: str = ""  # /v1/completions with echo: the prompt, before the completion
     created: int = field(default_factory=lambda: int(time.time()))
     ids: list[int] = field(default_factory=list)
-    text: str = ""  # the completion's text so far, cut before a stop string
+    text: str = ""  # the completion's text so far (the pipeline cuts it before a stop string: request.ending)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     result: GenerateResult | None = None
     offset: int = 0  # completions' text_offset of the next token
 
     def __post_init__(self) -> None:
-        self.stop = StopText(self.stops)
         self.offset = len(self.echo)
 
     def take(self, item: TokenOut) -> str:
-        """An item's ids and log-probabilities kept; returns the text that may be shown now (none
-        after a stop string: the answer ends before it)."""
+        """An item's ids and log-probabilities kept; returns its text (the pipeline's Ending already
+        held back a possible stop string's start and cut the text before one)."""
         self.ids += item.ids
         if item.logprobs:
             self.logprobs += item.logprobs
-        shown = self.stop.push(item.text)
-        self.text += shown
-        return shown
+        self.text += item.text
+        return item.text
 
     def end(self, result: GenerateResult) -> str:
-        """The result: its finish reason (a stop string met here is "stop" too) and the text held back."""
+        """The result and its finish reason (a stop string's end is "stop": request.ending); no text
+        is held back here."""
         self.result = result
-        rest = "" if self.stop.hit else self.stop.flush()
-        self.text += rest
-        self.finish_reason = "stop" if self.stop.hit else result.finish_reason
-        return rest
+        self.finish_reason = result.finish_reason
+        return ""
 
     def usage(self) -> dict[str, int]:
         done = len(self.ids)
