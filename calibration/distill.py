@@ -131,8 +131,8 @@ def distill(
     ]
     meta["search"] = report
     # the recompute baseline's span, chosen by profiling on the same held-out set (DroidSpeak-style):
-    # the default width's best span, and the best span of every narrower width (cheaper baselines
-    # whose consumer compute is closer to SCD's)
+    # the default width's best span, and the best span of narrower widths (powers of two: cheaper
+    # baselines whose consumer compute is closer to SCD's)
     start, end = default_span(consumer.info.num_layers)
     if same:  # recomputing from the true hidden state is exact for any span: keep the default
         meta["recompute_span"] = [start, end]
@@ -143,7 +143,7 @@ def distill(
             [h.context_ids for h in heldout],
             [h.qa_ids[: h.answer_start] for h in heldout],
             [h.qa_ids[h.answer_start :] for h in heldout],
-            range(1, end - start + 1),
+            profile_widths(end - start),
         )
         best: dict[str, list[int]] = {}
         for row in profile:  # rows come best-first within each width
@@ -155,6 +155,16 @@ def distill(
     meta["candidates"] = candidates.measure(art, producer, consumer, heldout, ev, log)  # raw, quant, recompute on this scale
     meta["calibration"]["wall_s"] = round(time.perf_counter() - started, 1)
     return art
+
+
+def profile_widths(width: int) -> list[int]:
+    """The span widths the recompute profile measures: 1, 2, 4, ... below `width`, and `width`
+    (O(L log L) spans for L layers, where every width up to the default's would be O(L^2))."""
+    widths, w = [], 1
+    while w < width:
+        widths.append(w)
+        w *= 2
+    return widths + [width]
 
 
 def _predictor_layers(

@@ -17,7 +17,8 @@ up to the float32 rounding of the decode arithmetic (a few float32 ulp of the gr
 the fp16 range (|x| < 65504), as every model's K/V here does.
 
 Wire layout (names -> CPU tensors), for keys/values [n_kv, T, hd]:
-  k_codes  uint8 [n_kv, T, hd] (bits=8) or [n_kv, T, ceil(hd/2)] (bits=4, low nibble first)
+  k_codes  uint8 [n_kv, T, hd] (bits=8), [n_kv, T, ceil(hd/2)] (bits=4, low nibble first) or
+           [n_kv, T, ceil(hd/4)] (bits=2, low bits first)
   k_scale, k_min  float16 [n_kv, ceil(T/group_size), hd]
   v_codes  like k_codes
   v_scale, v_min  float16 [n_kv, T, ceil(hd/group_size)]
@@ -30,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-BITS = (8, 4)
+BITS = (8, 4, 2)
 PAYLOADS = ("k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min")
 
 
@@ -79,25 +80,31 @@ def _dequantize(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> t
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes [..., n] -> bytes: unchanged for 8 bits; for 4 bits two codes per byte along the
-    last dim, element 2i in the low nibble and 2i+1 in the high one -> [..., ceil(n/2)]."""
+    """uint8 codes [..., n] -> bytes: unchanged for 8 bits; for 4 and 2 bits 8 // bits codes per
+    byte along the last dim, element (8 // bits) i + j in bits [j bits, (j + 1) bits) of byte i
+    (low bits first) -> [..., ceil(n / (8 // bits))]."""
     if bits == 8:
         return codes.contiguous()
-    if codes.shape[-1] % 2:
-        codes = F.pad(codes, (0, 1))
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+    per = 8 // bits
+    if codes.shape[-1] % per:
+        codes = F.pad(codes, (0, per - codes.shape[-1] % per))
+    out = codes[..., 0::per].clone()
+    for j in range(1, per):
+        out |= codes[..., j::per] << (j * bits)
+    return out.contiguous()
 
 
 def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of pack: [..., ceil(n/2)] (4 bits) or [..., n] (8 bits) -> uint8 codes [..., n]."""
+    """Inverse of pack: [..., ceil(n / (8 // bits))] -> uint8 codes [..., n]."""
     if bits == 8:
         return packed
-    both = torch.stack([packed & 0x0F, packed >> 4], dim=-1)  # [..., m, 2]
-    return both.reshape(*packed.shape[:-1], -1)[..., :n]
+    per, mask = 8 // bits, (1 << bits) - 1
+    parts = torch.stack([(packed >> (j * bits)) & mask for j in range(per)], dim=-1)  # [..., m, per]
+    return parts.reshape(*packed.shape[:-1], -1)[..., :n]
 
 
 def codes_width(bits: int, n: int) -> int:
-    return n if bits == 8 else (n + 1) // 2
+    return -(-n // (8 // bits))
 
 
 def payload_shapes(shape: tuple[int, int, int], bits: int, group_size: int) -> dict[str, tuple[int, ...]]:

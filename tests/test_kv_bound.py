@@ -91,7 +91,7 @@ def test_codec_rebuilds_of_the_layers_own_kv_stay_inside(models, name):
         hidden = hostile_hidden(loaded, layer)
         with torch.inference_mode():
             keys, values = own_kv(loaded, layer, hidden, 5)
-            for bits in (8, 4):
+            for bits in (8, 4, 2):
                 k, v = quantize.decode_kv(quantize.encode_kv(keys, values, bits, 16), bits, 16, tuple(keys.shape))
                 assert float(k.abs().max()) <= bound.keys and float(v.abs().max()) <= bound.values, (layer, bits)
             k_pre, v_pre = layers.kv_pre_rope(loaded, layer, loaded.layers[layer].input_layernorm(hidden))

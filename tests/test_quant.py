@@ -70,7 +70,7 @@ def test_groups_are_per_channel_for_keys_and_per_token_for_values():
 
 
 def test_payload_layout_and_bytes():
-    for bits in (8, 4):
+    for bits in (8, 4, 2):
         shape = (2, 97, 15)  # odd head_dim: int4 pads one nibble per row
         p = quantize.encode_kv(*kv_like(shape, 0), bits, 32)
         assert list(p) == list(quantize.PAYLOADS)
@@ -123,7 +123,7 @@ def test_codes_survive_the_wire_bit_exactly(bits):
 @pytest.mark.parametrize(
     "options, named",
     [
-        ({"bits": "3"}, "transfer.options['bits']='3' for codec 'quant': must be '8' or '4'"),
+        ({"bits": "3"}, "transfer.options['bits']='3' for codec 'quant': must be '8', '4' or '2'"),
         ({"group_size": "48"},
          "transfer.options['group_size']='48' for codec 'quant': must be a power of two in 8..128"),
         ({"group_size": "256"}, "transfer.options['group_size']='256'"),

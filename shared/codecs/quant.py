@@ -1,8 +1,8 @@
-"""`quant`: the producer's K/V quantized KIVI-style to int8 or int4 (shared.quantize), rebuilt on
-the consumer in its own dtype. A baseline for SCD at a fixed ~4x / ~8x (plus scales) saving
+"""`quant`: the producer's K/V quantized KIVI-style to int8, int4 or int2 (shared.quantize), rebuilt on
+the consumer in its own dtype. A baseline for SCD at a fixed ~2x / ~4x / ~8x (plus scales) saving
 over 16-bit KV. `quant_schema` is reused by SCD's quantized action.
 
-Options: `bits` "8" | "4" (default "8"); `group_size` a power of two in 8..128 (default "32"):
+Options: `bits` "8" | "4" | "2" (default "8"); `group_size` a power of two in 8..128 (default "32"):
 tokens per key group (per channel) and channels per value group (per token).
 """
 
@@ -31,8 +31,8 @@ from shared.errors import DataLoss
 
 
 def parse_bits(value: str) -> int:
-    if value not in ("8", "4"):
-        raise ValueError("must be '8' or '4'")
+    if value not in ("8", "4", "2"):
+        raise ValueError("must be '8', '4' or '2'")
     return int(value)
 
 

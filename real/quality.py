@@ -1,0 +1,229 @@
+"""Answer quality and bytes of every transfer on the real pair, over real.tasks examples:
+
+    python -m real.quality --artifact artifacts/smollm2-pc.safetensors --split test --n 200 \\
+        --context-tokens 1024 --modes oracle,naive,scd:s4,quant:2,quant:4,recompute --out rows.jsonl
+
+Per example, the producer P prefills the context once (its layer states), the consumer C prefills
+it once (the oracle's cache); each mode's cache is C's rebuild of P's states through that mode's
+codec, the code the services run (calibration.candidates.codec_kv: P's encoder, payloads moved
+to the CPU as the wire would, C's decoder), and C answers greedily on it (the question's ids, then
+up to --max-new-tokens). Modes: `oracle` (C's own cache), `naive` (P's K/V as they are: the raw
+codec), `quant:B` (KIVI-style, B in 8/4/2 bits), `recompute` (DroidSpeak-style over the artifact's
+profiled span), `scd:S` (schedule S of the artifact: a name or its per-layer text).
+
+One JSON line per example and mode (scores: real.score; identical = same text as the oracle's),
+then with `--windows K` the task-free measure per mode (mean next-token KL of C over the 64 real
+tokens after K text windows, real.kl), then one summary line per mode: mean EM / F1 / recall /
+identical, the F1 and the paired F1 gap to the oracle with 95 % bootstrap intervals, bytes per
+context token and the ratio to raw K/V in the run's dtype and in bfloat16. Every line names the
+pair (weights, digests, dtype, origin), the artifact and the split. Offline on purpose: one
+prefill per side per example serves every mode (the services would repeat them per mode);
+tests/test_real_quality.py checks that the services give the same answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from calibration import candidates
+from calibration.kl import layer_cache
+from qa.metrics import bootstrap_ci
+from real import kl, score, tasks
+from real.reuse_gap import answer, model_row
+from shared import kv
+from shared.codecs import create_codecs
+from shared.models import LoadedModel, load_model
+from shared.scd.artifact import Artifact
+
+
+def parse_mode(text: str) -> tuple[str, str, dict[str, str]]:
+    """'quant:4' -> (label, codec, options); `oracle` has no codec ("")."""
+    head, _, arg = text.partition(":")
+    if head == "oracle":
+        return "oracle", "", {}
+    if head == "naive":
+        return "naive", "raw", {}
+    if head == "quant" and arg:
+        return text, "quant", {"bits": arg}
+    if head == "recompute":
+        return "recompute", "recompute", {}
+    if head == "scd" and arg:
+        return text, "scd", {"schedule": arg}
+    raise SystemExit(f"--modes: {text!r} is not oracle | naive | quant:BITS | recompute | scd:SCHEDULE")
+
+
+class Modes:
+    """Each mode's codec pair, resolved options and bytes per context token."""
+
+    def __init__(self, art: Artifact, producer: LoadedModel, consumer: LoadedModel, asked: list[str]):
+        self.asked = [parse_mode(m) for m in asked]
+        names = sorted({codec for _, codec, _ in self.asked if codec})
+        sides = create_codecs(producer, names, [art]), create_codecs(consumer, names, [art])
+        g, layers = art.geometry, art.num_layers
+        self.raw_bytes = candidates.payload_bytes_per_token("raw", {}, g, layers)
+        self.raw_bf16 = layers * g.kv_width * 2
+        self.codecs, self.options, self.bytes = {}, {}, {}
+        for label, codec, options in self.asked:
+            if not codec:
+                self.bytes[label] = self.raw_bytes  # the oracle sends nothing; priced as what it replaces
+                continue
+            if codec == "scd":
+                options = {**options, "artifact": art.artifact_id}
+            if codec == "recompute":
+                start, end = art.meta["recompute_span"]
+                options = {"start": str(start), "end": str(end)}
+            resolved = sides[1][codec].resolve(options)
+            self.codecs[label], self.options[label] = (sides[0][codec], sides[1][codec]), resolved
+            self.bytes[label] = (
+                art.pick(resolved["schedule"]).bytes_per_token
+                if codec == "scd"
+                else candidates.payload_bytes_per_token(codec, resolved, g, layers)
+            )
+
+    def caches(self, consumer: LoadedModel, states, own, num_tokens: int):
+        """(label, cache) per mode for one context: `own` is C's own cache (the oracle's)."""
+        for label, codec, _ in self.asked:
+            if not codec:
+                yield label, own
+            else:
+                layer_kv = candidates.codec_kv(*self.codecs[label], self.options[label], states, num_tokens)
+                yield label, layer_cache(consumer, layer_kv)
+
+
+def _states(producer: LoadedModel, ids: list[int]):
+    return kv.capture_states(producer, ids, kv.Capture.KV | kv.Capture.NORMED | kv.Capture.HIDDEN)[0]
+
+
+def _own(consumer: LoadedModel, ids: list[int]):
+    states = kv.capture_states(consumer, ids, kv.Capture.KV)[0]
+    return layer_cache(consumer, [states[layer].kv() for layer in range(consumer.info.num_layers)])
+
+
+def run(art: Artifact, producer: LoadedModel, consumer: LoadedModel, modes: Modes, args, emit) -> list[dict]:
+    tok = consumer.tokenizer
+    end_id = int(tok.convert_tokens_to_ids("<|im_end|>"))  # type: ignore[arg-type]  # one token -> one id
+    rows = []
+    for example in tasks.examples(tok, args.split, args.n, args.context_tokens, first=args.first):
+        ids = example.context_ids
+        states, own = _states(producer, ids), _own(consumer, ids)
+        said = {
+            label: answer(consumer, cache, example.question_ids, end_id, args.max_new_tokens)
+            for label, cache in modes.caches(consumer, states, own, len(ids))
+        }
+        for label, text in said.items():
+            row = {
+                "kind": "task",
+                "family": example.family,
+                "seed": example.seed,
+                "context_tokens": len(ids),
+                "mode": label,
+                "gold": example.answer,
+                "prediction": text,
+                **score.score(text, example, said["oracle"]),
+            }
+            rows.append(row)
+            emit(row)
+    for i in range(args.windows):
+        window = tasks.text_window(tok, args.split, args.first + i, args.context_tokens)
+        ids = window.context_ids
+        states, own = _states(producer, ids), _own(consumer, ids)
+        for label, cache in modes.caches(consumer, states, own, len(ids)):
+            value = 0.0 if cache is own else kl.mean_kl(consumer, own, cache, window.following_ids)
+            rows.append({"kind": "kl", "seed": window.seed, "context_tokens": len(ids), "mode": label, "mean_kl": value})
+            emit(rows[-1])
+    return rows
+
+
+def summaries(rows: list[dict], modes: Modes) -> list[dict]:
+    task = [r for r in rows if r["kind"] == "task"]
+    oracle = {r["seed"]: r["f1"] for r in task if r["mode"] == "oracle"}
+    out = []
+    for label, _, _ in modes.asked:
+        mine = [r for r in task if r["mode"] == label]
+        if not mine:
+            continue
+        gaps = [oracle[r["seed"]] - r["f1"] for r in mine]
+        kls = [r["mean_kl"] for r in rows if r["kind"] == "kl" and r["mode"] == label]
+        mean = {k: round(sum(float(r[k]) for r in mine) / len(mine), 4) for k in ("em", "f1", "recall", "identical_to_oracle")}
+        out.append(
+            {
+                "kind": "summary",
+                "mode": label,
+                "options": modes.options.get(label, {}),
+                "n": len(mine),
+                **mean,
+                "f1_ci95": [round(x, 4) for x in bootstrap_ci([float(r["f1"]) for r in mine])],
+                "f1_gap": round(sum(gaps) / len(gaps), 4),
+                "f1_gap_ci95": [round(x, 4) for x in bootstrap_ci(gaps)],
+                "by_family": {
+                    f: round(sum(r["f1"] for r in mine if r["family"] == f) / max(1, sum(r["family"] == f for r in mine)), 4)
+                    for f in tasks.FAMILIES
+                },
+                "mean_kl": round(sum(kls) / len(kls), 5) if kls else None,
+                "mean_kl_ci95": [round(x, 5) for x in bootstrap_ci(kls)] if kls else None,
+                "bytes_per_token": round(modes.bytes[label], 2),
+                "bytes_ratio_vs_raw": round(modes.raw_bytes / modes.bytes[label], 2),
+                "bytes_ratio_vs_bf16_raw": round(modes.raw_bf16 / modes.bytes[label], 2),
+            }
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--artifact", type=Path, required=True, help="the pair's SCD artifact (.safetensors)")
+    parser.add_argument("--modes", default="oracle,naive,quant:8,quant:4,quant:2,recompute")
+    parser.add_argument("--split", default="test", choices=sorted(tasks.SEED_BASE))
+    parser.add_argument("--n", type=int, default=200)
+    parser.add_argument("--first", type=int, default=0)
+    parser.add_argument("--context-tokens", type=int, default=1024)
+    parser.add_argument("--windows", type=int, default=0, help="text windows for the task-free KL")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, help="JSON lines (also printed)")
+    args = parser.parse_args(argv)
+    if "oracle" not in args.modes.split(","):
+        raise SystemExit("--modes: oracle is needed (gaps and identical are against it)")
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    art = Artifact.load(args.artifact)
+    producer = load_model(art.meta["producer"]["model_id"], dtype=args.dtype, device="cpu")
+    same = art.meta["consumer"]["model_id"] == art.meta["producer"]["model_id"]
+    consumer = producer if same else load_model(art.meta["consumer"]["model_id"], dtype=args.dtype, device="cpu")
+    art.check_model("producer", producer.info)
+    art.check_model("consumer", consumer.info)
+    modes = Modes(art, producer, consumer, args.modes.split(","))
+    common = {
+        "pair": "P->P" if same else "P->C",
+        "producer_model": model_row(producer.info),
+        "consumer_model": model_row(consumer.info),
+        "artifact": art.artifact_id,
+        "split": args.split,
+        "first": args.first,
+    }
+    out = open(args.out, "w") if args.out else None  # rows are written as they come
+
+    def emit(row: dict) -> None:
+        line = json.dumps({**common, **row})
+        print(line, flush=True)
+        if out:
+            out.write(line + "\n")
+            out.flush()
+
+    rows = run(art, producer, consumer, modes, args, emit)
+    for s in summaries(rows, modes):
+        emit({**s, "context_tokens_asked": args.context_tokens, "wall_s": round(time.perf_counter() - start, 1)})
+    if out:
+        out.close()
+    print(f"{len(rows)} rows in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
