@@ -1,5 +1,6 @@
-"""Model scales the TTFT benchmark runs: the trained QA pair, Qwen2.5-0.5B- and 7B-shaped random
-models (built once into .cache/models), or a tiny/builtin model; each with the inputs it is fed."""
+"""Model scales the TTFT benchmark runs: the trained QA pair, the real pair (SmolLM2-135M-Instruct
+-> its fine-tune here, on real.tasks contexts), Qwen2.5-0.5B- and 7B-shaped random models (built
+once into .cache/models), or a tiny/builtin model; each with the inputs it is fed."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ CHECKPOINTS = services.ROOT / "checkpoints"
 # tiny and trained stay float32 (their rows compare answers token for token across settings);
 # the Qwen shapes run the services' default, auto: bfloat16 where the device computes it natively,
 # else float32 (resolved here, so the rows and the services' --dtype name the dtype that ran)
-SCALE_DTYPE = {"tiny": "float32", "trained": "float32", "qwen05b": "auto", "qwen7b": "auto"}
+SCALE_DTYPE = {"tiny": "float32", "trained": "float32", "real": "float32", "qwen05b": "auto", "qwen7b": "auto"}
+REAL_PAIR = ("smollm2-135m", "smollm2-135m-tuned")
 
 
 def resolved_dtype(requested: str, device: str = "auto") -> str:
@@ -85,7 +87,8 @@ class Workload:
     consumer_model: str
     dtype: str
     vocab_size: int = 0
-    qa: bool = False  # contexts from qa.task (trained pair), else random token ids
+    qa: bool = False  # contexts from qa.task (trained pair)
+    real: bool = False  # contexts from real.tasks (real pair); neither: random token ids
     tokenizer: object = None
     max_new_tokens: int = 2  # the second token times one decode step
     stop_ids: list[int] = field(default_factory=list)
@@ -104,6 +107,12 @@ class Workload:
             ctx = self.tokenizer(ex.context)["input_ids"]
             question = self.tokenizer(ex.question, add_special_tokens=False)["input_ids"]
             return ctx, question, ex.answer
+        if self.real:
+            from real import tasks
+
+            family = tasks.FAMILIES[seed % len(tasks.FAMILIES)]
+            example = tasks.make(self.tokenizer, family, "test", seed % 100_000_000, ctx_tokens)
+            return example.context_ids, example.question_ids, example.answer
         rng = random.Random(seed)
         ctx = [rng.randrange(4, self.vocab_size) for _ in range(ctx_tokens)]
         return ctx, [rng.randrange(4, self.vocab_size) for _ in range(16)], None
@@ -127,6 +136,14 @@ def workload_for(scale: str, args) -> Workload | None:
         max_ctx = FACT_TOKENS * (len(VALUES) // 2) + 1  # every value word once per context
         return Workload("qa-base->qa-tuned", str(base), str(tuned), dtype, len(tok), qa=True, tokenizer=tok,
                         max_new_tokens=4, stop_ids=[end_token_id(tok)], max_ctx=max_ctx, weights="trained")
+    if scale == "real":
+        from transformers import AutoTokenizer
+
+        producer, consumer = REAL_PAIR
+        tok = AutoTokenizer.from_pretrained(resolve_path(producer))
+        end = int(tok.convert_tokens_to_ids("<|im_end|>"))
+        return Workload(f"{producer}->{consumer}", producer, consumer, dtype, len(tok), real=True, tokenizer=tok,
+                        max_new_tokens=2, stop_ids=[end], weights=weights_of(producer))
     if scale in ("qwen05b", "qwen7b"):
         name = f"{scale}-random"
         path = str(ensure_random(name, RANDOM_MODELS[name]))

@@ -20,9 +20,9 @@ DEFAULT_MODES = ["oracle", "raw", "quant:bits=8", "quant:bits=4", "recompute", "
 # Grids per machine: (bandwidths in Mbit/s, None = unshaped; context lengths in tokens). On this
 # 2-core CPU the 0.5B-shaped model prefills 512 tokens in ~1.4 s and 2048 in ~6 s (bf16, quiet).
 GRIDS = {
-    "gpu": {"trained": ([10, 100, 1000, None], [512, 2048, 4096]), "qwen05b": ([10, 100, 1000, None], [512, 2048, 4096]),
+    "gpu": {"trained": ([10, 100, 1000, None], [512, 2048, 4096]), "real": ([100, 1000], [2048, 4096]), "qwen05b": ([10, 100, 1000, None], [512, 2048, 4096]),
             "qwen7b": ([100, 1000, None], [2048])},
-    "cpu": {"trained": ([10, 100, 1000, None], [512, 2048, 4096]), "qwen05b": ([10, 100, 1000], [512, 2048, 4096]),
+    "cpu": {"trained": ([10, 100, 1000, None], [512, 2048, 4096]), "real": ([100, 1000], [2048, 4096]), "qwen05b": ([10, 100, 1000], [512, 2048, 4096]),
             "qwen7b": ([1000], [512])},
 }
 QUICK = dict(runs=2, warmup=1, contexts=[256], bandwidths=[100], stores=["cold"])
