@@ -185,7 +185,12 @@ class JobBuilder:
             auto = self.chooser.choose(context_ids, either, only=[named, own], tenant=tenant)
             fallback = f"{'local' if auto.chosen.mode == ORACLE_MODE else 'remote'}: {auto.reason}"
             codec, options = self._chosen(auto)
-        estimate = None if auto is not None else self.chooser.estimate_named(mode, options, context_ids, tenant)
+        estimate = None
+        if auto is not None:
+            key = auto.key
+        else:
+            key = self.chooser.key(mode, options)
+            estimate = self.chooser.estimate_named(mode, options, key, context_ids, tenant)
         policy = POLICIES[request.on_transfer_failure]
         unspecified = request.on_transfer_failure == consumer_pb2.TRANSFER_FAILURE_POLICY_UNSPECIFIED
         if budget is not None and unspecified and (budget.modes is None or ORACLE_MODE in budget.modes):
@@ -219,6 +224,7 @@ class JobBuilder:
             audit_positions=request.audit_positions or 8,
             audit_threshold=cfg.audit_threshold,
             auto=auto,
+            candidate_key=key,
             estimate=estimate,
             verify=VERIFIES[request.verify],
             repair=repair,

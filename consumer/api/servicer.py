@@ -206,7 +206,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         async with contextlib.aclosing(self.pipeline.run(job)) as items:
             async for item in items:
                 if isinstance(item, GenerateResult):
-                    learn(self.planner, self.memory, self.chooser.key, job, item)
+                    learn(self.planner, self.memory, job, item)
                     if self.probe is not None:
                         self.probe.touch()
                     self.auto_choices += job.auto is not None and not job.fallback

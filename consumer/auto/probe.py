@@ -178,6 +178,7 @@ class BackgroundProbe:
             span_ms=trailer.span_ms,
             span_bytes=trailer.span_bytes,
             rebuilt=False,
+            key=key,
         )
         self.planner.observe(observed)
         self.done[why] = self.done.get(why, 0) + 1

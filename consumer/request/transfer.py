@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
-from consumer.auto.planner import TransferPlanner, mode_key
+from consumer.auto.planner import TransferPlanner
 from consumer.engine.batch import BatchEngine
 from consumer.engine.kv_pool import SequenceKV
 from consumer.engine.process import EngineProcess
@@ -199,13 +199,13 @@ class Transfer:
         if job.on_failure != LOCAL_PREFILL or self.planner is None or job.codec is None:
             return None
         local = self.planner.estimate_local(len(job.context_ids)).ms
-        per_token = self.planner.bytes_per_token.get(mode_key(job.codec.name, job.options))
+        per_token = self.planner.bytes_per_token.get(job.candidate_key)
         prior = job.auto.chosen.bytes_per_token if job.auto is not None else None
         bpt = per_token.value if per_token is not None and per_token.value is not None else prior
         if local is None or not bpt:
             return None
         expected = bpt * sent_tokens
-        chosen = next((s for s in job.auto.scored if s.chosen), None) if job.auto is not None else None
+        chosen = job.auto.picked if job.auto is not None else None
         link_paced = chosen is not None and chosen.estimate.link_paced and opened > 0
         seen: list[tuple[float, int]] = [(opened, 0)] if link_paced else []  # (when, bytes received) after each layer
 
