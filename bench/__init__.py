@@ -6,8 +6,13 @@
     micro/     one mechanism alone: gRPC transport, the gRPC call floor, the engine's step, a log
                line's CPU, the batched rebuild's CPU; imports harness/
     serving/   the pair under load: throughput, load and pool tests, prefix reuse and turns, mode
-               auto per link, quality, the cache audit, verified decoding, TTFT (ttft/), the GPU check
+               auto per link, quality, the cache audit, verified decoding, TTFT (ttft/), the GPU check;
+               each writes its rows (and prints its own table of them); imports harness/, micro/,
+               demo.py, never figures/
     figures/   the committed rows (bench/results/) -> the figures -> docs/results.md and the
-               README's generated blocks (`python -m bench.figures.report`)
-    demo.py    `make demo`
+               README's generated blocks (`python -m bench.figures.report`); reads the rows serving/
+               writes, with serving/'s own row formats and tables; imports harness/ and serving/
+    demo.py    `make demo`; imports harness/
+
+tests/test_consumer_parts.py checks these imports.
 """

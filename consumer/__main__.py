@@ -4,7 +4,7 @@ import sys
 
 from consumer.server import ConsumerServer
 from shared.config import ConsumerConfig
-from shared.serving import main
+from shared.service_main import main
 
 if __name__ == "__main__":
     main("consumer", ConsumerConfig, ConsumerServer, sys.argv[1:])

@@ -24,7 +24,7 @@ from consumer.engine.prefix_cache import PrefixCache
 from consumer.engine.process import EngineProcess
 from consumer.link import readiness
 from consumer.link.producer_client import ProducerClient
-from shared import handlers, logs, serving, startup
+from shared import grpc_server, handlers, logs, startup
 from shared.config import ConsumerConfig
 from shared.kv_events import KVEventPublisher
 from shared.models import LoadedModel, load_model, warm_up
@@ -38,7 +38,7 @@ class ConsumerServer:
 
     def __init__(self, config: ConsumerConfig):
         self.config = config
-        self.server = serving.Server([SERVICE_NAME], config)
+        self.server = grpc_server.Server([SERVICE_NAME], config)
         self.servicer = ConsumerServicer(config)
         self.servicer.metrics = self.server.metrics
         self.server.watch(admission=self.servicer.admission)
@@ -70,25 +70,57 @@ class ConsumerServer:
         )
 
     async def load(self, loaded: LoadedModel | None = None) -> None:
+        """The model (unless given), the engine and its KV memory, the servicer's parts, the producer
+        link, then SERVING and the background probes."""
         cfg = self.config
         if loaded is None:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="consumer-load") as loader:
                 loaded = await logs.run_in(loader, load_model, cfg.model, cfg.dtype, cfg.device)
         pool = KVPool(loaded.info, loaded.device, default_pool_bytes(cfg, loaded), cfg.kv_block_tokens)
-        batch: BatchEngine | EngineProcess
-        if cfg.engine_process:
-            loop = asyncio.get_running_loop()
-
-            def exited(why: str) -> None:  # the engine process's reader thread
-                loop.call_soon_threadsafe(self._engine_exited, why)
-
-            threads = torch.get_num_threads()  # as this process resolved it (shared.serving.intra_op_threads)
-            args = (loaded, pool, cfg.model, threads, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens)
-            batch = await asyncio.to_thread(EngineProcess, *args, on_exit=exited)
-        else:
-            batch = BatchEngine(loaded, pool, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens)
-        self.executor = batch
+        batch = self.executor = await self._engine(loaded, pool)
         await logs.run_in(batch, warm_up, loaded)
+        prefix, kv_admission = self._kv_memory(pool, batch)
+        # liveness from the engine's progress (and its local job thread's), not a place in its queue
+        self.server.progress = [batch.progress] + ([batch.local.progress] if isinstance(batch, EngineProcess) else [])
+        self.client = ProducerClient.from_config(cfg, loaded.info.weight_digest, self.server.tracing)
+        self.servicer.attach(loaded, batch, kv_admission, prefix, self.client)
+        self.server.metrics.watch_engine(batch, pool, kv_admission, prefix, self.servicer.pipeline)
+        self.server.metrics.watch_router(
+            self.servicer.model_name, self.servicer.admission, kv_admission, pool, prefix, self.kv_events
+        )
+        link = await self._link(loaded, self.client)
+        await self.server.serving()
+        link.start()
+        self._start_probe(loaded, self.client)
+        log.info(
+            "server.serving",
+            model=self.servicer.model_name,
+            dtype=loaded.info.dtype,
+            dtype_reason=loaded.info.dtype_reason,
+            device=loaded.info.device,
+            digest=loaded.info.weight_digest[:16],
+            kv_pool_bytes=pool.capacity_bytes,
+            max_batch=cfg.max_batch,
+        )
+
+    async def _engine(self, loaded: LoadedModel, pool: KVPool) -> BatchEngine | EngineProcess:
+        """The batch engine: on a thread here, or in a process of its own (--engine-process)."""
+        cfg = self.config
+        if not cfg.engine_process:
+            return BatchEngine(loaded, pool, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens)
+        loop = asyncio.get_running_loop()
+
+        def exited(why: str) -> None:  # the engine process's reader thread
+            loop.call_soon_threadsafe(self._engine_exited, why)
+
+        threads = torch.get_num_threads()  # as this process resolved it (shared.torch_threads.intra_op_threads)
+        args = (loaded, pool, cfg.model, threads, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens)
+        return await asyncio.to_thread(EngineProcess, *args, on_exit=exited)
+
+    def _kv_memory(self, pool: KVPool, batch: BatchEngine | EngineProcess) -> tuple[PrefixCache | None, KVAdmission]:
+        """The prefix cache (--prefix-cache-bytes; its KV events when --kv-events-endpoint is given)
+        and admission by KV memory, which asks the engine to make room."""
+        cfg = self.config
         budget = pool.capacity_bytes // 2 if cfg.prefix_cache_bytes < 0 else cfg.prefix_cache_bytes
         # KV events (--kv-events-endpoint): the prefix cache's chunks as vLLM blocks, medium GPU (the
         # serving pool, whatever its device: what routers treat as the engine's own cache)
@@ -104,34 +136,34 @@ class ConsumerServer:
                 want = blocks + max(blocks, pool.num_blocks // 16)
                 return batch.submit(lambda: (prefix.make_room(want), pool.reclaim()))
 
-        kv_admission = KVAdmission(pool, cfg.max_queue, make_room)
-        # liveness from the engine's progress (and its local job thread's), not a place in its queue
-        self.server.progress = [batch.progress] + ([batch.local.progress] if isinstance(batch, EngineProcess) else [])
-        self.client = client = ProducerClient.from_config(cfg, loaded.info.weight_digest, self.server.tracing)
-        self.servicer.attach(loaded, batch, kv_admission, prefix, self.client)
-        self.server.metrics.watch_engine(batch, pool, kv_admission, prefix, self.servicer.pipeline)
-        self.server.metrics.watch_router(
-            self.servicer.model_name, self.servicer.admission, kv_admission, pool, prefix, self.kv_events
-        )
+        return prefix, KVAdmission(pool, cfg.max_queue, make_room)
+
+    async def _link(self, loaded: LoadedModel, client: ProducerClient) -> readiness.ProducerLink:
+        """The producer link, checked once (readiness and the default mode from what the producer
+        says; a naive-reuse default refused at start), with its health service and metric."""
+        cfg = self.config
         self.link = link = readiness.ProducerLink(
-            self.client.stub, self.servicer.codecs, self.client.transport, cfg.producer_check_interval_s, self._link_changed
+            client.stub, self.servicer.codecs, client.transport, cfg.producer_check_interval_s, self._link_changed
         )
         self.servicer.link = link
         self.server.health_reasons[readiness.HEALTH_SERVICE] = lambda: f"producer link {link.state.state}: {link.state.reason}"
         self.server.metrics.watch_state(
             "scd_producer_link", "producer link state (1: current)", readiness.LINK_STATES, lambda: link.state.state
         )
-        await link.check()  # readiness and the default mode from what the producer says
+        await link.check()
         known = defaults.producer_digest_known(self.servicer.codecs, loaded.info.weight_digest, link.state.producer_digest)
         naive = self.servicer.default.naive_reuse(known, cfg.allow_naive_reuse_default)
         if naive:
             raise startup.StartupError(naive)
-        await self.server.serving()
-        link.start()
+        return link
+
+    def _start_probe(self, loaded: LoadedModel, client: ProducerClient) -> None:
+        """auto's background probes (consumer.auto.probe), told of every Generate by the servicer."""
+        cfg = self.config
         self.probe = BackgroundProbe(
             self.servicer.chooser,
             self.servicer.planner,
-            self.client,
+            client,
             self.servicer.codecs,
             loaded.info,
             cfg.probe_idle_s,
@@ -142,16 +174,6 @@ class ConsumerServer:
         self.servicer.probe = self.probe
         self.server.metrics.watch_probes(self.probe)
         self.probe.start()
-        log.info(
-            "server.serving",
-            model=self.servicer.model_name,
-            dtype=loaded.info.dtype,
-            dtype_reason=loaded.info.dtype_reason,
-            device=loaded.info.device,
-            digest=loaded.info.weight_digest[:16],
-            kv_pool_bytes=pool.capacity_bytes,
-            max_batch=cfg.max_batch,
-        )
 
     def _engine_exited(self, reason: str) -> None:
         """The engine process died: not ready from now on (liveness already reads it stalled)."""

@@ -4,7 +4,7 @@ import sys
 
 from producer.server import ProducerServer
 from shared.config import ProducerConfig
-from shared.serving import main
+from shared.service_main import main
 
 if __name__ == "__main__":
     main("producer", ProducerConfig, ProducerServer, sys.argv[1:])

@@ -20,15 +20,17 @@ from producer.sources import Sources
 from producer.store import ContextStore
 from producer.tenant_stats import TenantStats
 from shared import (
+    admission,
     call_watch,
     chunks,
     describe,
+    grpc_server,
     handlers,
     liveness,
     logs,
     outcomes,
+    rpc_errors,
     security,
-    serving,
     startup,
     tenants,
     wire_bytes,
@@ -57,7 +59,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         self.executor = executor
         self.loaded: LoadedModel | None = None
         self.store_hits = 0
-        self.admission = serving.Admission("max_inflight", config.max_inflight)
+        self.admission = admission.Admission("max_inflight", config.max_inflight)
         self.outcomes = outcomes.Outcomes()
         self.tokens_reused = self.tokens_computed = 0
         self.tenant_stats = TenantStats()  # the same reuse counts per tenant: what Describe shows a caller
@@ -121,17 +123,17 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         if bad is not None:
             raise InvalidArgument(f"token_ids: id {bad} >= vocab_size {vocab}")
 
-    @serving.stream_errors
+    @rpc_errors.stream_errors
     async def Prefill(self, request, context):
         """Admission, then header, layers, trailer. The whole call is inside one try/finally that
         returns the slot and counts exactly one outcome: completed, cancelled or failed."""
         started = time.perf_counter()
-        metadata_id = dict(context.invocation_metadata() or ()).get(serving.REQUEST_ID_HEADER, "")
-        request_id = serving.request_id(request.request_id or metadata_id)
+        metadata_id = dict(context.invocation_metadata() or ()).get(rpc_errors.REQUEST_ID_HEADER, "")
+        request_id = rpc_errors.request_id(request.request_id or metadata_id)
         cfg = self.config
         timeout_s = call_watch.deadline_s(context, cfg.default_timeout_s, cfg.max_timeout_s)
         flags = ("--default-timeout-s / --max-timeout-s", "--write-idle-timeout-s")
-        with serving.request_scope(request_id):
+        with rpc_errors.request_scope(request_id):
             async with CallWatch(context, timeout_s, cfg.write_idle_timeout_s, flags) as watch:
                 messages = self._admitted(request, request_id, context, started, timeout_s)
                 watch.releases(messages)  # a reader that stops gets its slot, buffers and row taken back
@@ -320,7 +322,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             for tier in self.chunks.tiers()
         ]
 
-    @serving.unary_errors
+    @rpc_errors.unary_errors
     async def Describe(self, request, context):
         loaded = self._ready()
         own = self.tenant_stats.peek(tenants.tenant(tenants.checked_salt(request.cache_salt), self.token))
@@ -357,7 +359,7 @@ class ProducerServer:
 
     def __init__(self, config: ProducerConfig):
         self.config = config
-        self.server = serving.Server([SERVICE_NAME], config)
+        self.server = grpc_server.Server([SERVICE_NAME], config)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="producer-compute")
         self.servicer = ProducerServicer(config, self.executor)
         self.servicer.metrics = self.server.metrics

@@ -95,7 +95,7 @@ class ServerConfig:
     liveness_interval_s: float = 5.0  # how often the progress watchdog looks (liveness)
     trace: str = "off"  # OpenTelemetry spans: off | console (JSON on stderr) | memory (tests) | otlp; shared.tracing
     liveness_timeout_s: float = 30.0  # an iteration without progress this long: liveness NOT_SERVING
-    torch_threads: int = 0  # torch's intra-op threads (0: one on CUDA, else one per core; shared.serving)
+    torch_threads: int = 0  # torch's intra-op threads (0: one on CUDA, else one per core; shared.torch_threads)
     malloc_mmap_threshold: int = 33554432  # glibc: message-sized buffers reused from the heap (shared.malloc_tuning); 0 off
     onednn_cache_entries: int = kernel_cache.DEFAULT_ENTRIES  # CPU: matmul kernels oneDNN keeps (shared.kernel_cache); -1: 1024
     # KV cache events in vLLM's wire format (shared.kv_events): the producer's chunk store, the consumer's prefix cache

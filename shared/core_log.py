@@ -10,7 +10,7 @@ lines never take the pipe's detour: each took a second read, decode, match and w
 reader thread (twice the CPU per line: bench.micro.log_cost). Lines of the two
 sources may interleave in another order than they were written. `close` (at exit) puts fd 2
 back and waits for the reader to drain, so a last line written before exit is not lost.
-Only the service entry points install it (`shared.serving.main`); tests and tools never do.
+Only the service entry points install it (`shared.service_main.main`); tests and tools never do.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Errors raised by compute and codec code, each carrying the gRPC status it maps to.
 
 Compute modules raise these without importing grpc; the servicers turn them into status codes
-(`shared.serving.abort_with`). Messages name the offending field and the limit.
+(`shared.rpc_errors`). Messages name the offending field and the limit.
 """
 
 

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared import security
 
-REASON_KEY = "scd-health-reason"  # shared.serving.REASON_KEY (not imported: keeps this module light)
+REASON_KEY = "scd-health-reason"  # shared.health_service.REASON_KEY (not imported: keeps this module light)
 
 
 def status(

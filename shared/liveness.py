@@ -6,7 +6,7 @@ inside one (a layer done, a payload encoded). A process is stuck only when some 
 in progress and has not advanced for longer than the bound: an idle loop is alive, and so is a
 loaded one whose queue is long but whose iterations keep moving (a heartbeat sent through the
 work queue would wait behind that queue and read a busy process as hung). Thread-safe; knows
-nothing about gRPC or health services (shared.serving reports what `stalled_s` says).
+nothing about gRPC or health services (shared.grpc_server reports what `stalled_s` says).
 """
 
 from __future__ import annotations

@@ -196,7 +196,7 @@ class Metrics:
 
     # -- sources read at scrape time ---------------------------------------------------------
     def watch_admission(self, admission) -> None:
-        """In-flight calls, the limit and the rejections of a serving.Admission."""
+        """In-flight calls, the limit and the rejections of a shared.admission.Admission."""
 
         def families():
             yield from unlabelled(

@@ -15,6 +15,7 @@ Checks (each failure is one plain sentence naming the flag and what to fix):
 - TLS and tokens: every PEM and token file exists; each certificate matches its key; CA files parse.
 - Ports: the API, health, metrics and (consumer) HTTP ports are free (and distinct), each named by its flag.
 
+`load_checked` loads the model and narrows `--artifacts` to those calibrated for its weights.
 `fail` reports a failure as one JSON log line (`startup.failed`) plus one plain sentence on
 stderr and exits with status 2: no traceback. Knows no servicer.
 """
@@ -27,6 +28,7 @@ import ssl
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NoReturn
 
 from shared import logs, tiny
 from shared.config import ConsumerConfig, ServerConfig
@@ -248,7 +250,22 @@ def select_artifacts(role: str, digest: str, model_id: str, paths: list[str]) ->
     return kept
 
 
-def fail(service: str, reason: str) -> None:
+def load_checked(service: str, cfg: ServerConfig):
+    """The model loaded, and `cfg` with --artifacts narrowed to the artifact files calibrated for
+    its weights in this role (others logged as skipped: select_artifacts)."""
+    import dataclasses
+
+    from shared.models import load_model
+
+    loaded = load_model(cfg.model, cfg.dtype, cfg.device)
+    if cfg.artifact_paths:
+        info = loaded.info
+        kept = select_artifacts(service, info.weight_digest, info.model_id, cfg.artifact_paths)
+        cfg = dataclasses.replace(cfg, artifacts=",".join(kept))
+    return loaded, cfg
+
+
+def fail(service: str, reason: str) -> NoReturn:
     """One JSON log line, one plain sentence on stderr, exit status 2."""
     log.error("startup.failed", service=service, reason=reason)
     print(f"{service}: cannot start: {reason}", file=sys.stderr, flush=True)

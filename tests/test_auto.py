@@ -91,6 +91,29 @@ async def test_named_requests_teach_the_overhead():
         assert described.stats.auto_choices == 0  # no auto request taught it
 
 
+async def test_a_request_derives_its_candidate_key_once():
+    """Issue 45 item 2: the job builder derives auto's key of a request's transfer once and the job
+    carries it (GenerateJob.candidate_key); the named mode's estimate, the mid-stream watch, what the
+    finished request teaches the planner and the producer memory all read it, none derives it
+    again. Mode auto derives one per candidate it scores, and none after its choice."""
+    async with running_pair("tiny-llama", consumer_kw={"prefix_cache_bytes": 0, "probe_idle_s": 0}) as pair:
+        chooser, planner = pair.consumer.servicer.chooser, pair.consumer.servicer.planner
+        derive, derived = chooser.key, []
+
+        def counted(mode: str, options) -> str:
+            derived.append(mode)
+            return derive(mode, options)
+
+        chooser.key = counted  # type: ignore[method-assign]  # counts, then derives as before
+        _, _, stats = await pair.generate(transfer=common_pb2.CodecSpec(name="raw"), **fields())
+        assert derived == ["raw"] and stats.bytes_received > 0
+        assert list(planner.bytes_per_token) == [derive("raw", dict(stats.transfer.options))]
+        derived.clear()
+        _, _, stats = await pair.generate(transfer=AUTO, **fields())
+        scored = len(stats.auto.candidates) + sum(e.count for e in stats.auto.excluded)
+        assert len(derived) == scored and scored >= 3
+
+
 @pytest.mark.parametrize(
     "options, text",
     [
@@ -355,7 +378,7 @@ def test_a_link_paced_stream_is_watched_from_the_call_on():
         scored = [Scored(raw, True, Estimate(5.0, "", link_paced=link_paced), chosen=True)]
         return GenerateJob(
             "r", list(range(100)), [1], RawCodec(model), {}, 1, Sampling(), frozenset(), time.monotonic() + 60,
-            on_failure=LOCAL_PREFILL, auto=AutoChoice(Budget(0.0, True), raw, "", scored),
+            on_failure=LOCAL_PREFILL, auto=AutoChoice(Budget(0.0, True), raw, "", scored), candidate_key=mode_key("raw", {}),
         )  # fmt: skip
 
     def bursts(link_paced: bool) -> int:

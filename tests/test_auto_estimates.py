@@ -118,8 +118,8 @@ def test_named_and_no_mode_requests_teach_one_estimate_that_converges(pair):
     assert s5.estimate.confident and s5.estimate.ms == pytest.approx(remote_truth("s5", 511), rel=0.25), s5.estimate.detail
     assert s6.estimate.ms == pytest.approx(remote_truth("s6", 511), rel=1.0), s6.estimate.detail  # within 2x, not 17x
     assert chooser.key("scd", named) == s5.key  # the named default and auto's candidate: one key
-    # the plain label a named request's options make (consumer.request.transfer's mid-stream watch reads it) answers too
-    assert planner.bytes_per_token.get(mode_key("scd", named)) is planner.bytes_per_token[s5.key]
+    # the tables hold candidate keys only: a request carries its key (GenerateJob.candidate_key), no plain label is kept
+    assert set(planner.bytes_per_token) <= set(scored) and mode_key("scd", named) not in planner.bytes_per_token
     assert not [k for k in planner.encode if "=," in k or k.endswith("=)") or k == "scd"]  # no empty-option keys
     snapshot = planner.snapshot()
     assert snapshot["producer_prefill.samples"] >= 9 and snapshot["producer_prefill.fixed_ms"] == pytest.approx(15.0, rel=0.05)

@@ -1,4 +1,4 @@
-"""The TTFT benchmark harness (bench.serving.ttft, bench.harness.netns, bench.figures.plot, bench.figures.projection): parsing,
+"""The TTFT benchmark harness (bench.serving.ttft, bench.harness.netns, bench.serving.ttft.plot, bench.figures.projection): parsing,
 statistics, the efficiency lower bound, interleaving order, link cleanup, and a loopback smoke run
 of the real harness with tiny models."""
 
@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from bench.figures import plot, projection
+from bench.figures import projection
 from bench.harness import netns
 from bench.harness.services import ROOT
-from bench.serving.ttft import cli, grid, report
+from bench.serving.ttft import cli, grid, plot, report
 
 KEYS = ["model", "shaping", "bandwidth_mbit", "ctx_tokens", "mode", "schedule", "store", "ttft_ms_median",
         "ttft_ms_min", "ttft_ms_max", "runs", "bytes", "efficiency", "ttft_lower_bound_ms", "load_avg_1m",

@@ -6,7 +6,9 @@ reader (every import, also inside functions and under TYPE_CHECKING):
 - every consumer module belongs to a listed part;
 - the two fronts do not import each other (gRPC: consumer/api/servicer.py and what only it uses;
   HTTP: consumer/api/openai_*.py): the composition root wires both;
-- bench/harness/ imports no other bench package, bench/micro/ only bench/harness/.
+- bench/harness/ imports no other bench package, bench/micro/ only bench/harness/; bench/serving/
+  writes rows and never imports bench/figures/, which reads them (and may import serving's row
+  formats and tables): the two import one way (bench/__init__.py).
 """
 
 from __future__ import annotations
@@ -64,8 +66,17 @@ def parts_name(module: str, parts: list[str]) -> str:
     return "the composition root" if len(pieces) > 1 and pieces[1] in ROOTS else f"{pieces[1]}/"
 
 
+BENCH_ALLOWED = {  # a bench package -> what it may import of bench (bench/__init__.py)
+    "bench.harness": ("bench.harness",),
+    "bench.micro": ("bench.harness", "bench.micro"),
+    "bench.serving": ("bench.harness", "bench.micro", "bench.demo", "bench.serving"),
+    "bench.figures": ("bench.harness", "bench.serving", "bench.figures"),
+    "bench.demo": ("bench.harness", "bench.demo"),
+}
+
+
 def bench_violations(edges: dict[str, list[tuple[int, str]]]) -> list[str]:
-    allowed = {"bench.harness": ("bench.harness",), "bench.micro": ("bench.harness", "bench.micro")}
+    allowed = BENCH_ALLOWED
     bad = []
     for module, imported in sorted(edges.items()):
         package = ".".join(module.split(".")[:2])
@@ -90,8 +101,12 @@ def test_every_consumer_import_runs_down_the_parts():
     assert not bad, "\n".join(bad)
 
 
-def test_harness_and_micro_import_only_below_them():
+def test_bench_packages_import_one_way():
+    """harness/ and micro/ import only below them; serving/ never imports figures/ (figures/ reads
+    the rows serving/ writes); every bench module belongs to a package with its rule."""
     _, edges = graph()
+    packages = {".".join(m.split(".")[:2]) for m in edges if m.startswith("bench.")}
+    assert packages == set(BENCH_ALLOWED), packages
     bad = bench_violations(edges)
     assert not bad, "\n".join(bad)
 
@@ -106,6 +121,8 @@ def test_the_checks_catch_a_reversed_import_a_front_importing_the_other_and_a_st
         "consumer.stray": [],
         "bench.harness.services": [(2, "bench.serving.throughput")],
         "bench.micro.transport": [(6, "bench.harness.netns")],
+        "bench.serving.adaptive": [(62, "bench.figures.serving"), (63, "bench.harness.netns")],
+        "bench.figures.serving": [(16, "bench.serving.adaptive")],
     }
     assert order_violations(edges, parts) == [
         "consumer.api.servicer:3 imports consumer.api.openai_api: one front imports the other (consumer/server.py wires both)",
@@ -113,5 +130,7 @@ def test_the_checks_catch_a_reversed_import_a_front_importing_the_other_and_a_st
         "consumer.stray belongs to no part listed in consumer/__init__.py",
     ]
     assert bench_violations(edges) == [
-        "bench.harness.services:2 imports bench.serving.throughput: bench.harness may import only bench.harness"
+        "bench.harness.services:2 imports bench.serving.throughput: bench.harness may import only bench.harness",
+        "bench.serving.adaptive:62 imports bench.figures.serving: bench.serving may import only bench.harness,"
+        " bench.micro, bench.demo, bench.serving",
     ]

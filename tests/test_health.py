@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared import healthcheck, liveness, serving
+from shared import health_service, healthcheck, liveness
 from tests.conftest import running_pair
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -43,7 +43,7 @@ async def test_liveness_follows_the_compute_thread():
     async with running_pair("tiny-llama", producer_kw=fast, consumer_kw=fast) as pair:
         for server in (pair.producer, pair.consumer):
             probe = f"127.0.0.1:{server.server.health_port}"
-            assert await check(probe, serving.LIVENESS) == SERVING
+            assert await check(probe, health_service.LIVENESS) == SERVING
             assert await check(probe, "") == SERVING
             if server is pair.producer:  # liveness from progress: a forward that stops advancing
                 wedged = server.executor.submit(stuck_iteration, server.servicer.compute_progress, 1.5)
@@ -52,7 +52,7 @@ async def test_liveness_follows_the_compute_thread():
             seen = []
             async with grpc.aio.insecure_channel(probe) as channel:
                 watch = health_pb2_grpc.HealthStub(channel).Watch(
-                    health_pb2.HealthCheckRequest(service=serving.LIVENESS), timeout=10
+                    health_pb2.HealthCheckRequest(service=health_service.LIVENESS), timeout=10
                 )
                 async for reply in watch:
                     seen.append(reply.status)
@@ -61,7 +61,7 @@ async def test_liveness_follows_the_compute_thread():
                     if reply.status == NOT_SERVING:
                         assert await check(probe, "") == SERVING  # readiness is a different signal
             assert seen[-2:] == [NOT_SERVING, SERVING] and wedged.done()
-            assert await asyncio.to_thread(healthcheck.check, probe, 3.0, serving.LIVENESS)
+            assert await asyncio.to_thread(healthcheck.check, probe, 3.0, health_service.LIVENESS)
 
 
 async def test_producer_liveness_is_progress_not_a_place_in_the_queue():
@@ -82,7 +82,7 @@ async def test_producer_liveness_is_progress_not_a_place_in_the_queue():
         busy = [producer.executor.submit(busy_iteration, progress, 0.6) for _ in range(2)]  # 1.2 s of queue
         seen = set()
         while not all(f.done() for f in busy):
-            seen.add(await check(probe, serving.LIVENESS))
+            seen.add(await check(probe, health_service.LIVENESS))
             await asyncio.sleep(0.05)
         assert seen == {SERVING}
         assert liveness.stalled([progress], 0.3) is None and progress.iterations >= 2
@@ -126,7 +126,7 @@ async def test_consumer_not_ready_when_the_producer_is_incompatible(monkeypatch,
     try:
         await consumer.start()
         await consumer.load()
-        assert await check(consumer.address, serving.LIVENESS) == SERVING
+        assert await check(consumer.address, health_service.LIVENESS) == SERVING
         assert await check(consumer.address, "producer-link") == NOT_SERVING
         if not default_mode:
             assert not consumer.server.not_ready and await check(consumer.address, "") == SERVING

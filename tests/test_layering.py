@@ -125,7 +125,7 @@ def test_the_checks_catch_an_upward_import_and_a_cycle(tmp_path):
     assert cycles(edges) == [["shared.a", "shared.b"]]
 
 
-@pytest.mark.parametrize("module", ["shared.serving", "shared.scd.ops", "shared.scd.artifact", "shared.codecs.scd"])
+@pytest.mark.parametrize("module", ["shared.service_main, shared.grpc_server, shared.rpc_errors", "shared.scd.ops", "shared.scd.artifact", "shared.codecs.scd"])
 def test_the_serving_runtime_loads_without_offline_packages(module):
     """What the services import never pulls in calibration, the test-bed or a service."""
     import subprocess

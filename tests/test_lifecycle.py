@@ -160,10 +160,10 @@ async def test_drain_lets_admitted_calls_finish_refuses_new_ones_and_a_watch_hol
 
 async def test_a_lost_cancel_of_the_liveness_watchdog_does_not_hold_the_stop(monkeypatch):
     """Python 3.11 can lose a cancel that races with an awaited future completing (seen with
-    asyncio.wait_for); the liveness loop (shared.serving) must still end and the server's stop
+    asyncio.wait_for); the liveness loop (shared.grpc_server) must still end and the server's stop
     return. Simulated: every cancel of the watchdog's sleep is lost."""
     from producer.server import ProducerServer
-    from shared import serving
+    from shared import grpc_server
     from shared.config import ProducerConfig
 
     real_wait_for, real_sleep = asyncio.wait_for, asyncio.sleep
@@ -180,7 +180,7 @@ async def test_a_lost_cancel_of_the_liveness_watchdog_does_not_hold_the_stop(mon
         except asyncio.CancelledError:
             return None
 
-    monkeypatch.setattr(serving.asyncio, "sleep", losing_sleep)
+    monkeypatch.setattr(grpc_server.asyncio, "sleep", losing_sleep)
     server = ProducerServer(ProducerConfig(port=0, model="tiny-llama", drain_grace_s=0.1, liveness_interval_s=0.01))
     await server.start()
     await server.load()

@@ -20,7 +20,7 @@ from prometheus_client import generate_latest
 
 from consumer.api import openai_schema as schema
 from consumer.server import ConsumerServer
-from shared import serving, tiny
+from shared import rpc_errors, tiny
 from shared.config import ConsumerConfig
 from shared.pb import consumer_pb2
 from tests.conftest import Pair, running_pair
@@ -249,5 +249,5 @@ async def test_the_served_model_name_is_the_same_everywhere_and_no_path(served):
 
 
 def test_the_path_scrubber_keeps_the_apis_routes():
-    assert serving.public_text("GET /v1/models lists 'm'") == "GET /v1/models lists 'm'"
-    assert serving.public_text("no file /models/checkpoints/qa-base here") == "no file qa-base here"
+    assert rpc_errors.public_text("GET /v1/models lists 'm'") == "GET /v1/models lists 'm'"
+    assert rpc_errors.public_text("no file /models/checkpoints/qa-base here") == "no file qa-base here"

@@ -23,9 +23,9 @@ from shared import wire_bytes
 from shared.codecs import create_codecs
 from shared.config import ProducerConfig
 from shared.errors import DataLoss, ServiceError
+from shared.grpc_server import GRPC_OPTIONS
 from shared.models import load_model
 from shared.pb import common_pb2, producer_pb2
-from shared.serving import GRPC_OPTIONS
 from tests.conftest import prompt, running_pair
 from tests.hostile import batch, consumer_of, copy, record
 

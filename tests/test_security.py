@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from consumer.api.client import ConsumerClient, prompt
 from consumer.server import ConsumerServer
 from producer.server import ProducerServer
-from shared import describe, security, serving
+from shared import describe, health_service, rpc_errors, security
 from shared.config import ConsumerConfig, ProducerConfig
 from shared.pb import producer_pb2, producer_pb2_grpc
 from tests.conftest import wait_serving
@@ -119,7 +119,7 @@ async def test_plaintext_client_fails_the_handshake(mtls_pair, pki):
 async def test_health_needs_no_token(mtls_pair, pki):
     creds = security.channel_credentials(pki["ca"])
     async with grpc.aio.secure_channel(f"localhost:{mtls_pair[1].server.port}", creds) as channel:
-        for service in ("", "scd.v1.ConsumerService", serving.LIVENESS):
+        for service in ("", "scd.v1.ConsumerService", health_service.LIVENESS):
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -217,7 +217,7 @@ def test_no_filesystem_paths_for_callers(tmp_path):
     assert describe.public_model_id("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
     assert describe.public_model_id("tiny-llama") == "tiny-llama"
     text = f"artifact calibrated for {model_dir} (digest 1234), chunk 5/26"
-    assert serving.public_text(text) == "artifact calibrated for qa-base (digest 1234), chunk 5/26"
+    assert rpc_errors.public_text(text) == "artifact calibrated for qa-base (digest 1234), chunk 5/26"
 
 
 def test_config_reads_security_flags_and_env(pki):

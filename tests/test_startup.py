@@ -275,7 +275,7 @@ def test_torch_threads_is_validated_and_sets_the_intra_op_pool():
     assert config_lib.load(ProducerConfig, "producer", [], env={"SCD_PRODUCER_TORCH_THREADS": "1"}).torch_threads == 1
     # a started service runs with it: the flag is applied before the model loads
     code = (
-        "import sys, torch, shared.serving as s\n"
+        "import sys, torch, shared.service_main as s\n"
         "s.run = lambda main: print('threads', torch.get_num_threads())\n"
         "s.main('consumer', __import__('shared.config', fromlist=['x']).ConsumerConfig, object, sys.argv[1:])\n"
     )
@@ -306,7 +306,7 @@ def test_a_transformers_without_the_apis_this_build_calls_is_refused_naming_the_
 
 
 def test_intra_op_threads_one_on_cuda_unless_configured_or_set_by_omp():
-    from shared.serving import intra_op_threads
+    from shared.torch_threads import intra_op_threads
 
     assert intra_op_threads(3, "cuda:0", {})[0] == 3  # --torch-threads wins
     assert intra_op_threads(0, "cuda:0", {})[0] == 1

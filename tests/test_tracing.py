@@ -12,8 +12,8 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from bench.harness.services import free_port
+from shared.grpc_server import TRACE_FLUSH_S
 from shared.pb import common_pb2
-from shared.serving import TRACE_FLUSH_S
 from tests.conftest import prompt, running_pair
 
 

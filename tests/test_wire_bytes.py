@@ -18,9 +18,9 @@ from shared import wire, wire_bytes
 from shared.codecs import create_codecs
 from shared.config import ProducerConfig
 from shared.errors import DataLoss
+from shared.grpc_server import GRPC_OPTIONS
 from shared.models import load_model
 from shared.pb import common_pb2, producer_pb2
-from shared.serving import GRPC_OPTIONS
 
 PAYLOADS = {"k": torch.randn(2, 37, 16), "v": torch.randn(2, 37, 16), "codes": torch.zeros(0, 8, dtype=torch.int8)}
 

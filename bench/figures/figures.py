@@ -15,7 +15,7 @@ import json
 import statistics
 from pathlib import Path
 
-from bench.figures import plot, projection
+from bench.figures import projection
 from bench.figures.gpu import gpu
 from bench.figures.rows import RESULTS, ROOT, artifact_meta, em_f1, rows_of, span, span_words  # noqa: F401 (RESULTS: re-exported)
 from bench.figures.serving import (
@@ -38,6 +38,7 @@ from bench.figures.serving import (
 from bench.figures.verify import verify
 from bench.harness.pairs import PAIRS
 from bench.serving import quality as quality_bench
+from bench.serving.ttft import plot
 from shared.labels import mode_label
 
 # ---- the trained pairs (qa.evaluate pair) -------------------------------------------------------

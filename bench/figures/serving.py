@@ -13,8 +13,8 @@ from pathlib import Path
 from bench.figures.rows import ROOT, artifact_meta, cells_of, json_line, rows_of, span, span_words
 from bench.harness.pairs import PAIRS
 from bench.harness.rss_trend import MAX_RISE_PCT_PER_ROUND, second_half
+from bench.serving.adaptive import settled_vs_fastest
 from bench.serving.audit import table as audit_table
-from bench.serving.ttft.grid import Mode
 from shared.labels import mode_label
 
 # ---- transport, pool, compose, load, contract ----------------------------------------------------
@@ -692,22 +692,6 @@ def adaptive(root: Path = ROOT) -> dict:
         "steps": "\n".join(f"- {line}" for line in step_lines) or "- (no step run in the rows)",
         "mixed": _mixed(root),
     }
-
-
-def settled_vs_fastest(step: dict, grid: list[dict]) -> tuple[float, float, str, float] | None:
-    """A step's settled candidate read on the grid's cell at its rate (`grid`: that cell's rows):
-    (its median over the fastest fixed candidate's within the budget, its median, the fastest's
-    label, the fastest's median); None when the cell has no row of it. Rows are labelled as
-    bench.serving.adaptive labels its picks (bench.serving.ttft.grid.Mode)."""
-    fixed = {
-        Mode(r["mode"], tuple(sorted(r["options"].items()))).label: r["ttft_ms_median"]
-        for r in grid
-        if r["mode"] != "auto" and r["loss"] is not None and r["loss"] <= r["max_loss"] + 1e-9
-    }
-    if step["settled_on"] not in fixed:
-        return None
-    best = min(fixed, key=fixed.__getitem__)
-    return fixed[step["settled_on"]] / fixed[best], fixed[step["settled_on"]], best, fixed[best]
 
 
 def _warm_cell(step: dict, cells: dict[tuple, list[dict]]) -> list[dict]:

@@ -76,8 +76,8 @@ async def bare_once(address: str, token_ids: list[int], pid: int) -> dict:
     """One raw-codec Prefill read as bytes to its trailer, nothing parsed but the trailer."""
     import grpc
 
+    from shared.grpc_server import GRPC_OPTIONS
     from shared.pb import producer_pb2
-    from shared.serving import GRPC_OPTIONS
 
     async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
         prefill = channel.unary_stream("/scd.v1.ProducerService/Prefill", request_serializer=producer_pb2.PrefillRequest.SerializeToString,

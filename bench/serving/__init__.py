@@ -2,6 +2,6 @@
 throughput, load_test, pool_test, prefix, turns, adaptive (+ mixed), quality, audit, verify,
 ttft/ and gpu_check; compose_report judges a `make compose-smoke` run.
 
-May import: bench/harness/, bench/micro/, the figures' row formats (bench/figures/), shared,
-producer, consumer, qa.
+May import: bench/harness/, bench/micro/, bench/demo.py, shared, producer, consumer, qa; never
+bench/figures/ (it reads the rows these write, and may import their formats and tables).
 """

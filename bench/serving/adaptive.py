@@ -59,7 +59,6 @@ from pathlib import Path
 
 import grpc
 
-from bench.figures.serving import settled_vs_fastest
 from bench.harness import netns, services
 from bench.harness.workloads import Workload, note, workload_for
 from bench.serving.ttft.grid import Mode, parse_bandwidth, parse_mode
@@ -289,10 +288,26 @@ def check(rows: list[dict]) -> list[str]:
     return misses
 
 
+def settled_vs_fastest(step: dict, grid: list[dict]) -> tuple[float, float, str, float] | None:
+    """A step's settled candidate read on the grid's cell at its rate (`grid`: that cell's rows):
+    (its median over the fastest fixed candidate's within the budget, its median, the fastest's
+    label, the fastest's median); None when the cell has no row of it. Rows are labelled as
+    this module labels its picks (bench.serving.ttft.grid.Mode)."""
+    fixed = {
+        Mode(r["mode"], tuple(sorted(r["options"].items()))).label: r["ttft_ms_median"]
+        for r in grid
+        if r["mode"] != "auto" and r["loss"] is not None and r["loss"] <= r["max_loss"] + 1e-9
+    }
+    if step["settled_on"] not in fixed:
+        return None
+    best = min(fixed, key=fixed.__getitem__)
+    return fixed[step["settled_on"]] / fixed[best], fixed[step["settled_on"]], best, fixed[best]
+
+
 def settled_too_slow(step: dict, grid: list[dict]) -> str:
     """Settling is adapting only when it settles on a candidate as fast as the fastest fixed one
     at that rate: read on the grid's warm, no-delay cell of the same model and rate
-    (bench.figures.serving.settled_vs_fastest; '' when within TTFT_TARGET or when the run has no
+    (settled_vs_fastest; '' when within TTFT_TARGET or when the run has no
     such cell to read)."""
     read = settled_vs_fastest(step, grid)
     if read is None or read[0] <= TTFT_TARGET:

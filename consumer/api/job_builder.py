@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 
 from consumer.auto.chooser import AUTO_MODE, AutoChoice, Budget, Candidate, Chooser
-from consumer.auto.planner import TransferPlanner
+from consumer.auto.planner import Estimate, TransferPlanner
 from consumer.engine.decoding import Sampling
 from consumer.exact.repair import ANCHORS_OPTION, ATTENTION, REPAIR_OPTION, parse_repair
 from consumer.request.job import (
@@ -93,6 +93,33 @@ def transfer_budget_s(planner: TransferPlanner, context_tokens: int, left_s: flo
     return max(left_s - reserve, MIN_TRANSFER_SHARE * left_s)
 
 
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """The transfer a request runs (JobBuilder._route): codec (None: the own prefill) and options,
+    auto's choice when one was made, the candidate key, and what the job reports of it."""
+
+    codec: codec_lib.Codec | None
+    options: dict[str, str]
+    auto: AutoChoice | None
+    key: str  # Chooser.key of codec and options: GenerateJob.candidate_key
+    fallback: str = ""  # fallback_to_oracle: why the named mode was kept or replaced
+    estimate: Estimate | None = None  # a named mode's estimate at admission
+
+
+def _sampling(s: consumer_pb2.SamplingParams, extras: Extras) -> Sampling:
+    """The request's sampling with the HTTP API's logit processors and log-probabilities."""
+    return Sampling(
+        s.temperature,
+        s.top_p or 1.0,
+        s.seed,
+        extras.logit_bias,
+        extras.presence_penalty,
+        extras.frequency_penalty,
+        extras.top_k,
+        extras.logprobs,
+    )
+
+
 class JobBuilder:
     def __init__(
         self,
@@ -134,9 +161,61 @@ class JobBuilder:
     async def build(
         self, request: consumer_pb2.GenerateRequest, request_id: str, timeout_s: float, extras: Extras | None = None
     ) -> GenerateJob:
+        """The job, top-down: the cheap field checks (a request that fails them costs no
+        tokenization), the transfer asked for, the token ids, the transfer chosen (with the key
+        auto reads and learns it under, derived here once: GenerateJob.candidate_key), the
+        failure policy."""
         cfg = self.config
         extras = extras or Extras()
-        # cheap checks first: a request that fails them costs no tokenization
+        max_new, salt = self._checked(request, extras)
+        mode = request.transfer.name or self.default_mode()
+        spec, repair = self._repair(request.transfer)
+        budget: Budget | None = None
+        options: dict[str, str]
+        if mode == AUTO_MODE:
+            budget = dataclasses.replace(self.chooser.budget(dict(spec.options)), verify=VERIFIES[request.verify])
+            codec, options = None, {}
+        else:
+            codec, options = transfer_codec(self.codecs, spec, mode)
+        context_ids = await self._ids(request.context, "context", cfg.max_context_tokens, special=True)
+        question_ids = await self._ids(request.question, "question", cfg.max_question_tokens, special=False)
+        tenant = tenants.tenant(salt, self.token)
+        route = self._route(request, mode, budget, codec, options, context_ids, tenant)
+        policy = POLICIES[request.on_transfer_failure]
+        unspecified = request.on_transfer_failure == consumer_pb2.TRANSFER_FAILURE_POLICY_UNSPECIFIED
+        if budget is not None and unspecified and (budget.modes is None or ORACLE_MODE in budget.modes):
+            policy = LOCAL_PREFILL  # auto may always answer by the own prefill
+        return GenerateJob(
+            request_id=request_id,
+            context_ids=context_ids,
+            question_ids=question_ids,
+            codec=route.codec,
+            options=route.options,
+            max_new_tokens=max_new,
+            sampling=_sampling(request.sampling, extras),
+            stop_ids=self._stop_ids(request, extras),
+            deadline=time.monotonic() + timeout_s,
+            fallback=route.fallback,
+            on_failure=policy,
+            transfer_budget_s=transfer_budget_s(self.planner, len(context_ids), timeout_s) if policy == LOCAL_PREFILL else None,
+            audit=AUDITS[request.audit],
+            audit_positions=request.audit_positions or 8,
+            audit_threshold=cfg.audit_threshold,
+            auto=route.auto,
+            candidate_key=route.key,
+            estimate=route.estimate,
+            verify=VERIFIES[request.verify],
+            repair=repair,
+            stream_interval=cfg.stream_interval,
+            stop_strings=extras.stop_strings,
+            verify_draft_bytes=cfg.verify_draft_bytes,
+            tenant=tenant,
+            producer_tenant=tenants.tenant(tenant, self.producer_token),
+        )
+
+    def _checked(self, request: consumer_pb2.GenerateRequest, extras: Extras) -> tuple[int, str]:
+        """The fields checked before any tokenization: (max_new_tokens, the checked cache_salt)."""
+        cfg = self.config
         max_new = request.max_new_tokens or DEFAULT_NEW_TOKENS
         if max_new > cfg.max_new_tokens:
             raise InvalidArgument(f"max_new_tokens: {max_new} > limit {cfg.max_new_tokens}")
@@ -161,73 +240,39 @@ class JobBuilder:
         if bad is not None:
             raise InvalidArgument(f"stop_token_ids: id {bad} >= vocab_size {vocab}")
         self._check_extras(extras, VERIFIES[request.verify])
-        mode = request.transfer.name or self.default_mode()
-        spec, repair = self._repair(request.transfer)
-        budget: Budget | None = None
-        options: dict[str, str]
-        if mode == AUTO_MODE:
-            budget = dataclasses.replace(self.chooser.budget(dict(spec.options)), verify=VERIFIES[request.verify])
-            codec, options = None, {}
-        else:
-            codec, options = transfer_codec(self.codecs, spec, mode)
-        context_ids = await self._ids(request.context, "context", cfg.max_context_tokens, special=True)
-        question_ids = await self._ids(request.question, "question", cfg.max_question_tokens, special=False)
-        fallback = ""
-        auto: AutoChoice | None = None
-        tenant = tenants.tenant(salt, self.token)
+        return max_new, salt
+
+    def _route(
+        self,
+        request: consumer_pb2.GenerateRequest,
+        mode: str,
+        budget: Budget | None,
+        codec: codec_lib.Codec | None,
+        options: dict[str, str],
+        context_ids: list[int],
+        tenant: str,
+    ) -> Route:
+        """The transfer this request runs: auto's choice within `budget`; with fallback_to_oracle
+        the named mode or the own prefill, whichever is estimated faster; else the named mode with
+        its estimate. Its key is derived here, once: the chosen candidate's, or the named mode's."""
         if budget is not None:
             auto = self.chooser.choose(context_ids, budget, tenant=tenant)
-            codec, options = self._chosen(auto)
-        elif request.fallback_to_oracle and codec is not None:
+            return Route(*self._chosen(auto), auto, auto.key)
+        if request.fallback_to_oracle and codec is not None:
             named = Candidate(codec.name, options, math.nan, "named by the request")
             own = Candidate(ORACLE_MODE, {}, 0.0, "exact", 0.0)
             either = Budget(math.inf, source="fallback_to_oracle: the named mode or the consumer's own prefill")
             auto = self.chooser.choose(context_ids, either, only=[named, own], tenant=tenant)
             fallback = f"{'local' if auto.chosen.mode == ORACLE_MODE else 'remote'}: {auto.reason}"
-            codec, options = self._chosen(auto)
-        estimate = None if auto is not None else self.chooser.estimate_named(mode, options, context_ids, tenant)
-        policy = POLICIES[request.on_transfer_failure]
-        unspecified = request.on_transfer_failure == consumer_pb2.TRANSFER_FAILURE_POLICY_UNSPECIFIED
-        if budget is not None and unspecified and (budget.modes is None or ORACLE_MODE in budget.modes):
-            policy = LOCAL_PREFILL  # auto may always answer by the own prefill
+            return Route(*self._chosen(auto), auto, auto.key, fallback=fallback)
+        key = self.chooser.key(mode, options)
+        return Route(codec, options, None, key, estimate=self.chooser.estimate_named(mode, options, key, context_ids, tenant))
+
+    def _stop_ids(self, request: consumer_pb2.GenerateRequest, extras: Extras) -> frozenset[int]:
+        """The request's stop ids, else the model's end-of-sequence id; and the HTTP API's."""
         eos = self.loaded.tokenizer.eos_token_id
         stop = frozenset(request.stop_token_ids) or (frozenset([eos]) if eos is not None else frozenset())
-        stop |= extras.stop_token_ids
-        return GenerateJob(
-            request_id=request_id,
-            context_ids=context_ids,
-            question_ids=question_ids,
-            codec=codec,
-            options=options,
-            max_new_tokens=max_new,
-            sampling=Sampling(
-                s.temperature,
-                s.top_p or 1.0,
-                s.seed,
-                extras.logit_bias,
-                extras.presence_penalty,
-                extras.frequency_penalty,
-                extras.top_k,
-                extras.logprobs,
-            ),
-            stop_ids=stop,
-            deadline=time.monotonic() + timeout_s,
-            fallback=fallback,
-            on_failure=policy,
-            transfer_budget_s=transfer_budget_s(self.planner, len(context_ids), timeout_s) if policy == LOCAL_PREFILL else None,
-            audit=AUDITS[request.audit],
-            audit_positions=request.audit_positions or 8,
-            audit_threshold=cfg.audit_threshold,
-            auto=auto,
-            estimate=estimate,
-            verify=VERIFIES[request.verify],
-            repair=repair,
-            stream_interval=cfg.stream_interval,
-            stop_strings=extras.stop_strings,
-            verify_draft_bytes=cfg.verify_draft_bytes,
-            tenant=tenant,
-            producer_tenant=tenants.tenant(tenant, self.producer_token),
-        )
+        return stop | extras.stop_token_ids
 
     def _check_extras(self, extras: Extras, verify: str) -> None:
         """Token ids within the vocabulary; under verified decoding no logit processor and no

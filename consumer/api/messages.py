@@ -120,10 +120,10 @@ def auto_trail(a: AutoChoice | None) -> dict:
     measured TTFT is the line's own ttft_ms)."""
     if a is None:
         return {}
-    chosen = next((s for s in a.scored if s.chosen), None)
+    chosen = a.picked
     estimate = chosen.estimate.ms if chosen is not None else None
     return {
-        "auto_choice": chosen.key if chosen is not None and chosen.key else a.chosen.key,
+        "auto_choice": a.key,
         "auto_reason": a.reason[:400],
         "auto_estimate_ms": round(estimate, 2) if estimate is not None else None,
         "auto_confident": chosen.estimate.confident if chosen is not None else None,

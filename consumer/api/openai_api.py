@@ -32,7 +32,7 @@ from consumer.api import openai_chat
 from consumer.api import openai_schema as schema
 from consumer.api.openai_reply import Reply
 from consumer.request.job import GenerateResult, TokenOut
-from shared import logs, security, serving
+from shared import health_service, logs, rpc_errors, security
 from shared.config import ConsumerConfig
 from shared.errors import InvalidArgument, ServiceError, Unavailable
 from shared.models import LoadedModel
@@ -94,7 +94,7 @@ def error_body(exc: Exception, request_id: str = "") -> tuple[int, dict[str, Any
     if not isinstance(exc, ServiceError):
         return 500, _error(500, f"internal error (request_id={request_id})", None, "internal")
     status = 413 if isinstance(exc, PayloadTooLarge) else STATUS.get(exc.code, 500)
-    param, message = schema.param_of(serving.public_text(str(exc)[:2000]))
+    param, message = schema.param_of(rpc_errors.public_text(str(exc)[:2000]))
     if isinstance(exc, schema.BadField):
         param = exc.param
     code = "model_not_found" if isinstance(exc, NotFound) else exc.code.lower()
@@ -167,7 +167,7 @@ def ssl_context(cfg: ConsumerConfig) -> ssl.SSLContext | None:
 
 class OpenAIServer:
     """The HTTP app over a ConsumerServicer (duck-typed; consumer/server.py wires the two fronts);
-    `why_not` answers the gRPC health rule per service ("" serving: shared.serving.Server's)."""
+    `why_not` answers the gRPC health rule per service ("" serving: shared.grpc_server.Server's)."""
 
     def __init__(self, servicer: Any, config: ConsumerConfig, why_not: Callable[[str], str] = lambda _: ""):
         self.servicer, self.config, self.why_not = servicer, config, why_not
@@ -214,7 +214,7 @@ class OpenAIServer:
         started = time.perf_counter()
         bad_id: InvalidArgument | None = None
         try:  # the caller's x-request-id when it is printable ASCII (it goes back in a header and the logs)
-            rid = serving.request_id(request.headers.get("x-request-id", ""))
+            rid = rpc_errors.request_id(request.headers.get("x-request-id", ""))
         except InvalidArgument as exc:
             rid, bad_id = uuid.uuid4().hex, exc
         request[REQUEST_ID] = rid
@@ -265,7 +265,7 @@ class OpenAIServer:
     # -- probes and models -------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
         """Live: the engine progresses (gRPC health service `liveness`)."""
-        return self._probe(serving.LIVENESS)
+        return self._probe(health_service.LIVENESS)
 
     async def ready(self, request: web.Request) -> web.Response:
         """Ready: the default mode can be served now (gRPC health service "", the same rule)."""

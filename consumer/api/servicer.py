@@ -29,8 +29,8 @@ from consumer.link.producer_client import ProducerClient
 from consumer.pipeline.learning import learn
 from consumer.pipeline.pipeline import RequestPipeline
 from consumer.request.job import AUDIT_OFF, FAIL, ORACLE_MODE, VERIFY_OFF, Commit, Extras, GenerateJob, GenerateResult, TokenOut
+from shared import admission, describe, logs, outcomes, rpc_errors, security
 from shared import codecs as codec_lib
-from shared import describe, logs, outcomes, security, serving
 from shared.config import ConsumerConfig
 from shared.errors import Unavailable
 from shared.metrics import Metrics
@@ -51,7 +51,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         self.config = config
         self.tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="consumer-tokenize")
         self.loaded: LoadedModel | None = None
-        self.admission = serving.Admission("max_inflight", config.max_inflight)
+        self.admission = admission.Admission("max_inflight", config.max_inflight)
         self.outcomes = outcomes.Outcomes()
         self.transfer_fallbacks = 0
         self.auto_choices = 0
@@ -162,10 +162,10 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         tokenizer = self._ready().tokenizer
         return await logs.run_in(self.tokenizer_pool, lambda: tokenizer(text, add_special_tokens=special)["input_ids"])
 
-    @serving.stream_errors
+    @rpc_errors.stream_errors
     async def Generate(self, request, context):
         received = time.perf_counter()
-        timeout_s = serving.remaining_s(context, self.config.default_timeout_s)
+        timeout_s = rpc_errors.remaining_s(context, self.config.default_timeout_s)
         async with contextlib.aclosing(self.generate_items(request, timeout_s, context, received)) as items:
             async for item in items:
                 yield item_to_pb(item)
@@ -182,10 +182,10 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         (max_inflight), outcome counting, the job, the pipeline, the result's bookkeeping; `caller`
         answers cancelled() (the grpc context, or the HTTP request's stand-in); `extras`: what the
         HTTP API asks beyond the message (stop strings, logit processors, log-probabilities)."""
-        request_id = serving.request_id(request.request_id)
+        request_id = rpc_errors.request_id(request.request_id)
         if self.probe is not None:
             self.probe.touch()
-        with serving.request_scope(request_id), self.admission.slot():
+        with rpc_errors.request_scope(request_id), self.admission.slot():
             async for item in self.outcomes.track(
                 self._generate(request, request_id, timeout_s, received, extras), caller, log, "generate"
             ):
@@ -206,7 +206,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         async with contextlib.aclosing(self.pipeline.run(job)) as items:
             async for item in items:
                 if isinstance(item, GenerateResult):
-                    learn(self.planner, self.memory, self.chooser.key, job, item)
+                    learn(self.planner, self.memory, job, item)
                     if self.probe is not None:
                         self.probe.touch()
                     self.auto_choices += job.auto is not None and not job.fallback
@@ -226,7 +226,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
                     )
                 yield item
 
-    @serving.unary_errors
+    @rpc_errors.unary_errors
     async def Describe(self, request, context):
         loaded = self._ready()
         cfg = self.config

@@ -117,6 +117,17 @@ class AutoChoice:
     reason: str
     scored: list[Scored] = field(default_factory=list)
 
+    @property
+    def picked(self) -> Scored | None:
+        """The chosen candidate's entry in `scored`: its key and its estimate (None: not scored)."""
+        return next((s for s in self.scored if s.chosen), None)
+
+    @property
+    def key(self) -> str:
+        """The chosen candidate's key (Chooser.key; its plain label when it was not scored)."""
+        picked = self.picked
+        return picked.key if picked is not None and picked.key else self.chosen.key
+
 
 def _loss(value: str) -> float:
     try:
@@ -297,12 +308,14 @@ class Chooser:
         except (ServiceError, ValueError):
             return None
 
-    def estimate_named(self, mode: str, options: Mapping[str, str], context_ids: list[int], tenant: str = "") -> Estimate:
-        """The estimate for a mode the request named (nothing to choose): its measured TTFT is
-        compared with it afterwards, so named requests teach the learned overhead as auto's own
-        choices do (consumer.pipeline.learning)."""
+    def estimate_named(
+        self, mode: str, options: Mapping[str, str], key: str, context_ids: list[int], tenant: str = ""
+    ) -> Estimate:
+        """The estimate for a mode the request named (nothing to choose; `key`: its Chooser.key, which
+        the request carries): its measured TTFT is compared with it afterwards, so named requests
+        teach the learned overhead as auto's own choices do (consumer.pipeline.learning)."""
         c = Candidate(mode, options, math.nan, "named by the request")
-        return self._estimate(c, self.key(mode, options), context_ids, tenant)
+        return self._estimate(c, key, context_ids, tenant)
 
     def _verified(self, pool: list[Candidate]) -> list[Candidate]:
         """`pool` with its lossy candidates that the default budget admits marked VERIFIED: drafts

@@ -27,7 +27,8 @@ other the two terms cannot be told apart, and a prediction far outside the lengt
 
 One canonical key per candidate (`key`, set by consumer.auto.chooser: a named mode with its default
 options and auto's candidate for the same codec and options are one key), so a request that
-names a mode teaches the estimate auto reads.
+names a mode teaches the estimate auto reads. A request's key is derived once, when its job is
+built, and carried (GenerateJob.candidate_key): its observation reports under it (`Observation.key`).
 
 A candidate's time (`estimate_remote` / `estimate_local`): remote = rtt + producer queue (when it
 computes) + the three pipelined stages (producer compute, wire, rebuild; they overlap layer by
@@ -214,18 +215,6 @@ class RunningMedian:
         return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-class Keyed(dict):
-    """A table by canonical key that also answers to the plain label of a mode and its options as a
-    request named them (the planner records which canonical key each such label meant)."""
-
-    def __init__(self, aliases: dict[str, str]):
-        super().__init__()
-        self.aliases = aliases
-
-    def get(self, key, default=None):  # type: ignore[override]
-        return super().get(self.aliases.get(key, key), default)
-
-
 @dataclass(frozen=True)
 class Observation:
     """What a finished request measured (GenerateResult and stream fields the planner reads)."""
@@ -249,6 +238,9 @@ class Observation:
     question_prefill_ms: float = 0.0
     local_prefill_ms: float = 0.0  # the own prefill's share of rebuild_ms (0: all of it when local_tokens)
     rebuilt: bool = True  # False: a background probe (nothing rebuilt here)
+    # the candidate's key as the request carried it (GenerateJob.candidate_key; a probe's own);
+    # "": derived here from mode and options (a planner used alone)
+    key: str = ""
 
 
 @dataclass(frozen=True)
@@ -284,31 +276,21 @@ def arrived_then_computed(producer: float, wire: float, rebuild: float, layers: 
 class TransferPlanner:
     def __init__(self) -> None:
         self.key: Callable[[str, Mapping[str, str]], str] = mode_key  # canonical key (consumer.auto.chooser sets it)
-        self.aliases: dict[str, str] = {}  # plain label -> canonical key
         self.local = Fit()  # own context prefill
         self.question = Fit()  # question prefill (a few tokens per forward)
         self.producer_prefill = Fit()  # per computed token
         self.producer_queue_ms = Ewma()
         self.link_bytes_per_ms = Ewma(alpha=0.5)
         self.link_lower_bound = False  # the estimate came from a compute-paced span: the link is at least this fast
-        self.encode: dict[str, Fit] = Keyed(self.aliases)
-        self.rebuild: dict[str, Fit] = Keyed(self.aliases)
-        self.bytes_per_token: dict[str, Ewma] = Keyed(self.aliases)
+        self.encode: dict[str, Fit] = {}  # by candidate key, as are the two below
+        self.rebuild: dict[str, Fit] = {}
+        self.bytes_per_token: dict[str, Ewma] = {}
         self.header_ms: collections.deque = collections.deque(maxlen=RTT_WINDOW)
         self.overhead_ms: dict[str, RunningMedian] = {"remote": RunningMedian(), "local": RunningMedian()}
         self.choices_since_link_sample = 0  # auto choices made since the link was last measured
         self.link_sampled_at = 0.0  # time.monotonic() of the last link measurement
 
     # -- learning ---------------------------------------------------------------------------
-    def canonical(self, mode: str, options: Mapping[str, str]) -> str:
-        """The candidate's key; the plain labels of these options (mode_key, and with the empty
-        ones kept) answer to it from now on (Keyed)."""
-        key = self.key(mode, options)
-        if key != mode_key(mode, options):
-            self.aliases[mode_key(mode, options)] = key
-            self.aliases[mode_label(mode, options_label(options))] = key
-        return key
-
     def observe(self, o: Observation) -> None:
         if o.question_tokens and o.question_prefill_ms > 0:
             self.question.add(o.question_tokens, o.question_prefill_ms)
@@ -316,7 +298,7 @@ class TransferPlanner:
             self.local.add(o.local_tokens, o.local_prefill_ms or o.rebuild_ms)
         if o.mode == "oracle" or not o.sent_tokens:
             return
-        key = self.canonical(o.mode, o.options)
+        key = o.key or self.key(o.mode, o.options)
         sent = o.sent_tokens
         self.bytes_per_token.setdefault(key, Ewma()).add(o.bytes_received / sent)
         if o.rebuilt and not o.local_tokens:

@@ -35,8 +35,8 @@ from consumer.auto.chooser import Chooser
 from consumer.auto.planner import Observation, TransferPlanner
 from consumer.link.producer_client import ProducerClient
 from consumer.link.stream_reader import Expectation, LayerPayloads, StreamTrailer
+from shared import background, logs
 from shared import codecs as codec_lib
-from shared import logs, serving
 from shared.models import ModelInfo
 
 log = logs.get("consumer.auto.probe")
@@ -85,7 +85,7 @@ class BackgroundProbe:
             self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        await serving.stop_task(self._task)
+        await background.stop_task(self._task)
         self._task = None
 
     async def _loop(self) -> None:
@@ -178,6 +178,7 @@ class BackgroundProbe:
             span_ms=trailer.span_ms,
             span_bytes=trailer.span_bytes,
             rebuilt=False,
+            key=key,
         )
         self.planner.observe(observed)
         self.done[why] = self.done.get(why, 0) + 1

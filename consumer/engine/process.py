@@ -164,55 +164,19 @@ def _child(spec: dict[str, Any], k: torch.Tensor, v: torch.Tensor, state: torch.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        if spec["torch_threads"]:
-            torch.set_num_threads(spec["torch_threads"])
-        loaded = load_model(spec["model"], spec["dtype"], spec["device"])
-        if loaded.info.identity != spec["identity"]:  # weights at their precision, forward config, dtype
-            raise RuntimeError(f"{spec['model']}: model differs from the frontend's (identity {loaded.info.identity[:16]})")
-        pool = KVPool.attach(loaded.info, k, v, spec["block_tokens"])
-        warm_up(loaded)
+        loaded, pool = _load(spec, k, v)
     except Exception as exc:  # reported to the frontend, which fails its start with it
         conn.send(("failed", f"{type(exc).__name__}: {str(exc)[:500]}"))
         return
-    lock = threading.Lock()
-    tasks: dict[int, Task] = {}
-    cancelled: set[int] = set()
-    # (task id, item, the sequence's length after a terminal item, what verification reads: rows)
-    outbox: list[tuple[int, Any, int, Any]] = []
-    sent_stats: list[tuple[int, ...]] = [()]
-
-    def sink_for(tid: int, task: Task):
-        def sink(item: Any) -> None:  # engine thread
-            terminal = isinstance(item, (Finished, BaseException))
-            outbox.append((tid, _portable(item), task.seq.length if terminal else 0, _rows(task, item)))
-            if terminal:
-                with lock:
-                    tasks.pop(tid, None)
-
-        return sink
-
-    def flush() -> None:  # engine thread, at the end of every iteration
-        items = outbox[:]
-        outbox.clear()
-        with lock:
-            left = [tid for tid in cancelled if tid not in tasks or not engine.holds(tasks[tid])]
-            for tid in left:
-                cancelled.discard(tid)
-                tasks.pop(tid, None)
-        s = engine.stats
-        stats = (s.forwards, s.rows, s.last_batch, s.failed_rows, s.max_batch_seen, s.scratch_bytes)
-        if items or left or stats != sent_stats[0]:
-            sent_stats[0] = stats
-            conn.send(("out", items, left, stats))
-
-    engine = BatchEngine(
+    relay = _Relay(conn)
+    engine = relay.engine = BatchEngine(
         loaded,
         pool,
         spec["max_batch"],
         spec["prefill_chunk"],
         spec["max_batch_tokens"],
         progress=SharedProgress("consumer-engine", state),
-        after_iteration=flush,
+        after_iteration=relay.flush,
     )
     conn.send(("ready",))
     try:
@@ -222,30 +186,96 @@ def _child(spec: dict[str, Any], k: torch.Tensor, v: torch.Tensor, state: torch.
             except (EOFError, OSError):  # the frontend went away
                 break
             if msg[0] == "add":
-                _, tid, blocks, capacity, length, shared_blocks, pending, sampler_of, sampling, rest = msg
-                table = torch.tensor(blocks, dtype=torch.long, device=loaded.device)
-                seq = SequenceKV(pool, blocks, table, capacity, length, shared_blocks=shared_blocks)
-                sampler = sampler_of(sampling, loaded.device) if sampling is not None else None
-                max_new, stop_ids, generated, keep_logits, keep_argmax, nucleus_of = rest
-                task = Task(seq, pending, _no_sink, sampler, max_new, frozenset(stop_ids), generated)
-                task.keep_logits, task.keep_argmax = keep_logits, keep_argmax
-                task.keep_nucleus = Sampler(nucleus_of, loaded.device) if nucleus_of is not None else None
-                task.sink = sink_for(tid, task)
-                with lock:
-                    tasks[tid] = task
+                tid, task = _task_of(msg, loaded, pool)
+                relay.add(tid, task)
                 engine.add(task)
             elif msg[0] == "cancel":
-                with lock:
-                    cancelled.add(msg[1])
-                    held = tasks.get(msg[1])
-                if held is not None:
-                    engine.cancel(held)
-                else:
-                    engine.submit(lambda: None)  # an iteration, so flush reports it left
+                relay.cancel(msg[1])
             elif msg[0] == "stop":
                 break
     finally:
         engine.shutdown(wait=True)
+
+
+def _load(spec: dict[str, Any], k: torch.Tensor, v: torch.Tensor) -> tuple[LoadedModel, KVPool]:
+    """Child: torch's threads, the model (the frontend's, checked by identity), the shared pool
+    attached, warmed up."""
+    if spec["torch_threads"]:
+        torch.set_num_threads(spec["torch_threads"])
+    loaded = load_model(spec["model"], spec["dtype"], spec["device"])
+    if loaded.info.identity != spec["identity"]:  # weights at their precision, forward config, dtype
+        raise RuntimeError(f"{spec['model']}: model differs from the frontend's (identity {loaded.info.identity[:16]})")
+    pool = KVPool.attach(loaded.info, k, v, spec["block_tokens"])
+    warm_up(loaded)
+    return loaded, pool
+
+
+def _task_of(msg: tuple, loaded: LoadedModel, pool: KVPool) -> tuple[int, Task]:
+    """Child: the task an "add" message describes, over the blocks it names (EngineProcess.add)."""
+    _, tid, blocks, capacity, length, shared_blocks, pending, sampler_of, sampling, rest = msg
+    table = torch.tensor(blocks, dtype=torch.long, device=loaded.device)
+    seq = SequenceKV(pool, blocks, table, capacity, length, shared_blocks=shared_blocks)
+    sampler = sampler_of(sampling, loaded.device) if sampling is not None else None
+    max_new, stop_ids, generated, keep_logits, keep_argmax, nucleus_of = rest
+    task = Task(seq, pending, _no_sink, sampler, max_new, frozenset(stop_ids), generated)
+    task.keep_logits, task.keep_argmax = keep_logits, keep_argmax
+    task.keep_nucleus = Sampler(nucleus_of, loaded.device) if nucleus_of is not None else None
+    return tid, task
+
+
+class _Relay:
+    """Child: what goes back to the frontend. Each task's items (its sink, on the engine thread)
+    wait in an outbox; after every iteration (`flush`) one message carries them, the cancelled
+    tasks that have left the batch, and the counters when they changed. The message loop adds
+    and cancels tasks under the same lock."""
+
+    def __init__(self, conn: Any):
+        self.conn = conn
+        self.engine: BatchEngine  # set once built (its after_iteration is `flush`)
+        self.lock = threading.Lock()
+        self.tasks: dict[int, Task] = {}
+        self.cancelled: set[int] = set()
+        # (task id, item, the sequence's length after a terminal item, what verification reads: rows)
+        self.outbox: list[tuple[int, Any, int, Any]] = []
+        self.sent_stats: tuple[int, ...] = ()
+
+    def add(self, tid: int, task: Task) -> None:
+        task.sink = self._sink_for(tid, task)
+        with self.lock:
+            self.tasks[tid] = task
+
+    def cancel(self, tid: int) -> None:
+        with self.lock:
+            self.cancelled.add(tid)
+            held = self.tasks.get(tid)
+        if held is not None:
+            self.engine.cancel(held)
+        else:
+            self.engine.submit(lambda: None)  # an iteration, so flush reports it left
+
+    def _sink_for(self, tid: int, task: Task) -> Callable[[Any], None]:
+        def sink(item: Any) -> None:  # engine thread
+            terminal = isinstance(item, (Finished, BaseException))
+            self.outbox.append((tid, _portable(item), task.seq.length if terminal else 0, _rows(task, item)))
+            if terminal:
+                with self.lock:
+                    self.tasks.pop(tid, None)
+
+        return sink
+
+    def flush(self) -> None:  # engine thread, at the end of every iteration
+        items = self.outbox[:]
+        self.outbox.clear()
+        with self.lock:
+            left = [tid for tid in self.cancelled if tid not in self.tasks or not self.engine.holds(self.tasks[tid])]
+            for tid in left:
+                self.cancelled.discard(tid)
+                self.tasks.pop(tid, None)
+        s = self.engine.stats
+        stats = (s.forwards, s.rows, s.last_batch, s.failed_rows, s.max_batch_seen, s.scratch_bytes)
+        if items or left or stats != self.sent_stats:
+            self.sent_stats = stats
+            self.conn.send(("out", items, left, stats))
 
 
 class EngineProcess(concurrent.futures.Executor):

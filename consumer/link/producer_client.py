@@ -27,8 +27,8 @@ from consumer.link.readiness import failure
 from consumer.link.stream_reader import Event, Expectation, StreamReader
 from shared import chunks, logs, security, tracing
 from shared.errors import DataLoss, DeadlineExceeded, FailedPrecondition, ServiceError, Unavailable
+from shared.grpc_server import GRPC_OPTIONS
 from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
-from shared.serving import GRPC_OPTIONS
 
 log = logs.get("consumer.link.producer_client")
 # gRPC reads this once, when it initializes: without it ring_hash ignores requestHashHeader and

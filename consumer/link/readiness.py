@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import grpc
 
 from consumer.link import compat
-from shared import logs, serving
+from shared import background, logs
 from shared.errors import FailedPrecondition, ServiceError, Unavailable
 from shared.pb import consumer_pb2, producer_pb2
 
@@ -152,7 +152,7 @@ class ProducerLink:
                 await self.check()
 
     async def stop(self) -> None:
-        await serving.stop_task(self._task)
+        await background.stop_task(self._task)
         self._task = None
 
 

@@ -7,42 +7,33 @@ producer memory (consumer.auto.producer_memory). Knows nothing about gRPC."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
 
 from consumer.auto.planner import Observation, TransferPlanner
 from consumer.auto.producer_memory import ProducerMemory
 from consumer.request.job import ORACLE_MODE, GenerateJob, GenerateResult
 
 
-def learn(
-    planner: TransferPlanner,
-    memory: ProducerMemory,
-    key_of: Callable[[str, Mapping[str, str]], str],
-    job: GenerateJob,
-    item: GenerateResult,
-) -> None:
+def learn(planner: TransferPlanner, memory: ProducerMemory, job: GenerateJob, item: GenerateResult) -> None:
     """A finished request's measurements into the planner, and what its transfer left in the
-    producer's store into the memory (under the candidate's canonical key, `key_of`); a flagged
-    cache re-transferred or replaced is no clean sample."""
+    producer's store into the memory, both under the key the job carries (GenerateJob.candidate_key);
+    a flagged cache re-transferred or replaced is no clean sample."""
     if item.audit_decision.startswith("diverged:"):
         return
     if item.abandoned_span is not None:
         planner.observe_abandoned(*item.abandoned_span)
     _overhead(planner, job, item)
-    observed = _observation(job, item)
-    planner.observe(observed)
+    planner.observe(_observation(job, item))
     if item.trailer is not None and item.codec != ORACLE_MODE and job.codec is not None:
         if item.stream_producer is not None:  # what the stream's header said, not the link check
-            key = key_of(job.codec.name, job.options)
             identity, dtype = item.stream_producer
             producer = f"{identity}|{job.tenant}" if identity else ""  # the tenant's own state there (Chooser._estimate)
-            memory.remember(producer, dtype, key, job.context_ids, item.chunk_tokens)
+            memory.remember(producer, dtype, job.candidate_key, job.context_ids, item.chunk_tokens)
 
 
 def _overhead(planner: TransferPlanner, job: GenerateJob, item: GenerateResult) -> None:
     """The measured time to the KV (TTFT minus the question prefill) against what the model said
     before the request ran: auto's choice's estimate, or a named mode's (GenerateJob.estimate)."""
-    chosen = next((s for s in job.auto.scored if s.chosen), None) if job.auto is not None else None
+    chosen = job.auto.picked if job.auto is not None else None
     remote, base_ms = (chosen.candidate.remote, chosen.estimate.base_ms) if chosen else (job.codec is not None, None)
     if job.auto is None and job.estimate is not None:
         base_ms = job.estimate.base_ms
@@ -66,6 +57,7 @@ def _observation(job: GenerateJob, item: GenerateResult) -> Observation:
         producer_store_hit=item.producer_store_hit,
         question_tokens=item.question_tokens,
         question_prefill_ms=item.question_prefill_ms,
+        key=job.candidate_key if item.codec == job.mode else "",
     )
     t = item.trailer if item.codec != ORACLE_MODE else None  # the stream the KV came from
     if t is None:

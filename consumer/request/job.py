@@ -68,6 +68,10 @@ class GenerateJob:
     audit_positions: int = 8
     audit_threshold: float = 0.05  # used when the codec has no calibrated threshold
     auto: AutoChoice | None = None  # how mode auto (or fallback_to_oracle) chose codec and options
+    # auto's key for this job's codec and options (consumer.auto.chooser Chooser.key), derived once
+    # by the job builder: the planner's estimates, the mid-stream watch, what the finished request
+    # teaches and the producer memory all read it under this key
+    candidate_key: str = ""
     estimate: Estimate | None = None  # a named mode's TTFT estimate at admission (teaches the learned overhead)
     verify: str = VERIFY_OFF  # VERIFY_OFF | VERIFY_VERIFIED (stream verified tokens only) | VERIFY_PROVISIONAL
     repair: Repair | None = None  # anchor-token repair after the rebuild (consumer.exact.repair); None: off

@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
-from consumer.auto.planner import TransferPlanner, mode_key
+from consumer.auto.planner import TransferPlanner
 from consumer.engine.batch import BatchEngine
 from consumer.engine.kv_pool import SequenceKV
 from consumer.engine.process import EngineProcess
@@ -199,13 +199,13 @@ class Transfer:
         if job.on_failure != LOCAL_PREFILL or self.planner is None or job.codec is None:
             return None
         local = self.planner.estimate_local(len(job.context_ids)).ms
-        per_token = self.planner.bytes_per_token.get(mode_key(job.codec.name, job.options))
+        per_token = self.planner.bytes_per_token.get(job.candidate_key)
         prior = job.auto.chosen.bytes_per_token if job.auto is not None else None
         bpt = per_token.value if per_token is not None and per_token.value is not None else prior
         if local is None or not bpt:
             return None
         expected = bpt * sent_tokens
-        chosen = next((s for s in job.auto.scored if s.chosen), None) if job.auto is not None else None
+        chosen = job.auto.picked if job.auto is not None else None
         link_paced = chosen is not None and chosen.estimate.link_paced and opened > 0
         seen: list[tuple[float, int]] = [(opened, 0)] if link_paced else []  # (when, bytes received) after each layer
 
@@ -248,7 +248,7 @@ class Transfer:
         later ones arrive (from `partial`'s first token on, when given); the first failure of
         either side cancels the other."""
         assert job.codec is not None and self.source is not None
-        source, codec = self.source, job.codec
+        source = self.source
         started = time.perf_counter()
         first, key = partial or (0, "")
         seq.first_write = first
@@ -258,39 +258,44 @@ class Transfer:
         budget = left(job, "transfer")
         if job.transfer_budget_s is not None:
             budget = min(budget, job.transfer_budget_s)
-        state: dict[str, Any] = {}
-        rebuilds = Rebuilds(asyncio.get_running_loop())
+        pulling = _Pulling(self, job, result, seq, watch)
+        await pulling.run(lambda: source.open(job.request_id, job.context_ids, expect, budget))
+        result.rebuild_ms += pulling.rebuilds.took_ms
+        result.transfer_ms += (time.perf_counter() - started) * 1e3
+        trailer = pulling.trailer
+        assert trailer is not None and pulling.decoder is not None  # the stream contract: header first, trailer last
+        result.producer_prefill_ms = trailer.prefill_ms
+        result.producer_encode_ms = trailer.encode_ms
+        result.producer_store_hit = trailer.store_hit
+        result.trailer = trailer
+        _, took = await self._timed(pulling.decoder.finish)
+        result.rebuild_ms += took
+        seq.length = len(job.context_ids)
+        return pulling.decoder
 
-        async def pump() -> None:
-            stream = source.open(job.request_id, job.context_ids, expect, budget)
-            try:
-                async for event in stream:
-                    if isinstance(event, LayerPayloads):
-                        result.bytes_received += event.nbytes
-                        # handed to the engine at once: no round trip awaited per layer
-                        layer = LayerJob(state["decoder"], event.layer, event.payloads)
-                        try:
-                            rebuilds.add(event.layer, self.engine.submit_grouped(self._rebuild_many, layer))
-                        except RuntimeError:  # stopping
-                            raise Unavailable("the consumer's engine stopped") from None
-                        if watch is not None:
-                            watch(result.bytes_received)
-                    elif isinstance(event, StreamHeader):
-                        event.decoder.bind(seq)  # rebuilt layers go straight into the request's blocks
-                        state["decoder"] = event.decoder
-                        info = event.stream
-                        self.keys.saw_stream(codec, job.options, info, event.chunk_tokens)
-                        result.stream_producer = (info.producer_identity, info.kv_dtype)
-                        result.chunk_tokens = event.chunk_tokens
-                        result.options = {**event.stream.options, **event.stream.metadata}
-                        producer_kv = dataclasses.replace(self.loaded.info, dtype=event.stream.kv_dtype)
-                        result.raw_kv_bytes = producer_kv.kv_bytes(event.stream.num_tokens)
-                    elif isinstance(event, StreamTrailer):
-                        state["trailer"] = event
-            finally:
-                await stream.aclose()
 
-        pumping = asyncio.ensure_future(pump())
+class _Pulling:
+    """One stream being pulled into a request's blocks (Transfer.pull): its header binds the
+    decoder to the blocks and says what the stream is, each layer is handed to the engine as it
+    arrives (`Rebuilds`) and counted by the watch, its trailer is kept; the stream ends at the
+    first failed rebuild, and a failed stream cancels the rebuilds not yet run."""
+
+    def __init__(
+        self,
+        transfer: Transfer,
+        job: GenerateJob,
+        result: GenerateResult,
+        seq: SequenceKV,
+        watch: Callable[[int], None] | None,
+    ):
+        self.transfer, self.job, self.result, self.seq, self.watch = transfer, job, result, seq, watch
+        self.rebuilds = Rebuilds(asyncio.get_running_loop())
+        self.decoder: CacheDecoder | None = None
+        self.trailer: StreamTrailer | None = None
+
+    async def run(self, open_stream: Callable[[], AsyncGenerator[Event, None]]) -> None:
+        pumping = asyncio.ensure_future(self._pump(open_stream))
+        rebuilds = self.rebuilds
         try:
             # the stream, unless a rebuild fails first (that ends the stream at once)
             await asyncio.wait([pumping, rebuilds.failed], return_when=asyncio.FIRST_COMPLETED)
@@ -301,15 +306,41 @@ class Transfer:
             pumping.cancel()
             rebuilds.cancel()  # layers not rebuilt yet never run once the transfer failed
             await asyncio.gather(pumping, return_exceptions=True)
-        result.rebuild_ms += rebuilds.took_ms
-        trailer: StreamTrailer = state["trailer"]
-        result.transfer_ms += (time.perf_counter() - started) * 1e3
-        result.producer_prefill_ms = trailer.prefill_ms
-        result.producer_encode_ms = trailer.encode_ms
-        result.producer_store_hit = trailer.store_hit
-        result.trailer = trailer
-        decoder: CacheDecoder = state["decoder"]
-        _, took = await self._timed(decoder.finish)
-        result.rebuild_ms += took
-        seq.length = len(job.context_ids)
-        return decoder
+
+    async def _pump(self, open_stream: Callable[[], AsyncGenerator[Event, None]]) -> None:
+        stream = open_stream()
+        try:
+            async for event in stream:
+                if isinstance(event, LayerPayloads):
+                    self._layer(event)
+                elif isinstance(event, StreamHeader):
+                    self._header(event)
+                elif isinstance(event, StreamTrailer):
+                    self.trailer = event
+        finally:
+            await stream.aclose()
+
+    def _layer(self, event: LayerPayloads) -> None:
+        result = self.result
+        result.bytes_received += event.nbytes
+        assert self.decoder is not None  # the stream contract: the header comes first
+        # handed to the engine at once: no round trip awaited per layer
+        layer = LayerJob(self.decoder, event.layer, event.payloads)
+        try:
+            self.rebuilds.add(event.layer, self.transfer.engine.submit_grouped(self.transfer._rebuild_many, layer))
+        except RuntimeError:  # stopping
+            raise Unavailable("the consumer's engine stopped") from None
+        if self.watch is not None:
+            self.watch(result.bytes_received)
+
+    def _header(self, event: StreamHeader) -> None:
+        event.decoder.bind(self.seq)  # rebuilt layers go straight into the request's blocks
+        self.decoder = event.decoder
+        info, result = event.stream, self.result
+        assert self.job.codec is not None
+        self.transfer.keys.saw_stream(self.job.codec, self.job.options, info, event.chunk_tokens)
+        result.stream_producer = (info.producer_identity, info.kv_dtype)
+        result.chunk_tokens = event.chunk_tokens
+        result.options = {**info.options, **info.metadata}
+        producer_kv = dataclasses.replace(self.transfer.loaded.info, dtype=info.kv_dtype)
+        result.raw_kv_bytes = producer_kv.kv_bytes(info.num_tokens)

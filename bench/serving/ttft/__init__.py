@@ -32,5 +32,6 @@ shaper burst) / sustained link rate) + question prefill (formula and why no corr
 it: bench.serving.ttft.report). A row above 1.05 fails the run (exit status 3).
 
 Modules: grid (flags' syntax, grids, order), links (loopback / shaped link, outer process),
-measure (services and the interleaved loop), report (rows, bound, check, output), cli.
+measure (services and the interleaved loop), report (rows, bound, check, output), plot (the
+figure and markdown table of the rows: `python -m bench.serving.ttft.plot`), cli.
 """

@@ -151,8 +151,8 @@ class RowWriter:
 
 
 def tables(rows: list[dict], png: Path) -> None:
-    """The figure next to the rows and the markdown tables on stderr (bench.figures.plot)."""
-    from bench.figures import plot
+    """The figure next to the rows and the markdown tables on stderr (bench.serving.ttft.plot)."""
+    from bench.serving.ttft import plot
 
     plot.plot(rows, png)
     print(f"# plot -> {png}", file=sys.stderr)

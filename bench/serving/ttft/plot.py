@@ -1,4 +1,4 @@
-"""`python -m bench.figures.plot`: the TTFT figure and README table from bench/results/ttft.jsonl.
+"""`python -m bench.serving.ttft.plot`: the TTFT figure and README table from bench/results/ttft.jsonl.
 
 Owns presentation only: a PNG of TTFT vs link bandwidth (one panel per model x context, one
 line per mode, oracle dashed; unshaped points sit at the measured link throughput) and a
@@ -7,7 +7,7 @@ row labelled cold or warm; the oracle and the cached-consumer reference as rows 
 latter labelled derived when its row says so;
 `*` marks a cell measured with the load average above the core count), followed by where each
 mode wins and the lowest measured bandwidth at which it beats oracle. Reads rows as bench.serving.ttft
-writes them; measures nothing.
+writes them (bench.figures quotes its table); measures nothing.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def plot(rows: list[dict], png: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.figures.plot", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.serving.ttft.plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("--in", dest="path", type=Path, default=Path(__file__).parents[1] / "results" / "ttft.jsonl")
     parser.add_argument("--png", type=Path, help="default: next to --in, .png")
     parser.add_argument("--no-png", action="store_true")
