@@ -11,7 +11,7 @@ PROTOS  := $(wildcard protos/scd/v1/*.proto)
 PB_GEN  := $(PB_OUT)/scd/v1/.generated
 COMPOSE := .venv-compose/bin/docker-compose
 
-.PHONY: all install real-model proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft compose-config compose-smoke vllm-structs clean
+.PHONY: all install real-model real-artifacts proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft compose-config compose-smoke vllm-structs clean
 
 all: test
 
@@ -164,6 +164,17 @@ artifact-candidates: $(PB_GEN)
 
 bench-quality: $(PB_GEN)
 	$(PYTHON) -m bench.serving.quality
+
+# The real pair's SCD artifacts (SmolLM2-135M-Instruct P -> its fine-tune C, and P -> P), all 30
+# layers, calibrated on the real tasks' train split (real.corpus). Not committed (84 MB each: the
+# .json beside each, committed, holds its schedules, losses, search report and candidates); about
+# 25 min each on a quiet 2-core CPU (42 min while other jobs ran), one thread.
+REAL_CORPUS := --corpus real.corpus:calibration_corpus --corpus-arg ctx=512 --n 24 --heldout 8 --threads 1
+real-artifacts: $(PB_GEN) $(REAL_MODEL)
+	$(PYTHON) -m calibration --producer smollm2-135m --consumer smollm2-135m-tuned $(REAL_CORPUS) \
+		--loss-target 0.02 --out artifacts/smollm2-pc.safetensors
+	$(PYTHON) -m calibration --producer smollm2-135m --consumer smollm2-135m $(REAL_CORPUS) \
+		--loss-target 0.01 --out artifacts/smollm2-pp.safetensors
 
 # Does the consumer's cache audit catch SCD answers that diverge from its own prefill, on the
 # shifted sets of qa/shifted.py? One JSON line per set and a summary -> bench/results/audit.{jsonl,md}

@@ -19,12 +19,14 @@ context token and the ratio to raw K/V in the run's dtype and in bfloat16. Every
 pair (weights, digests, dtype, origin), the artifact and the split. Offline on purpose: one
 prefill per side per example serves every mode (the services would repeat them per mode);
 tests/test_real_quality.py checks that the services give the same answers.
+`python -m real.quality summarize ROWS.jsonl` writes the summaries of a run stopped early.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -71,8 +73,7 @@ class Modes:
         self.codecs, self.options, self.bytes = {}, {}, {}
         for label, codec, options in self.asked:
             if not codec:
-                self.bytes[label] = self.raw_bytes  # the oracle sends nothing; priced as what it replaces
-                continue
+                continue  # the oracle sends nothing
             if codec == "scd":
                 options = {**options, "artifact": art.artifact_id}
             if codec == "recompute":
@@ -140,6 +141,18 @@ def run(art: Artifact, producer: LoadedModel, consumer: LoadedModel, modes: Mode
     return rows
 
 
+def _bytes(modes: Modes, label: str) -> dict:
+    """Bytes per context token and the ratios to raw K/V; none for the oracle (it sends nothing)."""
+    if label == "oracle":
+        return {"bytes_per_token": None, "bytes_ratio_vs_raw": None, "bytes_ratio_vs_bf16_raw": None}
+    b = modes.bytes[label]
+    return {
+        "bytes_per_token": round(b, 2),
+        "bytes_ratio_vs_raw": round(modes.raw_bytes / b, 2),
+        "bytes_ratio_vs_bf16_raw": round(modes.raw_bf16 / b, 2),
+    }
+
+
 def summaries(rows: list[dict], modes: Modes) -> list[dict]:
     task = [r for r in rows if r["kind"] == "task"]
     oracle = {r["seed"]: r["f1"] for r in task if r["mode"] == "oracle"}
@@ -167,15 +180,42 @@ def summaries(rows: list[dict], modes: Modes) -> list[dict]:
                 },
                 "mean_kl": round(sum(kls) / len(kls), 5) if kls else None,
                 "mean_kl_ci95": [round(x, 5) for x in bootstrap_ci(kls)] if kls else None,
-                "bytes_per_token": round(modes.bytes[label], 2),
-                "bytes_ratio_vs_raw": round(modes.raw_bytes / modes.bytes[label], 2),
-                "bytes_ratio_vs_bf16_raw": round(modes.raw_bf16 / modes.bytes[label], 2),
+                **_bytes(modes, label),
             }
         )
     return out
 
 
+def summarize(path: Path) -> None:
+    """Append the summary lines to a rows file whose run was stopped early (its task and KL rows
+    are kept; n is what was measured): the modes, pair and bytes come from the rows and the
+    artifact they name."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r["kind"] != "summary"]
+    first = rows[0]
+    art = next(
+        Artifact.load(f)
+        for f in sorted((Path(__file__).parents[1] / "artifacts").glob("*.safetensors"))
+        if json.loads(f.with_suffix(".json").read_text()).get("artifact_id") == first["artifact"]
+    )
+    asked = list(dict.fromkeys(r["mode"] for r in rows if r["kind"] == "task"))
+    seeds = [r["seed"] for r in rows if r["kind"] == "task" and r["mode"] == asked[-1]]  # examples with every mode
+    rows = [r for r in rows if r["kind"] != "task" or r["seed"] in seeds]
+    producer = load_model(art.meta["producer"]["model_id"], dtype=first["consumer_model"]["dtype"], device="cpu")
+    modes = Modes(art, producer, producer, asked)
+    common = {k: first[k] for k in ("pair", "producer_model", "consumer_model", "artifact", "split", "first")}
+    median = statistics.median(r["context_tokens"] for r in rows if r["kind"] == "task")
+    ctx = min(tasks.CONTEXT_TOKENS, key=lambda c: abs(c - median))
+    with open(path, "w") as out:
+        for r in rows:
+            out.write(json.dumps(r) + "\n")
+        for s in summaries(rows, modes):
+            out.write(json.dumps({**common, **s, "context_tokens_asked": int(ctx), "stopped_early": True}) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
+    if argv is None and sys.argv[1:2] == ["summarize"]:
+        return summarize(Path(sys.argv[2]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--artifact", type=Path, required=True, help="the pair's SCD artifact (.safetensors)")
     parser.add_argument("--modes", default="oracle,naive,quant:8,quant:4,quant:2,recompute")
