@@ -5,6 +5,7 @@ test rows are the headline. Measures nothing."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from bench.figures.rows import RESULTS, cells_of, rows_of
@@ -71,4 +72,25 @@ def real_pair(root: Path = RESULTS.parents[1]) -> dict:
                 "met_on_validation": met,
                 "validation": next(r for r in validation if r["mode"] == mode),
             }
-    return {"tables": "\n\n".join(tables), "cells": out, "chosen": chosen}
+    return {"tables": "\n\n".join(tables), "cells": out, "chosen": chosen, "calibration": calibration(root)}
+
+
+def calibration(root: Path) -> dict:
+    """Per pair, what calibrating its artifact cost (the committed .json beside each artifact)."""
+    out = {}
+    for pair, name in (("P->C", "smollm2-pc"), ("P->P", "smollm2-pp")):
+        path = root / "artifacts" / f"{name}.json"
+        if path.exists():
+            meta = json.loads(path.read_text())
+            search = meta["search"]
+            out[pair] = {
+                "artifact": meta["artifact_id"],
+                "wall_min": meta["calibration"]["wall_s"] / 60,
+                "search_min": sum(search["wall_s"].values()) / 60,
+                "evaluations": search["evaluations"],
+                "evaluated": sum(search["evaluations"].values()),
+                "layers": meta["geometry"]["num_layers"],
+                "schedules": len(meta["schedules"]),
+                "corpus": meta["corpus"]["name"],
+            }
+    return out
