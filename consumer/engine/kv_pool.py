@@ -176,7 +176,7 @@ class KVPool:
         self.k.index_fill_(1, index, 0)  # in place over [layer, block, ...]: no gather-scatter
         self.v.index_fill_(1, index, 0)
         with self._lock:
-            self._free.extend(dirty)
+            self._free.extend(sorted(dirty, reverse=True))  # popped ascending: a run again (read in place)
         for wake in self.on_freed:
             wake()
         return len(dirty)
