@@ -93,7 +93,7 @@ def test_the_pool_forward_equals_the_hf_runner_with_prefill_and_decode_rows_toge
     assert runners[1].gathered_rows > 0
     for layer in range(loaded.info.num_layers):  # both wrote the same K/V at the same positions
         for a, b in zip(kvs[0], kvs[1]):
-            ka, kb = (p.k[layer].view(-1, *p.k.shape[3:])[s.flat_slots[: s.length]] for p, s in ((pools[0], a), (pools[1], b)))
+            ka, kb = (p.k[layer].reshape(-1, *p.k.shape[3:])[s.flat_slots[: s.length]] for p, s in ((pools[0], a), (pools[1], b)))
             tol = 1e-5 if dtype == "float32" else 2**-6 * ka.abs().max().item()
             assert (ka.float() - kb.float()).abs().max().item() <= tol
 
@@ -164,6 +164,25 @@ def test_batched_answers_equal_one_row_per_forward(loaded):
     # max_batch 1, or a silent fallback to one row, every forward has one row), in far fewer forwards
     assert max(sizes[1]) == 1 and max(sizes[8]) == len(specs)
     assert 2 * len(sizes[8]) < len(sizes[1])
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "checkpoints/qa-tuned"])
+def test_the_pool_forward_answers_as_the_hf_runner(name):
+    """The engine's greedy answers, chunked prefill and batched decode, with the default runner
+    (ours over the pool) and the Hugging Face one: the same tokens (float32)."""
+    model = load_model(name, "float32", "cpu")
+    vocab = model.info.vocab_size
+    specs = [(ids(n, seed, vocab), new) for seed, (n, new) in enumerate([(70, 12), (9, 20), (130, 6), (33, 16), (64, 10)])]
+    answers = {}
+    for forward in ("hf", "pool"):
+        pool = pool_for(model)
+        engine = BatchEngine(model, pool, max_batch=8, prefill_chunk=32, max_batch_tokens=64, forward=forward)
+        try:
+            answers[forward] = run_tasks(engine, specs, pool)
+        finally:
+            engine.shutdown()
+    assert answers["pool"] == answers["hf"]
+    assert [len(a) for a in answers["pool"]] == [new for _, new in specs]  # type: ignore[arg-type]
 
 
 def test_decoding_writes_the_pool_in_place(loaded):

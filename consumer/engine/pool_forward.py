@@ -4,9 +4,9 @@ kept as the reference).
 
 Rows are flat: every row's new tokens side by side, [N] ids at their own positions, no padding.
 Per layer, the new K/V go into the pool by slot mapping (one index_copy_ over all rows' tokens),
-then each row attends over its own blocks read where they lie: a row whose blocks are one
-ascending run (what the pool hands out when its free list is not fragmented) is a view of the
-pool, no copy; only a row whose table is not one run has that row's blocks gathered (counted in
+then each row attends over its own blocks read where they lie: in the pool's head-major storage
+(KVPool.k_heads) a row whose blocks are one ascending run (what the pool hands out when its free
+list is not fragmented) is, per head, one contiguous span: a view of the pool, no copy; only a row whose table is not one run has that row's blocks gathered (counted in
 `gathered_rows`). Attention is SDPA per row with the GQA groups folded into the query dimension
 (`_attend_row`): on this CPU that beats SDPA over a gathered rectangle and compiled FlexAttention
 over the pool (bench.micro.engine_step's attention rows; bf16 SDPA with enable_gqa is several times
@@ -31,20 +31,30 @@ from shared.models import LoadedModel
 
 
 class _RowView:
-    """Where one row's keys lie: its first block when its used blocks are one ascending run (a
-    view), else its block table (gathered), and its bottom-right causal mask for n > 1."""
+    """Where one row's keys lie, for the whole forward: when its used blocks are one ascending run,
+    views of every layer's K and V over them ([num_layers, 1, n_kv, L, hd], in place); else its
+    block table (gathered per layer, after the layer's write). And its bottom-right causal mask
+    for n > 1."""
 
-    __slots__ = ("offset", "n", "length", "first", "table", "mask")
+    __slots__ = ("offset", "n", "length", "table", "keys", "values", "mask")
+    keys: torch.Tensor
+    values: torch.Tensor
 
-    def __init__(self, row: Row, offset: int, block_tokens: int, groups: int, device: torch.device):
+    def __init__(self, row: Row, offset: int, pool: KVPool, groups: int):
+        Bt, device = pool.block_tokens, pool.device
         self.offset, self.n = offset, len(row.ids)
         self.length = row.start + self.n  # keys it attends over: its prefix and its new tokens
-        used = -(-self.length // block_tokens)
+        used = -(-self.length // Bt)
         blocks = row.seq.blocks[:used]
         first = blocks[0]
         run = blocks[-1] - first == used - 1 and all(b == first + i for i, b in enumerate(blocks))
-        self.first = first
         self.table = None if run else row.seq.table[:used]
+        if run:
+            L, kv, hd = pool.info.num_layers, pool.info.num_kv_heads, pool.info.head_dim
+            span = slice(first, first + used)
+            assert pool.k_heads is not None and pool.v_heads is not None
+            self.keys = pool.k_heads[:, :, span].view(L, 1, kv, used * Bt, hd)[..., : self.length, :]
+            self.values = pool.v_heads[:, :, span].view(L, 1, kv, used * Bt, hd)[..., : self.length, :]
         self.mask = None
         if self.n > 1:  # query j sees keys 0 .. start + j; the fold repeats it per group
             keys = torch.arange(self.length, device=device)
@@ -52,16 +62,14 @@ class _RowView:
             self.mask = mask.repeat(groups, 1)[None, None]  # [1, 1, g * n, L]
 
 
-def _attend_row(view: _RowView, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, groups: int) -> torch.Tensor:
-    """q [n, H, hd] over keys/values [L, n_kv, hd] -> [n, H, hd]. The query heads of one KV head
-    are folded into the query dimension ([1, n_kv, g * n, hd]), so SDPA runs without GQA support
+def _attend_row(view: _RowView, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """q [n, H, hd] over k/v [1, n_kv, L, hd] -> [n, H, hd]. The query heads of one KV head are
+    folded into the query dimension ([1, n_kv, g * n, hd]), so SDPA runs without GQA support
     (the fast kernel; enable_gqa falls off it in bfloat16)."""
     n, H, hd = q.shape
-    kv = keys.shape[1]
-    k, v = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, n_kv, L, hd]
+    kv = k.shape[1]
     if n == 1:
-        out = F.scaled_dot_product_attention(q.view(1, kv, groups, hd), k, v)  # [1, n_kv, g, hd]
-        return out.view(1, H, hd)
+        return F.scaled_dot_product_attention(q.view(1, kv, groups, hd), k, v).view(1, H, hd)  # via [1, n_kv, g, hd]
     folded = q.view(n, kv, groups, hd).permute(1, 2, 0, 3).reshape(1, kv, groups * n, hd)
     out = F.scaled_dot_product_attention(folded, k, v, attn_mask=view.mask)  # [1, n_kv, g * n, hd]
     return out.view(kv, groups, n, hd).permute(2, 0, 1, 3).reshape(n, H, hd)
@@ -74,6 +82,8 @@ class PoolRunner:
         g = self.model.geometry
         if (g.num_kv_heads, g.head_dim, g.num_layers) != (pool.info.num_kv_heads, pool.info.head_dim, pool.info.num_layers):
             raise ValueError(f"{loaded.info.model_id}: the pool's geometry does not match the model's")
+        if pool.k_heads is None:
+            raise ValueError("pool: the pool forward reads a head-major pool (KVPool(head_major=True))")
         self.groups = g.num_heads // g.num_kv_heads
         self.scratch_limit_blocks = sys.maxsize  # no rectangle is gathered: batches need no split
         self.gathered_rows = 0  # rows whose blocks were not one run (read through a gather)
@@ -89,31 +99,31 @@ class PoolRunner:
         float32, and `row.logits` [tail_logits, vocab] where asked (as Runner.forward). Advances
         every row's `seq.length`."""
         pool, device = self.pool, self.loaded.device
-        Bt = pool.block_tokens
         views, offset = [], 0
         for r in rows:
-            views.append(_RowView(r, offset, Bt, self.groups, device))
+            views.append(_RowView(r, offset, pool, self.groups))
             offset += len(r.ids)
         self.gathered_rows += sum(v.table is not None for v in views)
         ids = torch.tensor([t for r in rows for t in r.ids], dtype=torch.long, device=device)  # [N]
         pos = torch.tensor([r.start + j for r in rows for j in range(len(r.ids))], device=device)  # [N]
         slots = torch.cat([r.seq.flat_slots[r.start : r.start + len(r.ids)] for r in rows])  # [N] pool slots
-        kv, hd = pool.info.num_kv_heads, pool.info.head_dim
+        lengths = [v.n for v in views]
+        kv, hd, groups = pool.info.num_kv_heads, pool.info.head_dim, self.groups
+        heads_k, heads_v = pool.k_heads, pool.v_heads  # [L, n_kv, NB + 1, Bt, hd]
+        assert heads_k is not None and heads_v is not None  # checked at start
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            pool_k, pool_v = pool.k[layer], pool.v[layer]  # [NB + 1, Bt, n_kv, hd]
-            pool_k.view(-1, kv, hd).index_copy_(0, slots, k)  # writes by slot mapping
-            pool_v.view(-1, kv, hd).index_copy_(0, slots, v)
+            pool_k, pool_v = heads_k[layer], heads_v[layer]  # [n_kv, NB + 1, Bt, hd]
+            pool_k.view(kv, -1, hd).index_copy_(1, slots, k.transpose(0, 1))  # writes by slot mapping
+            pool_v.view(kv, -1, hd).index_copy_(1, slots, v.transpose(0, 1))
             outs = []
-            for view in views:
-                if view.table is None:
-                    blocks = slice(view.first, view.first + -(-view.length // Bt))
-                    keys, values = pool_k[blocks], pool_v[blocks]  # views: read in place
-                else:
-                    keys, values = pool_k.index_select(0, view.table), pool_v.index_select(0, view.table)
-                keys = keys.view(-1, kv, hd)[: view.length]  # [L, n_kv, hd]
-                values = values.view(-1, kv, hd)[: view.length]
-                outs.append(_attend_row(view, q[view.offset : view.offset + view.n], keys, values, self.groups))
+            for view, q_row in zip(views, q.split(lengths)):
+                if view.table is None:  # in place
+                    keys, values = view.keys[layer], view.values[layer]  # [1, n_kv, L, hd]
+                else:  # not one run: this row's blocks, gathered
+                    keys = pool_k.index_select(1, view.table).view(1, kv, -1, hd)[:, :, : view.length]
+                    values = pool_v.index_select(1, view.table).view(1, kv, -1, hd)[:, :, : view.length]
+                outs.append(_attend_row(view, q_row, keys, values, groups))
             return outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, H, hd]
 
         h = self.model.hidden(ids, pos, attend)  # [N, d]

@@ -26,10 +26,9 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+    """transformers' RMSNorm (in float32, weight applied in x's dtype), with torch's fused kernel:
+    the same values bit for bit (tests/test_model_forward.py)."""
+    return weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 class Model:
@@ -40,6 +39,14 @@ class Model:
         self.device, self.dtype = embed.device, embed.dtype
         self.rope = rope_mod.Rope(geometry.rope, geometry.head_dim, self.device)
         self.eps = geometry.rms_norm_eps
+        g = geometry
+        # Qwen3: q_norm on every query head and k_norm on every key head, as one [H + n_kv, hd] weight
+        self.qk_norms = [
+            None
+            if w.q_norm is None or w.k_norm is None
+            else torch.cat([w.q_norm.expand(g.num_heads, g.head_dim), w.k_norm.expand(g.num_kv_heads, g.head_dim)])
+            for w in layers
+        ]
 
     @classmethod
     def from_hf(cls, hf: Any, share: bool = True) -> Model:
@@ -61,18 +68,24 @@ class Model:
         """The layer's normalized input (input_layernorm) of the residual stream h [T, d]."""
         return rms_norm(h, self.layers[layer].input_norm, self.eps)
 
-    def qkv_pre_rope(self, layer: int, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, H, hd], k [T, n_kv, hd] (after q/k norm where the model has them, before RoPE),
-        v [T, n_kv, hd] from a normalized input [T, d]: one fused projection."""
+    def qk_v(self, layer: int, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys side by side, qk [T, H + n_kv, hd] (after q/k norm where the model has
+        them, before RoPE), and values v [T, n_kv, hd], from a normalized input [T, d]: one fused
+        projection, and one rotation serves q and k."""
         g, w = self.geometry, self.layers[layer]
-        T = normed.shape[0]
-        q, k, v = F.linear(normed, w.qkv, w.qkv_bias).split([g.q_size, g.kv_size, g.kv_size], dim=-1)
-        q, k, v = q.view(T, g.num_heads, g.head_dim), k.view(T, g.num_kv_heads, g.head_dim), v.view(T, g.num_kv_heads, g.head_dim)
-        if w.q_norm is not None:
-            q = rms_norm(q, w.q_norm, self.eps)
-        if w.k_norm is not None:
-            k = rms_norm(k, w.k_norm, self.eps)
-        return q, k, v
+        qkv = F.linear(normed, w.qkv, w.qkv_bias).view(normed.shape[0], g.num_heads + 2 * g.num_kv_heads, g.head_dim)
+        qk, v = qkv[:, : g.num_heads + g.num_kv_heads], qkv[:, g.num_heads + g.num_kv_heads :]
+        norm = self.qk_norms[layer]
+        if norm is not None:
+            qk = rms_norm(qk, norm, self.eps)
+        return qk, v
+
+    def qkv_pre_rope(self, layer: int, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, hd], k [T, n_kv, hd] (after q/k norm, before RoPE), v [T, n_kv, hd] from a
+        normalized input [T, d]."""
+        qk, v = self.qk_v(layer, normed)
+        H = self.geometry.num_heads
+        return qk[:, :H], qk[:, H:], v
 
     def kv_pre_rope(self, layer: int, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys before RoPE (after k_norm) and values, [T, n_kv, hd] each, from normed [T, d]
@@ -95,9 +108,10 @@ class Model:
         """One decoder layer over the residual stream h [T, d] -> [T, d]."""
         w = self.layers[layer]
         T = h.shape[0]
-        q, k, v = self.qkv_pre_rope(layer, self.normed(layer, h))
-        q, k = rope_mod.apply(q, cos, sin), rope_mod.apply(k, cos, sin)
-        out = attend(layer, q, k, v).reshape(T, -1)  # [T, H * hd]
+        qk, v = self.qk_v(layer, self.normed(layer, h))
+        qk = rope_mod.apply(qk, cos, sin)  # [T, H + n_kv, hd]
+        H = self.geometry.num_heads
+        out = attend(layer, qk[:, :H], qk[:, H:], v).reshape(T, -1)  # [T, H * hd]
         h = h + F.linear(out, w.o, w.o_bias)
         x = rms_norm(h, w.post_norm, self.eps)
         gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
