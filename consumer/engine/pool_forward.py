@@ -56,7 +56,7 @@ class _RowView:
             self.keys = pool.k_heads[:, :, span].view(L, 1, kv, used * Bt, hd)[..., : self.length, :]
             self.values = pool.v_heads[:, :, span].view(L, 1, kv, used * Bt, hd)[..., : self.length, :]
         self.mask = None
-        if self.n > 1:  # query j sees keys 0 .. start + j; the fold repeats it per group
+        if self.n > 1 and row.start > 0:  # query j sees keys 0 .. start + j; the fold repeats it per group
             keys = torch.arange(self.length, device=device)
             mask = keys[None] <= row.start + torch.arange(self.n, device=device)[:, None]  # [n, L]
             self.mask = mask.repeat(groups, 1)[None, None]  # [1, 1, g * n, L]
@@ -65,11 +65,17 @@ class _RowView:
 def _attend_row(view: _RowView, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
     """q [n, H, hd] over k/v [1, n_kv, L, hd] -> [n, H, hd]. The query heads of one KV head are
     folded into the query dimension ([1, n_kv, g * n, hd]), so SDPA runs without GQA support
-    (the fast kernel; enable_gqa falls off it in bfloat16)."""
+    (the fast kernel; enable_gqa falls off it in bfloat16); a chunk from position 0 runs causal
+    over K/V repeated per query head instead."""
     n, H, hd = q.shape
     kv = k.shape[1]
     if n == 1:
         return F.scaled_dot_product_attention(q.view(1, kv, groups, hd), k, v).view(1, H, hd)  # via [1, n_kv, g, hd]
+    if view.mask is None:  # a chunk from position 0: plain causal, the kernel skips the masked blocks
+        if groups > 1:  # each KV head once per query head (a prefill's copy, small beside its work)
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True)  # [1, H, n, hd]
+        return out[0].transpose(0, 1)
     folded = q.view(n, kv, groups, hd).permute(1, 2, 0, 3).reshape(1, kv, groups * n, hd)
     out = F.scaled_dot_product_attention(folded, k, v, attn_mask=view.mask)  # [1, n_kv, g * n, hd]
     return out.view(kv, groups, n, hd).permute(2, 0, 1, 3).reshape(n, H, hd)
