@@ -22,3 +22,9 @@ def test_every_attention_variant_gives_the_gathers_answer():
     row = pool_attention.measure(9, 3, 64, 2, 40, torch.float32, steps=1, flex=False)
     assert row["max_err"] <= 1e-5
     assert {"gather_sdpa_ms", "row_token_major_ms", "row_head_major_ms", "row_gqa_ms"} <= set(row)
+
+
+def test_compare_prefill_times_ours_and_the_runners_forward():
+    loaded = load_model("tiny-llama", "float32", "cpu")
+    row = engine_step.compare_prefill(loaded, [(20, 12), (0, 1)], reps=1)
+    assert row["pool_prefill_ms"] > 0 and row["runner_prefill_ms"] > 0

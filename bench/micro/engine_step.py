@@ -29,7 +29,9 @@ interleaved step by step (pool, runner, bare, pool, ...), medians of `--steps`. 
 the model's own K/V of one seeded random-token context (prefilled once, copied to every row, to
 both pools and to the DynamicCache), so the three steps start from one state and the row checks
 that the pool step's logits equal the runner's (`logits_max_diff`, and `logits_max_abs` for scale). One JSON line per (model, ctx, batch, round) to stdout and
-bench/results/engine_forward.jsonl, with the load average at its start and end.
+bench/results/engine_forward.jsonl, with the load average at its start and end. With `--prefill`, also
+rows "engine_prefill": one prefill forward per PREFILLS shape (a chunk from 0, a chunk after a
+prefix, four chunks, four chunks beside eight decode rows), ours against the runner, median of 3.
 """
 
 from __future__ import annotations
@@ -224,6 +226,49 @@ def compare(loaded, batch: int, ctx: int, steps: int) -> dict:
     }
 
 
+# one prefill forward: (tokens already in the row, new tokens) per row
+PREFILLS = {
+    "512_from_0": [(0, 512)],
+    "512_after_1536": [(1536, 512)],
+    "4x128_from_0": [(0, 128)] * 4,
+    "4x128_after_512_with_8_decode": [(512, 128)] * 4 + [(1024, 1)] * 8,
+}
+
+
+def compare_prefill(loaded, rows: list[tuple[int, int]], reps: int) -> dict:
+    """One prefill forward of these rows, ours (head-major pool) and the HF runner's (token-major),
+    alternating, each on fresh pools whose rows were prefilled to their start; medians in ms."""
+    from consumer.engine.kv_pool import KVPool
+    from consumer.engine.pool_forward import PoolRunner
+    from consumer.engine.runner import Row, Runner
+
+    info = loaded.info
+    g = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(4, info.vocab_size, (start + n,), generator=g).tolist() for start, n in rows]
+    times: dict[str, list[float]] = {"pool": [], "runner": []}
+    for _ in range(reps):
+        for name, runner_type, head_major in (("pool", PoolRunner, True), ("runner", Runner, False)):
+            pool = KVPool(info, loaded.device, sum(s + n + 16 for s, n in rows) * info.kv_bytes(1) + (1 << 20), 16, head_major)
+            runner = runner_type(loaded, pool)
+            seqs = [pool.allocate(start + n) for start, n in rows]
+            with torch.inference_mode():
+                for seq, (start, _), ids in zip(seqs, rows, tokens):
+                    for at in range(0, start, 512):
+                        runner.forward([Row(seq, ids[at : min(start, at + 512)], at)])
+                batch = [Row(seq, ids[start:], start) for seq, (start, _), ids in zip(seqs, rows, tokens)]
+                _sync()
+                started = time.perf_counter()
+                runner.forward(batch)
+                _sync()
+                times[name].append(time.perf_counter() - started)
+    med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    return {
+        "pool_prefill_ms": round(med["pool"], 3),
+        "runner_prefill_ms": round(med["runner"], 3),
+        "pool_vs_runner": round(med["pool"] / med["runner"], 3),
+    }
+
+
 def main_compare(args) -> None:
     from shared.models import load_model
 
@@ -254,6 +299,23 @@ def main_compare(args) -> None:
                         }
                         print(json.dumps(row), flush=True)
                         out.write(json.dumps(row) + "\n")
+                for name, rows in PREFILLS.items() if args.prefill else ():
+                    load_before = round(os.getloadavg()[0], 2)
+                    row = {
+                        "bench": "engine_prefill",
+                        "model": Path(model).name,
+                        "dtype": args.dtype,
+                        "device": str(loaded.device),
+                        "prefill": name,
+                        "round": round_,
+                        **compare_prefill(loaded, rows, 3),
+                        "torch_threads": args.torch_threads or torch.get_num_threads(),
+                        "load_avg_1m": load_before,
+                        "load_avg_1m_end": round(os.getloadavg()[0], 2),
+                        "code": code,
+                    }
+                    print(json.dumps(row), flush=True)
+                    out.write(json.dumps(row) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -265,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ctx", default="512", help="context tokens (--compare: comma-separated)")
     parser.add_argument("--compare", action="store_true", help="new pool step vs HF runner vs bare HF (engine_forward.jsonl)")
     parser.add_argument("--models", default="checkpoints/qa-tuned,smollm2-135m", help="--compare: comma-separated models")
+    parser.add_argument("--prefill", action="store_true", help="--compare: also one prefill forward per PREFILLS shape")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
