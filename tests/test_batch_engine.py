@@ -15,6 +15,7 @@ from consumer.engine.batch import BatchEngine, Finished, Task
 from consumer.engine.decoding import Sampler, Sampling
 from consumer.engine.kv_admission import KVAdmission
 from consumer.engine.kv_pool import KVPool
+from consumer.engine.pool_forward import PoolRunner
 from consumer.engine.runner import Row, Runner
 from shared.errors import DataLoss, DeadlineExceeded, ResourceExhausted
 from shared.models import load_model
@@ -34,10 +35,11 @@ def ids(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(4, vocab, (n,), generator=g).tolist()
 
 
+@pytest.mark.parametrize("runner_type", [Runner, PoolRunner])
 @torch.inference_mode()
-def test_runner_matches_the_models_forward_on_ragged_chunked_rows(loaded):
+def test_runner_matches_the_models_forward_on_ragged_chunked_rows(loaded, runner_type):
     pool = pool_for(loaded)
-    runner = Runner(loaded, pool)
+    runner = runner_type(loaded, pool)
     vocab = loaded.info.vocab_size
     seqs = [ids(n, seed, vocab) for seed, n in enumerate((37, 5, 90))]
     kvs = [pool.allocate(128) for _ in seqs]
@@ -51,6 +53,49 @@ def test_runner_matches_the_models_forward_on_ragged_chunked_rows(loaded):
     for row, s in enumerate(seqs):
         ref = loaded.model(torch.tensor([s + [7]])).logits[0, -1]
         torch.testing.assert_close(logits[row], ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+@torch.inference_mode()
+def test_the_pool_forward_equals_the_hf_runner_with_prefill_and_decode_rows_together(name, dtype):
+    """Our forward over the pool in place against the Hugging Face runner over gathered blocks:
+    the same rows (a chunk after a prefix, a first chunk, decode rows) in one forward each, on two
+    pools with the same tables, one of them scattered (not one run: read through the gather).
+    float32: logits within 1e-4; bfloat16: within 2**-6 of the largest |logit|, argmax equal
+    wherever the reference's margin is above twice that."""
+    loaded = load_model(name, dtype, "cpu")
+    vocab = loaded.info.vocab_size
+    pools = [pool_for(loaded), pool_for(loaded)]
+    runners = [Runner(loaded, pools[0]), PoolRunner(loaded, pools[1])]
+    lengths = (37, 5, 90, 64)
+    seqs = [ids(n, seed, vocab) for seed, n in enumerate(lengths)]
+    kvs = [[pool.allocate(160) for _ in seqs] for pool in pools]
+    scattered = pools[1].allocate(160)
+    assert scattered is not None
+    kvs[1][3], scattered = scattered, kvs[1][3]  # give row 3 blocks out of order: not one run
+    kvs[1][3].blocks = kvs[1][3].blocks[::-1]
+    kvs[1][3].table = torch.tensor(kvs[1][3].blocks)
+    assert kvs[0][3].length == kvs[1][3].length == 0
+
+    def both(make_rows):
+        out = [runner.forward(make_rows(kv_list)) for runner, kv_list in zip(runners, kvs)]
+        tol = 1e-4 if dtype == "float32" else 2**-6 * out[0].abs().max().item()
+        assert (out[0] - out[1]).abs().max().item() <= tol
+        top2 = out[0].topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > 2 * tol
+        assert torch.equal(out[0].argmax(-1)[clear], out[1].argmax(-1)[clear])
+
+    both(lambda kv: [Row(k, s[:30], 0) for k, s in zip(kv, seqs)])  # first chunks, ragged
+    both(lambda kv: [Row(k, s[30:], k.length) for k, s in zip(kv, seqs) if len(s) > 30] + [Row(kv[1], [9], kv[1].length)])
+    for _ in range(3):
+        both(lambda kv: [Row(k, [7], k.length) for k in kv])  # decode rows
+    assert runners[1].gathered_rows > 0
+    for layer in range(loaded.info.num_layers):  # both wrote the same K/V at the same positions
+        for a, b in zip(kvs[0], kvs[1]):
+            ka, kb = (p.k[layer].reshape(-1, *p.k.shape[3:])[s.flat_slots[: s.length]] for p, s in ((pools[0], a), (pools[1], b)))
+            tol = 1e-5 if dtype == "float32" else 2**-6 * ka.abs().max().item()
+            assert (ka.float() - kb.float()).abs().max().item() <= tol
 
 
 def run_tasks(engine: BatchEngine, specs: list[tuple[list[int], int]], pool: KVPool) -> list[list[int] | Exception]:
@@ -119,6 +164,25 @@ def test_batched_answers_equal_one_row_per_forward(loaded):
     # max_batch 1, or a silent fallback to one row, every forward has one row), in far fewer forwards
     assert max(sizes[1]) == 1 and max(sizes[8]) == len(specs)
     assert 2 * len(sizes[8]) < len(sizes[1])
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "checkpoints/qa-tuned"])
+def test_the_pool_forward_answers_as_the_hf_runner(name):
+    """The engine's greedy answers, chunked prefill and batched decode, with the default runner
+    (ours over the pool) and the Hugging Face one: the same tokens (float32)."""
+    model = load_model(name, "float32", "cpu")
+    vocab = model.info.vocab_size
+    specs = [(ids(n, seed, vocab), new) for seed, (n, new) in enumerate([(70, 12), (9, 20), (130, 6), (33, 16), (64, 10)])]
+    answers = {}
+    for forward in ("hf", "pool"):
+        pool = pool_for(model)
+        engine = BatchEngine(model, pool, max_batch=8, prefill_chunk=32, max_batch_tokens=64, forward=forward)
+        try:
+            answers[forward] = run_tasks(engine, specs, pool)
+        finally:
+            engine.shutdown()
+    assert answers["pool"] == answers["hf"]
+    assert [len(a) for a in answers["pool"]] == [new for _, new in specs]  # type: ignore[arg-type]
 
 
 def test_decoding_writes_the_pool_in_place(loaded):

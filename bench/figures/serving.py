@@ -506,6 +506,42 @@ def engine_step(root: Path = ROOT) -> dict:
     return {"table": "\n".join(table), "rows": len(rows), "cells": out}
 
 
+def engine_forward(root: Path = ROOT) -> dict:
+    """bench.micro.engine_step --compare's rows: per (model, dtype, context, batch) the medians over
+    rounds of our pool step, the HF runner's and the bare HF step; per (model, dtype, prefill shape)
+    ours against the runner's prefill forward. Cells `model|dtype|ctx|batch` and `model|dtype|shape`."""
+    rows = rows_of(root / "bench/results/engine_forward.jsonl")
+    steps: dict[tuple, list[dict]] = {}
+    prefills: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["bench"] == "engine_forward":
+            steps.setdefault((r["model"], r["dtype"], r["ctx_tokens"], r["batch"]), []).append(r)
+        else:
+            prefills.setdefault((r["model"], r["dtype"], r["prefill"]), []).append(r)
+    table = [
+        "| model | dtype | context | batch | ours (pool) ms | HF runner ms | bare HF ms | ours / runner | ours / bare | rounds | load |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    cells: dict = {}
+    for (model, dtype, ctx, batch), rs in sorted(steps.items()):
+        ours, runner, bare = (statistics.median(r[k] for r in rs) for k in ("pool_step_ms", "runner_step_ms", "bare_step_ms"))
+        cells[f"{model}|{dtype}|{ctx}|{batch}"] = {"ours": ours, "runner": runner, "bare": bare, "ratio": ours / runner}
+        loads = [r["load_avg_1m"] for r in rs] + [r["load_avg_1m_end"] for r in rs]
+        table.append(
+            f"| {model} | {dtype} | {ctx} | {batch} | {ours:.2f} | {runner:.2f} | {bare:.2f} | {ours / runner:.2f}x | {ours / bare:.2f}x"
+            f" | {len(rs)} | {span(loads, '{:.1f}')} |"
+        )
+    prefill = ["| model | dtype | prefill forward | ours ms | HF runner ms | ours / runner | load |", "|---|---|---|---:|---:|---:|---:|"]
+    for (model, dtype, shape), rs in sorted(prefills.items()):
+        ours, runner = (statistics.median(r[k] for r in rs) for k in ("pool_prefill_ms", "runner_prefill_ms"))
+        cells[f"{model}|{dtype}|{shape}"] = {"ours": ours, "runner": runner, "ratio": ours / runner}
+        prefill.append(
+            f"| {model} | {dtype} | {shape.replace('_', ' ')} | {ours:.1f} | {runner:.1f} | {ours / runner:.2f}x"
+            f" | {span([r['load_avg_1m'] for r in rs], '{:.1f}')} |"
+        )
+    return {"table": "\n".join(table), "prefill": "\n".join(prefill), "rows": len(rows), "cells": cells}
+
+
 def kv_check(root: Path = ROOT) -> dict:
     """bench.micro.engine_step's kv_check rows: per (model, dtype, context) the medians of the codecs'
     check of one request's rebuilt K/V (each tensor's peak against the layer's limits), the

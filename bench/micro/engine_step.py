@@ -19,6 +19,19 @@ consumer layer's limits, shared.kv_bound, as KVDecoder.store_many does it), agai
 check it replaced (kv_check_sums_ms, shared.finite.finite_each: a sum per tensor, the product with
 zeros only where a sum is not finite) and the product with zeros alone (kv_check_product_ms).
 Rows before the limits (no kv_check_sums_ms) timed finite_each as kv_check_ms.
+
+`--compare`: the new step against the old, side by side (issue 47): per model (`--models`, comma
+separated: checkpoint paths or registry short names), context (`--ctx`, comma separated) and batch,
+one decode step of our own forward over the pool in place (consumer.engine.pool_forward,
+`pool_step_ms`), of the Hugging Face runner over gathered blocks (consumer.engine.runner,
+`runner_step_ms`) and of the bare Hugging Face model with a DynamicCache (`bare_step_ms`),
+interleaved step by step (pool, runner, bare, pool, ...), medians of `--steps`. Every row holds
+the model's own K/V of one seeded random-token context (prefilled once, copied to every row, to
+both pools and to the DynamicCache), so the three steps start from one state and the row checks
+that the pool step's logits equal the runner's (`logits_max_diff`, and `logits_max_abs` for scale). One JSON line per (model, ctx, batch, round) to stdout and
+bench/results/engine_forward.jsonl, with the load average at its start and end. With `--prefill`, also
+rows "engine_prefill": one prefill forward per PREFILLS shape (a chunk from 0, a chunk after a
+prefix, four chunks, four chunks beside eight decode rows), ours against the runner, median of 3.
 """
 
 from __future__ import annotations
@@ -90,8 +103,14 @@ def measure(loaded, batch: int, ctx: int, steps: int) -> dict:
         logits = torch.randn(batch, vocab, device=loaded.device)
         finite_ms = _median_ms(lambda: rows_finite(logits).tolist(), steps)
         isfinite_ms = _median_ms(lambda: torch.isfinite(logits).all(dim=1).tolist(), steps)
-    return {"engine_step_ms": round(engine_ms, 3), "bare_step_ms": round(bare_ms, 3), "gather_ms": round(gather_ms, 3),
-            "vocab": vocab, "logits_check_ms": round(finite_ms, 3), "logits_isfinite_ms": round(isfinite_ms, 3)}
+    return {
+        "engine_step_ms": round(engine_ms, 3),
+        "bare_step_ms": round(bare_ms, 3),
+        "gather_ms": round(gather_ms, 3),
+        "vocab": vocab,
+        "logits_check_ms": round(finite_ms, 3),
+        "logits_isfinite_ms": round(isfinite_ms, 3),
+    }
 
 
 def kv_check(loaded, ctx: int, steps: int) -> dict:
@@ -102,8 +121,10 @@ def kv_check(loaded, ctx: int, steps: int) -> dict:
     from shared import finite
 
     info = loaded.info
-    tensors = [torch.randn(1, info.num_kv_heads, ctx, info.head_dim, device=loaded.device).to(loaded.dtype)
-               for _ in range(2 * info.num_layers)]
+    tensors = [
+        torch.randn(1, info.num_kv_heads, ctx, info.head_dim, device=loaded.device).to(loaded.dtype)
+        for _ in range(2 * info.num_layers)
+    ]
     limits = [limit for bound in loaded.kv_bounds for limit in (bound.keys, bound.values)]
 
     def bounded() -> bool:
@@ -113,8 +134,188 @@ def kv_check(loaded, ctx: int, steps: int) -> dict:
     check_ms = _median_ms(bounded, steps)
     sums_ms = _median_ms(lambda: finite.finite_each(tensors), steps)
     product_ms = _median_ms(lambda: [finite._exact(t) for t in tensors], steps)
-    return {"tensors": len(tensors), "kv_bytes": sum(t.nbytes for t in tensors), "kv_check_ms": round(check_ms, 3),
-            "kv_check_sums_ms": round(sums_ms, 3), "kv_check_product_ms": round(product_ms, 3)}
+    return {
+        "tensors": len(tensors),
+        "kv_bytes": sum(t.nbytes for t in tensors),
+        "kv_check_ms": round(check_ms, 3),
+        "kv_check_sums_ms": round(sums_ms, 3),
+        "kv_check_product_ms": round(product_ms, 3),
+    }
+
+
+def _filled_pools(loaded, batch: int, ctx: int, steps: int):
+    """Two pools (head-major, token-major) with the same tables and the same random K/V over `ctx` tokens per row, and a
+    DynamicCache holding the same K/V: the three steps start from one state."""
+    from transformers import DynamicCache
+
+    from consumer.engine.kv_pool import KVPool, SequenceKV
+    from consumer.engine.pool_forward import PoolRunner
+    from consumer.engine.runner import Row
+
+    info = loaded.info
+    reserve = ctx + steps + 8
+    budget = batch * (reserve + 16) * info.kv_bytes(1)
+    # ours reads the head-major pool; the runner gets the token-major one it was built for (main's)
+    pools = [KVPool(info, loaded.device, budget, 16, head_major=True), KVPool(info, loaded.device, budget, 16, head_major=False)]
+    seqs: list[list[SequenceKV]] = []
+    for pool in pools:
+        held = [pool.allocate(reserve) for _ in range(batch)]
+        seqs.append([seq for seq in held if seq is not None])
+        assert len(seqs[-1]) == batch, "the pool is sized for every row"
+    g = torch.Generator().manual_seed(0)
+    context = torch.randint(4, info.vocab_size, (ctx,), generator=g).tolist()
+    first = seqs[0][0]
+    prefill = PoolRunner(loaded, pools[0])
+    with torch.inference_mode():
+        for start in range(0, ctx, 512):  # the model's own K/V of one context, chunk by chunk
+            prefill.forward([Row(first, context[start : start + 512], start)])
+    used = -(-ctx // 16)
+    for seq in seqs[0][1:]:  # every row holds the same context
+        pools[0].copy_blocks(first.blocks[:used], seq.blocks[:used])
+    pools[1].k.copy_(pools[0].k)
+    pools[1].v.copy_(pools[0].v)
+    for seq in seqs[0] + seqs[1]:
+        seq.length = ctx
+    cache = DynamicCache(config=loaded.model.config)
+    table = torch.stack([seq.table[:used] for seq in seqs[0]])  # [B, used]
+    for layer in range(info.num_layers):
+        kv = [
+            buf[layer][table].reshape(batch, used * 16, info.num_kv_heads, info.head_dim)[:, :ctx].transpose(1, 2)
+            for buf in (pools[0].k, pools[0].v)
+        ]  # [B, n_kv, ctx, hd]
+        cache.update(kv[0].contiguous(), kv[1].contiguous(), layer)
+    return pools, seqs, cache
+
+
+def compare(loaded, batch: int, ctx: int, steps: int) -> dict:
+    """One interleaved round: pool step, runner step, bare step, repeated; medians in ms."""
+    from consumer.engine.pool_forward import PoolRunner
+    from consumer.engine.runner import Row, Runner
+
+    pools, seqs, cache = _filled_pools(loaded, batch, ctx, steps)
+    new, old = PoolRunner(loaded, pools[0]), Runner(loaded, pools[1])
+    step_ids = torch.full((batch, 1), 7, device=loaded.device)
+    times: dict[str, list[float]] = {"pool": [], "runner": [], "bare": []}
+    diff = scale = 0.0
+    with torch.inference_mode():
+        fns = {
+            "pool": lambda: new.forward([Row(seq, [7], seq.length) for seq in seqs[0]]),
+            "runner": lambda: old.forward([Row(seq, [7], seq.length) for seq in seqs[1]]),
+            "bare": lambda: loaded.model(input_ids=step_ids, cache=cache, use_cache=True, logits_to_keep=1).logits,
+        }
+        for _ in range(steps + 2):  # the first two warm up
+            out = {}
+            for name, fn in fns.items():
+                _sync()
+                started = time.perf_counter()
+                out[name] = fn()
+                _sync()
+                times[name].append(time.perf_counter() - started)
+            diff = max(diff, (out["pool"] - out["runner"]).abs().max().item())
+            scale = out["runner"].abs().max().item()
+    med = {name: statistics.median(ts[2:]) * 1e3 for name, ts in times.items()}
+    return {
+        "pool_step_ms": round(med["pool"], 3),
+        "runner_step_ms": round(med["runner"], 3),
+        "bare_step_ms": round(med["bare"], 3),
+        "pool_vs_runner": round(med["pool"] / med["runner"], 3),
+        "pool_vs_bare": round(med["pool"] / med["bare"], 3),
+        "logits_max_diff": float(f"{diff:.3g}"),
+        "logits_max_abs": float(f"{scale:.3g}"),
+        "gathered_rows": new.gathered_rows,
+    }
+
+
+# one prefill forward: (tokens already in the row, new tokens) per row
+PREFILLS = {
+    "512_from_0": [(0, 512)],
+    "512_after_1536": [(1536, 512)],
+    "4x128_from_0": [(0, 128)] * 4,
+    "4x128_after_512_with_8_decode": [(512, 128)] * 4 + [(1024, 1)] * 8,
+}
+
+
+def compare_prefill(loaded, rows: list[tuple[int, int]], reps: int) -> dict:
+    """One prefill forward of these rows, ours (head-major pool) and the HF runner's (token-major),
+    alternating, each on fresh pools whose rows were prefilled to their start; medians in ms."""
+    from consumer.engine.kv_pool import KVPool
+    from consumer.engine.pool_forward import PoolRunner
+    from consumer.engine.runner import Row, Runner
+
+    info = loaded.info
+    g = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(4, info.vocab_size, (start + n,), generator=g).tolist() for start, n in rows]
+    times: dict[str, list[float]] = {"pool": [], "runner": []}
+    for _ in range(reps):
+        for name, runner_type, head_major in (("pool", PoolRunner, True), ("runner", Runner, False)):
+            pool = KVPool(info, loaded.device, sum(s + n + 16 for s, n in rows) * info.kv_bytes(1) + (1 << 20), 16, head_major)
+            runner = runner_type(loaded, pool)
+            seqs = [pool.allocate(start + n) for start, n in rows]
+            with torch.inference_mode():
+                for seq, (start, _), ids in zip(seqs, rows, tokens):
+                    for at in range(0, start, 512):
+                        runner.forward([Row(seq, ids[at : min(start, at + 512)], at)])
+                batch = [Row(seq, ids[start:], start) for seq, (start, _), ids in zip(seqs, rows, tokens)]
+                _sync()
+                started = time.perf_counter()
+                runner.forward(batch)
+                _sync()
+                times[name].append(time.perf_counter() - started)
+    med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    return {
+        "pool_prefill_ms": round(med["pool"], 3),
+        "runner_prefill_ms": round(med["runner"], 3),
+        "pool_vs_runner": round(med["pool"] / med["runner"], 3),
+    }
+
+
+def main_compare(args) -> None:
+    from shared.models import load_model
+
+    code = services.code_version()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "engine_forward.jsonl", "a") as out:
+        for model in [m for m in args.models.split(",") if m]:
+            path = services.ROOT / model
+            loaded = load_model(str(path) if path.exists() else model, args.dtype, args.device)
+            for round_ in range(args.rounds):
+                for ctx in [int(c) for c in str(args.ctx).split(",") if c]:
+                    for batch in [int(b) for b in args.batches.split(",") if b]:
+                        load_before = round(os.getloadavg()[0], 2)
+                        row = {
+                            "bench": "engine_forward",
+                            "model": Path(model).name,
+                            "dtype": args.dtype,
+                            "device": str(loaded.device),
+                            "batch": batch,
+                            "ctx_tokens": ctx,
+                            "round": round_,
+                            **compare(loaded, batch, ctx, args.steps),
+                            "torch_threads": args.torch_threads or torch.get_num_threads(),
+                            "load_avg_1m": load_before,
+                            "load_avg_1m_end": round(os.getloadavg()[0], 2),
+                            "code": code,
+                        }
+                        print(json.dumps(row), flush=True)
+                        out.write(json.dumps(row) + "\n")
+                for name, rows in PREFILLS.items() if args.prefill else ():
+                    load_before = round(os.getloadavg()[0], 2)
+                    row = {
+                        "bench": "engine_prefill",
+                        "model": Path(model).name,
+                        "dtype": args.dtype,
+                        "device": str(loaded.device),
+                        "prefill": name,
+                        "round": round_,
+                        **compare_prefill(loaded, rows, 3),
+                        "torch_threads": args.torch_threads or torch.get_num_threads(),
+                        "load_avg_1m": load_before,
+                        "load_avg_1m_end": round(os.getloadavg()[0], 2),
+                        "code": code,
+                    }
+                    print(json.dumps(row), flush=True)
+                    out.write(json.dumps(row) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -123,14 +324,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--weights", default="trained", help="what the rows say the weights are")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batches", default="1,8,32", help="comma-separated; empty: the K/V check alone")
-    parser.add_argument("--ctx", type=int, default=512)
+    parser.add_argument("--ctx", default="512", help="context tokens (--compare: comma-separated)")
+    parser.add_argument("--compare", action="store_true", help="new pool step vs HF runner vs bare HF (engine_forward.jsonl)")
+    parser.add_argument("--models", default="checkpoints/qa-tuned,smollm2-135m", help="--compare: comma-separated models")
+    parser.add_argument("--prefill", action="store_true", help="--compare: also one prefill forward per PREFILLS shape")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (cuda when present); CUDA steps are timed to their end")
+    parser.add_argument(
+        "--device", default="cpu", help="cpu, cuda or auto (cuda when present); CUDA steps are timed to their end"
+    )
     parser.add_argument("--out-dir", default=str(RESULTS))
-    parser.add_argument("--kv-check-ctx", default="512,2048,8192",
-                        help="contexts at which a request's rebuilt K/V check is timed (rows to kv_check.jsonl); empty: none")
+    parser.add_argument(
+        "--kv-check-ctx",
+        default="512,2048,8192",
+        help="contexts at which a request's rebuilt K/V check is timed (rows to kv_check.jsonl); empty: none",
+    )
     args = parser.parse_args(argv)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
@@ -138,6 +347,10 @@ def main(argv: list[str] | None = None) -> None:
     from shared.models import load_model
 
     malloc_tuning.tune(malloc_tuning.DEFAULT_MMAP_THRESHOLD)  # the services' heap setting (--malloc-mmap-threshold)
+    if args.compare:
+        main_compare(args)
+        return
+    args.ctx = int(args.ctx)
 
     loaded = load_model(str(services.ROOT / args.model), args.dtype, args.device)
     out_dir = Path(args.out_dir)
@@ -164,10 +377,19 @@ def main(argv: list[str] | None = None) -> None:
                 out.write(json.dumps(row) + "\n")
             with open(out_dir / "kv_check.jsonl", "a") as checks:
                 for ctx in [int(c) for c in args.kv_check_ctx.split(",") if c]:
-                    row = {"bench": "kv_check", "model": Path(args.model).name, "weights": args.weights, "dtype": args.dtype,
-                           "device": str(loaded.device), "ctx_tokens": ctx, "round": round_, **kv_check(loaded, ctx, args.steps),
-                           "torch_threads": args.torch_threads or torch.get_num_threads(),
-                           "load_avg_1m": round(os.getloadavg()[0], 2), "code": code}
+                    row = {
+                        "bench": "kv_check",
+                        "model": Path(args.model).name,
+                        "weights": args.weights,
+                        "dtype": args.dtype,
+                        "device": str(loaded.device),
+                        "ctx_tokens": ctx,
+                        "round": round_,
+                        **kv_check(loaded, ctx, args.steps),
+                        "torch_threads": args.torch_threads or torch.get_num_threads(),
+                        "load_avg_1m": round(os.getloadavg()[0], 2),
+                        "code": code,
+                    }
                     print(json.dumps(row), flush=True)
                     checks.write(json.dumps(row) + "\n")
 

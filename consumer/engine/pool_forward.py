@@ -1,0 +1,144 @@
+"""The engine's batched forward on our own model (shared.model) with attention over the KV pool in
+place: the runner `--engine-forward pool` selects (consumer.engine.runner is the Hugging Face one,
+kept as the reference).
+
+Rows are flat: every row's new tokens side by side, [N] ids at their own positions, no padding.
+Per layer, the new K/V go into the pool by slot mapping (one index_copy_ over all rows' tokens),
+then each row attends over its own blocks read where they lie: in the pool's head-major storage
+(KVPool.k_heads) a row whose blocks are one ascending run (what the pool hands out when its free
+list is not fragmented) is, per head, one contiguous span: a view of the pool, no copy; only a row whose table is not one run has that row's blocks gathered (counted in
+`gathered_rows`). Attention is SDPA per row with the GQA groups folded into the query dimension
+(`_attend_row`): on this CPU that beats SDPA over a gathered rectangle and compiled FlexAttention
+over the pool (bench.micro.engine_step's attention rows; bf16 SDPA with enable_gqa is several times
+slower than the fold). Prefill and decode rows share one forward; a prefill chunk sees its row's
+prefix and itself causally (a bottom-right mask).
+
+Same surface as consumer.engine.runner.Runner (`forward(rows)`, Row, the scratch figures: none
+here). Knows nothing about scheduling, sampling, codecs or gRPC.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from consumer.engine.kv_pool import KVPool
+from consumer.engine.runner import Row
+from shared import model as own
+from shared.models import LoadedModel
+
+
+class _RowView:
+    """Where one row's keys lie, for the whole forward: when its used blocks are one ascending run,
+    views of every layer's K and V over them ([num_layers, 1, n_kv, L, hd], in place); else its
+    block table (gathered per layer, after the layer's write). And its bottom-right causal mask
+    for n > 1."""
+
+    __slots__ = ("offset", "n", "length", "table", "keys", "values", "mask")
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def __init__(self, row: Row, offset: int, pool: KVPool, groups: int):
+        Bt, device = pool.block_tokens, pool.device
+        self.offset, self.n = offset, len(row.ids)
+        self.length = row.start + self.n  # keys it attends over: its prefix and its new tokens
+        used = -(-self.length // Bt)
+        blocks = row.seq.blocks[:used]
+        first = blocks[0]
+        run = blocks[-1] - first == used - 1 and all(b == first + i for i, b in enumerate(blocks))
+        self.table = None if run else row.seq.table[:used]
+        if run:
+            L, kv, hd = pool.info.num_layers, pool.info.num_kv_heads, pool.info.head_dim
+            span = slice(first, first + used)
+            assert pool.k_heads is not None and pool.v_heads is not None
+            self.keys = pool.k_heads[:, :, span].view(L, 1, kv, used * Bt, hd)[..., : self.length, :]
+            self.values = pool.v_heads[:, :, span].view(L, 1, kv, used * Bt, hd)[..., : self.length, :]
+        self.mask = None
+        if self.n > 1 and row.start > 0:  # query j sees keys 0 .. start + j; the fold repeats it per group
+            keys = torch.arange(self.length, device=device)
+            mask = keys[None] <= row.start + torch.arange(self.n, device=device)[:, None]  # [n, L]
+            self.mask = mask.repeat(groups, 1)[None, None]  # [1, 1, g * n, L]
+
+
+def _attend_row(view: _RowView, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """q [n, H, hd] over k/v [1, n_kv, L, hd] -> [n, H, hd]. The query heads of one KV head are
+    folded into the query dimension ([1, n_kv, g * n, hd]), so SDPA runs without GQA support
+    (the fast kernel; enable_gqa falls off it in bfloat16); a chunk from position 0 runs causal
+    over K/V repeated per query head instead."""
+    n, H, hd = q.shape
+    kv = k.shape[1]
+    if n == 1:
+        return F.scaled_dot_product_attention(q.view(1, kv, groups, hd), k, v).view(1, H, hd)  # via [1, n_kv, g, hd]
+    if view.mask is None:  # a chunk from position 0: plain causal, the kernel skips the masked blocks
+        if groups > 1:  # each KV head once per query head (a prefill's copy, small beside its work)
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True)  # [1, H, n, hd]
+        return out[0].transpose(0, 1)
+    folded = q.view(n, kv, groups, hd).permute(1, 2, 0, 3).reshape(1, kv, groups * n, hd)
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=view.mask)  # [1, n_kv, g * n, hd]
+    return out.view(kv, groups, n, hd).permute(2, 0, 1, 3).reshape(n, H, hd)
+
+
+class PoolRunner:
+    def __init__(self, loaded: LoadedModel, pool: KVPool):
+        self.loaded, self.pool = loaded, pool
+        self.model = own.of(loaded)
+        g = self.model.geometry
+        if (g.num_kv_heads, g.head_dim, g.num_layers) != (pool.info.num_kv_heads, pool.info.head_dim, pool.info.num_layers):
+            raise ValueError(f"{loaded.info.model_id}: the pool's geometry does not match the model's")
+        if pool.k_heads is None:
+            raise ValueError("pool: the pool forward reads a head-major pool (KVPool(head_major=True))")
+        self.groups = g.num_heads // g.num_kv_heads
+        self.scratch_limit_blocks = sys.maxsize  # no rectangle is gathered: batches need no split
+        self.gathered_rows = 0  # rows whose blocks were not one run (read through a gather)
+
+    scratch_bytes = 0  # no gather buffers
+
+    def scratch_limit_bytes(self) -> int:
+        return 0
+
+    @torch.inference_mode()
+    def forward(self, rows: list[Row]) -> torch.Tensor:
+        """Append each row's ids to its sequence; the logits of each row's last new token [B, vocab]
+        float32, and `row.logits` [tail_logits, vocab] where asked (as Runner.forward). Advances
+        every row's `seq.length`."""
+        pool, device = self.pool, self.loaded.device
+        views, offset = [], 0
+        for r in rows:
+            views.append(_RowView(r, offset, pool, self.groups))
+            offset += len(r.ids)
+        self.gathered_rows += sum(v.table is not None for v in views)
+        ids = torch.tensor([t for r in rows for t in r.ids], dtype=torch.long, device=device)  # [N]
+        pos = torch.tensor([r.start + j for r in rows for j in range(len(r.ids))], device=device)  # [N]
+        slots = torch.cat([r.seq.flat_slots[r.start : r.start + len(r.ids)] for r in rows])  # [N] pool slots
+        lengths = [v.n for v in views]
+        kv, hd, groups = pool.info.num_kv_heads, pool.info.head_dim, self.groups
+        heads_k, heads_v = pool.k_heads, pool.v_heads  # [L, n_kv, NB + 1, Bt, hd]
+        assert heads_k is not None and heads_v is not None  # checked at start
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            pool_k, pool_v = heads_k[layer], heads_v[layer]  # [n_kv, NB + 1, Bt, hd]
+            pool_k.view(kv, -1, hd).index_copy_(1, slots, k.transpose(0, 1))  # writes by slot mapping
+            pool_v.view(kv, -1, hd).index_copy_(1, slots, v.transpose(0, 1))
+            outs = []
+            for view, q_row in zip(views, q.split(lengths)):
+                if view.table is None:  # in place
+                    keys, values = view.keys[layer], view.values[layer]  # [1, n_kv, L, hd]
+                else:  # not one run: this row's blocks, gathered
+                    keys = pool_k.index_select(1, view.table).view(1, kv, -1, hd)[:, :, : view.length]
+                    values = pool_v.index_select(1, view.table).view(1, kv, -1, hd)[:, :, : view.length]
+                outs.append(_attend_row(view, q_row, keys, values, groups))
+            return outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, H, hd]
+
+        h = self.model.hidden(ids, pos, attend)  # [N, d]
+        last = torch.tensor([v.offset + v.n - 1 for v in views], device=device)
+        logits = self.model.logits(h[last])  # [B, vocab]
+        for view, r in zip(views, rows):
+            if r.tail_logits:
+                end = view.offset + view.n
+                r.logits = self.model.logits(h[end - r.tail_logits : end])  # [n, vocab]
+        for r in rows:
+            r.seq.length = r.start + len(r.ids)
+        return logits

@@ -1,0 +1,11 @@
+"""Our own forward for the Llama family this project serves (Llama, Qwen2, Qwen3): geometry from
+the config (config.py), RoPE (rope.py), fused weights taken from the loaded checkpoint
+(weights.py) and the decoder over flat token rows with caller-supplied attention (model.py).
+
+May import torch and shared.models' types only; never the services, codecs, engine or gRPC.
+Hugging Face's modules are the reference it is tested against (tests/test_model_forward.py).
+"""
+
+from shared.model.model import Attend, Model, causal, of
+
+__all__ = ["Attend", "Model", "causal", "of"]
