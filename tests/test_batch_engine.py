@@ -470,3 +470,16 @@ async def test_a_deadline_during_decode_ends_the_request_after_the_tokens_before
         assert pool.free_blocks == pool.num_blocks
     finally:
         engine.shutdown()
+
+
+def test_engine_forward_flag_names_every_runner_and_refuses_others():
+    """--engine-forward's choices are the engine's runners (shared.config cannot import the engine,
+    so its list is a copy this test keeps honest); an unknown one is refused naming the field."""
+    from consumer.engine.batch import RUNNERS
+    from shared.config import ENGINE_FORWARDS, ConsumerConfig
+
+    assert set(ENGINE_FORWARDS) == set(RUNNERS)
+    for name in ENGINE_FORWARDS:
+        ConsumerConfig(engine_forward=name).validate()
+    with pytest.raises(ValueError, match="engine_forward: 'flash' not in pool, hf"):
+        ConsumerConfig(engine_forward="flash").validate()
