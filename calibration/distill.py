@@ -43,6 +43,7 @@ def distill(
     ridge_rel: float = 1e-3,
     max_schedules: int = 12,
     schedules: list[str] | None = None,
+    recompute_span: tuple[int, int] | None = None,
     window: int = 1,
     predictor_layers: str = "none",
     predictor_examples: Iterator[TrainExample] | None = None,
@@ -51,12 +52,16 @@ def distill(
 ) -> Artifact:
     """Fit an artifact and measure its schedules: searched (default), or exactly the given
     schedule texts (`schedules`, e.g. for a timing-only model where a search costs too much).
+    The recompute baseline's span is profiled (every width up to the default's; on 30 layers
+    most of a small calibration's time), or exactly `recompute_span` [start, end) when given.
 
     predictor_layers (heterogeneous pairs): "none", "all", "auto" (the layers whose Patch through
     the linear map alone loses more than loss_target; "auto:K": the K worst of them) or
     comma-separated layer indices; those
     layers get a learned predictor (calibration.predictor_training) trained on `predictor_examples`, and the
     linear maps are refitted on its output."""
+    if recompute_span is not None and not 0 <= recompute_span[0] < recompute_span[1] <= consumer.info.num_layers:
+        raise ValueError(f"recompute_span: {list(recompute_span)} is not [start, end) within {consumer.info.num_layers} layers")
     torch.manual_seed(seed)
     predictor_train = predictor_train or TrainConfig()
     started = time.perf_counter()
@@ -134,7 +139,9 @@ def distill(
     # the default width's best span, and the best span of narrower widths (powers of two: cheaper
     # baselines whose consumer compute is closer to SCD's)
     start, end = default_span(consumer.info.num_layers)
-    if same:  # recomputing from the true hidden state is exact for any span: keep the default
+    if recompute_span is not None:  # given, as `schedules` replaces the search: no profile
+        meta["recompute_span"] = list(recompute_span)
+    elif same:  # recomputing from the true hidden state is exact for any span: keep the default
         meta["recompute_span"] = [start, end]
     else:
         profile = profile_span(  # every width up to the default's, in one pass over the held-out set

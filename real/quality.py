@@ -106,23 +106,35 @@ def _own(consumer: LoadedModel, ids: list[int]):
     return layer_cache(consumer, [states[layer].kv() for layer in range(consumer.info.num_layers)])
 
 
+def end_id(tokenizer) -> int:
+    return int(tokenizer.convert_tokens_to_ids("<|im_end|>"))  # type: ignore[arg-type]  # one token -> one id
+
+
+def mode_caches(producer: LoadedModel, consumer: LoadedModel, modes: Modes, ids: list[int]):
+    """(label, C's cache) per mode for one context: one prefill per side serves every mode."""
+    yield from modes.caches(consumer, _states(producer, ids), _own(consumer, ids), len(ids))
+
+
+def answers(producer: LoadedModel, consumer: LoadedModel, modes: Modes, example: tasks.Example, max_new_tokens: int) -> dict:
+    """{mode label: C's greedy answer text} for one example."""
+    stop = end_id(consumer.tokenizer)
+    return {
+        label: answer(consumer, cache, example.question_ids, stop, max_new_tokens)
+        for label, cache in mode_caches(producer, consumer, modes, example.context_ids)
+    }
+
+
 def run(art: Artifact, producer: LoadedModel, consumer: LoadedModel, modes: Modes, args, emit) -> list[dict]:
     tok = consumer.tokenizer
-    end_id = int(tok.convert_tokens_to_ids("<|im_end|>"))  # type: ignore[arg-type]  # one token -> one id
     rows = []
     for example in tasks.examples(tok, args.split, args.n, args.context_tokens, first=args.first):
-        ids = example.context_ids
-        states, own = _states(producer, ids), _own(consumer, ids)
-        said = {
-            label: answer(consumer, cache, example.question_ids, end_id, args.max_new_tokens)
-            for label, cache in modes.caches(consumer, states, own, len(ids))
-        }
+        said = answers(producer, consumer, modes, example, args.max_new_tokens)
         for label, text in said.items():
             row = {
                 "kind": "task",
                 "family": example.family,
                 "seed": example.seed,
-                "context_tokens": len(ids),
+                "context_tokens": len(example.context_ids),
                 "mode": label,
                 "gold": example.answer,
                 "prediction": text,

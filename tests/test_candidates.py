@@ -20,7 +20,7 @@ from shared.pb import consumer_pb2, producer_pb2
 from shared.scd import ops
 from shared.scd.artifact import Artifact, TransferPoint, _content_id
 from shared.scd.schedule import Action, Schedule
-from tests.conftest import running_pair
+from tests.conftest import perturbed_model, running_pair
 from tests.test_scd import heldout, random_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -199,3 +199,17 @@ async def test_describe_lists_every_transfer_point():
             got = [(t.mode, dict(t.options), t.calibrated_loss, t.bytes_per_token, t.how) for t in listed.transfer_points]
             assert got == want
             assert {t.mode for t in listed.transfer_points} == {"oracle", "scd", "raw", "quant", "recompute"}
+
+
+def test_a_given_recompute_span_is_measured_without_a_profile_and_a_bad_one_is_refused_first():
+    """distill(recompute_span=...): as given schedules skip the search, a given span skips the
+    profile (on 30 layers most of a small calibration's time) and is the span the candidates measure."""
+    producer = load_model("tiny-llama", "float32", "cpu")
+    consumer = perturbed_model("tiny-llama", seed=1, scale=0.05)  # unlike weights: the profile would run
+    with pytest.raises(ValueError, match=r"recompute_span: \[3, 9\] is not \[start, end\) within 4 layers"):
+        distill(producer, consumer, [], [], corpus_name="none", recompute_span=(3, 9), log=lambda m: None)
+    art = distill(producer, consumer, random_corpus(6, 64, 0), heldout(2, 1), corpus_name="random",
+                  schedules=["R8.R8.R8.R8"], recompute_span=(1, 3), log=lambda m: None)
+    assert art.meta["recompute_span"] == [1, 3] and "recompute_profile" not in art.meta
+    assert candidates.recorded_spans(art.meta) == [(1, 3)]
+    assert [c["options"] for c in art.meta["candidates"] if c["mode"] == "recompute"] == [{"start": "1", "end": "3"}]
