@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import NoReturn
 
-from shared import logs, tiny
+from shared import logs, pretrained, tiny
 from shared.config import ConsumerConfig, ServerConfig
 
 log = logs.get("startup")
@@ -53,6 +53,8 @@ def hub_offline() -> bool:
 def check_model(model: str) -> None:
     if model in tiny.BUILTIN and not Path(model).exists():
         return
+    if model in pretrained.NAMES and not Path(model).exists():
+        return  # a registry model by short name: built on first load (shared.pretrained.ensure names what fails)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -68,11 +70,11 @@ def check_model(model: str) -> None:
 
     cached = isinstance(try_to_load_from_cache(model, "config.json"), str)
     if not cached and offline:
-        builtin = ", ".join(sorted(tiny.BUILTIN))
+        builtin = ", ".join(sorted(tiny.BUILTIN) + sorted(pretrained.NAMES))
         raise StartupError(
             f"--model {model}: no such local directory ({path.resolve()}), and no hub model of that id in the "
             f"local Hugging Face cache; check the path, or download it first (huggingface-cli download {model}), "
-            f"or set HF_HUB_OFFLINE=0 to let the service download it (builtin names: {builtin})"
+            f"or set HF_HUB_OFFLINE=0 to let the service download it (builtin and registry names: {builtin})"
         )
 
 

@@ -118,6 +118,10 @@ def test_model_paths_are_checked_offline(tmp_path):
     with pytest.raises(startup.StartupError, match="has no config.json"):
         startup.check_model(str(tmp_path))
     startup.check_model("tiny-llama")
+    startup.check_model("smollm2-135m")  # registry models by short name (shared.pretrained): `--model smollm2-135m`
+    startup.check_model("smollm2-135m-tuned")
+    with pytest.raises(startup.StartupError, match="registry names: .*smollm2-135m"):
+        startup.check_model("smollm2-135m-typo")
 
 
 def test_busy_and_clashing_ports_are_named():
