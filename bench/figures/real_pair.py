@@ -72,7 +72,112 @@ def real_pair(root: Path = RESULTS.parents[1]) -> dict:
                 "met_on_validation": met,
                 "validation": next(r for r in validation if r["mode"] == mode),
             }
-    return {"tables": "\n\n".join(tables), "cells": out, "chosen": chosen, "calibration": calibration(root)}
+    heads = {key: _headline(out, chosen, pair) for key, pair in (("pc", "P->C"), ("pp", "P->P")) if pair in chosen}
+    return {
+        "tables": "\n\n".join(tables),
+        "cells": out,
+        "chosen": chosen,
+        "calibration": calibration(root),
+        "recompute_loss": _recompute(root),
+        "ttft": ttft(root),
+        **heads,
+    }
+
+
+TTFT_ROWS = "ttft-real.jsonl"
+
+
+def ttft(root: Path) -> dict:
+    """The real pair's TTFT rows (`python -m bench.serving.ttft --model-scale real`): a table, and
+    warm SCD over the oracle and over raw per (context, bandwidth)."""
+    path = root / "bench/results" / TTFT_ROWS
+    if not path.exists():
+        return {"table": "(no rows yet)", "ratios": {}}
+    rows = [r for r in rows_of(path) if r["mode"] != "cached"]
+    lines = [
+        "| tokens | Mbit/s | store | mode | schedule | TTFT median ms (min-max) | MB sent | lower bound ms | efficiency | load |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        bw = "-" if r["bandwidth_mbit"] is None else f"{r['bandwidth_mbit']:g}"
+        bound = "-" if r["ttft_lower_bound_ms"] is None else f"{r['ttft_lower_bound_ms']:.0f}"
+        eff = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
+        lines.append(
+            f"| {r['ctx_tokens']} | {bw} | {r['store']} | {r['mode']} | {r['schedule'] or '-'} | "
+            f"{r['ttft_ms_median']:.0f} ({r['ttft_ms_min']:.0f}-{r['ttft_ms_max']:.0f}) | {r['bytes'] / 1e6:.2f} | {bound} | "
+            f"{eff} | {r['load_avg_1m']:.1f} |"
+        )
+    oracle = {r["ctx_tokens"]: r["ttft_ms_median"] for r in rows if r["mode"] == "oracle"}
+    ratios = {}
+    for r in rows:
+        if r["mode"] == "scd" and r["store"] == "warm":
+            raw = next(
+                (
+                    x
+                    for x in rows
+                    if (x["mode"], x["store"], x["ctx_tokens"], x["bandwidth_mbit"])
+                    == ("raw", "warm", r["ctx_tokens"], r["bandwidth_mbit"])
+                ),
+                None,
+            )
+            key = f"{r['ctx_tokens']}@{r['bandwidth_mbit']:g}|{r['schedule']}"
+            ratios[key] = {
+                "ms": r["ttft_ms_median"],
+                "vs_oracle": r["ttft_ms_median"] / oracle[r["ctx_tokens"]],
+                "vs_raw": r["ttft_ms_median"] / raw["ttft_ms_median"] if raw else None,
+            }
+    return {
+        "table": "\n".join(lines),
+        "ratios": ratios,
+        "model": rows[0]["model"],
+        "dtype": rows[0]["dtype"],
+        "weights": rows[0]["weights"],
+    }
+
+
+def _recompute(root: Path) -> str:
+    """P -> C's recompute baseline on the calibration loss scale, beside naive reuse's, as text."""
+    path = root / "artifacts/smollm2-pc.json"
+    if not path.exists():
+        return "-"
+    cands = json.loads(path.read_text())["candidates"]
+    raw = next(c for c in cands if c["mode"] == "raw")
+    best = min((c for c in cands if c["mode"] == "recompute"), key=lambda c: c["loss"])
+    span = f"layers {best['options']['start']}-{int(best['options']['end']) - 1}"
+    return f"P -> C recomputing {span} {best['loss']:.3f} nats per answer token against naive reuse's {raw['loss']:.3f}"
+
+
+def _headline(cells: dict, chosen: dict, pair: str, ctx: int = 1024) -> dict:
+    """The test rows of one pair at `ctx` tokens, by role: the oracle, the schedule chosen on
+    validation (`head`), naive reuse and quant at each width (`q2`, `q4`, `q8`) where measured,
+    each with its F1 and gap in points."""
+    test = cells.get(f"{pair}|test|{ctx}", {})
+    roles = {
+        "oracle": "oracle",
+        "head": chosen[pair]["mode"],
+        "naive": "naive",
+        "q2": "quant:2",
+        "q4": "quant:4",
+        "q8": "quant:8",
+    }
+    out: dict = {"met_on_validation": chosen[pair]["met_on_validation"], "validation": _points(chosen[pair]["validation"])}
+    for role, mode in roles.items():
+        if mode in test:
+            out[role] = _points(test[mode])
+    out["others"] = [_points(r) for mode, r in test.items() if mode.startswith("scd:") and mode != roles["head"]]
+    return out
+
+
+def _points(r: dict) -> dict:
+    """A summary row with F1, EM, recall and gaps in points (0-100) and its interval as text."""
+    return {
+        **r,
+        "f1_pt": 100 * r["f1"],
+        "em_pt": 100 * r["em"],
+        "recall_pt": 100 * r["recall"],
+        "gap_pt": 100 * r["f1_gap"],
+        "gap_ci": "[" + _gap(r["f1_gap_ci95"]).replace("..", ", ") + "]",
+    }
 
 
 def calibration(root: Path) -> dict:
