@@ -71,9 +71,7 @@ def codec_kv(
     per layer (keys, values) [n_kv, T, hd]."""
     info = producer.model.info
     encoder = producer.encoder(options, EncodeRequest(num_tokens))
-    stream = StreamInfo(
-        info.num_layers, num_tokens, info.dtype, options, encoder.metadata(), producer_digest=info.weight_digest
-    )
+    stream = StreamInfo(info.num_layers, num_tokens, info.dtype, options, encoder.metadata(), producer_digest=info.weight_digest)
     decoder = consumer.decoder(stream)
     cache = kv.empty_cache(consumer.model)
     decoder.bind(cache)  # as the consumer's engine binds its own KV blocks
