@@ -237,9 +237,7 @@ class ConsumerConfig(ServerConfig):
     stream_interval: int = 1  # tokens per streamed message after the first (1: each alone; as vLLM's --stream-interval)
     verify_draft_bytes: int = 32 << 20  # verified decoding: sampled drafts a request keeps, bytes (consumer.engine.speculative)
     engine_process: bool = False  # the engine's forwards in a child process, the KV pool in shared memory
-    engine_forward: str = (
-        "pool"  # the engine's model runner: pool (our own forward, attention over the KV pool in place) | hf (the reference)
-    )
+    engine_forward: str = "pool"  # the engine's runner: pool (our forward over the KV pool in place) | hf (reference)
     chunk_tokens: int = 256  # context chunk size of the prefix cache (a multiple of kv_block_tokens)
     prefix_cache_bytes: int = -1  # KV pool bytes the prefix cache may keep; -1: half the pool, 0: off
     http_port: int = -1  # OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models; consumer.api.openai_api); -1 off, 0 any free port

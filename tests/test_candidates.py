@@ -70,10 +70,11 @@ def test_transfer_points_are_the_schedules_the_candidates_and_the_oracle_by_byte
     }
     n, g = art.num_layers, art.geometry
     costs = {(p.mode, p.options): p.bytes_per_token for p in others}
-    assert costs["raw", ()] == Schedule((Action("raw"),) * n).bytes_per_token(g) == n * g.kv_width * 2  # bf16 K and V
+    assert costs["raw", ()] == Schedule((Action("raw"),) * n).bytes_per_token(g) == n * g.kv_width * g.kv_element_bytes  # K and V
     assert costs["quant", (("bits", "8"), ("group_size", "32"))] == Schedule((Action("quant", 8),) * n).bytes_per_token(g)
-    for s, e in spans:  # raw K/V outside the span, the bf16 hidden state entering it
-        assert costs["recompute", (("end", str(e)), ("start", str(s)))] == (n - (e - s)) * g.kv_width * 2 + g.hidden * 2
+    for s, e in spans:  # raw K/V outside the span, the hidden state entering it (both in the artifact's dtype)
+        width = g.kv_element_bytes
+        assert costs["recompute", (("end", str(e)), ("start", str(s)))] == (n - (e - s)) * g.kv_width * width + g.hidden * width
     bare = Artifact(art.tensors, {k: v for k, v in art.meta.items() if k != "candidates"})
     assert [p.mode for p in bare.transfer_points()] == ["oracle"] + ["scd"] * len(art.schedules)
 
