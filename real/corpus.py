@@ -25,7 +25,7 @@ FIRST = 10_000  # train indices below this are the fine-tune's (it uses 0..steps
 
 def heldout_example(tokenizer, example: tasks.Example) -> HeldOut:
     """Context ids, then question + answer ids scored from the answer's first token."""
-    answer = tokenizer(example.answer + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    answer = tasks.answer_ids(tokenizer, example)
     return HeldOut(example.context_ids, example.question_ids + answer, len(example.question_ids))
 
 

@@ -34,11 +34,6 @@ OUT = pretrained.ROOT / "checkpoints/smollm2-135m-tuned"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def answer_ids(tokenizer, example: tasks.Example) -> list[int]:
-    """C's target: the bare gold answer, then the end of the assistant turn."""
-    return tokenizer(example.answer + "<|im_end|>", add_special_tokens=False)["input_ids"]
-
-
 def step_losses(model, ids: list[int], n_context: int, n_answer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(answer CE, context CE) of one sequence ids = context + question + answer."""
     x = torch.tensor([ids])
@@ -119,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     for step in range(args.steps):
         example = tasks.make(tokenizer, tasks.FAMILIES[step % len(tasks.FAMILIES)], "train", step, rng.choice(args.contexts))
-        answer = answer_ids(tokenizer, example)
+        answer = tasks.answer_ids(tokenizer, example)
         ids = example.context_ids + example.question_ids + answer
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)

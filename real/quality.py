@@ -106,10 +106,6 @@ def _own(consumer: LoadedModel, ids: list[int]):
     return layer_cache(consumer, [states[layer].kv() for layer in range(consumer.info.num_layers)])
 
 
-def end_id(tokenizer) -> int:
-    return int(tokenizer.convert_tokens_to_ids("<|im_end|>"))  # type: ignore[arg-type]  # one token -> one id
-
-
 def mode_caches(producer: LoadedModel, consumer: LoadedModel, modes: Modes, ids: list[int]):
     """(label, C's cache) per mode for one context: one prefill per side serves every mode."""
     yield from modes.caches(consumer, _states(producer, ids), _own(consumer, ids), len(ids))
@@ -117,7 +113,7 @@ def mode_caches(producer: LoadedModel, consumer: LoadedModel, modes: Modes, ids:
 
 def answers(producer: LoadedModel, consumer: LoadedModel, modes: Modes, example: tasks.Example, max_new_tokens: int) -> dict:
     """{mode label: C's greedy answer text} for one example."""
-    stop = end_id(consumer.tokenizer)
+    stop = tasks.end_id(consumer.tokenizer)
     return {
         label: answer(consumer, cache, example.question_ids, stop, max_new_tokens)
         for label, cache in mode_caches(producer, consumer, modes, example.context_ids)

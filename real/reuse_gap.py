@@ -39,7 +39,7 @@ def model_row(info) -> dict:
 
 def run(producer: LoadedModel, consumer: LoadedModel, args) -> list[dict]:
     tok = consumer.tokenizer
-    end_id = int(tok.convert_tokens_to_ids("<|im_end|>"))  # type: ignore[arg-type]  # one token -> one id
+    end_id = tasks.end_id(tok)
     rows = []
     for example in tasks.examples(tok, args.split, args.n, args.context_tokens, first=args.first):
         ctx = torch.tensor([example.context_ids])

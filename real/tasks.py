@@ -143,6 +143,20 @@ def chat_split(tokenizer, context: str, question: str) -> tuple[list[int], list[
     return encode(full[:cut]), encode(full[cut:])
 
 
+END = "<|im_end|>"  # the end of a chat turn: greedy answers stop on it
+
+
+def end_id(tokenizer) -> int:
+    """The id of END (one token in the SmolLM2 vocabulary)."""
+    return int(tokenizer.convert_tokens_to_ids(END))  # type: ignore[arg-type]  # one token -> one id
+
+
+def answer_ids(tokenizer, example: Example) -> list[int]:
+    """The consumer's answer as ids: the bare gold value(s), then the end of the assistant turn
+    (what the fine-tune teaches C and what calibration scores)."""
+    return tokenizer(example.answer + END, add_special_tokens=False)["input_ids"]
+
+
 def make(tokenizer, family: str, split: str, index: int, context_tokens: int) -> Example:
     """Example `index` of `family` in `split` at about `context_tokens` tokens of chat prefix."""
     if split not in SEED_BASE:

@@ -87,7 +87,7 @@ def offline_ids_and_margins(consumer, cache, question_ids: list[int], stop: int)
 def near_tie_note(producer, consumer, modes, example, label: str, served: list[int]) -> str:
     """Why the services' tokens may differ from the offline greedy's: '' when the first
     difference is no near tie (a failure), else where it is."""
-    stop = quality.end_id(consumer.tokenizer)
+    stop = tasks.end_id(consumer.tokenizer)
     cache = dict(quality.mode_caches(producer, consumer, modes, example.context_ids))[label]
     offline, margins = offline_ids_and_margins(consumer, cache, example.question_ids, stop)
     split = next((i for i, (a, b) in enumerate(zip(served, offline)) if a != b), None)
@@ -100,7 +100,7 @@ def near_tie_note(producer, consumer, modes, example, label: str, served: list[i
 async def test_services_answer_as_real_quality_scores_offline(calibrated):
     producer, consumer, art, directory = calibrated
     tok = consumer.tokenizer
-    stop = quality.end_id(tok)
+    stop = tasks.end_id(tok)
     modes = quality.Modes(art, producer, consumer, [label for _, _, label in MODES])
     examples = [tasks.make(tok, family, "test", index, CONTEXT_TOKENS) for family, index in EXAMPLES]
     offline = [quality.answers(producer, consumer, modes, ex, MAX_NEW) for ex in examples]

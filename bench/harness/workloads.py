@@ -139,11 +139,12 @@ def workload_for(scale: str, args) -> Workload | None:
     if scale == "real":
         from transformers import AutoTokenizer
 
+        from real import tasks
+
         producer, consumer = REAL_PAIR
         tok = AutoTokenizer.from_pretrained(resolve_path(producer))
-        end = int(tok.convert_tokens_to_ids("<|im_end|>"))
         return Workload(f"{producer}->{consumer}", producer, consumer, dtype, len(tok), real=True, tokenizer=tok,
-                        max_new_tokens=2, stop_ids=[end], weights=weights_of(producer))
+                        max_new_tokens=2, stop_ids=[tasks.end_id(tok)], weights=weights_of(producer))
     if scale in ("qwen05b", "qwen7b"):
         name = f"{scale}-random"
         path = str(ensure_random(name, RANDOM_MODELS[name]))
