@@ -269,6 +269,13 @@ def compare_prefill(loaded, rows: list[tuple[int, int]], reps: int) -> dict:
     }
 
 
+def _measured(measure) -> tuple[dict, float, float]:
+    """(measure()'s row fields, the 1-minute load average before it and after it)."""
+    before = round(os.getloadavg()[0], 2)
+    result = measure()
+    return result, before, round(os.getloadavg()[0], 2)
+
+
 def main_compare(args) -> None:
     from shared.models import load_model
 
@@ -276,46 +283,36 @@ def main_compare(args) -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "engine_forward.jsonl", "a") as out:
+
+        def emit(bench: str, model: str, loaded, shape: dict, round_: int, measured: tuple[dict, float, float]) -> None:
+            result, load_before, load_after = measured
+            row = {
+                "bench": bench,
+                "model": Path(model).name,
+                "dtype": args.dtype,
+                "device": str(loaded.device),
+                **shape,
+                "round": round_,
+                **result,
+                "torch_threads": args.torch_threads or torch.get_num_threads(),
+                "load_avg_1m": load_before,
+                "load_avg_1m_end": load_after,
+                "code": code,
+            }
+            print(json.dumps(row), flush=True)
+            out.write(json.dumps(row) + "\n")
+
         for model in [m for m in args.models.split(",") if m]:
             path = services.ROOT / model
             loaded = load_model(str(path) if path.exists() else model, args.dtype, args.device)
             for round_ in range(args.rounds):
                 for ctx in [int(c) for c in str(args.ctx).split(",") if c]:
                     for batch in [int(b) for b in args.batches.split(",") if b]:
-                        load_before = round(os.getloadavg()[0], 2)
-                        row = {
-                            "bench": "engine_forward",
-                            "model": Path(model).name,
-                            "dtype": args.dtype,
-                            "device": str(loaded.device),
-                            "batch": batch,
-                            "ctx_tokens": ctx,
-                            "round": round_,
-                            **compare(loaded, batch, ctx, args.steps),
-                            "torch_threads": args.torch_threads or torch.get_num_threads(),
-                            "load_avg_1m": load_before,
-                            "load_avg_1m_end": round(os.getloadavg()[0], 2),
-                            "code": code,
-                        }
-                        print(json.dumps(row), flush=True)
-                        out.write(json.dumps(row) + "\n")
+                        measured = _measured(lambda: compare(loaded, batch, ctx, args.steps))  # noqa: B023  # called here
+                        emit("engine_forward", model, loaded, {"batch": batch, "ctx_tokens": ctx}, round_, measured)
                 for name, rows in PREFILLS.items() if args.prefill else ():
-                    load_before = round(os.getloadavg()[0], 2)
-                    row = {
-                        "bench": "engine_prefill",
-                        "model": Path(model).name,
-                        "dtype": args.dtype,
-                        "device": str(loaded.device),
-                        "prefill": name,
-                        "round": round_,
-                        **compare_prefill(loaded, rows, 3),
-                        "torch_threads": args.torch_threads or torch.get_num_threads(),
-                        "load_avg_1m": load_before,
-                        "load_avg_1m_end": round(os.getloadavg()[0], 2),
-                        "code": code,
-                    }
-                    print(json.dumps(row), flush=True)
-                    out.write(json.dumps(row) + "\n")
+                    measured = _measured(lambda: compare_prefill(loaded, rows, 3))  # noqa: B023  # called here
+                    emit("engine_prefill", model, loaded, {"prefill": name}, round_, measured)
 
 
 def main(argv: list[str] | None = None) -> None:
