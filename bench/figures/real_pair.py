@@ -16,12 +16,9 @@ HEADER = (
 )
 
 
-def _pct(values: list[float]) -> str:
-    return "..".join(f"{100 * v:+.1f}" if i else f"{100 * v:.1f}" for i, v in enumerate(values))
-
-
-def _gap(values: list[float]) -> str:
-    return "..".join(f"{100 * v:+.1f}" for v in values)
+def _interval(values: list[float], fmt: str = "{:+.1f}", sep: str = "..") -> str:
+    """An interval of fractions as points: '78.2..89.2' (fmt '{:.1f}') or '+5.5..+19.9'."""
+    return sep.join(fmt.format(100 * v) for v in values)
 
 
 def _line(r: dict) -> str:
@@ -29,7 +26,7 @@ def _line(r: dict) -> str:
     cost = "- | -" if r["bytes_per_token"] is None else f"{r['bytes_per_token']:g} | {r['bytes_ratio_vs_bf16_raw']:.1f}"
     return (
         f"| `{r['mode']}` | {cost} | {100 * r['f1']:.1f} | "
-        f"{_pct(r['f1_ci95']).replace('+', '')} | {100 * r['f1_gap']:+.1f} | {_gap(r['f1_gap_ci95'])} | {100 * r['em']:.1f} | "
+        f"{_interval(r['f1_ci95'], '{:.1f}')} | {100 * r['f1_gap']:+.1f} | {_interval(r['f1_gap_ci95'])} | {100 * r['em']:.1f} | "
         f"{r['identical_to_oracle']:.0%} | {100 * r['recall']:.1f} | {kl} |"
     )
 
@@ -176,7 +173,7 @@ def _points(r: dict) -> dict:
         "em_pt": 100 * r["em"],
         "recall_pt": 100 * r["recall"],
         "gap_pt": 100 * r["f1_gap"],
-        "gap_ci": "[" + _gap(r["f1_gap_ci95"]).replace("..", ", ") + "]",
+        "gap_ci": "[" + _interval(r["f1_gap_ci95"], sep=", ") + "]",
     }
 
 
