@@ -167,31 +167,41 @@ def summaries(rows: list[dict], modes: Modes) -> list[dict]:
     out = []
     for label, _, _ in modes.asked:
         mine = [r for r in task if r["mode"] == label]
-        if not mine:
-            continue
-        gaps = [oracle[r["seed"]] - r["f1"] for r in mine]
         kls = [r["mean_kl"] for r in rows if r["kind"] == "kl" and r["mode"] == label]
-        mean = {k: round(sum(float(r[k]) for r in mine) / len(mine), 4) for k in ("em", "f1", "recall", "identical_to_oracle")}
+        if not mine and not kls:
+            continue
         out.append(
             {
                 "kind": "summary",
                 "mode": label,
                 "options": modes.options.get(label, {}),
-                "n": len(mine),
-                **mean,
-                "f1_ci95": [round(x, 4) for x in bootstrap_ci([float(r["f1"]) for r in mine])],
-                "f1_gap": round(sum(gaps) / len(gaps), 4),
-                "f1_gap_ci95": [round(x, 4) for x in bootstrap_ci(gaps)],
-                "by_family": {
-                    f: round(sum(r["f1"] for r in mine if r["family"] == f) / max(1, sum(r["family"] == f for r in mine)), 4)
-                    for f in tasks.FAMILIES
-                },
+                **_task_summary(mine, oracle),
+                "windows": len(kls),
                 "mean_kl": round(sum(kls) / len(kls), 5) if kls else None,
                 "mean_kl_ci95": [round(x, 5) for x in bootstrap_ci(kls)] if kls else None,
                 **_bytes(modes, label),
             }
         )
     return out
+
+
+def _task_summary(mine: list[dict], oracle: dict) -> dict:
+    """One mode's task scores: means, the F1 and its paired gap to the oracle with 95 % intervals,
+    F1 by family; n 0 and no scores for a KL-only run."""
+    if not mine:
+        return {"n": 0}
+    gaps = [oracle[r["seed"]] - r["f1"] for r in mine]
+    return {
+        "n": len(mine),
+        **{k: round(sum(float(r[k]) for r in mine) / len(mine), 4) for k in ("em", "f1", "recall", "identical_to_oracle")},
+        "f1_ci95": [round(x, 4) for x in bootstrap_ci([float(r["f1"]) for r in mine])],
+        "f1_gap": round(sum(gaps) / len(gaps), 4),
+        "f1_gap_ci95": [round(x, 4) for x in bootstrap_ci(gaps)],
+        "by_family": {
+            f: round(sum(r["f1"] for r in mine if r["family"] == f) / max(1, sum(r["family"] == f for r in mine)), 4)
+            for f in tasks.FAMILIES
+        },
+    }
 
 
 def summarize(path: Path) -> None:
