@@ -11,7 +11,7 @@ PROTOS  := $(wildcard protos/scd/v1/*.proto)
 PB_GEN  := $(PB_OUT)/scd/v1/.generated
 COMPOSE := .venv-compose/bin/docker-compose
 
-.PHONY: all install real-model real-artifacts proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft compose-config compose-smoke vllm-structs clean
+.PHONY: all install real-model real-artifacts proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft bench-peer compose-config compose-smoke vllm-structs clean
 
 all: test
 
@@ -92,6 +92,13 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 vllm-structs: $(VLLM_VENV)/.installed
+
+# This project's services beside vLLM's CPU build (the venv above) on the real model, same prompts,
+# interleaved: TTFT at 2k tokens, decode tokens/s at 1 and 32 streams -> bench/results/peer_vllm.jsonl.
+# Minutes (vLLM's start compiles); the machine should be otherwise idle. PEER_ARGS e.g. "--runs 5".
+PEER_ARGS ?=
+bench-peer: $(PB_GEN) $(REAL_MODEL) vllm-structs
+	$(PYTHON) -m bench.peer.vs_vllm $(PEER_ARGS)
 
 # Build the images, run the compose stack (2 producers), the demo against it, tear it down; one
 # JSON line. Needs root; installs docker.io/debootstrap when missing. Minutes: not in `make test`.

@@ -9,9 +9,11 @@
                auto per link, quality, the cache audit, verified decoding, TTFT (ttft/), the GPU check;
                each writes its rows (and prints its own table of them); imports harness/, micro/,
                demo.py, never figures/
+    peer/      this project's services beside another engine on the same checkpoint and prompts
+               (vs_vllm: vLLM's CPU build, run in its own venv by vllm_worker.py); imports harness/
     figures/   the committed rows (bench/results/) -> the figures -> docs/results.md and the
                README's generated blocks (`python -m bench.figures.report`); reads the rows serving/
-               writes, with serving/'s own row formats and tables; imports harness/ and serving/
+               and peer/ write, with serving/'s own row formats and tables; imports harness/ and serving/
     demo.py    `make demo`; imports harness/
 
 tests/test_consumer_parts.py checks these imports.

