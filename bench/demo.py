@@ -28,6 +28,7 @@ FALLBACK_QUESTION = " Which layers are patched?"
 
 
 ARTIFACT = services.ROOT / "artifacts/qa-base-to-tuned.safetensors"
+REAL_ARTIFACT = services.ROOT / "artifacts/smollm2-pc.safetensors"  # make real-artifacts (not committed)
 DEFAULT = "default"  # the row of the request that names no mode
 
 
@@ -49,8 +50,25 @@ def default_example() -> tuple[str, str, str, str, str, str]:
     return "tiny-llama", "tiny-llama", "", FALLBACK_CONTEXT, FALLBACK_QUESTION, ""
 
 
-async def ask_all(address: str, context: str, question: str, max_new_tokens: int, has_artifact: bool,
+def real_example(context_tokens: int = 1024):
+    """The real pair (`--pair real`): P smollm2-135m, C smollm2-135m-tuned, its SCD artifact when
+    `make real-artifacts` built it, and a real.tasks test example in C's chat format, as token ids
+    (context, question, gold, stop ids)."""
+    from transformers import AutoTokenizer
+
+    from real import tasks
+    from shared.models import resolve_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_path("smollm2-135m-tuned"))
+    ex = tasks.make(tok, "qa", "test", 0, context_tokens)
+    artifacts = str(REAL_ARTIFACT) if REAL_ARTIFACT.exists() else ""
+    context, question = prompt(ids=ex.context_ids), prompt(ids=ex.question_ids)
+    return "smollm2-135m", "smollm2-135m-tuned", artifacts, context, question, ex.answer, [tasks.end_id(tok)], ex
+
+
+async def ask_all(address: str, context, question, max_new_tokens: int, has_artifact: bool,
                   stop_ids: list[int]) -> list[dict]:
+    """`context`, `question`: consumer_pb2.Prompt (text or token ids)."""
     rows = []
     async with ConsumerClient(address) as client:
         described = await client.describe()
@@ -58,8 +76,8 @@ async def ask_all(address: str, context: str, question: str, max_new_tokens: int
         answers = {}
         # the default first, as a caller naming no mode gets it (mode auto: what it chose and why)
         for mode in modes_asked([c.name for c in described.codecs], has_artifact):
-            answer = await client.generate(mode=None if mode == DEFAULT else mode, context=prompt(context),
-                                           question=prompt(question), max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
+            answer = await client.generate(mode=None if mode == DEFAULT else mode, context=context,
+                                           question=question, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
             answers[mode] = answer
             chosen = dict(answer.stats.transfer.options)
             detail = chosen.get("schedule") or options_label(chosen) or "no options"
@@ -78,28 +96,39 @@ async def ask_all(address: str, context: str, question: str, max_new_tokens: int
 
 
 def main() -> None:
-    p_model, c_model, artifacts, context, question, gold = default_example()
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--producer-model", default=p_model)
-    parser.add_argument("--consumer-model", default=c_model)
-    parser.add_argument("--artifacts", default=artifacts, help="SCD artifact file(s) for both services")
+    parser.add_argument("--pair", choices=("default", "real"), default="default",
+                        help="default: the trained QA pair (tiny random model without it); real: SmolLM2-135M-Instruct "
+                             "-> its fine-tune on a real.tasks example (make real-model; scd with make real-artifacts)")
+    parser.add_argument("--producer-model")
+    parser.add_argument("--consumer-model")
+    parser.add_argument("--artifacts", help="SCD artifact file(s) for both services (default: the pair's)")
     parser.add_argument("--dtype", default="auto", help="both services' --dtype (auto: bfloat16 where native, else float32)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--consumer", help="use a running consumer at HOST:PORT instead of starting services")
     args = parser.parse_args()
-    stop_ids = []
-    if gold:  # the QA pair: answers end with its '.' token
-        from qa.tokenizer import end_token_id, load_tokenizer
-
-        stop_ids = [end_token_id(load_tokenizer(args.consumer_model))]
-    print(f"# context: {len(context.split())} words; question: {question.strip()!r}; gold: {gold!r}", file=sys.stderr)
-    if args.consumer:
-        rows = asyncio.run(ask_all(args.consumer, context, question, args.max_new_tokens, bool(args.artifacts), stop_ids))
+    if args.pair == "real":
+        p_model, c_model, artifacts, context, question, gold, stop_ids, ex = real_example()
+        said = f"{len(ex.context_ids)} tokens of prose ({ex.family}); question: {ex.question.strip()!r}"
     else:
-        common = ["--dtype", args.dtype, "--log-level", "WARNING", "--artifacts", args.artifacts]
-        with services.running(["--model", args.producer_model, *common], ["--model", args.consumer_model, *common],
+        p_model, c_model, artifacts, context_text, question_text, gold = default_example()
+        context, question = prompt(context_text), prompt(question_text)
+        said = f"{len(context_text.split())} words; question: {question_text.strip()!r}"
+        stop_ids = []
+        if gold:  # the QA pair: answers end with its '.' token
+            from qa.tokenizer import end_token_id, load_tokenizer
+
+            stop_ids = [end_token_id(load_tokenizer(args.consumer_model or c_model))]
+    producer_model, consumer_model = args.producer_model or p_model, args.consumer_model or c_model
+    artifacts = artifacts if args.artifacts is None else args.artifacts
+    print(f"# context: {said}; gold: {gold!r}", file=sys.stderr)
+    if args.consumer:
+        rows = asyncio.run(ask_all(args.consumer, context, question, args.max_new_tokens, bool(artifacts), stop_ids))
+    else:
+        common = ["--dtype", args.dtype, "--log-level", "WARNING", "--artifacts", artifacts]
+        with services.running(["--model", producer_model, *common], ["--model", consumer_model, *common],
                               log_dir=services.ROOT / "bench/runs/demo") as (_, consumer):
-            rows = asyncio.run(ask_all(consumer.address, context, question, args.max_new_tokens, bool(args.artifacts), stop_ids))
+            rows = asyncio.run(ask_all(consumer.address, context, question, args.max_new_tokens, bool(artifacts), stop_ids))
     for row in rows:
         print(json.dumps(row))
 
