@@ -74,6 +74,7 @@ def real_pair(root: Path = RESULTS.parents[1]) -> dict:
     return {
         "tables": "\n\n".join(tables),
         "kl_tables": kl_tables([r for r in every if not r["n"]]),
+        "kl": {f"{r['pair']}|{r['mode']}": r for r in every if not r["n"] and r["context_tokens_asked"] == 1024},
         "cells": out,
         "chosen": chosen,
         "calibration": calibration(root),
