@@ -10,7 +10,8 @@ Owns the `Predictor` signature every evaluation path plugs into,
 
 Tokenization follows the services: context with the tokenizer's default special tokens (BOS),
 question with add_special_tokens=False, ids concatenated. Positions after a cache continue at
-the cache length (LlamaModel derives them from `cache.get_seq_length()`). Decoding stops at the
+the cache's logical length (shared.keep.next_positions: its stored length, plus the tokens a kept
+cache dropped). Decoding stops at the
 answer terminator '.' (not returned) or after `max_new_tokens`. Knows nothing about metrics
 or grpc.
 """
@@ -23,6 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from qa.tokenizer import end_token_id
+from shared.keep import next_positions
 
 Predictor = Callable[[str, str, int], str]
 
@@ -36,10 +38,12 @@ def encode_prompt(tokenizer, context: str, question: str) -> tuple[torch.Tensor,
 
 @torch.no_grad()
 def prefill(model, ids: torch.Tensor, cache: DynamicCache | None = None) -> tuple[torch.Tensor, DynamicCache]:
-    """Run `ids` [1, n] on top of `cache` (new if None); returns (last logits [1, vocab], cache)."""
+    """Run `ids` [1, n] on top of `cache` (new if None); returns (last logits [1, vocab], cache).
+    Positions continue at the cache's logical length (shared.keep: a kept cache stores fewer)."""
     if cache is None:
         cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    pos = next_positions(cache, ids.shape[1], ids.device)
+    out = model(input_ids=ids, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
     return out.logits[:, -1], cache  # logits: [1, 1, vocab] -> [1, vocab]
 
 

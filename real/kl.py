@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from calibration.kl import kl_sum
+from shared.keep import next_positions
 from shared.models import LoadedModel
 
 
@@ -24,7 +25,8 @@ def following_logprobs(consumer: LoadedModel, cache: DynamicCache, following_ids
     of `cache` (which holds the context); the cache is cropped back to the context afterwards."""
     length = cache.get_seq_length()
     ids = torch.tensor([following_ids], device=consumer.device)
-    logits = consumer.model(input_ids=ids, cache=cache, use_cache=True).logits[0]
+    pos = next_positions(cache, len(following_ids), consumer.device)  # a kept cache stores fewer
+    logits = consumer.model(input_ids=ids, cache=cache, position_ids=pos, use_cache=True).logits[0]
     crop_to(cache, length)
     return torch.log_softmax(logits.float(), -1)
 

@@ -9,7 +9,16 @@ codec, the code the services run (calibration.candidates.codec_kv: P's encoder, 
 to the CPU as the wire would, C's decoder), and C answers greedily on it (the question's ids, then
 up to --max-new-tokens). Modes: `oracle` (C's own cache), `naive` (P's K/V as they are: the raw
 codec), `quant:B` (KIVI-style, B in 8/4/2 bits), `recompute` (DroidSpeak-style over the artifact's
-profiled span), `scd:S` (schedule S of the artifact: a name or its per-layer text).
+profiled span), `scd:S` (schedule S of the artifact: a name or its per-layer text). Any mode may
+end in `@POLICY:BUDGET` (shared.keep: `oracle@snapkv:0.25`, `scd:s11@h2o:0.5`, `naive@knorm:256`):
+the mode's cache, then only the tokens that policy keeps at that budget (a fraction or a count per
+layer and KV head), at their original positions, the question continuing at the context's
+length. The side that holds the cache before any transfer scores its tokens from its own prefill:
+C for the oracle's cache, P for every codec (the producer chooses what it sends; selection after
+the per-token codecs raw and scd is what sending only the kept tokens gives; quant's token groups
+and recompute's spans would see only kept tokens on the wire: there it is an approximation).
+Bytes per context token are the mode's times the kept share, plus the keep set (per layer and
+head set: a bitmap or 2-byte positions, whichever is smaller).
 
 One JSON line per example and mode (scores: real.score; identical = same text as the oracle's),
 then with `--windows K` the task-free measure per mode (mean next-token KL of C over the 64 real
@@ -40,24 +49,43 @@ from real import kl, score, tasks
 from real.reuse_gap import answer, model_row
 from shared import kv
 from shared.codecs import create_codecs
+from shared.keep import Selection, kept_cache, parse_selection
+from shared.keep.policy import layer_scores
 from shared.models import LoadedModel, load_model
 from shared.scd.artifact import Artifact
 
 
-def parse_mode(text: str) -> tuple[str, str, dict[str, str]]:
-    """'quant:4' -> (label, codec, options); `oracle` has no codec ("")."""
-    head, _, arg = text.partition(":")
+def parse_mode(text: str) -> tuple[str, str, dict[str, str], Selection | None]:
+    """'quant:4' -> (label, codec, options, None); `oracle` has no codec (""); a suffix
+    '@POLICY:BUDGET' gives the token selection (shared.keep)."""
+    base, at, keep = text.partition("@")
+    selection = None
+    if at:
+        try:
+            selection = parse_selection(keep)
+        except ValueError as e:
+            raise SystemExit(f"--modes: {text!r}: {e}") from None
+    head, _, arg = base.partition(":")
     if head == "oracle":
-        return "oracle", "", {}
+        return text, "", {}, selection
     if head == "naive":
-        return "naive", "raw", {}
+        return text, "raw", {}, selection
     if head == "quant" and arg:
-        return text, "quant", {"bits": arg}
+        return text, "quant", {"bits": arg}, selection
     if head == "recompute":
-        return "recompute", "recompute", {}
+        return text, "recompute", {}, selection
     if head == "scd" and arg:
-        return text, "scd", {"schedule": arg}
-    raise SystemExit(f"--modes: {text!r} is not oracle | naive | quant:BITS | recompute | scd:SCHEDULE")
+        return text, "scd", {"schedule": arg}, selection
+    raise SystemExit(
+        f"--modes: {text!r} is not oracle | naive | quant:BITS | recompute | scd:SCHEDULE, then @POLICY:BUDGET or not"
+    )
+
+
+def index_bytes_per_token(selection: Selection, kept_share: float, layers: int, kv_heads: int) -> float:
+    """Bytes per context token of the keep sets: per layer and head set, a bitmap (1 bit per
+    context token) or 2-byte positions of the kept ones, whichever is smaller."""
+    sets = layers * (1 if selection.shared else kv_heads)
+    return sets * min(1 / 8, 2 * kept_share)
 
 
 class Modes:
@@ -65,13 +93,16 @@ class Modes:
 
     def __init__(self, art: Artifact, producer: LoadedModel, consumer: LoadedModel, asked: list[str]):
         self.asked = [parse_mode(m) for m in asked]
-        names = sorted({codec for _, codec, _ in self.asked if codec})
+        self.producer, self.consumer = producer, consumer
+        self.needs_normed = any(sel is not None and sel.policy.needs for _, _, _, sel in self.asked)
+        names = sorted({codec for _, codec, _, _ in self.asked if codec})
         sides = create_codecs(producer, names, [art]), create_codecs(consumer, names, [art])
         g, layers = art.geometry, art.num_layers
+        self.layers, self.kv_heads = layers, producer.info.num_kv_heads
         self.raw_bytes = candidates.payload_bytes_per_token("raw", {}, g, layers)
         self.raw_bf16 = layers * g.kv_width * 2
         self.codecs, self.options, self.bytes = {}, {}, {}
-        for label, codec, options in self.asked:
+        for label, codec, options, _ in self.asked:
             if not codec:
                 continue  # the oracle sends nothing
             if codec == "scd":
@@ -87,50 +118,76 @@ class Modes:
                 else candidates.payload_bytes_per_token(codec, resolved, g, layers)
             )
 
-    def caches(self, consumer: LoadedModel, states, own, num_tokens: int):
-        """(label, cache) per mode for one context: `own` is C's own cache (the oracle's)."""
-        for label, codec, _ in self.asked:
-            if not codec:
-                yield label, own
-            else:
+    def caches(self, consumer: LoadedModel, states, own: tuple, num_tokens: int):
+        """(label, cache) per mode for one context: `states` are P's, `own` is C's (states, cache),
+        the oracle's cache. A mode with a selection gets a kept cache (shared.keep), scored by the
+        side holding the cache before any transfer: C for the oracle's, P for every codec's."""
+        own_states, own_cache = own
+        scored: dict[tuple[str, str], list] = {}  # (side, policy) -> scores per layer, for every budget
+        for label, codec, _, selection in self.asked:
+            if not codec and selection is None:
+                yield label, own_cache
+                continue
+            if codec:
                 layer_kv = candidates.codec_kv(*self.codecs[label], self.options[label], states, num_tokens)
+            else:
+                layer_kv = [own_states[layer].kv() for layer in range(consumer.info.num_layers)]
+            if selection is None:
                 yield label, layer_cache(consumer, layer_kv)
+                continue
+            side, model, side_states = ("C", self.consumer, own_states) if not codec else ("P", self.producer, states)
+            key = (side, selection.policy.name)
+            if key not in scored:
+                scored[key] = layer_scores(selection.policy, model, side_states)
+            yield label, kept_cache(consumer, layer_kv, selection.select(scored[key]))
+
+    def selection(self, label: str) -> Selection | None:
+        return next(sel for lab, _, _, sel in self.asked if lab == label)
 
 
 def _states(producer: LoadedModel, ids: list[int]):
     return kv.capture_states(producer, ids, kv.Capture.KV | kv.Capture.NORMED | kv.Capture.HIDDEN)[0]
 
 
-def _own(consumer: LoadedModel, ids: list[int]):
-    states = kv.capture_states(consumer, ids, kv.Capture.KV)[0]
-    return layer_cache(consumer, [states[layer].kv() for layer in range(consumer.info.num_layers)])
+def _own(consumer: LoadedModel, ids: list[int], normed: bool = False):
+    """C's own prefill: (its layer states, its cache); the normed inputs where a selection needs them."""
+    states = kv.capture_states(consumer, ids, kv.Capture.KV | (kv.Capture.NORMED if normed else kv.Capture.NONE))[0]
+    return states, layer_cache(consumer, [states[layer].kv() for layer in range(consumer.info.num_layers)])
 
 
 def mode_caches(producer: LoadedModel, consumer: LoadedModel, modes: Modes, ids: list[int]):
     """(label, C's cache) per mode for one context: one prefill per side serves every mode."""
-    yield from modes.caches(consumer, _states(producer, ids), _own(consumer, ids), len(ids))
+    states = _states(producer, ids) if modes.codecs else {}  # P's prefill only where a codec reads it
+    yield from modes.caches(consumer, states, _own(consumer, ids, modes.needs_normed), len(ids))
 
 
 def answers(producer: LoadedModel, consumer: LoadedModel, modes: Modes, example: tasks.Example, max_new_tokens: int) -> dict:
     """{mode label: C's greedy answer text} for one example."""
+    return answered(producer, consumer, modes, example, max_new_tokens)[0]
+
+
+def answered(producer: LoadedModel, consumer: LoadedModel, modes: Modes, example: tasks.Example, max_new_tokens: int):
+    """({mode label: C's greedy answer text}, {mode label: context tokens its cache stores})."""
     stop = tasks.end_id(consumer.tokenizer)
-    return {
-        label: answer(consumer, cache, example.question_ids, stop, max_new_tokens)
-        for label, cache in mode_caches(producer, consumer, modes, example.context_ids)
-    }
+    said, kept = {}, {}
+    for label, cache in mode_caches(producer, consumer, modes, example.context_ids):
+        said[label] = answer(consumer, cache, example.question_ids, stop, max_new_tokens)
+        kept[label] = cache.get_seq_length()
+    return said, kept
 
 
 def run(art: Artifact, producer: LoadedModel, consumer: LoadedModel, modes: Modes, args, emit) -> list[dict]:
     tok = consumer.tokenizer
     rows = []
     for example in tasks.examples(tok, args.split, args.n, args.context_tokens, first=args.first):
-        said = answers(producer, consumer, modes, example, args.max_new_tokens)
+        said, kept = answered(producer, consumer, modes, example, args.max_new_tokens)
         for label, text in said.items():
             row = {
                 "kind": "task",
                 "family": example.family,
                 "seed": example.seed,
                 "context_tokens": len(example.context_ids),
+                "kept_tokens": kept[label],
                 "mode": label,
                 "gold": example.answer,
                 "prediction": text,
@@ -141,19 +198,24 @@ def run(art: Artifact, producer: LoadedModel, consumer: LoadedModel, modes: Mode
     for i in range(args.windows):
         window = tasks.text_window(tok, args.split, args.first + i, args.context_tokens)
         ids = window.context_ids
-        states, own = _states(producer, ids), _own(consumer, ids)
+        states, own = _states(producer, ids) if modes.codecs else {}, _own(consumer, ids, modes.needs_normed)
         for label, cache in modes.caches(consumer, states, own, len(ids)):
-            value = 0.0 if cache is own else kl.mean_kl(consumer, own, cache, window.following_ids)
-            rows.append({"kind": "kl", "seed": window.seed, "context_tokens": len(ids), "mode": label, "mean_kl": value})
+            value = 0.0 if cache is own[1] else kl.mean_kl(consumer, own[1], cache, window.following_ids)
+            row = {"kind": "kl", "seed": window.seed, "context_tokens": len(ids), "kept_tokens": cache.get_seq_length()}
+            rows.append({**row, "mode": label, "mean_kl": value})
             emit(rows[-1])
     return rows
 
 
-def _bytes(modes: Modes, label: str) -> dict:
-    """Bytes per context token and the ratios to raw K/V; none for the oracle (it sends nothing)."""
-    if label == "oracle":
+def _bytes(modes: Modes, label: str, kept_share: float) -> dict:
+    """Bytes per context token and the ratios to raw K/V; none for the oracle (it sends nothing).
+    With a selection: the mode's bytes times the kept share, plus the keep sets."""
+    if label not in modes.bytes:
         return {"bytes_per_token": None, "bytes_ratio_vs_raw": None, "bytes_ratio_vs_bf16_raw": None}
     b = modes.bytes[label]
+    selection = modes.selection(label)
+    if selection is not None:
+        b = b * kept_share + index_bytes_per_token(selection, kept_share, modes.layers, modes.kv_heads)
     return {
         "bytes_per_token": round(b, 2),
         "bytes_ratio_vs_raw": round(modes.raw_bytes / b, 2),
@@ -165,21 +227,30 @@ def summaries(rows: list[dict], modes: Modes) -> list[dict]:
     task = [r for r in rows if r["kind"] == "task"]
     oracle = {r["seed"]: r["f1"] for r in task if r["mode"] == "oracle"}
     out = []
-    for label, _, _ in modes.asked:
+    for label, _, _, selection in modes.asked:
         mine = [r for r in task if r["mode"] == label]
         kls = [r["mean_kl"] for r in rows if r["kind"] == "kl" and r["mode"] == label]
         if not mine and not kls:
             continue
+        measured = mine + [r for r in rows if r["kind"] == "kl" and r["mode"] == label]
+        kept_share = sum(r.get("kept_tokens", r["context_tokens"]) / r["context_tokens"] for r in measured) / len(measured)
         out.append(
             {
                 "kind": "summary",
                 "mode": label,
                 "options": modes.options.get(label, {}),
+                "keep": None
+                if selection is None
+                else {
+                    "selection": selection.label,
+                    "kept_share": round(kept_share, 4),
+                    "scored_by": "P" if label in modes.bytes else "C",
+                },
                 **_task_summary(mine, oracle),
                 "windows": len(kls),
                 "mean_kl": round(sum(kls) / len(kls), 5) if kls else None,
                 "mean_kl_ci95": [round(x, 5) for x in bootstrap_ci(kls)] if kls else None,
-                **_bytes(modes, label),
+                **_bytes(modes, label, kept_share),
             }
         )
     return out

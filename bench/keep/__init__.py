@@ -1,0 +1,1 @@
+"""Token selection (shared.keep) checked against its reference implementation (NVIDIA kvpress)."""
