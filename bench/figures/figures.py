@@ -17,6 +17,7 @@ from pathlib import Path
 
 from bench.figures import projection
 from bench.figures.gpu import gpu
+from bench.figures.keep import keep
 from bench.figures.peer import peer_vllm
 from bench.figures.real_pair import real_pair
 from bench.figures.rows import RESULTS, ROOT, artifact_meta, em_f1, rows_of, span, span_words  # noqa: F401 (RESULTS: re-exported)
@@ -337,4 +338,5 @@ def figures(root: Path = ROOT) -> dict:
         "gpu": gpu(root),
         "real": real_pair(root),
         "peer": peer_vllm(root),
+        "keep": keep(root),
     }

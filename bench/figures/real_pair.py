@@ -48,7 +48,8 @@ def real_pair(root: Path = RESULTS.parents[1]) -> dict:
     folder = root / "bench/results/real"
     if not folder.exists():
         return {"tables": "(no rows yet: python -m real.quality)", "cells": {}}
-    every = [r for f in sorted(folder.glob("*.jsonl")) for r in rows_of(f) if r.get("kind") == "summary"]
+    files = [f for f in sorted(folder.glob("*.jsonl")) if not f.name.startswith("keep-")]  # token selection: bench.figures.keep
+    every = [r for f in files for r in rows_of(f) if r.get("kind") == "summary"]
     summaries = [r for r in every if r["n"]]  # task rows; n 0: a KL-only run (kl_tables)
     cells = cells_of(summaries, "pair", "split", "context_tokens_asked")
     tables, out = [], {}
