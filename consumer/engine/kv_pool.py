@@ -260,6 +260,9 @@ class SequenceKV:
     shared_blocks: int = 0  # leading blocks shared with the prefix cache: never written by this request
 
     first_write: int = 0  # where a codec decoder's layers start (tokens before it are a cached prefix)
+    # context tokens of the logical sequence that are not stored (a kept transfer, shared.keep): the
+    # stored tokens keep their own RoPE, and a token at storage index i runs at position i + dropped
+    dropped: int = 0
 
     @functools.cached_property
     def flat_slots(self) -> torch.Tensor:

@@ -111,7 +111,8 @@ class PoolRunner:
             offset += len(r.ids)
         self.gathered_rows += sum(v.table is not None for v in views)
         ids = torch.tensor([t for r in rows for t in r.ids], dtype=torch.long, device=device)  # [N]
-        pos = torch.tensor([r.start + j for r in rows for j in range(len(r.ids))], device=device)  # [N]
+        # [N] RoPE positions: the logical ones (a kept sequence does not store `dropped` tokens)
+        pos = torch.tensor([r.start + r.seq.dropped + j for r in rows for j in range(len(r.ids))], device=device)
         slots = torch.cat([r.seq.flat_slots[r.start : r.start + len(r.ids)] for r in rows])  # [N] pool slots
         lengths = [v.n for v in views]
         kv, hd, groups = pool.info.num_kv_heads, pool.info.head_dim, self.groups

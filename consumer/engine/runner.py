@@ -151,10 +151,11 @@ class Runner:
         cache = _BatchKV(self.pool, tables, write_blk, write_off, row_idx, col_idx, self.scratch(B * nblk))
 
         h = self.inner.embed_tokens(ids)  # [B, n, d]
-        emb = self.inner.rotary_emb(h, position_ids=pos)
+        rope_pos = pos + torch.tensor([r.seq.dropped for r in rows], device=device)[:, None]  # logical positions
+        emb = self.inner.rotary_emb(h, position_ids=rope_pos)
         attn_mask = mask[:, None]  # [B, 1, n, L]
         for layer in self.inner.layers:
-            h = layer(h, attention_mask=attn_mask, position_ids=pos, cache=cache, use_cache=True, position_embeddings=emb)
+            h = layer(h, attention_mask=attn_mask, position_ids=rope_pos, cache=cache, use_cache=True, position_embeddings=emb)
         last = h[torch.arange(B, device=device), lens - 1]  # [B, d]
         logits = self.lm_head(self.inner.norm(last)).float()  # [B, vocab]
         for i, r in enumerate(rows):

@@ -43,9 +43,16 @@ class LayerView:
 
 
 class Policy(Protocol):
-    name: str
-    needs: Needs
-    observation: int  # query rows of WINDOW_ATTENTION (the context's last ones)
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def needs(self) -> Needs: ...
+
+    @property
+    def observation(self) -> int:
+        """Query rows of WINDOW_ATTENTION (the context's last ones)."""
+        ...
 
     def score(self, view: LayerView) -> torch.Tensor:
         """[n_kv, T] float32, higher = keep."""
