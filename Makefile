@@ -11,7 +11,7 @@ PROTOS  := $(wildcard protos/scd/v1/*.proto)
 PB_GEN  := $(PB_OUT)/scd/v1/.generated
 COMPOSE := .venv-compose/bin/docker-compose
 
-.PHONY: all install real-model real-artifacts proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft bench-peer compose-config compose-smoke vllm-structs clean
+.PHONY: all install real-model real-artifacts proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft bench-peer kvpress-check compose-config compose-smoke vllm-structs clean
 
 all: test
 
@@ -92,6 +92,23 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 vllm-structs: $(VLLM_VENV)/.installed
+
+# NVIDIA kvpress's presses beside shared.keep's scorers on the same tensors (bench/keep/kvpress_check.py):
+# kvpress 0.5.4 pins transformers < 5.3, so it lives in a venv of its own outside the checkout, with
+# transformers 5.2.0 and torch read from this project's venv (a .pth; nothing installed into .venv).
+KVPRESS_VENV ?= $(HOME)/.cache/scd/kvpress
+$(KVPRESS_VENV)/.installed: $(STAMP)
+	$(PY) -m venv $(KVPRESS_VENV)
+	$(VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+		> $$($(KVPRESS_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_shared_torch.pth
+	$(KVPRESS_VENV)/bin/pip install -q kvpress==0.5.4 transformers==5.2.0
+	$(KVPRESS_VENV)/bin/python -c "import kvpress, transformers; assert transformers.__version__ == '5.2.0'"
+	touch $@
+
+kvpress-check: $(PB_GEN) $(REAL_MODEL) $(KVPRESS_VENV)/.installed
+	$(PYTHON) -m bench.keep.kvpress_check dump --out /tmp/keep-kvpress.pt
+	$(KVPRESS_VENV)/bin/python bench/keep/kvpress_check.py check /tmp/keep-kvpress.pt \
+		--model-dir .cache/models/smollm2-135m --out bench/results/real/keep-kvpress.json
 
 # This project's services beside vLLM's CPU build (the venv above) on the real model, same prompts,
 # interleaved: TTFT at 2k tokens, decode tokens/s at 1 and 32 streams -> bench/results/peer_vllm.jsonl.

@@ -9,6 +9,8 @@
                auto per link, quality, the cache audit, verified decoding, TTFT (ttft/), the GPU check;
                each writes its rows (and prints its own table of them); imports harness/, micro/,
                demo.py, never figures/
+    keep/      token selection checked against another implementation (kvpress_check: shared.keep's
+               scores against NVIDIA kvpress's presses, `make kvpress-check`); imports harness/
     peer/      this project's services beside another engine on the same checkpoint and prompts
                (vs_vllm: vLLM's CPU build, run in its own venv by vllm_worker.py); imports harness/
     figures/   the committed rows (bench/results/) -> the figures -> docs/results.md and the

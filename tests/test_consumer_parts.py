@@ -73,6 +73,7 @@ BENCH_ALLOWED = {  # a bench package -> what it may import of bench (bench/__ini
     "bench.figures": ("bench.harness", "bench.serving", "bench.figures"),
     "bench.demo": ("bench.harness", "bench.demo"),
     "bench.peer": ("bench.harness", "bench.peer"),
+    "bench.keep": ("bench.harness", "bench.keep"),
 }
 
 

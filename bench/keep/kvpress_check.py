@@ -1,5 +1,6 @@
 """Are shared.keep's scores NVIDIA kvpress' scores on the same tensors? Two halves, two venvs
-(kvpress 0.5.4 pins transformers < 5.3; this project runs 5.24):
+(kvpress 0.5.4 pins transformers < 5.3; this project runs 5.24). `make kvpress-check` builds that
+venv (outside the checkout) and runs both halves:
 
     # 1. in the project's venv: one real.tasks test context through P = smollm2-135m, saving per
     #    checked layer the attention module's input, K/V, transformers' eager attention
@@ -8,7 +9,7 @@
     # 2. in a venv with kvpress (its own transformers; torch may be shared): kvpress' presses
     #    score the same tensors (SnapKV through its own query path on the layer's attention module,
     #    loaded by that transformers from the same checkpoint), compared with ours
-    /tmp/kvp-venv/bin/python bench/keep/kvpress_check.py check /tmp/keep-kvpress.pt \\
+    ~/.cache/scd/kvpress/bin/python bench/keep/kvpress_check.py check /tmp/keep-kvpress.pt \\
         --model-dir .cache/models/smollm2-135m --out bench/results/real/keep-kvpress.json
 
 Per policy and layer: the max abs difference of the scores (streaming: kvpress' scores depend on
