@@ -21,12 +21,13 @@ C = 64  # the producer's chunk tokens: the second turn continues the first's sto
 
 
 @contextlib.contextmanager
-def forbidden(*loaded_models):
-    """While active, calling any module of these loaded models raises and is recorded: the calls."""
+def forbidden(*models):
+    """While active, calling any module of these loaded models (or modules) raises and is recorded:
+    the calls."""
     calls: list[str] = []
     handles = []
-    for loaded in loaded_models:
-        for name, module in loaded.model.named_modules():
+    for model in models:
+        for name, module in getattr(model, "model", model).named_modules():
 
             def refuse(module, args, name=name or "model"):
                 calls.append(name)

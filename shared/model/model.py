@@ -134,7 +134,11 @@ class Model:
 
     def hidden(self, ids: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
         """The last layer's residual stream (before the final norm), [T, d], for ids [T] at pos [T]."""
-        h = self.embedding(ids)  # [T, d]
+        return self.stack(self.embedding(ids), pos, attend)  # [T, d]
+
+    def stack(self, h: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Every layer over the residual stream entering layer 0, h [T, d] at pos [T] -> [T, d]
+        (inputs given as embeddings: the SCD predictor's)."""
         cos, sin = self.tables(pos)
         for index in range(self.geometry.num_layers):
             h = self.layer(index, h, cos, sin, attend)
@@ -186,5 +190,6 @@ def of(loaded: Any) -> Model:
     weights are shared with the Hugging Face modules)."""
     model = loaded.__dict__.get("_forward_model")
     if model is None:
-        model = loaded.__dict__["_forward_model"] = Model.from_hf(loaded.model)
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors: autograd may run through them (predictor training)
+            model = loaded.__dict__["_forward_model"] = Model.from_hf(loaded.model)
     return model
