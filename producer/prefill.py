@@ -5,8 +5,8 @@ Three stages per request, each on its own thread(s):
 - the scheduler (event loop) collects the prefills waiting for the compute thread when it frees
   up, up to `max_batch` contexts and `max_batch_tokens` padded tokens (at least one), in arrival
   order;
-- the compute thread runs one forward over the whole batch (shared.kv.batch_capture: rows
-  right-padded, the decoder layers run by hand, no hooks) and after each layer hands every
+- the compute thread runs one forward over the whole batch (shared.kv.batch_capture: our own
+  forward, shared.model, over the rows side by side, no hooks) and after each layer hands every
   row's captured `LayerState` to that request's encode lane, never waiting for it;
 - the encode pool (producer.encode) encodes, copies to the host, CRCs and packs each layer, in
   layer order per request, into the request's own buffer (an unbounded asyncio queue).

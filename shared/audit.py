@@ -23,12 +23,12 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from transformers import DynamicCache
 
-from shared import kv, layers
+from shared import kv, layers, probe
+from shared.model import of as forward_of
 from shared.models import LoadedModel
 
 
@@ -62,10 +62,8 @@ def relative_error(own: torch.Tensor, rebuilt: torch.Tensor) -> torch.Tensor:
 def exact_first_layer(loaded: LoadedModel, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer 0's exact K/V over ids ([1, n_kv, len(ids), hd] each): they depend on the token ids
     alone (embedding -> input_layernorm -> k/v projections -> RoPE), no attention, no MLP."""
-    tokens = torch.tensor([ids], device=loaded.device)
-    first: Any = loaded.layers[0]  # a decoder layer module (its stub type is a Tensor/Module union)
-    embed: Any = loaded.model.model.embed_tokens
-    normed = first.input_layernorm(embed(tokens))[0]  # [T, d]
+    model = forward_of(loaded)
+    normed = model.normed(0, model.embedding(torch.tensor(ids, device=loaded.device)))  # [T, d]
     keys, values = layers.kv_from_normed(loaded, 0, normed, layers.positions(loaded, len(ids)))
     return keys[None], values[None]
 
@@ -78,25 +76,20 @@ def audit(loaded: LoadedModel, context_ids: list[int], cache: DynamicCache, chec
     if not checked:
         return AuditReport((), tuple(0.0 for _ in range(num_layers)), 0.0)
     k = len(checked)
-    probe = kv.empty_cache(loaded)
     exact0 = exact_first_layer(loaded, context_ids)  # the reference's layer 0: exact, from token ids
-    for layer in range(num_layers):
-        keys, values = exact0 if layer == 0 else kv.layer_kv(cache, layer)  # [1, n_kv, T, hd]
-        probe.update(keys.to(loaded.dtype), values.to(loaded.dtype), layer)
+    base = [exact0 if layer == 0 else kv.layer_kv(cache, layer) for layer in range(num_layers)]  # [1, n_kv, T, hd]
+    base = [(keys.to(loaded.dtype), values.to(loaded.dtype)) for keys, values in base]
     # the k checked tokens as one row after the cache: query i sees keys [0, p_i) and its own new key
     mask = torch.full((1, 1, k, T + k), torch.finfo(loaded.dtype).min, dtype=loaded.dtype, device=device)
     for i, p in enumerate(checked):
         mask[0, 0, i, :p] = 0
         mask[0, 0, i, T + i] = 0
-    ids = torch.tensor([[context_ids[p] for p in checked]], device=device)  # [1, k]
-    pos = torch.tensor([list(checked)], device=device)
-    loaded.model.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=probe, use_cache=True)
     where = torch.tensor(checked, device=device)
+    new = probe.after_cache(loaded, base, [context_ids[p] for p in checked], where, mask)  # [n_kv, k, hd] each
     errors = []
     for layer in range(num_layers):
-        probe_keys, probe_values = kv.layer_kv(probe, layer)  # [1, n_kv, T + k, hd]
-        own = torch.cat([probe_keys[0, :, T:], probe_values[0, :, T:]], -1).float().transpose(0, 1)  # [k, n_kv, 2hd]
+        own_kv = torch.cat(new[layer], -1).float().transpose(0, 1)  # [k, n_kv, 2hd]
         keys, values = kv.layer_kv(cache, layer)
         rebuilt = torch.cat([keys[0][:, where], values[0][:, where]], -1).float().transpose(0, 1)
-        errors.append(float(relative_error(own, rebuilt).max()))
+        errors.append(float(relative_error(own_kv, rebuilt).max()))
     return AuditReport(tuple(checked), tuple(errors), (time.perf_counter() - started) * 1e3)

@@ -1,11 +1,12 @@
-"""KV-cache mechanics on a Hugging Face decoder: per-layer capture during the producer's
-prefill, and building a consumer cache layer by layer.
+"""KV-cache mechanics: per-layer capture during the producer's prefill, and building a consumer
+cache layer by layer.
 
-Owns the per-layer capture (forward hooks at batch 1 for offline tools and tests,
-`layer_capture`/`capture_states`; the hook-free batched forward the producer serves with,
-`batch_capture`, and its continuation on top of a stored prefix's K/V, `continue_capture`) and
-`DynamicCache` assembly. Knows nothing about codecs' payload formats,
-wire types or gRPC.
+Owns the per-layer capture on our own forward (shared.model): the batched forward the producer
+serves with, `batch_capture`, its continuation on top of a stored prefix's K/V,
+`continue_capture`, and `capture_states` (batch 1, for offline tools and tests); the Hugging
+Face reference the tests hold them to (`layer_capture`: forward hooks on the modules,
+`prefill_context`: the modules' own forward); and `DynamicCache` assembly. Knows nothing about
+codecs' payload formats, wire types or gRPC.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from shared import model as own
 from shared.models import LoadedModel
 
 
@@ -60,7 +62,8 @@ class LayerState:
 def layer_capture(
     loaded: LoadedModel, cache: DynamicCache, needs: Capture, on_layer: Callable[[LayerState], None]
 ) -> Iterator[None]:
-    """While active, calls on_layer(state) right after each decoder layer of a batch-1 forward.
+    """While active, calls on_layer(state) right after each decoder layer of a batch-1 forward of
+    the Hugging Face modules (the reference for tests; serving captures with batch_capture).
 
     on_layer runs inside the forward, on its thread; raising from it aborts the forward (how a
     cancelled prefill stops at the next layer boundary).
@@ -98,7 +101,8 @@ def layer_capture(
 
 @torch.inference_mode()
 def prefill_context(loaded: LoadedModel, ids: torch.Tensor, cache: DynamicCache | None = None) -> DynamicCache:
-    """Run the decoder stack (no LM head) over ids [1, T], filling and returning the cache."""
+    """Run the Hugging Face decoder stack (no LM head) over ids [1, T], filling and returning the
+    cache: the reference forward for tests and offline checks."""
     cache = cache if cache is not None else DynamicCache(config=loaded.model.config)
     loaded.model.model(input_ids=ids, cache=cache, use_cache=True)
     return cache
@@ -147,44 +151,27 @@ def put_layers(items: Sequence[tuple[KVSink, int, torch.Tensor, torch.Tensor]]) 
 
 
 def capture_states(loaded: LoadedModel, ids: list[int], needs: Capture) -> tuple[dict[int, LayerState], DynamicCache]:
-    """One batch-1 forward over ids: every layer's LayerState (what `needs` asks for, on the
-    model's device) and the cache that forward filled. The one way offline tools, tests and
-    the producer's profile read per-layer states."""
+    """One batch-1 forward over ids (our forward, batch_capture): every layer's LayerState (what
+    `needs` asks for, on the model's device) and a cache holding the K/V that forward computed.
+    The one way offline tools, tests and the producer's profile read per-layer states."""
     states: dict[int, LayerState] = {}
     cache = empty_cache(loaded)
-    with layer_capture(loaded, cache, needs, lambda s: states.__setitem__(s.index, s)):
-        prefill_context(loaded, torch.tensor([ids], device=loaded.device), cache)
+
+    def keep(_: int, state: LayerState) -> None:
+        put_layer(cache, state.index, *state.kv())
+        if Capture.KV not in needs:
+            state.keys = state.values = None
+        states[state.index] = state
+
+    batch_capture(loaded, [ids], [needs | Capture.KV], keep)
     return states, cache
 
 
-class _LayerTap:
-    """A cache stand-in for one forward without reuse: `update` hands the layer's post-RoPE K/V
-    back unchanged and keeps them until the next layer's (no per-layer concatenation, nothing
-    kept across layers)."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self.keys, self.values = keys, values  # [B, n_kv, T, hd] each
-        return keys, values
-
-
-def _layer_masks(loaded: LoadedModel, h: torch.Tensor, pos: torch.Tensor, cache: DynamicCache | None = None) -> list[object]:
-    """Each layer's causal mask as the model's own forward builds it with no padding mask (None
-    where sdpa's is_causal suffices); over cache's past tokens too when given."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-    config = loaded.model.config
-    kinds = getattr(config, "layer_types", None) or ["full_attention"] * len(loaded.layers)
-    made = {
-        "full_attention": create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, cache=cache, position_ids=pos)
-    }
-    if "sliding_attention" in kinds:
-        made["sliding_attention"] = create_sliding_window_causal_mask(
-            config=config, inputs_embeds=h, attention_mask=None, cache=cache, position_ids=pos
-        )
-    return [made[kind] for kind in kinds]
+def _flat(loaded: LoadedModel, rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several contexts' ids side by side, [N] each row's, and their positions 0..T_row-1, [N]."""
+    ids = torch.tensor([t for r in rows for t in r], dtype=torch.long, device=loaded.device)
+    pos = torch.cat([torch.arange(len(r)) for r in rows]).to(loaded.device)
+    return ids, pos
 
 
 @torch.inference_mode()
@@ -198,31 +185,42 @@ def continue_capture(
 ) -> None:
     """A batch-1 forward over ids continuing a context whose first P tokens' K/V are `prefix`
     (per layer (keys, values), [n_kv, P, hd] each, post-RoPE, as a forward over them stored
-    them): positions P..P+N-1, attention over the prefix and the new tokens, as the model's own
-    forward with a filled cache runs it. on_layer gets each layer's states over the new tokens
-    only (keys/values [n_kv, N, hd], hidden/normed [N, d]). Stops before a layer when active()
-    is false. Float32: the new tokens' states equal a whole-context forward's up to rounding."""
-    model = loaded.model.model
-    cache = empty_cache(loaded)
-    for index, (keys, values) in enumerate(prefix):
-        cache.update(keys[None].to(loaded.device, loaded.dtype), values[None].to(loaded.device, loaded.dtype), index)
-    past = prefix[0][0].shape[1] if prefix else 0
-    h = model.embed_tokens(torch.tensor([list(ids)], dtype=torch.long, device=loaded.device))  # [1, N, d]
-    pos = torch.arange(past, past + len(ids), device=h.device)[None]  # [1, N]
-    emb = model.rotary_emb(h, position_ids=pos)
-    masks = _layer_masks(loaded, h, pos, cache)
-    for index, layer in enumerate(loaded.layers):
+    them): positions P..P+N-1, attention over the prefix and the new tokens (our forward,
+    shared.model, with the attention transformers runs over a filled cache: shared.model.masked).
+    on_layer gets each layer's states over the new tokens only (keys/values [n_kv, N, hd],
+    hidden/normed [N, d]). Stops before a layer when active() is false. Float32: the new tokens'
+    states equal a whole-context forward's up to rounding."""
+    model = own.of(loaded)
+    device, dtype = loaded.device, loaded.dtype
+    past = [(k[None].to(device, dtype), v[None].to(device, dtype)) for k, v in prefix]  # [1, n_kv, P, hd]
+    P, N = (prefix[0][0].shape[1] if prefix else 0), len(ids)
+    h = model.embedding(torch.tensor(list(ids), dtype=torch.long, device=device))  # [N, d]
+    cos, sin = model.tables(torch.arange(P, P + N, device=device))
+    # query i sees keys 0..P+i (None: one new token sees them all, or no prefix: plain causal)
+    mask = (torch.arange(P + N, device=device)[None] <= P + torch.arange(N, device=device)[:, None])[None, None]
+    new: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        new.append((k, v))  # [N, n_kv, hd]
+        if not P:
+            return own.causal(layer, q, k, v)
+        keys = torch.cat([past[layer][0], k.transpose(0, 1)[None]], dim=2)  # [1, n_kv, P + N, hd]
+        values = torch.cat([past[layer][1], v.transpose(0, 1)[None]], dim=2)
+        return own.masked(q, keys, values, mask if N > 1 else None)
+
+    for index in range(model.geometry.num_layers):
         if not active():
             return
         state = LayerState(index)
+        normed = model.normed(index, h)
         if Capture.HIDDEN in needs:
-            state.hidden = h[0]  # [N, d]
+            state.hidden = h
         if Capture.NORMED in needs:
-            state.normed = cast(Any, layer).input_layernorm(h)[0]  # [N, d]
-        h = layer(h, attention_mask=masks[index], position_ids=pos, cache=cache, use_cache=True, position_embeddings=emb)
+            state.normed = normed
+        h = model.layer(index, h, cos, sin, attend, normed)
+        keys, values = new.pop()
         if Capture.KV in needs:
-            keys, values = layer_kv(cache, index)  # [1, n_kv, P + N, hd]
-            state.keys, state.values = keys[0, :, past:], values[0, :, past:]  # [n_kv, N, hd]
+            state.keys, state.values = keys.transpose(0, 1), values.transpose(0, 1)  # [n_kv, N, hd]
         on_layer(state)
 
 
@@ -234,57 +232,58 @@ def batch_capture(
     on_layer: Callable[[int, LayerState], None],
     active: Callable[[int], bool] = lambda row: True,
 ) -> None:
-    """One forward over several contexts at once, each row's per-layer states handed to
-    on_layer(row, state) right after the layer ran, without hooks (nothing module-global, so
-    nothing one request could see of another's).
+    """One forward over several contexts at once (our forward, shared.model), each row's
+    per-layer states handed to on_layer(row, state) right after the layer ran (nothing
+    module-global, so nothing one request could see of another's).
 
-    Runs the decoder stack itself: embed -> rotary -> each layer -> (no final norm, no LM head).
-    Rows are right-padded to the longest: with causal attention a real position only attends
-    to positions before it, all real, and positions are 0..T-1 as at batch 1, so every row's
-    states over its own tokens equal a batch-1 forward's up to float rounding (the matmuls see
-    other shapes); no padding mask is needed and sdpa takes its is_causal path as at batch 1.
-    Before each layer, rows for which active(row) is false leave the batch (a cancelled
-    request stops costing compute at the next layer boundary) and the padded length shrinks to
-    the longest row left. State tensors are views into the batch's tensors, on the model's
-    device: keys/values [n_kv, T_row, hd], hidden/normed [T_row, d].
+    Rows are flat, side by side with no padding, each at its own positions 0..T_row-1 and
+    attending causally over its own tokens alone (SDPA per row, as a batch-1 forward runs it), so
+    every row's states equal a batch-1 forward's up to float rounding (the projections see other
+    shapes). Before each layer, rows for which active(row) is false leave the batch (a cancelled
+    request stops costing compute at the next layer boundary). State tensors are views into the
+    batch's tensors, on the model's device: keys/values [n_kv, T_row, hd], hidden/normed [T_row, d].
     """
-    model = loaded.model.model
-    lengths = [len(r) for r in rows]
-    width = max(lengths)
-    ids = torch.zeros((len(rows), width), dtype=torch.long)  # [B, T], right-padded with id 0
-    for b, r in enumerate(rows):
-        ids[b, : len(r)] = torch.tensor(list(r), dtype=torch.long)
-    h = model.embed_tokens(ids.to(loaded.device))  # [B, T, d]
+    model = own.of(loaded)
+    ids, pos = _flat(loaded, rows)
+    h = model.embedding(ids)  # [N, d]
+    cos, sin = model.tables(pos)  # [N, hd] each
     live = list(range(len(rows)))  # batch position -> caller's row
-    masks: list[object] = []
-    emb: tuple[torch.Tensor, torch.Tensor] | None = None
-    pos = torch.empty(0)
-    for index, layer in enumerate(loaded.layers):
+    lengths = [len(r) for r in rows]
+    taken: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        taken.append((k, v))  # [N, n_kv, hd]
+        sizes = [lengths[row] for row in live]
+        if len(sizes) == 1:
+            return own.causal(layer, q, k, v)
+        parts = zip(q.split(sizes), k.split(sizes), v.split(sizes))
+        return torch.cat([own.causal(layer, *part) for part in parts])  # [N, H, hd]
+
+    for index in range(model.geometry.num_layers):
         keep = [b for b, row in enumerate(live) if active(row)]
         if not keep:
             return
-        if len(keep) < len(live) or emb is None:
-            if len(keep) < len(live):
-                live = [live[b] for b in keep]
-                width = max(lengths[row] for row in live)
-                h = h[keep, :width]  # [B', T', d]
-            pos = torch.arange(width, device=h.device)[None]  # [1, T]
-            emb = model.rotary_emb(h, position_ids=pos)  # (cos, sin), [1, T, hd] each
-            masks = _layer_masks(loaded, h, pos)
-        tap = _LayerTap()
-        wanted = Capture.NONE
+        if len(keep) < len(live):
+            starts = [0]
+            for row in live:
+                starts.append(starts[-1] + lengths[row])
+            tokens = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in keep]).to(h.device)
+            h, cos, sin = h[tokens], cos[tokens], sin[tokens]
+            live = [live[b] for b in keep]
+        normed = model.normed(index, h)  # [N, d]
+        out = model.layer(index, h, cos, sin, attend, normed)
+        keys, values = taken.pop()
+        offset = 0
         for row in live:
-            wanted |= needs[row]
-        normed = cast(Any, layer).input_layernorm(h) if Capture.NORMED in wanted else None  # [B, T, d], as the layer computes it
-        out = layer(h, attention_mask=masks[index], position_ids=pos, cache=tap, use_cache=True, position_embeddings=emb)
-        for b, row in enumerate(live):
             n, need = lengths[row], needs[row]
             state = LayerState(index)
             if Capture.KV in need:
-                state.keys, state.values = tap.keys[b, :, :n], tap.values[b, :, :n]  # [n_kv, T_row, hd]
+                state.keys = keys[offset : offset + n].transpose(0, 1)  # [n_kv, T_row, hd]
+                state.values = values[offset : offset + n].transpose(0, 1)
             if Capture.HIDDEN in need:
-                state.hidden = h[b, :n]  # [T_row, d]
-            if normed is not None and Capture.NORMED in need:
-                state.normed = normed[b, :n]  # [T_row, d]
+                state.hidden = h[offset : offset + n]  # [T_row, d]
+            if Capture.NORMED in need:
+                state.normed = normed[offset : offset + n]
+            offset += n
             on_layer(row, state)
         h = out

@@ -1,22 +1,17 @@
-"""Per-layer math on a Hugging Face decoder, done with the model's own modules so results match
-its forward bit for bit: K/V from a layer's normalized input (Patch), RoPE on pre-RoPE keys
+"""Per-layer math on the consumer's decoder, done with our own forward (shared.model) so results
+match its forward bit for bit: K/V from a layer's normalized input (Patch), RoPE on pre-RoPE keys
 (Reuse), and running a span of decoder layers from a hidden state (Recompute).
 
 `rope` and `kv_pre_rope` are differentiable (the SCD predictor trains through them); the caller
-picks the grad mode. Supports Llama-style attention (Llama, Qwen2 with q/k/v biases, Qwen3 with k_norm). Knows
-nothing about codecs or the wire.
+picks the grad mode. Supports the Llama family shared.model runs (Llama, Qwen2 with q/k/v biases,
+Qwen3 with q/k norms). Knows nothing about codecs or the wire.
 """
 
 from __future__ import annotations
 
-import sys
-from typing import Any
-
 import torch
-from transformers import DynamicCache
-from transformers.masking_utils import create_causal_mask
 
-from shared.kv import layer_kv
+from shared import model as own
 from shared.models import LoadedModel
 
 
@@ -24,20 +19,16 @@ def positions(loaded: LoadedModel, num_tokens: int, start: int = 0) -> torch.Ten
     return torch.arange(start, start + num_tokens, device=loaded.device)[None]  # [1, T]
 
 
-def _rope_fn(loaded: LoadedModel, layer: int):
-    attn = loaded.layers[layer].self_attn
-    return sys.modules[type(attn).__module__].apply_rotary_pos_emb
-
-
 def rope_tables(loaded: LoadedModel, like: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's (cos, sin) for positions pos [1, T] in like's dtype, kept on the positions
-    tensor: a decoder passes the same positions for every layer, so they are computed once per
-    request, not once per layer (position tensors are never modified in place)."""
+    """The model's (cos, sin) for positions pos [1, T] in like's dtype, [T, hd] each, kept on the
+    positions tensor: a decoder passes the same positions for every layer, so they are computed
+    once per request, not once per layer (position tensors are never modified in place)."""
+    model = own.of(loaded)
     cached = getattr(pos, "_scd_rope", None)
-    if cached is not None and cached[0] is loaded.model and cached[1] == like.dtype:
+    if cached is not None and cached[0] is model and cached[1] == like.dtype:
         return cached[2]
-    tables = loaded.model.model.rotary_emb(like, position_ids=pos)
-    pos._scd_rope = (loaded.model, like.dtype, tables)  # type: ignore[attr-defined]
+    tables = model.rope.tables(pos[0], like.dtype)
+    pos._scd_rope = (model, like.dtype, tables)  # type: ignore[attr-defined]
     return tables
 
 
@@ -50,33 +41,24 @@ def joined_positions(loaded: LoadedModel, parts: list[torch.Tensor], dtype: torc
     pos = torch.cat(parts, dim=1)
     like = torch.empty(0, dtype=dtype, device=loaded.device)
     tables = [rope_tables(loaded, like, part) for part in parts]
-    joined = (torch.cat([cos for cos, _ in tables], dim=1), torch.cat([sin for _, sin in tables], dim=1))
-    pos._scd_rope = (loaded.model, dtype, joined)  # type: ignore[attr-defined]
+    joined = (torch.cat([cos for cos, _ in tables]), torch.cat([sin for _, sin in tables]))
+    pos._scd_rope = (own.of(loaded), dtype, joined)  # type: ignore[attr-defined]
     return pos
 
 
 def rope(loaded: LoadedModel, layer: int, keys_pre: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Apply the model's rotary embedding: keys_pre [n_kv, T, hd] -> post-RoPE [n_kv, T, hd]."""
-    cos, sin = rope_tables(loaded, keys_pre, pos)  # [1, T, hd] each
-    # Rotated token-major, [1, T, n_kv, hd] (unsqueeze_dim=2): the layout keys come in from a
-    # projection, where the elementwise ops run over contiguous memory. The model's own function
-    # rotates a query and a key: one head stands in for the query (its result is dropped). Every
-    # op is elementwise, so the keys' values are the same as rotating [1, n_kv, T, hd].
-    k = keys_pre.transpose(0, 1)[None]
-    _, keys = _rope_fn(loaded, layer)(k[:, :, :1], k, cos, sin, unsqueeze_dim=2)
-    return keys[0].transpose(0, 1)
+    """Apply the model's rotary embedding: keys_pre [n_kv, T, hd] -> post-RoPE [n_kv, T, hd].
+    Rotated token-major ([T, n_kv, hd], the layout keys come in from a projection, where the
+    elementwise ops run over contiguous memory); every op is elementwise, so the values are the
+    same in either layout."""
+    cos, sin = rope_tables(loaded, keys_pre, pos)  # [T, hd] each
+    return own.of(loaded).rotate(keys_pre.transpose(0, 1), cos, sin).transpose(0, 1)
 
 
 def kv_pre_rope(loaded: LoadedModel, layer: int, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Pre-RoPE keys (after k_norm where the model has one) and values from the layer's
     normalized input normed [T, d] -> ([n_kv, T, hd], [n_kv, T, hd])."""
-    attn: Any = loaded.layers[layer].self_attn  # the model's own attention class: k_proj, v_proj, k_norm (Qwen3)
-    info = loaded.info
-    shape = (normed.shape[0], info.num_kv_heads, info.head_dim)
-    keys = attn.k_proj(normed).view(shape)  # [T, n_kv, hd]
-    if hasattr(attn, "k_norm"):
-        keys = attn.k_norm(keys)
-    values = attn.v_proj(normed).view(shape)
+    keys, values = own.of(loaded).kv_pre_rope(layer, normed)  # [T, n_kv, hd] each
     return keys.transpose(0, 1), values.transpose(0, 1)
 
 
@@ -92,15 +74,15 @@ def kv_from_normed(loaded: LoadedModel, layer: int, normed: torch.Tensor, pos: t
 def run_layers(loaded: LoadedModel, hidden: torch.Tensor, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Run decoder layers start..end-1 over the residual stream entering layer `start`,
     hidden [T, d] (context positions 0..T-1); returns each layer's (keys, values), [n_kv, T, hd]."""
-    model = loaded.model.model
-    cache = DynamicCache(config=loaded.model.config)
-    h = hidden[None].to(loaded.dtype)  # [1, T, d]
-    pos = positions(loaded, hidden.shape[0])
-    mask = create_causal_mask(config=model.config, inputs_embeds=h, attention_mask=None, cache=cache, position_ids=pos)
-    emb = model.rotary_emb(h, position_ids=pos)
-    out = []
+    model = own.of(loaded)
+    h = hidden.to(loaded.dtype)  # [T, d]
+    cos, sin = model.tables(torch.arange(hidden.shape[0], device=loaded.device))
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out.append((k.transpose(0, 1), v.transpose(0, 1)))  # [n_kv, T, hd]
+        return own.causal(layer, q, k, v)
+
     for index in range(start, end):
-        h = model.layers[index](h, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, position_embeddings=emb)
-        keys, values = layer_kv(cache, index)
-        out.append((keys[0], values[0]))
+        h = model.layer(index, h, cos, sin, attend)
     return out

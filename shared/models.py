@@ -28,6 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from shared import compute_dtype, kv_bound, logs, pretrained, tiny
+from shared.model import of as forward_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logs.get("models")
@@ -205,8 +206,9 @@ def load_model(model_id: str, dtype: str = "float32", device: str = "auto") -> L
 
 @torch.inference_mode()
 def warm_up(loaded: LoadedModel, tokens: int = 16) -> None:
-    """One short forward so the first request does not pay for lazy initialization (and the K/V
-    limits the codecs check rebuilt layers against)."""
+    """One short forward of the serving forward (shared.model: it fuses the projections once,
+    here) so the first request does not pay for lazy initialization (and the K/V limits the
+    codecs check rebuilt layers against)."""
     _ = loaded.kv_bounds
-    ids = torch.arange(tokens, device=loaded.device).remainder(loaded.info.vocab_size)[None]
-    loaded.model(ids)
+    ids = torch.arange(tokens, device=loaded.device).remainder(loaded.info.vocab_size)
+    forward_of(loaded).prefill(ids)

@@ -79,6 +79,24 @@ def test_artifact_round_trips_the_predictor_and_the_encoder_reads_through_it(pai
     assert torch.equal(reuse["z"], codes) and torch.equal(reuse["z_scale"], scale)
 
 
+def test_a_frozen_predictor_runs_our_forward_bit_for_bit(pair):
+    """An artifact's predictor (frozen) runs on shared.model, never its Hugging Face modules, with
+    the modules' values bit for bit; a trainable one still runs the modules (gradients)."""
+    from tests.test_no_hf_forward import forbidden
+
+    back = Artifact.load(pair[3] / "tiny-hetero.safetensors")
+    model = back.predictor(LAYER)
+    for T in (1, 70):
+        x = torch.randn(T, model.config.hidden_size, generator=torch.Generator().manual_seed(T))
+        with torch.inference_mode():
+            with forbidden(model) as calls:
+                got = predictor.predict(model, x)
+            ref = model(inputs_embeds=x[None]).last_hidden_state[0]  # the modules: the reference
+        assert calls == [] and torch.equal(got, ref), T
+    trainable = predictor.build(back.meta["predictor"]["config"])
+    assert predictor.predict(trainable, x).requires_grad
+
+
 @torch.inference_mode()
 def codec_reference(producer, consumer, art, schedule: str, ctx_ids, q_ids, n: int) -> tuple[list[int], list[float]]:
     """The scd codec path in-process: encode every layer from P's states, decode into C's cache,

@@ -35,6 +35,16 @@ def llama():
     return load_model("tiny-llama", "float32", "cpu")
 
 
+@torch.inference_mode()
+def hf_states(loaded, ids: list[int]) -> dict[int, kv.LayerState]:
+    """Every layer's states from Hugging Face's own forward (hooks on its modules): the reference."""
+    states: dict[int, kv.LayerState] = {}
+    cache = kv.empty_cache(loaded)
+    with kv.layer_capture(loaded, cache, ALL, lambda s: states.__setitem__(s.index, s)):
+        kv.prefill_context(loaded, torch.tensor([ids]), cache)
+    return states
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
 def test_batched_capture_equals_batch_one_per_row(name):
     loaded = load_model(name, "float32", "cpu")
@@ -43,14 +53,16 @@ def test_batched_capture_equals_batch_one_per_row(name):
     batched: dict[tuple[int, int], kv.LayerState] = {}
     kv.batch_capture(loaded, rows, needs, lambda row, s: batched.__setitem__((row, s.index), s))
     for row, ids in enumerate(rows):
-        reference, _ = kv.capture_states(loaded, ids, ALL)  # the model's own forward, hooks
+        reference = hf_states(loaded, ids)  # Hugging Face's modules, hooks
         alone: dict[int, kv.LayerState] = {}
         kv.batch_capture(loaded, [ids], [ALL], lambda _, s, alone=alone: alone.__setitem__(s.index, s))
+        states, _ = kv.capture_states(loaded, ids, ALL)
         for index, ref in reference.items():
             got = batched[(row, index)]
             for f, flag in (("keys", kv.Capture.KV), ("values", kv.Capture.KV), ("normed", kv.Capture.NORMED),
                             ("hidden", kv.Capture.HIDDEN)):
                 assert torch.equal(getattr(alone[index], f), getattr(ref, f))  # batch 1: bit for bit
+                assert torch.equal(getattr(states[index], f), getattr(ref, f))
                 if flag in needs[row]:
                     assert getattr(got, f).shape == getattr(ref, f).shape
                     torch.testing.assert_close(getattr(got, f), getattr(ref, f), atol=1e-5, rtol=0)

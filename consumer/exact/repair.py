@@ -55,8 +55,9 @@ from transformers import DynamicCache
 
 from consumer.engine.kv_pool import SequenceKV
 from consumer.request.job import GenerateJob, GenerateResult, Repair, left
-from shared import audit, kv, layers, logs
+from shared import audit, kv, layers, logs, probe
 from shared.errors import InvalidArgument
+from shared.model import of as forward_of
 from shared.models import LoadedModel
 
 REPAIR_OPTION = "repair"  # the transfer option's name
@@ -101,33 +102,26 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 @torch.inference_mode()
 def attention_mass(loaded: LoadedModel, cache: DynamicCache, context_tokens: int, question_ids: list[int]) -> torch.Tensor:
     """The question's attention mass per context position over the rebuilt `cache` (batch 1, the
-    context's T tokens; it gains the question's K/V), summed over layers, heads and question
-    tokens: [T] float32. Layer by layer with the model's own modules; the scores are q . k with
-    the layer's scaling, softmax over the context and the question's causal prefix."""
-    model: Any = loaded.model.model
+    context's T tokens; not modified), summed over layers, heads and question tokens: [T] float32.
+    One probe forward of the question after the context (shared.probe); per layer the scores are
+    its queries . the keys with the layer's scaling, softmax over the context and the question's
+    causal prefix."""
     T, n, device = context_tokens, len(question_ids), loaded.device
-    h = model.embed_tokens(torch.tensor([question_ids], device=device))  # [1, n, d]
-    pos = layers.positions(loaded, n, start=T)  # [1, n]
-    emb = model.rotary_emb(h, position_ids=pos)
-    cos, sin = emb
+    base = [kv.layer_kv(cache, layer) for layer in range(loaded.info.num_layers)]  # [1, n_kv, T, hd]
     mask = torch.zeros((1, 1, n, T + n), dtype=loaded.dtype, device=device)
     mask[0, 0, :, T:] = torch.full((n, n), torch.finfo(loaded.dtype).min, device=device).triu(1).to(loaded.dtype)
     mass = torch.zeros(T, dtype=torch.float32, device=device)
-    heads, hd = int(loaded.model.config.num_attention_heads), loaded.info.head_dim
-    for index, layer in enumerate(loaded.layers):
-        decoder: Any = layer
-        attn = decoder.self_attn
-        query = attn.q_proj(decoder.input_layernorm(h)).view(1, n, heads, hd)
-        if hasattr(attn, "q_norm"):
-            query = attn.q_norm(query)
-        query = query.transpose(1, 2)  # [1, H, n, hd]
-        query, _ = layers._rope_fn(loaded, index)(query, query, cos, sin)
-        h = decoder(h, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, position_embeddings=emb)
-        keys, _ = kv.layer_kv(cache, index)  # [1, n_kv, T + n, hd]
-        keys = _repeat_kv(keys, heads // keys.shape[1])
-        scores = (query.float() @ keys.float().transpose(-1, -2)) * float(attn.scaling) + mask.float()  # [1, H, n, T + n]
+    scaling = loaded.info.head_dim**-0.5
+
+    def look(layer: int, q: torch.Tensor, keys: torch.Tensor) -> None:
+        nonlocal mass
+        query = q.transpose(0, 1)[None]  # [1, H, n, hd]
+        keys = _repeat_kv(keys, query.shape[1] // keys.shape[1])  # [1, H, T + n, hd]
+        scores = (query.float() @ keys.float().transpose(-1, -2)) * scaling + mask.float()  # [1, H, n, T + n]
         probs = torch.softmax(scores, dim=-1)
         mass += torch.nan_to_num(probs[0, :, :, :T].sum(dim=(0, 1)))  # a non-finite row adds nothing
+
+    probe.after_cache(loaded, base, question_ids, torch.arange(T, T + n, device=device), mask, look)
     return mass
 
 
@@ -137,8 +131,7 @@ def exact_layers_and_error(loaded: LoadedModel, seq: SequenceKV, context_ids: li
     the token embeddings) and return the rebuilt last one's relative error per position, measured
     before it was overwritten: [T] float32 (the audit's measure, shared.audit)."""
     T, device = len(context_ids), loaded.device
-    embed: Any = loaded.model.model.embed_tokens
-    hidden = embed(torch.tensor([context_ids], device=device))[0]  # [T, d]
+    hidden = forward_of(loaded).embedding(torch.tensor(context_ids, device=device))  # [T, d]
     exact = layers.run_layers(loaded, hidden, 0, EXACT_LAYERS)  # [(keys, values)], [n_kv, T, hd] each
     last = EXACT_LAYERS - 1
     keys, values = kv.layer_kv(seq.to_dynamic(T), last)  # [1, n_kv, T, hd]
@@ -178,28 +171,24 @@ def recompute(
     T, device = len(context_ids), loaded.device
     num_layers = loaded.info.num_layers
     base = [
-        tuple(t.to(loaded.dtype, copy=True) for t in kv.layer_kv(cache, layer)) for layer in range(num_layers)
+        (keys.to(loaded.dtype, copy=True), values.to(loaded.dtype, copy=True))
+        for keys, values in (kv.layer_kv(cache, layer) for layer in range(num_layers))
     ]  # [1, n_kv, T, hd]
     low = torch.finfo(loaded.dtype).min
     for start in range(0, len(anchors), ANCHOR_CHUNK):
         chunk = anchors[start : start + ANCHOR_CHUNK]
         k = len(chunk)
         where = torch.tensor(chunk, device=device)
-        probe = kv.empty_cache(loaded)
-        for layer, (keys, values) in enumerate(base):
-            probe.update(keys, values, layer)  # the first update keeps the tensors; the forward's cats copy
         # query i sees the base keys [0, p_i) except this chunk's anchors, and the new keys 0..i
         mask = torch.full((1, 1, k, T + k), low, dtype=loaded.dtype, device=device)
         seen = torch.arange(T, device=device)[None] < where[:, None]  # [k, T]
         seen[:, where] = False
         mask[0, 0, :, :T][seen] = 0
         mask[0, 0, :, T:] = torch.full((k, k), low, device=device).triu(1).to(loaded.dtype)
-        ids = torch.tensor([[context_ids[p] for p in chunk]], device=device)  # [1, k]
-        loaded.model.model(input_ids=ids, attention_mask=mask, position_ids=where[None], cache=probe, use_cache=True)
-        for layer, (keys, values) in enumerate(base):
-            new_keys, new_values = kv.layer_kv(probe, layer)  # [1, n_kv, T + k, hd]
-            keys[:, :, where] = new_keys[:, :, T:]
-            values[:, :, where] = new_values[:, :, T:]
+        new = probe.after_cache(loaded, base, [context_ids[p] for p in chunk], where, mask)  # [n_kv, k, hd] each
+        for (keys, values), (new_keys, new_values) in zip(base, new):
+            keys[:, :, where] = new_keys[None]
+            values[:, :, where] = new_values[None]
     every = torch.tensor(anchors, device=device)
     return [(keys[0][:, every], values[0][:, every]) for keys, values in base]
 

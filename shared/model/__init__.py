@@ -6,6 +6,6 @@ May import torch and shared.models' types only; never the services, codecs, engi
 Hugging Face's modules are the reference it is tested against (tests/test_model_forward.py).
 """
 
-from shared.model.model import Attend, Model, causal, of
+from shared.model.model import Attend, Model, causal, masked, of
 
-__all__ = ["Attend", "Model", "causal", "of"]
+__all__ = ["Attend", "Model", "causal", "masked", "of"]

@@ -64,6 +64,10 @@ class Model:
         """RoPE (cos, sin) for positions pos [T] -> [T, hd] each, in the model's dtype."""
         return self.rope.tables(pos, self.dtype)
 
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings of ids [T] -> the residual stream entering layer 0, [T, d]."""
+        return F.embedding(ids, self.embed)
+
     def normed(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """The layer's normalized input (input_layernorm) of the residual stream h [T, d]."""
         return rms_norm(h, self.layers[layer].input_norm, self.eps)
@@ -104,11 +108,20 @@ class Model:
         """RoPE on x [T, heads, hd] with tables [T, hd] (keys rebuilt before RoPE: Reuse)."""
         return rope_mod.apply(x, cos, sin)
 
-    def layer(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """One decoder layer over the residual stream h [T, d] -> [T, d]."""
+    def layer(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Attend,
+        normed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One decoder layer over the residual stream h [T, d] -> [T, d]; `normed`: the layer's
+        normalized input when the caller has it already (`normed(layer, h)`, computed once)."""
         w = self.layers[layer]
         T = h.shape[0]
-        qk, v = self.qk_v(layer, self.normed(layer, h))
+        qk, v = self.qk_v(layer, self.normed(layer, h) if normed is None else normed)
         qk = rope_mod.apply(qk, cos, sin)  # [T, H + n_kv, hd]
         H = self.geometry.num_heads
         out = attend(layer, qk[:, :H], qk[:, H:], v).reshape(T, -1)  # [T, H * hd]
@@ -121,7 +134,11 @@ class Model:
 
     def hidden(self, ids: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
         """The last layer's residual stream (before the final norm), [T, d], for ids [T] at pos [T]."""
-        h = F.embedding(ids, self.embed)  # [T, d]
+        return self.stack(self.embedding(ids), pos, attend)  # [T, d]
+
+    def stack(self, h: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Every layer over the residual stream entering layer 0, h [T, d] at pos [T] -> [T, d]
+        (inputs given as embeddings: the SCD predictor's)."""
         cos, sin = self.tables(pos)
         for index in range(self.geometry.num_layers):
             h = self.layer(index, h, cos, sin, attend)
@@ -151,10 +168,28 @@ def causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tor
     return out[0].transpose(0, 1)  # [T, H, hd]
 
 
+def masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of new tokens q [n, H, hd] over keys/values [1, n_kv, L, hd] (a cache's tokens and
+    the new ones, in the cache's layout) under a 4D mask [1, 1, n, L] (bool: True attends; float:
+    added to the scores), or none (one new token: it sees every key). transformers' sdpa path for
+    a forward over a filled cache, call for call (K/V repeated per query head under a mask, SDPA's
+    own GQA without one), so its values are the reference's bit for bit."""
+    H, kv = q.shape[1], k.shape[1]
+    query = q.transpose(0, 1)[None]  # [1, H, n, hd]
+    if mask is None:
+        out = F.scaled_dot_product_attention(query, k, v, enable_gqa=H != kv)
+    else:
+        if H != kv:
+            k, v = k.repeat_interleave(H // kv, dim=1), v.repeat_interleave(H // kv, dim=1)  # [1, H, L, hd]
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask)  # [1, H, n, hd]
+    return out[0].transpose(0, 1)
+
+
 def of(loaded: Any) -> Model:
     """The forward for a shared.models.LoadedModel, built once per loaded model (its fused
     weights are shared with the Hugging Face modules)."""
     model = loaded.__dict__.get("_forward_model")
     if model is None:
-        model = loaded.__dict__["_forward_model"] = Model.from_hf(loaded.model)
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors: autograd may run through them (predictor training)
+            model = loaded.__dict__["_forward_model"] = Model.from_hf(loaded.model)
     return model

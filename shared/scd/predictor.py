@@ -8,7 +8,9 @@ predictor is a small causal transformer, a Hugging Face `LlamaModel` with two de
 ([T, d] -> [T, d]) as a residual correction of it (untrained, it is the identity).
 The producer runs it in the layer hook (shared.scd.features); the layer's ridge encoder and patch
 map are fitted on its output, so Reuse codes and Patch payloads both come from it. The consumer
-never runs it. Training lives offline in `calibration.predictor_training`.
+never runs it. Training lives offline in `calibration.predictor_training`. A frozen predictor (an
+artifact's, `from_tensors`) runs on our own forward (shared.model, the same values bit for bit);
+a trainable one runs the module itself, so gradients reach its weights.
 
 Stored in the artifact as `layer.<l>.predictor.<parameter>` tensors plus the model config in
 the metadata. Knows nothing about schedules, training or the wire.
@@ -21,6 +23,10 @@ from typing import cast
 import torch
 from transformers import LlamaConfig, LlamaModel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+from shared import model as own
+from shared.model.config import Geometry
+from shared.model.weights import layer_weights
 
 PREFIX = "predictor."
 
@@ -41,7 +47,23 @@ def build(config: dict) -> LlamaModel:
 
 def predict(model: LlamaModel, normed: torch.Tensor) -> torch.Tensor:
     """P's normalized layer input [T, d] -> predicted C normalized input [T, d], float32."""
-    return model(inputs_embeds=normed.float()[None]).last_hidden_state[0]
+    x = normed.float()
+    if any(p.requires_grad for p in model.parameters()):  # training: through the module's weights
+        return model(inputs_embeds=x[None]).last_hidden_state[0]
+    return _forward(model).stack(x, torch.arange(x.shape[0], device=x.device), own.causal)
+
+
+def _forward(model: LlamaModel) -> own.Model:
+    """Our forward over a frozen predictor's layers, built once per predictor (its fused
+    projections become the module's weights, as shared.model.weights shares them); no final
+    norm and no head are ever applied (the embedding stands in for both)."""
+    cached = model.__dict__.get("_forward_model")
+    if cached is None:
+        with torch.inference_mode(False), torch.no_grad():
+            embed = model.embed_tokens.weight.detach()
+            layers = [layer_weights(layer) for layer in model.layers]
+            cached = model.__dict__["_forward_model"] = own.Model(Geometry.of(model.config), embed, layers, embed[0], embed)
+    return cached
 
 
 def to_tensors(layer: int, model: LlamaModel) -> dict[str, torch.Tensor]:
