@@ -313,6 +313,7 @@ def projection_table(root: Path = ROOT) -> dict:
 
 def figures(root: Path = ROOT) -> dict:
     """Every section's figures, keyed as the templates read them."""
+    real = real_pair(root)
     return {
         "eval": evaluation(root),
         "q": quality(root),
@@ -336,7 +337,9 @@ def figures(root: Path = ROOT) -> dict:
         "link": link(root),
         "verify": verify(root),
         "gpu": gpu(root),
-        "real": real_pair(root),
+        "real": real,
+        # the real pair's verify and audit rows by schedule (bench.figures.real_verify)
+        "rv": real.get("verify", {}).get("by_schedule", {}),
         "peer": peer_vllm(root),
         "keep": keep(root),
     }

@@ -1,13 +1,15 @@
 """The real pair's figures (SmolLM2-135M-Instruct P -> its fine-tune C, and P -> P), from the
 summary rows `python -m real.quality` writes to bench/results/real/*.jsonl: one table per
 (pair, split, context length), and per pair the schedule chosen on validation (`choose`), whose
-test rows are the headline. Measures nothing."""
+test rows are the headline; the VERIFY, repair and audit rows of `bench.serving.verify --real`
+through bench.figures.real_verify. Measures nothing."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from bench.figures.real_verify import real_verify
 from bench.figures.rows import RESULTS, cells_of, rows_of
 
 HEADER = (
@@ -81,6 +83,7 @@ def real_pair(root: Path = RESULTS.parents[1]) -> dict:
         "calibration": calibration(root),
         "recompute_loss": _recompute(root),
         "ttft": ttft(root),
+        "verify": real_verify(folder),
         **heads,
     }
 

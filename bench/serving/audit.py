@@ -265,6 +265,60 @@ def auroc(positive: list[float], negative: list[float]) -> float | None:
     return round(wins / (len(positive) * len(negative)), 3)
 
 
+def flag_summary(records: list[dict], base: dict) -> dict:
+    """The audit's recall and precision over bench.serving.verify's per-example rows (one set of
+    examples, e.g. the real pair's test split): an SCD answer diverged when the `scd` policy's
+    tokens differ from the oracle's; it was flagged when the `scd+audit_fallback` policy's audit
+    of the same rebuilt cache (the transfer is deterministic) decided "diverged". recall = flagged
+    among the diverged, precision = diverged among the flagged, false alarms = flagged among the
+    agreeing; `unflagged_same_as_scd` checks the premise (an unflagged fallback answer is the scd
+    answer); per-layer AUROC of the audit's error, diverged vs agreeing."""
+    by: dict[tuple, dict[str, dict]] = {}
+    for r in records:
+        by.setdefault((r["set"], r["index"]), {})[r["policy"]] = r
+    cases = [p for p in by.values() if {"oracle", "scd", "scd+audit_fallback"} <= set(p)]
+    diverged = [not p["scd"]["identical_to_oracle"] for p in cases]
+    flagged = [p["scd+audit_fallback"]["audit_decision"].startswith("diverged") for p in cases]
+    hits = sum(d and f for d, f in zip(diverged, flagged))
+    unflagged = [p for p, f in zip(cases, flagged) if not f]
+    errors = [p["scd+audit_fallback"]["audit_layer_errors"] for p in cases]
+    layers = len(errors[0]) if errors else 0
+    families: dict[str, list[int]] = {}
+    for p, d, f in zip(cases, diverged, flagged):
+        counts = families.setdefault(p["scd"].get("family", p["scd"]["set"]), [0, 0, 0, 0])
+        counts[0] += 1
+        counts[1] += d
+        counts[2] += f
+        counts[3] += d and f
+    return {
+        **base,
+        "kind": "audit",
+        "n": len(cases),
+        "diverged": sum(diverged),
+        "flagged": sum(flagged),
+        "flagged_diverged": hits,
+        "recall": _rate(hits, sum(diverged)),
+        "precision": _rate(hits, sum(flagged)),
+        "false_alarm_rate": _rate(sum(flagged) - hits, len(cases) - sum(diverged)),
+        "fallback_identical_rate": _rate(sum(p["scd+audit_fallback"]["identical_to_oracle"] for p in cases), len(cases)),
+        "unflagged_same_as_scd": _rate(sum(p["scd+audit_fallback"]["ids"] == p["scd"]["ids"] for p in unflagged), len(unflagged)),
+        "audit_cost_ratio": round(statistics.median(p["scd+audit_fallback"]["cost"] for p in cases), 4) if cases else None,
+        "layer_error_auroc": [
+            auroc([e[i] for e, d in zip(errors, diverged) if d], [e[i] for e, d in zip(errors, diverged) if not d])
+            for i in range(layers)
+        ],
+        "largest_layer_error": {  # per example, its cache's largest per-layer error: min, median, max
+            side: _spread([max(e) for e, d in zip(errors, diverged) if d == want and e])
+            for side, want in (("diverged", True), ("agreeing", False))
+        },
+        "by_family": {f: dict(zip(("n", "diverged", "flagged", "flagged_diverged"), c)) for f, c in families.items()},
+    }
+
+
+def _spread(values: list[float]) -> list[float] | None:
+    return [round(min(values), 4), round(statistics.median(values), 4), round(max(values), 4)] if values else None
+
+
 def _rate(hits: int, total: int) -> float | None:
     return round(hits / total, 4) if total else None
 

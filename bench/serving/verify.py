@@ -10,6 +10,15 @@ pair and set of qa.shifted (in distribution and shifted), every example is asked
 policy, in a seeded shuffled order per example (no policy always runs after the same other).
 Identical = the greedy tokens equal the oracle's for the same example.
 
+Part 1 on the real pair (`--real smollm2-pc`, bench.harness.question_sets.RealSets): the same
+policies over real.tasks examples of one split (`--split`, `--context-tokens`, the examples
+real.quality scores), asked as token ids in the consumer's chat format, greedy up to `<|im_end|>`
+or 48 new tokens, F1 by real.score; one row per example and policy as each example is done (kind
+"verify_example"), then the summaries (kind "verify", with the paired F1 gap to the oracle) and
+the audit's recall and precision on the same examples (`--audit-out`, kind "audit":
+bench.serving.audit.flag_summary). `python -m bench.serving.verify summarize ROWS [--audit-out A]`
+writes the summaries of a run stopped early.
+
 Part 2, speed (`--scale qwen05b`, the Qwen2.5-0.5B shape with random weights, one model on both
 sides: identical weights; 256-token answers): raw transfer then decoding, the oracle, and a lossy
 transfer (quant, 8 bits) + verify, interleaved, over a tc-shaped link at `--rate-mbit` (needs
@@ -43,8 +52,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.harness import pairs, services
+from bench.harness import services
 from bench.harness.pairs import PAIRS
+from bench.harness.question_sets import REAL_PAIRS, QaSets, RealSets
 from consumer.api.client import Answer, ConsumerClient, prompt
 from shared.pb.scd.v1 import consumer_pb2
 
@@ -77,21 +87,23 @@ class Policy:
         return stats.repair_ms + stats.audit_ms + stats.local_prefill_ms + stats.verify_ms
 
 
-def quality_policies(fractions: list[float]) -> list[Policy]:
+def quality_policies(fractions: list[float], error_anchors=ERROR_ANCHORS, audit_repair: bool = True) -> list[Policy]:
+    """The oracle first (every other policy is compared with it), then the SCD policies."""
     fallback = {"audit": consumer_pb2.AUDIT_POLICY_FALLBACK}
     verify = {"verify": consumer_pb2.VERIFY_POLICY_VERIFIED}
+    repaired = {"audit": consumer_pb2.AUDIT_POLICY_REPAIR}
     return [
         Policy("oracle", "oracle"),
         Policy("scd", "scd"),
         *(Policy("scd+repair", "scd", {"repair": str(f)}, repair_fraction=f) for f in fractions),
         *(
             Policy("scd+repair", "scd", {"repair": str(f), "repair_anchors": how}, repair_fraction=f, anchors=how)
-            for how, at in ERROR_ANCHORS
+            for how, at in error_anchors
             for f in fractions
             if f in at
         ),
         Policy("scd+audit_fallback", "scd", fields=fallback),
-        Policy("scd+audit_repair", "scd", fields={"audit": consumer_pb2.AUDIT_POLICY_REPAIR}, repair_fraction=0.1),
+        *([Policy("scd+audit_repair", "scd", fields=repaired, repair_fraction=0.1)] if audit_repair else []),
         Policy("scd+verify", "scd", fields=verify),
     ]
 
@@ -104,13 +116,37 @@ def speed_policies() -> list[Policy]:
     ]
 
 
-@dataclass
-class Sample:
-    answer: Answer
-    completion_ms: float
-    cost: float  # cost_ms / the oracle's rebuild_ms of the same example
-    identical: bool = False
-    f1: float | None = None
+SAMPLE_KEYS = (  # what `sample` records per answer
+    "policy", "repair_fraction", "anchor_choice", "ids", "prediction", "identical_to_oracle", "f1", "completion_ms", "cost",
+    "ttft_ms", "time_to_verified_ms", "drafted_tokens", "accepted_draft_tokens", "audit_decision", "audit_layer_errors",
+    "verify_decision", "repair_tokens",
+)
+
+
+def sample(policy: Policy, answer: Answer, ms: float, oracle: Answer) -> dict:
+    """One answer's record: its tokens and text, identical to the oracle's (greedy tokens equal),
+    its times, its cost over the oracle's context prefill of the same example, and what the
+    audit, repair and verification did."""
+    s = answer.stats
+    return {
+        "policy": policy.name,
+        "repair_fraction": policy.repair_fraction,
+        "anchor_choice": policy.anchor_choice,
+        "ids": list(answer.ids),
+        "prediction": answer.text,
+        "identical_to_oracle": answer.ids == oracle.ids,
+        "f1": None,
+        "completion_ms": round(ms, 1),
+        "cost": round(policy.cost_ms(s) / max(oracle.stats.rebuild_ms, 1e-9), 4),
+        "ttft_ms": round(s.ttft_ms, 1),
+        "time_to_verified_ms": round(s.time_to_verified_ms or s.ttft_ms, 1),
+        "drafted_tokens": s.drafted_tokens,
+        "accepted_draft_tokens": s.accepted_draft_tokens,
+        "audit_decision": s.audit_decision,
+        "audit_layer_errors": [round(e, 5) for e in s.audit_layer_errors],
+        "verify_decision": s.verify_decision,
+        "repair_tokens": s.repair_tokens,
+    }
 
 
 async def timed(coro) -> tuple[Answer, float]:
@@ -119,93 +155,91 @@ async def timed(coro) -> tuple[Answer, float]:
     return answer, (time.perf_counter() - started) * 1e3
 
 
-def row(base: dict, policy: Policy, samples: list[Sample]) -> dict:
-    stats = [s.answer.stats for s in samples]
-    drafted = sum(s.drafted_tokens for s in stats)
-    verified = [s.time_to_verified_ms or s.ttft_ms for s in stats]
-    f1s = [s.f1 for s in samples if s.f1 is not None]
+def row(base: dict, samples: list[dict], oracle: list[dict] | None = None) -> dict:
+    """One policy's summary over its samples; with `oracle` (the oracle's samples of the same
+    examples, in the same order) the paired F1 gap to it and its 95% bootstrap interval too."""
+    drafted = sum(s["drafted_tokens"] for s in samples)
+    f1s = [s["f1"] for s in samples if s["f1"] is not None]
+    gap = {}
+    if oracle is not None and f1s:
+        from qa.metrics import bootstrap_ci
+
+        gaps = [100 * (o["f1"] - s["f1"]) for s, o in zip(samples, oracle, strict=True)]
+        gap = {"f1_gap": round(statistics.fmean(gaps), 2), "f1_gap_ci95": [round(x, 2) for x in bootstrap_ci(gaps)]}
     return {
         **base,
-        "policy": policy.name,
-        "repair_fraction": policy.repair_fraction,
-        "anchor_choice": policy.anchor_choice,
+        "kind": "verify",
+        "policy": samples[0]["policy"],
+        "repair_fraction": samples[0]["repair_fraction"],
+        "anchor_choice": samples[0]["anchor_choice"],
         "n": len(samples),
-        "identical_to_oracle": round(statistics.fmean(s.identical for s in samples), 3),
+        "identical_to_oracle": round(statistics.fmean(s["identical_to_oracle"] for s in samples), 3),
+        "identical_count": sum(s["identical_to_oracle"] for s in samples),
         "f1": round(100 * statistics.fmean(f1s), 2) if f1s else None,
-        "accepted_draft_fraction": round(sum(s.accepted_draft_tokens for s in stats) / drafted, 3) if drafted else None,
-        "ttft_ms_p50": round(statistics.median(s.ttft_ms for s in stats), 1),
-        "time_to_verified_ms_p50": round(statistics.median(verified), 1),
-        "completion_ms_p50": round(statistics.median(s.completion_ms for s in samples), 1),
-        "cost_ratio_vs_prefill": round(statistics.median(s.cost for s in samples), 3),
+        "accepted_draft_fraction": round(sum(s["accepted_draft_tokens"] for s in samples) / drafted, 3) if drafted else None,
+        "ttft_ms_p50": round(statistics.median(s["ttft_ms"] for s in samples), 1),
+        "time_to_verified_ms_p50": round(statistics.median(s["time_to_verified_ms"] for s in samples), 1),
+        "completion_ms_p50": round(statistics.median(s["completion_ms"] for s in samples), 1),
+        "cost_ratio_vs_prefill": round(statistics.median(s["cost"] for s in samples), 3),
+        **gap,
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
 
 
-def emit(out, line: dict) -> None:
+def emit(out, line: dict, echo: bool = True) -> None:
     text = json.dumps(line)
-    print(text, flush=True)
+    if echo:
+        print(text, flush=True)
     out.write(text + "\n")
     out.flush()
 
 
-async def quality(address: str, pair_name: str, sets: list[str], n: int, fractions: list[float], out, seed: int) -> None:
-    from qa.metrics import f1_score
-    from qa.shifted import examples
-    from qa.task import END
-
-    pair = PAIRS[pair_name]
-    schedule = {"schedule": pair.headline} if pair.headline else {}
-    policies = quality_policies(fractions)
-    end_id = _end_id(pair)
+async def quality(
+    address: str, source, sets: list[str], n: int, policies: list[Policy], out, seed: int, per_example: bool = False
+) -> list[dict]:
+    """Every example of every set asked under every policy (a seeded order per example); one row
+    per (set, policy) when the set is done and, with `per_example`, one row per (example, policy)
+    as soon as the example is done (kind "verify_example": a stopped run keeps them). `source`:
+    bench.harness.question_sets (QaSets | RealSets). Returns the per-example rows."""
+    schedule = source.schedule()
     rng = random.Random(seed)
-    base = {
-        "pair": pair_name,
-        "weights": "trained",
-        "model": f"{Path(pair.producer).name}->{Path(pair.consumer).name}",
-        "dtype": "float32",
-        "link": "loopback",
-    }
+    base = source.base()
+    records: list[dict] = []
 
-    async def ask(client: ConsumerClient, context: str, question: str, policy: Policy) -> tuple[Answer, float]:
-        return await timed(
-            pairs.ask(
-                client,
-                context,
-                question,
-                end_id,
-                policy.mode,
-                {**schedule, **policy.options} if policy.mode != "oracle" else {},
-                **policy.fields,
-            )
-        )
+    async def ask(client: ConsumerClient, q, policy: Policy) -> tuple[Answer, float]:
+        options = {**schedule, **policy.options} if policy.mode != "oracle" else {}
+        return await timed(source.ask(client, q, policy.mode, options, **policy.fields))
 
     async with ConsumerClient(address) as client:
-        warm = next(examples("in_distribution", 1, start=10_000))
+        warm = source.warm()
         for policy in policies:  # first calls at these shapes are slow: keep them out of the timings
-            await ask(client, warm.context, warm.question, policy)
+            await ask(client, warm, policy)
         for name in sets:
-            got: dict[Policy, list[Sample]] = {p: [] for p in policies}
-            for ex in examples(name, n):
+            got: dict[Policy, list[dict]] = {p: [] for p in policies}
+            for q in source.asked(name, n):
                 order = policies[:]
                 rng.shuffle(order)
-                answers = {p: await ask(client, ex.context, ex.question, p) for p in order}
+                answers = {p: await ask(client, q, p) for p in order}
                 oracle = answers[policies[0]][0]
-                for policy, (answer, ms) in answers.items():
-                    sample = Sample(answer, ms, policy.cost_ms(answer.stats) / max(oracle.stats.rebuild_ms, 1e-9))
-                    sample.identical = answer.ids == oracle.ids
-                    if ex.answer is not None:
-                        sample.f1 = f1_score(answer.text.removesuffix(END).strip(), ex.answer)
-                    got[policy].append(sample)
-            for policy, samples in got.items():
-                emit(out, row({**base, "set": name}, policy, samples))
+                for policy in policies:
+                    answer, ms = answers[policy]
+                    one = sample(policy, answer, ms, oracle)
+                    one["f1"] = source.f1(answer.text, q)
+                    got[policy].append(one)
+                    if per_example:
+                        records.append({**base, "kind": "verify_example", "set": name, "index": q.index, **q.labels,
+                                        "gold": q.gold, **one})
+                        emit(out, records[-1], echo=False)
+                if per_example:
+                    done = ", ".join(f"{_label(p)} {'=' if got[p][-1]['identical_to_oracle'] else 'x'}" for p in policies)
+                    print(f"# {name} #{q.index} ({time.strftime('%H:%M:%S')}): {done}", file=sys.stderr, flush=True)
+            for samples in got.values():
+                emit(out, row({**base, **source.set_fields(name)}, samples, got[policies[0]] if per_example else None))
+    return records
 
 
-def _end_id(pair) -> int:
-    from transformers import AutoTokenizer
-
-    from qa.tokenizer import end_token_id
-
-    return end_token_id(AutoTokenizer.from_pretrained(ROOT / pair.consumer))
+def _label(policy: Policy) -> str:
+    return policy.name + (f"@{policy.repair_fraction:g}/{policy.anchor_choice}" if policy.name == "scd+repair" else "")
 
 
 async def speed(address: str, model: str, ctx_tokens: int, new_tokens: int, runs: int, link: str, out, seed: int) -> None:
@@ -234,7 +268,7 @@ async def speed(address: str, model: str, ctx_tokens: int, new_tokens: int, runs
     async with ConsumerClient(address) as client:
         described = (await client.describe()).model
         base["dtype"], base["device"] = described.dtype, described.device  # what --dtype / --device resolved to
-        got: dict[Policy, list[Sample]] = {p: [] for p in policies}
+        got: dict[Policy, list[dict]] = {p: [] for p in policies}
         for run in range(runs + 1):  # run 0 warms up
             ctx = [rng.randrange(4, 32000) for _ in range(ctx_tokens)]  # a context nobody has seen: cold
             question = [rng.randrange(4, 32000) for _ in range(16)]
@@ -246,13 +280,11 @@ async def speed(address: str, model: str, ctx_tokens: int, new_tokens: int, runs
             answers = {p: await timed(client.generate(**request(ctx, question, p))) for p in order}
             oracle = answers[policies[1]][0]
             for policy, (answer, ms) in answers.items():
-                sample = Sample(answer, ms, policy.cost_ms(answer.stats) / max(oracle.stats.rebuild_ms, 1e-9))
-                sample.identical = answer.ids == oracle.ids
                 if run:
-                    got[policy].append(sample)
+                    got[policy].append(sample(policy, answer, ms, oracle))
             print(f"# run {run}: " + ", ".join(f"{p.name} {ms:.0f} ms" for p, (_, ms) in answers.items()), file=sys.stderr)
-        for policy, samples in got.items():  # each run's completion too: runs pair up across policies
-            emit(out, {**row(base, policy, samples), "completion_ms_each": [round(s.completion_ms, 1) for s in samples]})
+        for samples in got.values():  # each run's completion too: runs pair up across policies
+            emit(out, {**row(base, samples), "completion_ms_each": [s["completion_ms"] for s in samples]})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,8 +305,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--append", action="store_true", help="append to OUT instead of replacing it")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--real", default="", choices=["", *REAL_PAIRS],
+                   help="instead: this real pair over real.tasks examples (question_sets.RealSets), one row per "
+                   "example and policy, then the summaries and the audit's (bench.serving.audit.flag_summary)")
+    p.add_argument("--split", default="test", help="--real: the real.tasks split")
+    p.add_argument("--context-tokens", type=int, default=1024, help="--real: tokens of chat prefix")
+    p.add_argument("--schedule", default="", help="--real: the SCD schedule ('' = the pair's headline)")
+    p.add_argument("--no-error-anchors", action="store_true", help="repair with attention anchors only")
+    p.add_argument("--no-audit-repair", action="store_true", help="leave out the scd+audit_repair policy")
+    p.add_argument("--audit-out", default="", help="--real: where the audit's summary row goes ('' = not written)")
     p.add_argument("--inside-link", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.real:
+        return run_real(args)
     if args.scale and args.link == "shaped" and not args.inside_link:
         # quality first, here; then the speed rows from inside the consumer's namespace
         if args.pairs:
@@ -287,19 +330,83 @@ def main(argv: list[str] | None = None) -> int:
         return run_inside_link(inner, 0.0, module="bench.serving.verify")
     with open(args.out, "a" if args.append else "w") as out:
         for name in [s for s in args.pairs.split(",") if s]:
-            pair = PAIRS[name]
-            common = ["--dtype", "float32", "--log-level", "WARNING", "--artifacts", str(ROOT / pair.artifact)]
+            source = QaSets(name)
+            common = ["--dtype", "float32", "--log-level", "WARNING", "--artifacts", str(ROOT / source.artifact)]
             with services.running(
-                ["--model", pair.producer, *common],
-                ["--model", pair.consumer, *common, *services.NO_PREFIX_CACHE],
+                ["--model", source.producer, *common],
+                ["--model", source.consumer, *common, *services.NO_PREFIX_CACHE],
                 log_dir=ROOT / "bench/runs/verify",
             ) as (_, consumer):
-                fractions = [float(f) for f in args.fractions.split(",") if f]
                 sets = [s for s in args.sets.split(",") if s]
-                asyncio.run(quality(consumer.address, name, sets, args.n, fractions, out, args.seed))
+                asyncio.run(quality(consumer.address, source, sets, args.n, _policies(args), out, args.seed))
         if args.scale:
             run_speed(args, out)
     return 0
+
+
+def _policies(args) -> list[Policy]:
+    fractions = [float(f) for f in args.fractions.split(",") if f]
+    return quality_policies(fractions, () if args.no_error_anchors else ERROR_ANCHORS, not args.no_audit_repair)
+
+
+def run_real(args) -> int:
+    """The real pair through the services (float32, one torch thread each): every example's rows
+    as it is done, then the summaries, then the audit's recall and precision on the same examples."""
+    source = RealSets(args.real, args.context_tokens, args.schedule)
+    common = ["--dtype", source.dtype, "--log-level", "WARNING", "--torch-threads", "1",
+              "--artifacts", str(ROOT / source.artifact)]
+    with open(args.out, "a" if args.append else "w") as out, services.running(
+        ["--model", source.producer, *common],
+        ["--model", source.consumer, *common, *services.NO_PREFIX_CACHE],
+        log_dir=ROOT / "bench/runs/verify",
+    ) as (producer, consumer):
+        asyncio.run(source.describe(consumer.address, producer.address))
+        records = asyncio.run(
+            quality(consumer.address, source, [args.split], args.n, _policies(args), out, args.seed, per_example=True)
+        )
+    if args.audit_out:
+        write_audit(records, Path(args.audit_out))
+    return 0
+
+
+EXAMPLE_KEYS = ("kind", "set", "index", "gold", "split", "family", "seed", "context_tokens")
+
+
+def summarize(path: Path, audit_out: Path | None) -> None:
+    """Rewrite a --real run's rows file (stopped early or not) as its per-example rows then one
+    summary per (set, policy) over the examples every policy answered; the audit's row to
+    `audit_out`. The summaries carry `stopped_early` when n is short of what was asked."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [r for r in rows if r.get("kind") == "verify_example"]
+    finished = {r["set"] for r in rows if r.get("kind") == "verify"}  # sets whose run wrote its summaries
+    load = {(r["set"], r["policy"], r["repair_fraction"], r["anchor_choice"]): r["load_avg_1m"] for r in rows if r.get("kind") == "verify"}
+    per_key: dict[tuple, list[dict]] = {}
+    for r in records:
+        per_key.setdefault((r["set"], r["policy"], r["repair_fraction"], r["anchor_choice"]), []).append(r)
+    base = {k: v for k, v in records[0].items() if k not in EXAMPLE_KEYS and k not in SAMPLE_KEYS}
+    with open(path, "w") as out:
+        for r in records:
+            emit(out, r, echo=False)
+        for name in dict.fromkeys(r["set"] for r in records):
+            oracle = per_key[(name, "oracle", 0.0, "none")]
+            for key, samples in per_key.items():
+                if key[0] == name:  # the load the run measured, none for a run stopped before its summaries
+                    fields = {k: samples[0][k] for k in ("set", "split") if k in samples[0]}
+                    line = {**row({**base, **fields}, samples, oracle), "load_avg_1m": load.get(key)}
+                    emit(out, {**line, "stopped_early": name not in finished})
+    if audit_out:
+        write_audit(records, audit_out)
+
+
+def write_audit(records: list[dict], path: Path) -> None:
+    """The audit's recall and precision on these examples (bench.serving.audit.flag_summary) as one row."""
+    from bench.serving.audit import flag_summary
+
+    first = records[0]
+    base = {k: v for k, v in first.items() if k not in EXAMPLE_KEYS and k not in SAMPLE_KEYS}
+    line = flag_summary(records, {**base, **{k: first[k] for k in ("set", "split") if k in first}})
+    print(json.dumps(line), flush=True)
+    path.write_text(json.dumps(line) + "\n")
 
 
 def run_speed(args, out) -> None:
@@ -331,4 +438,11 @@ def run_speed(args, out) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["summarize"]:
+        parser = argparse.ArgumentParser(prog="python -m bench.serving.verify summarize", description=summarize.__doc__)
+        parser.add_argument("rows", type=Path)
+        parser.add_argument("--audit-out", type=Path, default=None)
+        a = parser.parse_args(sys.argv[2:])
+        summarize(a.rows, a.audit_out)
+        sys.exit(0)
     sys.exit(main())
