@@ -10,7 +10,7 @@ from real import quality
 from shared.models import load_model
 from shared.scd.artifact import Artifact
 
-ARTIFACT = "artifacts/smollm2-pc.safetensors"
+ARTIFACT = "artifacts/qa-base-to-tuned.safetensors"  # committed: a fresh clone has it (the real pair's is built)
 
 
 def test_a_mode_suffix_is_a_selection():
@@ -55,8 +55,9 @@ def test_bytes_per_token_scale_with_the_kept_share():
     ]
     out = {s["mode"]: s for s in quality.summaries(rows, modes)}
     raw = out["naive"]["bytes_per_token"]
-    assert raw == 30 * 2 * 3 * 64 * 4  # float32 K/V, 30 layers, 3 KV heads of 64
-    assert out["naive@knorm:0.25"]["bytes_per_token"] == round(raw * 0.25 + 30 * 3 / 8, 2)
+    layers, kv_heads = art.num_layers, producer.info.num_kv_heads
+    assert raw == layers * 2 * kv_heads * producer.info.head_dim * 2  # bf16 K/V (the artifact's dtype)
+    assert out["naive@knorm:0.25"]["bytes_per_token"] == round(raw * 0.25 + layers * kv_heads / 8, 2)
     assert out["naive@knorm:0.25"]["keep"] == {"selection": "knorm:0.25", "kept_share": 0.25, "scored_by": "P"}
     assert out["oracle@knorm:0.25"]["bytes_per_token"] is None  # the oracle's cache is its own: nothing sent
     assert out["oracle@knorm:0.25"]["keep"]["scored_by"] == "C"
