@@ -14,7 +14,7 @@ def peer_vllm(root: Path = RESULTS.parents[1]) -> dict:
     path = root / "bench/results" / ROWS
     if not path.exists():
         unknown = dict.fromkeys(("model", "dtype", "weights", "vllm", "threads", "code"), "-")
-        return {"table": "(no rows yet: make bench-peer)", "ratios": {}, **unknown}
+        return {"table": "(no rows yet: make bench-peer)", "ratios": {}, "identical_32": 0.0, **unknown}
     rows = rows_of(path)
     summaries = [r for r in rows if r["kind"] == "summary"]
     lines = [
@@ -33,10 +33,12 @@ def peer_vllm(root: Path = RESULTS.parents[1]) -> dict:
             f"{r['identical_outputs']:.0%} | {r['runs']} | {r['load_avg_1m_median']:.1f} |"
         )
         ratios[f"{r['workload']}@{r['streams']}"] = r["ratio_ours_vs_vllm"]
+    identical = next((r["identical_outputs"] for r in summaries if (r["workload"], r["streams"]) == ("decode", 32)), 0.0)
     first = rows[0]
     return {
         "table": "\n".join(lines),
         "ratios": ratios,
+        "identical_32": identical,
         "model": first["model"],
         "dtype": first["dtype"],
         "weights": first["weights"],
