@@ -229,10 +229,11 @@ def summaries(rows: list[dict], modes: Modes) -> list[dict]:
     out = []
     for label, _, _, selection in modes.asked:
         mine = [r for r in task if r["mode"] == label]
-        kls = [r["mean_kl"] for r in rows if r["kind"] == "kl" and r["mode"] == label]
+        kl_rows = [r for r in rows if r["kind"] == "kl" and r["mode"] == label]
+        kls = [r["mean_kl"] for r in kl_rows]
         if not mine and not kls:
             continue
-        measured = mine + [r for r in rows if r["kind"] == "kl" and r["mode"] == label]
+        measured = mine + kl_rows
         kept_share = sum(r.get("kept_tokens", r["context_tokens"]) / r["context_tokens"] for r in measured) / len(measured)
         out.append(
             {

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.figures.real_pair import _interval
+from bench.figures.real_pair import _interval, cost_cells
 from bench.figures.rows import rows_of
 
 HEADER = (
@@ -19,7 +19,7 @@ HEADER = (
 
 def _line(r: dict) -> str:
     kept = "100%" if r.get("keep") is None else f"{r['keep']['kept_share']:.0%}"
-    cost = "- | -" if r["bytes_per_token"] is None else f"{r['bytes_per_token']:g} | {r['bytes_ratio_vs_bf16_raw']:.1f}"
+    cost = cost_cells(r)
     return (
         f"| `{r['mode']}` | {kept} | {cost} | {100 * r['f1']:.1f} | {_interval(r['f1_ci95'], '{:.1f}')} | "
         f"{100 * r['f1_gap']:+.1f} | {_interval(r['f1_gap_ci95'])} | {100 * r['em']:.1f} | {r['identical_to_oracle']:.0%} |"

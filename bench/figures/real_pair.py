@@ -23,9 +23,16 @@ def _interval(values: list[float], fmt: str = "{:+.1f}", sep: str = "..") -> str
     return sep.join(fmt.format(100 * v) for v in values)
 
 
+def cost_cells(r: dict) -> str:
+    """A summary row's 'bytes/token | x fewer than raw bf16' table cells ('- | -' when nothing is sent)."""
+    if r["bytes_per_token"] is None:
+        return "- | -"
+    return f"{r['bytes_per_token']:g} | {r['bytes_ratio_vs_bf16_raw']:.1f}"
+
+
 def _line(r: dict) -> str:
     kl = "-" if r["mean_kl"] is None else f"{r['mean_kl']:.4f}"
-    cost = "- | -" if r["bytes_per_token"] is None else f"{r['bytes_per_token']:g} | {r['bytes_ratio_vs_bf16_raw']:.1f}"
+    cost = cost_cells(r)
     return (
         f"| `{r['mode']}` | {cost} | {100 * r['f1']:.1f} | "
         f"{_interval(r['f1_ci95'], '{:.1f}')} | {100 * r['f1_gap']:+.1f} | {_interval(r['f1_gap_ci95'])} | {100 * r['em']:.1f} | "
@@ -102,7 +109,7 @@ def kl_tables(rows: list[dict]) -> str:
             "|---|---|---|---|---|",
         ]
         for r in mine:
-            cost = "- | -" if r["bytes_per_token"] is None else f"{r['bytes_per_token']:g} | {r['bytes_ratio_vs_bf16_raw']:.1f}"
+            cost = cost_cells(r)
             lo, hi = r["mean_kl_ci95"]
             lines.append(f"| `{r['mode']}` | {cost} | {r['mean_kl']:.4f} | {lo:.4f}..{hi:.4f} |")
         out.append("\n".join(lines))
