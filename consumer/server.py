@@ -107,7 +107,7 @@ class ConsumerServer:
         """The batch engine: on a thread here, or in a process of its own (--engine-process)."""
         cfg = self.config
         if not cfg.engine_process:
-            return BatchEngine(loaded, pool, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens, forward=cfg.engine_forward)
+            return BatchEngine(loaded, pool, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens)
         loop = asyncio.get_running_loop()
 
         def exited(why: str) -> None:  # the engine process's reader thread
@@ -115,7 +115,7 @@ class ConsumerServer:
 
         threads = torch.get_num_threads()  # as this process resolved it (shared.torch_threads.intra_op_threads)
         args = (loaded, pool, cfg.model, threads, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens)
-        return await asyncio.to_thread(EngineProcess, *args, on_exit=exited, forward=cfg.engine_forward)
+        return await asyncio.to_thread(EngineProcess, *args, on_exit=exited)
 
     def _kv_memory(self, pool: KVPool, batch: BatchEngine | EngineProcess) -> tuple[PrefixCache | None, KVAdmission]:
         """The prefix cache (--prefix-cache-bytes; its KV events when --kv-events-endpoint is given)

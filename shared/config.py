@@ -36,7 +36,6 @@ C = TypeVar("C", bound=Validated)
 ORACLE_MODE = "oracle"  # the consumer's own prefill, as consumer.pipeline.pipeline names it (shared never imports consumer)
 AUTO_MODE = "auto"  # the consumer picks the fastest mode within a loss budget (consumer.auto.chooser)
 LB_POLICIES = ("ring_hash", "round_robin", "pick_first")
-ENGINE_FORWARDS = ("pool", "hf")  # consumer.engine.batch.RUNNERS (config stays import-free of the engine)
 
 
 def parse_bool(value: str | bool) -> bool:
@@ -237,7 +236,6 @@ class ConsumerConfig(ServerConfig):
     stream_interval: int = 1  # tokens per streamed message after the first (1: each alone; as vLLM's --stream-interval)
     verify_draft_bytes: int = 32 << 20  # verified decoding: sampled drafts a request keeps, bytes (consumer.engine.speculative)
     engine_process: bool = False  # the engine's forwards in a child process, the KV pool in shared memory
-    engine_forward: str = "pool"  # the engine's runner: pool (our forward over the KV pool in place) | hf (reference)
     chunk_tokens: int = 256  # context chunk size of the prefix cache (a multiple of kv_block_tokens)
     prefix_cache_bytes: int = -1  # KV pool bytes the prefix cache may keep; -1: half the pool, 0: off
     http_port: int = -1  # OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models; consumer.api.openai_api); -1 off, 0 any free port
@@ -285,8 +283,6 @@ class ConsumerConfig(ServerConfig):
             )
         if self.prefix_cache_bytes < -1:
             raise ValueError("prefix_cache_bytes: must be >= -1 (-1: half the KV pool, 0: off)")
-        if self.engine_forward not in ENGINE_FORWARDS:
-            raise ValueError(f"engine_forward: {self.engine_forward!r} not in {', '.join(ENGINE_FORWARDS)}")
         modes = default_modes()
         if self.default_mode and self.default_mode not in modes:
             raise ValueError(f"default_mode: {self.default_mode!r} not in {', '.join(modes)} (empty: auto)")

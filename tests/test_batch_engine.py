@@ -13,10 +13,11 @@ import torch
 
 from consumer.engine.batch import BatchEngine, Finished, Task
 from consumer.engine.decoding import Sampler, Sampling
+from consumer.engine.hf_reference import Runner
 from consumer.engine.kv_admission import KVAdmission
 from consumer.engine.kv_pool import KVPool
 from consumer.engine.pool_forward import PoolRunner
-from consumer.engine.runner import Row, Runner
+from consumer.engine.rows import Row
 from shared.errors import DataLoss, DeadlineExceeded, ResourceExhausted
 from shared.models import load_model
 
@@ -174,9 +175,9 @@ def test_the_pool_forward_answers_as_the_hf_runner(name):
     vocab = model.info.vocab_size
     specs = [(ids(n, seed, vocab), new) for seed, (n, new) in enumerate([(70, 12), (9, 20), (130, 6), (33, 16), (64, 10)])]
     answers = {}
-    for forward in ("hf", "pool"):
+    for forward, runner in (("hf", Runner), ("pool", PoolRunner)):
         pool = pool_for(model)
-        engine = BatchEngine(model, pool, max_batch=8, prefill_chunk=32, max_batch_tokens=64, forward=forward)
+        engine = BatchEngine(model, pool, max_batch=8, prefill_chunk=32, max_batch_tokens=64, runner=runner)
         try:
             answers[forward] = run_tasks(engine, specs, pool)
         finally:
@@ -472,14 +473,9 @@ async def test_a_deadline_during_decode_ends_the_request_after_the_tokens_before
         engine.shutdown()
 
 
-def test_engine_forward_flag_names_every_runner_and_refuses_others():
-    """--engine-forward's choices are the engine's runners (shared.config cannot import the engine,
-    so its list is a copy this test keeps honest); an unknown one is refused naming the field."""
-    from consumer.engine.batch import RUNNERS
-    from shared.config import ENGINE_FORWARDS, ConsumerConfig
+def test_no_flag_selects_the_hf_reference():
+    """The Hugging Face runner is a test reference, not a serving option: --engine-forward is gone
+    (an unknown flag is refused by the parser) and the config has no such field."""
+    from shared.config import ConsumerConfig
 
-    assert set(ENGINE_FORWARDS) == set(RUNNERS)
-    for name in ENGINE_FORWARDS:
-        ConsumerConfig(engine_forward=name).validate()
-    with pytest.raises(ValueError, match="engine_forward: 'flash' not in pool, hf"):
-        ConsumerConfig(engine_forward="flash").validate()
+    assert not hasattr(ConsumerConfig(), "engine_forward")

@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from consumer.engine.hf_reference import Runner
 from consumer.engine.kv_pool import KVPool
 from consumer.engine.pool_forward import PoolRunner
-from consumer.engine.runner import Row, Runner
+from consumer.engine.rows import Row
 from shared import kv
 from shared.keep import kept_cache, next_positions, parse_selection
 from shared.keep.cache import gather

@@ -102,3 +102,19 @@ def test_the_guard_sees_a_hugging_face_forward():
         with pytest.raises(RuntimeError, match="called on a serving path"):
             kv.prefill_context(loaded, torch.tensor([[5, 6, 7]]))
     assert calls
+
+
+def test_no_serving_module_imports_the_hf_reference_runner():
+    """The Hugging Face runner (consumer.engine.hf_reference) is reachable from tests and benches
+    only: importing both services, their engine process and the HTTP endpoint does not load it
+    (nor `consumer.engine.runner`, its name while `--engine-forward hf` could select it: this
+    fails on that code)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, consumer.server, consumer.__main__, consumer.engine.process, consumer.api.openai_api, producer.server\n"
+        "print(sorted(m for m in sys.modules if m.endswith(('hf_reference', 'engine.runner'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -21,9 +21,9 @@ import threading
 import pytest
 
 from consumer.engine.batch import BatchEngine, Finished, Task, split_gather
+from consumer.engine.hf_reference import Runner
 from consumer.engine.kv_pool import KVPool
 from consumer.engine.prefix_cache import PrefixCache
-from consumer.engine.runner import Runner
 from producer.server import ProducerServer
 from shared import chunks
 from shared.config import ProducerConfig

@@ -16,9 +16,10 @@ import torch
 
 from consumer.engine.batch import BatchEngine, Task
 from consumer.engine.decoding import Sampler, Sampling
+from consumer.engine.hf_reference import Runner
 from consumer.engine.kv_pool import KVPool
 from consumer.engine.process import EngineProcess
-from consumer.engine.runner import Row, Runner
+from consumer.engine.rows import Row
 from consumer.engine.speculative import Nucleus, accept_greedy, accept_sampled
 from consumer.exact.verify import Verifier
 from consumer.request.engine_stream import engine_task

@@ -2,7 +2,7 @@
 
 bench.serving.throughput's ceiling is the bare Hugging Face decode step (DynamicCache) at batch = streams;
 its rows compare the whole service with it. This isolates the engine's own part: one decode step
-of `consumer.engine.runner.Runner` over the KV pool (ragged rows, per-row masks, the block gather into
+of `consumer.engine.hf_reference.Runner` over the KV pool (ragged rows, per-row masks, the block gather into
 scratch buffers, in-place writes) against one step of the model with a DynamicCache of the same
 batch and context, both in this process, interleaved round by round, median of `--steps` steps.
 No gRPC, no scheduler, no other process: what is left between a service row and the ceiling is
@@ -23,7 +23,7 @@ Rows before the limits (no kv_check_sums_ms) timed finite_each as kv_check_ms.
 `--compare`: the new step against the old, side by side (issue 47): per model (`--models`, comma
 separated: checkpoint paths or registry short names), context (`--ctx`, comma separated) and batch,
 one decode step of our own forward over the pool in place (consumer.engine.pool_forward,
-`pool_step_ms`), of the Hugging Face runner over gathered blocks (consumer.engine.runner,
+`pool_step_ms`), of the Hugging Face runner over gathered blocks (consumer.engine.hf_reference,
 `runner_step_ms`) and of the bare Hugging Face model with a DynamicCache (`bare_step_ms`),
 interleaved step by step (pool, runner, bare, pool, ...), medians of `--steps`. Every row holds
 the model's own K/V of one seeded random-token context (prefilled once, copied to every row, to
@@ -70,8 +70,9 @@ def measure(loaded, batch: int, ctx: int, steps: int) -> dict:
     """One interleaved pair of timings at this batch and context."""
     from transformers import DynamicCache
 
+    from consumer.engine.hf_reference import Runner
     from consumer.engine.kv_pool import KVPool
-    from consumer.engine.runner import Row, Runner
+    from consumer.engine.rows import Row
     from shared.finite import rows_finite
 
     vocab = loaded.info.vocab_size
@@ -150,7 +151,7 @@ def _filled_pools(loaded, batch: int, ctx: int, steps: int):
 
     from consumer.engine.kv_pool import KVPool, SequenceKV
     from consumer.engine.pool_forward import PoolRunner
-    from consumer.engine.runner import Row
+    from consumer.engine.rows import Row
 
     info = loaded.info
     reserve = ctx + steps + 8
@@ -189,8 +190,9 @@ def _filled_pools(loaded, batch: int, ctx: int, steps: int):
 
 def compare(loaded, batch: int, ctx: int, steps: int) -> dict:
     """One interleaved round: pool step, runner step, bare step, repeated; medians in ms."""
+    from consumer.engine.hf_reference import Runner
     from consumer.engine.pool_forward import PoolRunner
-    from consumer.engine.runner import Row, Runner
+    from consumer.engine.rows import Row
 
     pools, seqs, cache = _filled_pools(loaded, batch, ctx, steps)
     new, old = PoolRunner(loaded, pools[0]), Runner(loaded, pools[1])
@@ -238,9 +240,10 @@ PREFILLS = {
 def compare_prefill(loaded, rows: list[tuple[int, int]], reps: int) -> dict:
     """One prefill forward of these rows, ours (head-major pool) and the HF runner's (token-major),
     alternating, each on fresh pools whose rows were prefilled to their start; medians in ms."""
+    from consumer.engine.hf_reference import Runner
     from consumer.engine.kv_pool import KVPool
     from consumer.engine.pool_forward import PoolRunner
-    from consumer.engine.runner import Row, Runner
+    from consumer.engine.rows import Row
 
     info = loaded.info
     g = torch.Generator().manual_seed(0)

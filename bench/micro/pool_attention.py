@@ -4,7 +4,7 @@ the engine could read it, side by side (issue 47's choice for consumer.engine.po
 Per shape (the QA pair's 4/4 heads x 32, the real pair's 9/3 x 64), dtype, batch and context, one
 query per row over its `ctx` tokens in 16-token blocks, each row's blocks one run:
 - `gather_sdpa_ms`: every row's blocks gathered into a rectangle (index_select, token-major pool,
-  what consumer.engine.runner does), one SDPA with a padding mask and enable_gqa;
+  what consumer.engine.hf_reference does), one SDPA with a padding mask and enable_gqa;
 - `row_token_major_ms`: SDPA per row over a view of a token-major pool ([block, token, n_kv, hd]),
   GQA groups folded into the query dimension;
 - `row_head_major_ms`: the same over a head-major pool ([n_kv, block, token, hd]: one contiguous

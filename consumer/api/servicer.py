@@ -23,7 +23,6 @@ from consumer.engine.batch import BatchEngine
 from consumer.engine.kv_admission import KVAdmission
 from consumer.engine.prefix_cache import PrefixCache
 from consumer.engine.process import EngineProcess
-from consumer.engine.runner import scratch_limit_bytes
 from consumer.link import readiness
 from consumer.link.producer_client import ProducerClient
 from consumer.pipeline.learning import learn
@@ -259,7 +258,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
                 last_batch_rows=self.batch.stats.last_batch,
                 max_batch_rows_seen=self.batch.stats.max_batch_seen,
                 scratch_bytes=self.batch.stats.scratch_bytes,
-                scratch_limit_bytes=scratch_limit_bytes(self.batch.pool),
+                scratch_limit_bytes=0,  # the engine's forward reads the pool in place: no gather buffers
                 kv_reclaimable_bytes=self.batch.pool.reclaimable_blocks * self.batch.pool.block_bytes,
                 max_batch=self.batch.max_batch,
                 nonfinite_rows=self.batch.stats.failed_rows,

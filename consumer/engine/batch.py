@@ -49,7 +49,7 @@ import torch
 from consumer.engine.decoding import Sampler
 from consumer.engine.kv_pool import KVPool, SequenceKV
 from consumer.engine.pool_forward import PoolRunner
-from consumer.engine.runner import Row, Runner
+from consumer.engine.rows import Row
 from consumer.engine.speculative import Nucleus
 from shared import liveness, logs
 from shared.errors import DataLoss
@@ -169,11 +169,10 @@ def name_os_thread(name: str) -> None:
         pass
 
 
-# The model runner: "pool", our own forward with attention over the pool in place
-# (consumer.engine.pool_forward); "hf", Hugging Face's modules over gathered blocks
-# (consumer.engine.runner), kept as the reference.
-RUNNERS: dict[str, type[Runner] | type[PoolRunner]] = {"pool": PoolRunner, "hf": Runner}
-DEFAULT_FORWARD = "pool"
+# The model runner: our own forward with attention over the pool in place (consumer.engine.pool_forward).
+# Tests pass the Hugging Face reference (consumer.engine.hf_reference.Runner) to compare with it; no
+# serving path can select it.
+Forward = Any  # a runner class: (loaded, pool) -> forward(rows), scratch_limit_blocks, scratch_bytes
 
 
 class BatchEngine(concurrent.futures.Executor):
@@ -186,14 +185,12 @@ class BatchEngine(concurrent.futures.Executor):
         max_batch_tokens: int = 2048,
         progress: liveness.Progress | None = None,
         after_iteration: Callable[[], None] | None = None,
-        forward: str = DEFAULT_FORWARD,
+        runner: Forward = PoolRunner,
     ):
         if max_batch < 1 or prefill_chunk < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch, prefill_chunk and max_batch_tokens: must be >= 1")
-        if forward not in RUNNERS:
-            raise ValueError(f"forward: {forward!r} is not one of {sorted(RUNNERS)}")
         self.loaded, self.pool = loaded, pool
-        self.runner: Runner | PoolRunner = RUNNERS[forward](loaded, pool)
+        self.runner = runner(loaded, pool)
         self.max_batch, self.prefill_chunk, self.max_batch_tokens = max_batch, prefill_chunk, max_batch_tokens
         self.jobs: collections.deque[Job] = collections.deque()
         self.tasks: list[Task] = []  # admitted to the engine, in arrival order

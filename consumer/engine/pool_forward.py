@@ -1,6 +1,6 @@
 """The engine's batched forward on our own model (shared.model) with attention over the KV pool in
-place: the runner `--engine-forward pool` selects (consumer.engine.runner is the Hugging Face one,
-kept as the reference).
+place: the engine's runner (consumer.engine.hf_reference is the Hugging Face one, the reference
+the tests compare with; no serving path runs it).
 
 Rows are flat: every row's new tokens side by side, [N] ids at their own positions, no padding.
 Per layer, the new K/V go into the pool by slot mapping (one index_copy_ over all rows' tokens),
@@ -13,7 +13,7 @@ over the pool (bench.micro.engine_step's attention rows; bf16 SDPA with enable_g
 slower than the fold). Prefill and decode rows share one forward; a prefill chunk sees its row's
 prefix and itself causally (a bottom-right mask).
 
-Same surface as consumer.engine.runner.Runner (`forward(rows)`, Row, the scratch figures: none
+Same surface as consumer.engine.hf_reference.Runner (`forward(rows)`, Row, the scratch figures: none
 here). Knows nothing about scheduling, sampling, codecs or gRPC.
 """
 
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from consumer.engine.kv_pool import KVPool
-from consumer.engine.runner import Row
+from consumer.engine.rows import Row
 from shared import model as own
 from shared.models import LoadedModel
 

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from consumer.engine.batch import DEFAULT_FORWARD, BatchEngine, EngineStats, Finished, PostHook, Task
+from consumer.engine.batch import BatchEngine, EngineStats, Finished, PostHook, Task
 from consumer.engine.decoding import Sampler, TokenLogprobs
 from consumer.engine.kv_pool import KVPool, SequenceKV
 from consumer.engine.speculative import DraftSampler, Nucleus
@@ -177,7 +177,6 @@ def _child(spec: dict[str, Any], k: torch.Tensor, v: torch.Tensor, state: torch.
         spec["max_batch_tokens"],
         progress=SharedProgress("consumer-engine", state),
         after_iteration=relay.flush,
-        forward=spec["forward"],
     )
     conn.send(("ready",))
     try:
@@ -293,7 +292,6 @@ class EngineProcess(concurrent.futures.Executor):
         prefill_chunk: int = 512,
         max_batch_tokens: int = 2048,
         on_exit: Callable[[str], None] | None = None,
-        forward: str = DEFAULT_FORWARD,
     ):
         self.loaded, self.pool, self.max_batch = loaded, pool, max_batch
         self.on_exit = on_exit  # called (reader thread) with the reason when the child exits unasked
@@ -320,7 +318,6 @@ class EngineProcess(concurrent.futures.Executor):
             "max_batch": max_batch,
             "prefill_chunk": prefill_chunk,
             "max_batch_tokens": max_batch_tokens,
-            "forward": forward,
         }
         check_shm(pool)
         k, v = pool.share()
