@@ -11,7 +11,7 @@ PROTOS  := $(wildcard protos/scd/v1/*.proto)
 PB_GEN  := $(PB_OUT)/scd/v1/.generated
 COMPOSE := .venv-compose/bin/docker-compose
 
-.PHONY: all install real-model real-artifacts proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft bench-peer kvpress-check compose-config compose-smoke vllm-structs clean
+.PHONY: all install real-model real-artifacts proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft bench-peer bench-breakdown kvpress-check compose-config compose-smoke vllm-structs clean
 
 all: test
 
@@ -116,6 +116,10 @@ kvpress-check: $(PB_GEN) $(REAL_MODEL) $(KVPRESS_VENV)/.installed
 PEER_ARGS ?=
 bench-peer: $(PB_GEN) $(REAL_MODEL) vllm-structs
 	$(PYTHON) -m bench.peer.vs_vllm $(PEER_ARGS)
+
+# The peer benchmark's workloads split by layer: our forward alone, the batch engine, the services.
+bench-breakdown: $(PB_GEN) $(REAL_MODEL)
+	$(PYTHON) -m bench.peer.breakdown $(PEER_ARGS)
 
 # Build the images, run the compose stack (2 producers), the demo against it, tear it down; one
 # JSON line. Needs root; installs docker.io/debootstrap when missing. Minutes: not in `make test`.
