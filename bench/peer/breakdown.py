@@ -119,7 +119,10 @@ def summary(samples: list[dict], workload: str, streams: int) -> dict:
     mine = [s for s in samples if s["workload"] == workload and s["streams"] == streams]
     med = {layer: statistics.median(s["wall_s"] for s in mine if s["layer"] == layer) for layer in LAYERS}
     return {
-        "kind": "summary", "workload": workload, "streams": streams, "runs": len(mine) // len(LAYERS),
+        "kind": "summary",
+        "workload": workload,
+        "streams": streams,
+        "runs": len(mine) // len(LAYERS),
         **{f"{layer}_s_median": round(med[layer], 3) for layer in LAYERS},
         "scheduling_s": round(med["engine"] - med["forward"], 3),
         "services_path_s": round(med["services"] - med["engine"], 3),
@@ -147,13 +150,20 @@ def main(argv: list[str] | None = None) -> None:
     tok = AutoTokenizer.from_pretrained(str(resolve_path(args.model)))
     stop = [tasks.end_id(tok)]
     loaded = load_model(args.model, args.dtype, "cpu")
-    common = {"model": args.model, "weights": weights_of(args.model), "dtype": args.dtype, "torch_threads": args.threads,
-              "code": services.code_version()}
+    common = {
+        "model": args.model,
+        "weights": weights_of(args.model),
+        "dtype": args.dtype,
+        "torch_threads": args.threads,
+        "code": services.code_version(),
+    }
     ours = ["--model", args.model, "--dtype", args.dtype, "--torch-threads", str(args.threads)]
     consumer_args = [*ours, *services.NO_PREFIX_CACHE, "--max-batch", str(max(32, *map(int, args.streams.split(","))))]
     log_dir = ROOT / "bench/runs/peer_breakdown"
     log_dir.mkdir(parents=True, exist_ok=True)
-    cells = [("ttft", 1, args.ttft_ctx, 1)] + [("decode", int(n), args.decode_ctx, args.decode_tokens) for n in args.streams.split(",")]
+    cells = [("ttft", 1, args.ttft_ctx, 1)] + [
+        ("decode", int(n), args.decode_ctx, args.decode_tokens) for n in args.streams.split(",")
+    ]
     samples: list[dict] = []
     with open(args.out, "w") as out, services.running(ours, consumer_args, log_dir) as (_, consumer):
 
@@ -176,10 +186,21 @@ def main(argv: list[str] | None = None) -> None:
                 new = [len(o) for o in outputs]
                 order = ("forward", "engine") if rep % 2 == 0 else ("engine", "forward")
                 for layer in order:
-                    walls[layer] = forward_only(loaded, prompts, outputs) if layer == "forward" else engine_only(loaded, prompts, new, stop)
+                    walls[layer] = (
+                        forward_only(loaded, prompts, outputs) if layer == "forward" else engine_only(loaded, prompts, new, stop)
+                    )
                 for layer in LAYERS:
-                    row = {"kind": "sample", "layer": layer, "workload": workload, "streams": n, "context_tokens": ctx,
-                           "rep": rep, "wall_s": round(walls[layer], 4), "tokens": sum(new), "load_avg_1m": os.getloadavg()[0]}
+                    row = {
+                        "kind": "sample",
+                        "layer": layer,
+                        "workload": workload,
+                        "streams": n,
+                        "context_tokens": ctx,
+                        "rep": rep,
+                        "wall_s": round(walls[layer], 4),
+                        "tokens": sum(new),
+                        "load_avg_1m": os.getloadavg()[0],
+                    }
                     if rep >= 0:
                         samples.append(row)
                         emit(row)
