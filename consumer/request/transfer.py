@@ -252,9 +252,9 @@ class Transfer:
         started = time.perf_counter()
         first, key = partial or (0, "")
         seq.first_write = first
-        result.sent_tokens = len(job.context_ids) - first
+        result.sent_tokens = job.stored_context - first
         watch = self.watch(job, result, result.sent_tokens, started) if partial is None else None
-        expect = Expectation(len(job.context_ids), job.codec, job.options, self.loaded.info, first, key, job.tenant)
+        expect = Expectation(len(job.context_ids), job.codec, job.options, self.loaded.info, first, key, job.tenant, job.keep)
         budget = left(job, "transfer")
         if job.transfer_budget_s is not None:
             budget = min(budget, job.transfer_budget_s)
@@ -270,7 +270,8 @@ class Transfer:
         result.trailer = trailer
         _, took = await self._timed(pulling.decoder.finish)
         result.rebuild_ms += took
-        seq.length = len(job.context_ids)
+        seq.length = job.stored_context  # a keep transfer stores n tokens; the rest run at n + dropped
+        seq.dropped = len(job.context_ids) - job.stored_context
         return pulling.decoder
 
 
