@@ -312,3 +312,36 @@ async def test_a_hostile_keep_set_fails_at_its_message_and_every_block_comes_bac
     if sent is None:  # the same stream untouched answers
         holder["script"] = lambda request: recorded
         assert (await client.generate(timeout=60, **fields(world, "raw", asked))).ids
+
+
+async def test_the_http_api_passes_keep_through_or_names_it(world):
+    from consumer.api import openai_schema as schema
+    from tests.http_api import post
+
+    async with running_pair("tiny-llama", consumer_kw={"http_port": 0, "chunk_tokens": 32, "prefix_cache_bytes": 0}) as p:
+        body = {"model": "tiny-llama", "prompt": world["ids"], "max_tokens": NEW, "temperature": 0, "return_token_ids": True}
+        context, question = schema.split_prompt(world["ids"], p.consumer.config, "prompt")
+        keep = "h2o:0.3:window=8"
+        status, reply = await post(p, "/v1/completions", {**body, "scd": {"mode": "raw", "options": {"keep": keep}}})
+        assert status == 200, reply
+        ids, _, stats = await p.generate(
+            context=consumer_pb2.Prompt(token_ids=consumer_pb2.TokenIds(ids=context)),
+            question=consumer_pb2.Prompt(token_ids=consumer_pb2.TokenIds(ids=question)),
+            max_new_tokens=NEW,
+            transfer=common_pb2.CodecSpec(name="raw", options={"keep": keep}),
+        )
+        assert reply["choices"][0]["token_ids"] == ids and reply["scd"]["bytes_received"] == stats.bytes_received
+        assert stats.transfer.options["keep"] == "h2o:0.3:sinks=4,window=8,heads=each"
+        assert stats.bytes_received < 0.4 * stats.raw_kv_bytes
+        status, reply = await post(p, "/v1/completions", {**body, "scd": {"mode": "raw", "options": {"keep": "h2o:2.5"}}})
+        assert status == 400 and "keep" in reply["error"]["message"], reply
+
+
+async def test_a_kept_sequence_answers_the_same_from_the_engine_process(world):
+    """--engine-process: the child's copy of the sequence carries `dropped` (the logical length)."""
+    keep = "h2o:0.3:window=8"
+    resolved = KeepRequest.parse(keep).for_codec(create_codecs(world["model"], ["raw"])["raw"])
+    want, _ = offline(world, "raw", resolved)
+    async with running_pair("tiny-llama", consumer_kw={"engine_process": True, "prefix_cache_bytes": 0}) as p:
+        ids, _, _ = await p.generate(**fields(world, "raw", keep))
+        assert ids == want

@@ -31,6 +31,7 @@ from consumer.request.job import LOCAL_PREFILL, GenerateJob, GenerateResult, lef
 from shared import logs
 from shared.codecs import CacheDecoder
 from shared.codecs.base import LayerJob, add_layers
+from shared.codecs.kept import KEEP_OPTION
 from shared.errors import DataLoss, DeadlineExceeded, ServiceError, Unavailable
 from shared.models import LoadedModel
 
@@ -343,5 +344,7 @@ class _Pulling:
         result.stream_producer = (info.producer_identity, info.kv_dtype)
         result.chunk_tokens = event.chunk_tokens
         result.options = {**info.options, **info.metadata}
+        if self.job.keep is not None:  # what ran: the resolved selection (GenerateStats.transfer)
+            result.options[KEEP_OPTION] = self.job.keep.label
         producer_kv = dataclasses.replace(self.transfer.loaded.info, dtype=info.kv_dtype)
         result.raw_kv_bytes = producer_kv.kv_bytes(info.num_tokens)
