@@ -86,16 +86,17 @@ def greedy(model, cache, question: list[int], stop: int | None) -> list[int]:
     return out
 
 
-def offline(world, codec: str, keep: KeepRequest) -> tuple[list[int], int]:
+def offline(world, codec: str, keep: KeepRequest, quant_kept: bool = True) -> tuple[list[int], int]:
     """(greedy ids, kept count) of the offline path: the producer's states scored by the selection
     (shared.keep), the mode's cache over the whole context (calibration.candidates.codec_kv), the
     kept tokens gathered (shared.keep.kept_cache); quant: its kept K/V quantized per KV head, as a
-    keep transfer's grouped payloads are."""
+    keep transfer's grouped payloads are (quant_kept=False: real.quality's quant@POLICY, the whole
+    cache quantized, then the kept tokens)."""
     model = world["model"]
     states, _ = kv.capture_states(model, world["ids"], kv.Capture.KV | kv.Capture.NORMED)
     sets = keep.selection().keep(model, states)
     layers = range(model.info.num_layers)
-    if codec == "quant":
+    if codec == "quant" and quant_kept:
         cache = KeptCache(config=model.model.config)
         for layer, idx in zip(layers, sets):
             k, v = (gather(t, idx) for t in states[layer].kv())
@@ -137,6 +138,8 @@ async def test_a_kept_subset_answers_as_the_offline_kept_cache_with_fewer_bytes(
     want, n = offline(world, codec, resolved)
     ids, _, stats = await pair.generate(**fields(world, codec, keep))
     assert ids == want
+    if codec == "quant":  # real.quality's quant@POLICY (quantized whole, then kept) answers the same here
+        assert ids == offline(world, codec, resolved, quant_kept=False)[0]
     _, _, full = await pair.generate(**fields(world, codec))
     T = len(world["ids"])
     heads = 1 if resolved.shared else world["model"].info.num_kv_heads
@@ -203,6 +206,22 @@ async def test_keep_with_a_policy_the_kept_cache_does_not_serve_yet_is_invalid_a
         async for _ in pair.producer_stub.Prefill(request, timeout=30):
             pass
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "keep.heads='each'" in err.value.details()
+    described = await pair.producer_stub.Describe(producer_pb2.ProducerServiceDescribeRequest())
+    assert {c.name: c.keep_heads for c in described.codecs} == {
+        "quant": "either",
+        "raw": "either",
+        "recompute": "",
+        "scd": "shared",
+    }
+    for changes, words in (
+        ({"first_token": 32}, "first_token must be 0"),
+        ({"codec": common_pb2.CodecSpec(name="recompute")}, "codec 'recompute' takes no keep set"),
+    ):
+        bad = producer_pb2.PrefillRequest(token_ids=world["ids"], keep=common_pb2.KeepSpec(policy="h2o", count=16), **changes)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in pair.producer_stub.Prefill(bad, timeout=30):
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
 
 
 # --- a hostile producer's keep sets ------------------------------------------------------------
