@@ -39,7 +39,7 @@ from shared import (
 from shared import codecs as codec_lib
 from shared.call_watch import CallWatch
 from shared.codecs.base import chunk_layouts
-from shared.codecs.kept import KeepRequest, KeptEncoder
+from shared.codecs.kept import KeptEncoder
 from shared.config import ProducerConfig
 from shared.errors import FailedPrecondition, InvalidArgument, Unavailable
 from shared.metrics import Metrics
@@ -164,15 +164,6 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             chunks.codec_root(info.identity, info.dtype, codec.name, codec.format_version, options, meta, tenant),
         )
 
-    @staticmethod
-    def _keep(request, codec) -> KeepRequest | None:
-        """PrefillRequest.keep, checked and resolved for the codec (see the proto); None: unset."""
-        if not request.HasField("keep"):
-            return None
-        if request.first_token:
-            raise InvalidArgument("keep: a keep transfer scores and sends the whole context; first_token must be 0")
-        return keep_wire.from_pb(request.keep).for_codec(codec)
-
     def _check_prefix(self, request, codec, encoder, roots: Roots | None) -> None:
         """PrefillRequest.first_token / prefix_key (see the proto)."""
         first, n = request.first_token, len(request.token_ids)
@@ -201,7 +192,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         tenant = tenants.tenant(tenants.checked_salt(request.cache_salt), self.token)
         codec = codec_lib.lookup(self.codecs, request.codec.name or "raw")
         options = codec.resolve(dict(request.codec.options))
-        keep = self._keep(request, codec)
+        keep = keep_wire.requested(request, codec)
         encoder = codec.encoder(options, codec_lib.EncodeRequest(len(request.token_ids), request.consumer_weight_digest))
         if keep is not None:  # scored and cut per layer; never chunk-stored (producer.sources)
             encoder = KeptEncoder(encoder, keep, self._ready(), len(request.token_ids))

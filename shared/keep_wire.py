@@ -5,8 +5,10 @@ Knows nothing about transport or models.
 
 from __future__ import annotations
 
+from shared.codecs.base import Codec
 from shared.codecs.kept import KeepRequest
-from shared.pb import common_pb2
+from shared.errors import InvalidArgument
+from shared.pb import common_pb2, producer_pb2
 
 
 def to_pb(keep: KeepRequest) -> common_pb2.KeepSpec:
@@ -26,3 +28,12 @@ def from_pb(spec: common_pb2.KeepSpec) -> KeepRequest:
     sinks = spec.sinks if spec.HasField("sinks") else KeepRequest.sinks
     window = spec.window if spec.HasField("window") else KeepRequest.window
     return KeepRequest.checked(spec.policy, fraction, count, sinks, window, spec.heads)
+
+
+def requested(request: producer_pb2.PrefillRequest, codec: Codec) -> KeepRequest | None:
+    """PrefillRequest.keep, checked and resolved for the codec (see the proto); None: unset."""
+    if not request.HasField("keep"):
+        return None
+    if request.first_token:
+        raise InvalidArgument("keep: a keep transfer scores and sends the whole context; first_token must be 0")
+    return from_pb(request.keep).for_codec(codec)
