@@ -26,6 +26,7 @@ from shared import (
     describe,
     grpc_server,
     handlers,
+    keep_wire,
     liveness,
     logs,
     outcomes,
@@ -38,6 +39,7 @@ from shared import (
 from shared import codecs as codec_lib
 from shared.call_watch import CallWatch
 from shared.codecs.base import chunk_layouts
+from shared.codecs.kept import KeptEncoder
 from shared.config import ProducerConfig
 from shared.errors import FailedPrecondition, InvalidArgument, Unavailable
 from shared.metrics import Metrics
@@ -190,8 +192,11 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         tenant = tenants.tenant(tenants.checked_salt(request.cache_salt), self.token)
         codec = codec_lib.lookup(self.codecs, request.codec.name or "raw")
         options = codec.resolve(dict(request.codec.options))
+        keep = keep_wire.requested(request, codec)
         encoder = codec.encoder(options, codec_lib.EncodeRequest(len(request.token_ids), request.consumer_weight_digest))
-        roots = self._roots(codec, options, encoder, tenant) if self.chunks is not None else None
+        if keep is not None:  # scored and cut per layer; never chunk-stored (producer.sources)
+            encoder = KeptEncoder(encoder, keep, self._ready(), len(request.token_ids))
+        roots = self._roots(codec, options, encoder, tenant) if self.chunks is not None and keep is None else None
         self._check_prefix(request, codec, encoder, roots)
         log.info("prefill.start", tokens=len(request.token_ids), codec=codec.name, deadline_s=round(timeout_s, 3))
         info = self._ready().info
@@ -209,9 +214,12 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                 first_token=request.first_token,
                 prefix_key=request.prefix_key,
                 chunk_tokens=self.config.chunk_tokens if self.chunks is not None else 0,
+                keep=keep_wire.to_pb(keep) if keep is not None else None,
+                kept_tokens=keep.kept(len(request.token_ids)) if keep is not None else 0,
             )
         )
-        messages = self._messages(request, codec.name, options, encoder, roots, tenant, started)
+        label = keep.label if keep is not None else ""
+        messages = self._messages(request, codec.name, options, encoder, roots, tenant, started, label)
         if not request.accept_batches:  # one stream message per gRPC message, as before accept_batches
             yield header
             async with contextlib.aclosing(messages) as items:
@@ -228,7 +236,9 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         finally:
             await batched.aclose()
 
-    async def _messages(self, request, codec_name: str, options, encoder, roots: Roots | None, tenant: str, started: float):
+    async def _messages(
+        self, request, codec_name: str, options, encoder, roots: Roots | None, tenant: str, started: float, keep: str = ""
+    ):
         """The stream after its header, serialized: each layer's messages (packed once at encode
         time, replayed as they are from the store) and the trailer, each with its chunk count."""
         info = self._ready().info
@@ -238,7 +248,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             return wire_bytes.pack_layer(layer, payloads, max_chunk)
 
         source, shared, store_hit = await self.sources.open(
-            request.token_ids, request.first_token, codec_name, options, encoder, roots, tenant, pack, info.num_layers
+            request.token_ids, request.first_token, codec_name, options, encoder, roots, tenant, pack, info.num_layers, keep
         )
         sent_chunks = sent_payloads = sent_bytes = 0
         async with contextlib.aclosing(source) as layers:

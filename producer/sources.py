@@ -87,11 +87,24 @@ class Sources:
         tenant: str,
         pack: Pack,
         num_layers: int,
+        keep: str = "",
     ) -> tuple[Any, bool, bool]:
         """(the request's stream of EncodedLayer items then one PrefillDone, joined a running
         flight, replayed from the store). `roots` is None when chunked reuse is off; they name
         `tenant` (shared.tenants) already, the whole-context store's key names it here: a tenant's
-        requests never join, replay or continue another's."""
+        requests never join, replay or continue another's. `keep`: a keep transfer's resolved
+        selection (shared.codecs.kept.KeepRequest.label): its keep set depends on the whole
+        context, so it bypasses both stores (never replayed, never stored) and joins only a running
+        flight of the same selection."""
+        if keep:
+            key = f"keep {keep} " + store_key(token_ids, codec_name, options, encoder.metadata(), tenant)
+            source, shared = self.flights.join(
+                key,
+                lambda: self._engine().stream(list(token_ids), encoder, pack),
+                is_last=lambda item: isinstance(item, PrefillDone),
+                on_complete=lambda items: None,
+            )
+            return source, shared, False
         if roots is not None:
             return await self._chunked_source(list(token_ids), first_token, encoder, roots, pack, num_layers)
         key = store_key(token_ids, codec_name, options, encoder.metadata(), tenant)

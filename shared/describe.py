@@ -30,7 +30,9 @@ def model_to_pb(info: ModelInfo, name: str = "") -> common_pb2.ModelInfo:
 
 def codecs_to_pb(codecs: Mapping[str, Codec]) -> list[common_pb2.CodecInfo]:
     return [
-        common_pb2.CodecInfo(name=name, description=c.description, uses_producer=True, format_version=c.format_version)
+        common_pb2.CodecInfo(
+            name=name, description=c.description, uses_producer=True, format_version=c.format_version, keep_heads=c.keep_heads
+        )
         for name, c in sorted(codecs.items())
     ]
 

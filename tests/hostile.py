@@ -27,15 +27,21 @@ def copy(message):
 
 
 async def record(
-    producer_address: str, token_ids: list[int], codec: str = "raw", options: dict | None = None, consumer_digest: str = ""
+    producer_address: str,
+    token_ids: list[int],
+    codec: str = "raw",
+    options: dict | None = None,
+    consumer_digest: str = "",
+    keep: common_pb2.KeepSpec | None = None,
 ) -> list[producer_pb2.PrefillResponse]:
-    """The messages a real producer sends for one request."""
+    """The messages a real producer sends for one request (with `keep`: a keep transfer's)."""
     async with grpc.aio.insecure_channel(producer_address) as channel:
         stub = producer_pb2_grpc.ProducerServiceStub(channel)
         request = producer_pb2.PrefillRequest(
             token_ids=token_ids,
             codec=common_pb2.CodecSpec(name=codec, options=options or {}),
             consumer_weight_digest=consumer_digest,
+            keep=keep,
         )
         return [m async for m in stub.Prefill(request, timeout=60)]
 

@@ -34,6 +34,7 @@ from consumer.request.job import (
 )
 from shared import codecs as codec_lib
 from shared import tenants
+from shared.codecs.kept import KEEP_OPTION, KeepRequest
 from shared.config import ConsumerConfig
 from shared.errors import InvalidArgument
 from shared.models import LoadedModel
@@ -170,6 +171,7 @@ class JobBuilder:
         max_new, salt = self._checked(request, extras)
         mode = request.transfer.name or self.default_mode()
         spec, repair = self._repair(request.transfer)
+        spec, keep = _keep_option(spec)
         budget: Budget | None = None
         options: dict[str, str]
         if mode == AUTO_MODE:
@@ -177,6 +179,8 @@ class JobBuilder:
             codec, options = None, {}
         else:
             codec, options = transfer_codec(self.codecs, spec, mode)
+        if keep is not None:
+            keep = _checked_keep(request, mode, codec, keep)
         context_ids = await self._ids(request.context, "context", cfg.max_context_tokens, special=True)
         question_ids = await self._ids(request.question, "question", cfg.max_question_tokens, special=False)
         tenant = tenants.tenant(salt, self.token)
@@ -211,6 +215,7 @@ class JobBuilder:
             verify_draft_bytes=cfg.verify_draft_bytes,
             tenant=tenant,
             producer_tenant=tenants.tenant(tenant, self.producer_token),
+            keep=keep,
         )
 
     def _checked(self, request: consumer_pb2.GenerateRequest, extras: Extras) -> tuple[int, str]:
@@ -320,3 +325,38 @@ class JobBuilder:
         if chosen.mode == ORACLE_MODE:
             return None, {}
         return self.codecs[chosen.mode], dict(chosen.options)
+
+
+def _keep_option(spec: common_pb2.CodecSpec) -> tuple[common_pb2.CodecSpec, KeepRequest | None]:
+    """The transfer spec without the option `keep` (the consumer's: it becomes PrefillRequest.keep,
+    never a codec option), and the selection it asks for (None when absent)."""
+    if KEEP_OPTION not in spec.options:
+        return spec, None
+    asked = KeepRequest.parse(spec.options[KEEP_OPTION])
+    rest = common_pb2.CodecSpec()
+    rest.CopyFrom(spec)
+    del rest.options[KEEP_OPTION]
+    return rest, asked
+
+
+def _checked_keep(
+    request: consumer_pb2.GenerateRequest, mode: str, codec: codec_lib.Codec | None, keep: KeepRequest
+) -> KeepRequest:
+    """A keep selection resolved for the named codec; INVALID_ARGUMENT naming the field that asks
+    for what a kept cache does not serve yet (never dropped silently)."""
+    where = f"transfer.options['{KEEP_OPTION}']"
+    if codec is None:
+        raise InvalidArgument(f"{where}: mode {mode!r} cannot take a keep set; name a codec (raw, quant, scd)")
+    refused = {
+        "fallback_to_oracle": request.fallback_to_oracle,
+        "on_transfer_failure": request.on_transfer_failure == consumer_pb2.TRANSFER_FAILURE_POLICY_LOCAL_PREFILL,
+        "audit": request.audit not in (consumer_pb2.AUDIT_POLICY_UNSPECIFIED, consumer_pb2.AUDIT_POLICY_OFF),
+        "verify": request.verify not in (consumer_pb2.VERIFY_POLICY_UNSPECIFIED, consumer_pb2.VERIFY_POLICY_OFF),
+        "transfer.options['repair']": REPAIR_OPTION in request.transfer.options,
+    }
+    named = next((name for name, on in refused.items() if on), None)
+    if named is not None:
+        raise InvalidArgument(
+            f"{named}: not served with {where} yet (a kept cache holds only the kept tokens); ask without one of them"
+        )
+    return keep.for_codec(codec)

@@ -212,9 +212,9 @@ def _load(spec: dict[str, Any], k: torch.Tensor, v: torch.Tensor) -> tuple[Loade
 
 def _task_of(msg: tuple, loaded: LoadedModel, pool: KVPool) -> tuple[int, Task]:
     """Child: the task an "add" message describes, over the blocks it names (EngineProcess.add)."""
-    _, tid, blocks, capacity, length, shared_blocks, pending, sampler_of, sampling, rest = msg
+    _, tid, blocks, capacity, length, shared_blocks, dropped, pending, sampler_of, sampling, rest = msg
     table = torch.tensor(blocks, dtype=torch.long, device=loaded.device)
-    seq = SequenceKV(pool, blocks, table, capacity, length, shared_blocks=shared_blocks)
+    seq = SequenceKV(pool, blocks, table, capacity, length, shared_blocks=shared_blocks, dropped=dropped)
     sampler = sampler_of(sampling, loaded.device) if sampling is not None else None
     max_new, stop_ids, generated, keep_logits, keep_argmax, nucleus_of = rest
     task = Task(seq, pending, _no_sink, sampler, max_new, frozenset(stop_ids), generated)
@@ -368,7 +368,7 @@ class EngineProcess(concurrent.futures.Executor):
         sampling = task.sampler.sampling if task.sampler is not None else None
         nucleus_of = task.keep_nucleus.sampling if task.keep_nucleus is not None else None
         msg = (
-            *("add", tid, seq.blocks, seq.capacity, seq.length, seq.shared_blocks, list(task.pending)),
+            *("add", tid, seq.blocks, seq.capacity, seq.length, seq.shared_blocks, seq.dropped, list(task.pending)),
             *(type(task.sampler), sampling),  # the class by name: a DraftSampler drafts there too
             (task.max_new, sorted(task.stop_ids), task.generated, task.keep_logits, task.keep_argmax, nucleus_of),
         )

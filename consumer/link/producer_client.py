@@ -25,7 +25,7 @@ import grpc
 
 from consumer.link.readiness import failure
 from consumer.link.stream_reader import Event, Expectation, StreamReader
-from shared import chunks, logs, security, tracing
+from shared import chunks, keep_wire, logs, security, tracing
 from shared.errors import DataLoss, DeadlineExceeded, FailedPrecondition, ServiceError, Unavailable
 from shared.grpc_server import GRPC_OPTIONS
 from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
@@ -165,6 +165,7 @@ class ProducerClient:
             first_token=expect.first_token,
             prefix_key=expect.prefix_key,
             cache_salt=expect.cache_salt,
+            keep=keep_wire.to_pb(expect.keep) if expect.keep is not None else None,
             accept_layer_chunks=True,
             accept_batches=True,
         )

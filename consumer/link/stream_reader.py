@@ -34,9 +34,10 @@ from typing import Any
 
 import torch
 
-from shared import wire, wire_bytes
+from shared import keep_wire, wire, wire_bytes
 from shared.codecs import CacheDecoder, Codec, PayloadSpec, StreamInfo
-from shared.errors import DataLoss, FailedPrecondition
+from shared.codecs.kept import KeepRequest, KeptDecoder
+from shared.errors import DataLoss, FailedPrecondition, ServiceError
 from shared.models import DTYPES, ModelInfo
 from shared.pb import producer_pb2
 
@@ -56,6 +57,7 @@ class Expectation:
     first_token: int = 0  # asked for payloads from this token on (the consumer holds the prefix)
     prefix_key: str = ""  # the key naming that prefix, sent with first_token
     cache_salt: str = ""  # the request's tenant (GenerateJob.tenant), sent as PrefillRequest.cache_salt
+    keep: KeepRequest | None = None  # a keep transfer's selection, resolved for the codec (PrefillRequest.keep)
 
 
 @dataclass(frozen=True)
@@ -275,6 +277,7 @@ class StreamReader:
                 f"header.codec_metadata: more than {MAX_METADATA_ENTRIES} entries or an entry longer than "
                 f"{MAX_METADATA_CHARS} characters"
             )
+        kept = self._kept(h)
         stream = StreamInfo(
             h.num_layers,
             h.num_tokens,
@@ -285,10 +288,30 @@ class StreamReader:
             h.producer.weight_digest,
             h.first_token,
             h.producer.identity,
+            kept,
         )
         self.decoder = e.codec.decoder(stream)
+        if e.keep is not None:
+            self.decoder = KeptDecoder(self.decoder, stream, e.keep, e.consumer.num_kv_heads)
         self.num_layers, self.max_chunk, self.state = h.num_layers, max_chunk, "layers"
         return StreamHeader(stream, self.decoder, h.chunk_tokens)
+
+    def _kept(self, h: producer_pb2.PrefillHeader) -> int:
+        """header.keep and kept_tokens against the request's keep selection: the kept count."""
+        want = self.expect.keep
+        try:
+            got = keep_wire.from_pb(h.keep) if h.HasField("keep") else None
+        except ServiceError as exc:
+            raise DataLoss(f"header.keep: {exc}") from None
+        if got != want:
+            asked = want.label if want is not None else "no keep set"
+            raise DataLoss(f"header.keep={got.label if got is not None else 'unset'}, the request asked for {asked}")
+        kept = want.kept(self.expect.num_tokens) if want is not None else 0
+        if h.kept_tokens != kept:
+            raise DataLoss(
+                f"header.kept_tokens={h.kept_tokens}, the request's keep set holds {kept} of {self.expect.num_tokens} tokens"
+            )
+        return kept
 
     # --- chunks ---------------------------------------------------------------------------
     def _start_layer(self, index: int) -> _Layer:
@@ -374,6 +397,8 @@ class StreamReader:
             self.totals["payload_count"] += 1
             whole = part.buffer if part.buffer is not None else data  # one chunk: the received bytes themselves
             layer.done[part.kind] = wire.payload_from_bytes(whole, wire.dtype_to_pb(part.spec.dtype), part.spec.shape, where)
+            assert self.decoder is not None
+            self.decoder.check(layer.index, part.kind, layer.done[part.kind])  # e.g. a keep set, refused here
         return events
 
     @staticmethod

@@ -19,6 +19,8 @@ def learn(planner: TransferPlanner, memory: ProducerMemory, job: GenerateJob, it
     a flagged cache re-transferred or replaced is no clean sample."""
     if item.audit_decision.startswith("diverged:"):
         return
+    if job.keep is not None:  # a kept transfer is no candidate of auto's: its bytes and times would misprice
+        return  # the whole transfer of its codec; and it left nothing in the producer's store
     if item.abandoned_span is not None:
         planner.observe_abandoned(*item.abandoned_span)
     _overhead(planner, job, item)

@@ -219,7 +219,7 @@ class RequestPipeline:
             # after verification the exact cache, the consumer's own prefill
             # nor a repaired one (its K/V are neither the codec's nor the own prefill's)
             repaired = result.repair_tokens > 0 and result.codec != ORACLE_MODE
-            kept_ok = not result.audit_decision.startswith("diverged") and not repaired
+            kept_ok = not result.audit_decision.startswith("diverged") and not repaired and job.keep is None
             if self.prefix is not None and (exact is not None or kept_ok):
                 keep = self._made_as(job, result) if exact is None else self._exact_made_as(job, result, via)
                 if keep:  # on the engine thread, before the release queued after it
@@ -323,7 +323,9 @@ class RequestPipeline:
         T = len(job.context_ids)
         # an audited transfer audits its own stream (and its policy may rewrite the whole cache)
         # and a repaired one writes into all of its context's blocks (consumer.exact.repair)
-        reuse = reuse and (job.codec is None or (job.audit == AUDIT_OFF and job.repair is None))
+        # and a keep transfer's kept set depends on the whole context: it neither reads nor fills the
+        # prefix cache (a kept chunk is never served as a whole one, nor a whole one as kept)
+        reuse = reuse and job.keep is None and (job.codec is None or (job.audit == AUDIT_OFF and job.repair is None))
         pool = self.engine.pool
         # held (pinned) by the lookup itself: the engine may evict them any time after it
         pending = self._inserting.get(refs[0].key) if refs else None
@@ -331,7 +333,7 @@ class RequestPipeline:
             await asyncio.shield(pending)
         hit = self.prefix.lookup(refs, hold=True) if (reuse and self.prefix is not None and refs) else Hit([])
         partial = None
-        if job.codec is not None and hit.tokens < T:
+        if job.codec is not None and hit.tokens < T and job.keep is None:
             partial = self.keys.partial(job.codec, job.options, job.context_ids, len(hit.shared), job.producer_tenant)
             kept = Hit(hit.shared) if partial is not None else Hit([])  # a tail is re-sent with the rest
             keep = set(kept.shared_blocks)
@@ -339,7 +341,7 @@ class RequestPipeline:
             hit = kept
         tail = hit.tail_blocks
         # the request's worst case: the last sampled token is never fed back
-        need = T + len(job.question_ids) + job.max_new_tokens
+        need = job.stored_context + len(job.question_ids) + job.max_new_tokens  # a keep set: its kept tokens only
         per_cache = pool.blocks_for(need)
         try:
             seq, waited = await self.admission.acquire(
@@ -396,7 +398,7 @@ class RequestPipeline:
         logits are not finite fails the request (DataLoss) or, under LOCAL_PREFILL, is replaced by
         the own prefill once."""
         left(job, "question prefill")
-        context_len = len(job.context_ids)
+        context_len = len(job.context_ids) - seq.dropped  # stored: a kept sequence runs on at its logical length
         first_at: list[float] = []
         while True:
             seq.length = context_len

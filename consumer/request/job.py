@@ -14,6 +14,7 @@ from consumer.auto.planner import Estimate
 from consumer.engine.decoding import Sampling, TokenLogprobs
 from consumer.link.stream_reader import StreamTrailer
 from shared.codecs import Codec
+from shared.codecs.kept import KeepRequest
 from shared.errors import DeadlineExceeded
 
 ORACLE_MODE = "oracle"  # the consumer's own prefill: only token ids cross
@@ -84,6 +85,14 @@ class GenerateJob:
     # root of its prefix cache keys, and sent to the producer as PrefillRequest.cache_salt
     tenant: str = ""
     producer_tenant: str = ""  # the tenant the producer files it under (its prefix key's root)
+    # token selection (the transfer option `keep`, resolved for the codec): the producer sends the
+    # kept tokens only and the request's blocks hold only those; None: every token
+    keep: KeepRequest | None = None
+
+    @property
+    def stored_context(self) -> int:
+        """Context tokens its blocks hold: the kept ones under a keep set, else the whole context."""
+        return self.keep.kept(len(self.context_ids)) if self.keep is not None else len(self.context_ids)
 
     @property
     def mode(self) -> str:

@@ -31,6 +31,7 @@ from consumer.request.job import LOCAL_PREFILL, GenerateJob, GenerateResult, lef
 from shared import logs
 from shared.codecs import CacheDecoder
 from shared.codecs.base import LayerJob, add_layers
+from shared.codecs.kept import KEEP_OPTION
 from shared.errors import DataLoss, DeadlineExceeded, ServiceError, Unavailable
 from shared.models import LoadedModel
 
@@ -252,9 +253,9 @@ class Transfer:
         started = time.perf_counter()
         first, key = partial or (0, "")
         seq.first_write = first
-        result.sent_tokens = len(job.context_ids) - first
+        result.sent_tokens = job.stored_context - first
         watch = self.watch(job, result, result.sent_tokens, started) if partial is None else None
-        expect = Expectation(len(job.context_ids), job.codec, job.options, self.loaded.info, first, key, job.tenant)
+        expect = Expectation(len(job.context_ids), job.codec, job.options, self.loaded.info, first, key, job.tenant, job.keep)
         budget = left(job, "transfer")
         if job.transfer_budget_s is not None:
             budget = min(budget, job.transfer_budget_s)
@@ -270,7 +271,8 @@ class Transfer:
         result.trailer = trailer
         _, took = await self._timed(pulling.decoder.finish)
         result.rebuild_ms += took
-        seq.length = len(job.context_ids)
+        seq.length = job.stored_context  # a keep transfer stores n tokens; the rest run at n + dropped
+        seq.dropped = len(job.context_ids) - job.stored_context
         return pulling.decoder
 
 
@@ -342,5 +344,7 @@ class _Pulling:
         result.stream_producer = (info.producer_identity, info.kv_dtype)
         result.chunk_tokens = event.chunk_tokens
         result.options = {**info.options, **info.metadata}
+        if self.job.keep is not None:  # what ran: the resolved selection (GenerateStats.transfer)
+            result.options[KEEP_OPTION] = self.job.keep.label
         producer_kv = dataclasses.replace(self.transfer.loaded.info, dtype=info.kv_dtype)
         result.raw_kv_bytes = producer_kv.kv_bytes(info.num_tokens)

@@ -48,11 +48,12 @@ class StreamInfo:
     producer_digest: str = ""  # the producer's artifact digest (weights rounded to bf16), as its header states it
     first_token: int = 0  # payloads cover tokens [first_token, num_tokens) (a consumer holding the prefix)
     producer_identity: str = ""  # what shaped the producer's K/V (ModelInfo.identity), as its header states it
+    kept_tokens: int = 0  # a keep transfer (shared.codecs.kept): tokens kept per layer; 0: every token sent
 
     @property
     def sent_tokens(self) -> int:
         """Tokens along the payloads' token axis."""
-        return self.num_tokens - self.first_token
+        return self.kept_tokens or self.num_tokens - self.first_token
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
@@ -198,6 +199,17 @@ class CacheDecoder(ABC):
         another's cache."""
         raise NotImplementedError(f"{cls.__name__} has no batched rebuild")
 
+    def check(self, layer: int, name: str, payload: torch.Tensor) -> None:
+        """Called by the stream reader as each payload of a layer completes, before the layer is
+        handed over: raise DataLoss to refuse the stream at that message. Default: nothing to check
+        beyond the schema."""
+        return None
+
+    def at_positions(self, positions: torch.Tensor) -> None:
+        """A keep transfer (shared.codecs.kept): the original positions [n] of the next add_layer's
+        tokens, for decoders that rotate keys they rebuild; K/V sent post-RoPE ignore it (default)."""
+        return None
+
     def bind(self, target: KVSink) -> None:
         """Write rebuilt layers into `target` (the consumer engine's KV pool blocks for this
         request) instead of a cache of its own; called before the first add_layer."""
@@ -218,6 +230,10 @@ class Codec(ABC):
     name: ClassVar[str]
     description: ClassVar[str]
     format_version: ClassVar[int] = 1  # bumped whenever the meaning of a payload changes
+    # token selection (shared.codecs.kept): "" takes no keep set; "either" a set per KV head or one
+    # shared by a layer's heads; "shared" only one shared by a layer's heads (payloads with one row
+    # per token for every head)
+    keep_heads: ClassVar[str] = ""
     # option name -> (default, parser); parsers raise ValueError on bad values
     option_parsers: ClassVar[Mapping[str, tuple[str, Callable[[str], object]]]] = {}
 

@@ -143,6 +143,7 @@ class QuantDecoder(KVDecoder):
 @register
 class QuantCodec(Codec):
     name = "quant"
+    keep_heads = "either"
     description = "KIVI-style int8/int4 K/V: keys per channel, values per token, fp16 scales (options bits, group_size)"
     option_parsers = {"bits": ("8", parse_bits), "group_size": ("32", parse_group_size)}
 

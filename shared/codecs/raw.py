@@ -167,6 +167,7 @@ class RawDecoder(KVDecoder):
 class RawCodec(Codec):
     name = "raw"
     description = "producer's K/V bytes in its dtype (naive reuse when the models differ)"
+    keep_heads = "either"
 
     def encoder(self, options: Mapping[str, str], request: EncodeRequest) -> LayerEncoder:
         return RawEncoder()

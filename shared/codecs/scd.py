@@ -107,6 +107,10 @@ class ScdDecoder(KVDecoder):
             "artifact": self.art.artifact_id,
         }
 
+    def at_positions(self, positions: torch.Tensor) -> None:
+        """A keep transfer: the next layer's kept tokens rotate at their original positions."""
+        self.pos = positions.to(self.loaded.device)[None]  # [1, n]
+
     def limits(self, layer: int) -> tuple[float, float]:
         """A Reuse layer is a projection mu + B z, which may gather a token's whole [k | v] norm
         into one element: its limit is shared.kv_bound's `projected`; other actions rebuild K/V
@@ -166,6 +170,7 @@ class ScdDecoder(KVDecoder):
 @register
 class ScdCodec(Codec):
     name = "scd"
+    keep_heads = "shared"  # Reuse codes and Patch inputs: one row per token for all KV heads
     description = "semantic cache distillation: learned low-rank Reuse codes + Patch layers under a loss budget"
     format_version = 2  # 2: Reuse/Patch payloads of predictor layers come from the learned predictor (artifact format 2)
     option_parsers = {

@@ -100,20 +100,23 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 def layer_views(loaded: LoadedModel, states: dict[int, LayerState], needs: Needs, observation: int):
     """One LayerView per layer of a prefill's states (K/V, and the layer's normed input where
     `needs` asks for attention), in layer order."""
-    model = forward.of(loaded) if needs else None
     for index in range(len(states)):
-        state = states[index]
-        keys, values = state.kv()
-        window = accumulated = None
-        if model is not None:
-            if state.normed is None:
-                raise ValueError(f"layer {index}: the policy needs attention statistics; capture NORMED")
-            q = attention.queries(model, index, state.normed)
-            if Needs.WINDOW_ATTENTION in needs:
-                window = attention.window_attention(q, keys, observation)
-            if Needs.ACCUMULATED_ATTENTION in needs:
-                accumulated = attention.accumulated_attention(q, keys)
-        yield LayerView(index, keys, values, window, accumulated)
+        yield layer_view(loaded, states[index], needs, observation)
+
+
+def layer_view(loaded: LoadedModel, state: LayerState, needs: Needs, observation: int) -> LayerView:
+    """The LayerView of one layer's state (a producer scores each layer as its prefill reaches it)."""
+    keys, values = state.kv()
+    window = accumulated = None
+    if needs:
+        if state.normed is None:
+            raise ValueError(f"layer {state.index}: the policy needs attention statistics; capture NORMED")
+        q = attention.queries(forward.of(loaded), state.index, state.normed)
+        if Needs.WINDOW_ATTENTION in needs:
+            window = attention.window_attention(q, keys, observation)
+        if Needs.ACCUMULATED_ATTENTION in needs:
+            accumulated = attention.accumulated_attention(q, keys)
+    return LayerView(state.index, keys, values, window, accumulated)
 
 
 def layer_scores(policy: Policy, loaded: LoadedModel, states: dict[int, LayerState]) -> list[torch.Tensor]:
