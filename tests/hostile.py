@@ -123,11 +123,12 @@ async def consumer_of(script: Script, model: str = "tiny-llama", describe=None, 
 
 
 async def all_back(consumer: ConsumerServer) -> None:
-    """No call in flight, the prefix cache emptied (by the engine, its owner) and then every KV
+    """No call in flight, the prefix cache (if any) emptied (by the engine, its owner) and then every KV
     block free again, within 2 s: nothing a failed or answered request held is kept."""
     assert consumer.servicer.admission.inflight == 0
     pool = consumer.servicer.batch.pool
-    await asyncio.wrap_future(consumer.servicer.batch.submit(consumer.servicer.prefix.clear))
+    if consumer.servicer.prefix is not None:  # a consumer without a prefix cache has none to empty
+        await asyncio.wrap_future(consumer.servicer.batch.submit(consumer.servicer.prefix.clear))
     for _ in range(100):  # releases run once the answers went out
         if pool.free_blocks == pool.num_blocks:
             break

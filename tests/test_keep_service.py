@@ -193,10 +193,24 @@ async def test_keep_requests_a_codec_cannot_serve_are_invalid_argument(world, pa
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
 
 
+@pytest.mark.parametrize("codec", ["raw", "scd"])
+async def test_verify_over_a_kept_cache_answers_as_the_oracle(world, pair, codec):
+    """Verified decoding drafts on the kept cache and checks on the consumer's own prefill of the
+    whole context (never a kept one): greedy, the oracle's tokens, however few tokens were kept.
+    The kept cache alone answers otherwise at 10 % (so the check had drafts to correct)."""
+    oracle, _, _ = await pair.generate(**{**fields(world, "raw"), "transfer": common_pb2.CodecSpec(name="oracle")})
+    kept_only, _, _ = await pair.generate(**fields(world, codec, "h2o:0.1"))
+    verified, _, stats = await pair.generate(**fields(world, codec, "h2o:0.1", verify=consumer_pb2.VERIFY_POLICY_VERIFIED))
+    assert verified == oracle
+    assert kept_only != oracle, "the kept cache alone already gave the oracle's answer: nothing was verified"
+    assert stats.transfer.options["keep"].startswith("h2o:0.1")
+    await all_back(pair.consumer)
+
+
 async def test_keep_with_a_policy_the_kept_cache_does_not_serve_yet_is_invalid_argument(world, pair):
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await pair.generate(**fields(world, "raw", "h2o:0.5", verify=consumer_pb2.VERIFY_POLICY_VERIFIED))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("verify:")
+        await pair.generate(**fields(world, "raw", "h2o:0.5", audit=consumer_pb2.AUDIT_POLICY_REPORT))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("audit:")
     request = producer_pb2.PrefillRequest(
         token_ids=world["ids"],
         codec=common_pb2.CodecSpec(name="scd"),

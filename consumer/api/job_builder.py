@@ -351,7 +351,6 @@ def _checked_keep(
         "fallback_to_oracle": request.fallback_to_oracle,
         "on_transfer_failure": request.on_transfer_failure == consumer_pb2.TRANSFER_FAILURE_POLICY_LOCAL_PREFILL,
         "audit": request.audit not in (consumer_pb2.AUDIT_POLICY_UNSPECIFIED, consumer_pb2.AUDIT_POLICY_OFF),
-        "verify": request.verify not in (consumer_pb2.VERIFY_POLICY_UNSPECIFIED, consumer_pb2.VERIFY_POLICY_OFF),
         "transfer.options['repair']": REPAIR_OPTION in request.transfer.options,
     }
     named = next((name for name, on in refused.items() if on), None)

@@ -125,6 +125,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             repair=None,
             auto=None,
             fallback="",
+            keep=None,  # the exact cache is the whole context's, never a kept one
         )
 
     def _producer_digest(self) -> str:

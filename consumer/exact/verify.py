@@ -187,7 +187,8 @@ class Verifier:
                 first_at.append(at)
                 result.ttft_ms = (at - job.received_at) * 1e3
 
-        draft.length = len(job.context_ids)  # (a context the prefix cache held whole was never streamed)
+        # (a context the prefix cache held whole was never streamed); a kept one stores its kept tokens
+        draft.length = len(job.context_ids) - draft.dropped
         filling = asyncio.ensure_future(fill(exact) if fill is not None else self._fill(job, exact, exact_from))
         try:
             sampler = DraftSampler(job.sampling, self.loaded.device, job.verify_draft_bytes)

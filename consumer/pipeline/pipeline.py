@@ -342,12 +342,15 @@ class RequestPipeline:
         tail = hit.tail_blocks
         # the request's worst case: the last sampled token is never fed back
         need = job.stored_context + len(job.question_ids) + job.max_new_tokens  # a keep set: its kept tokens only
-        per_cache = pool.blocks_for(need)
+        # verify's exact cache holds the whole context, whatever the transfer kept
+        exact_blocks = pool.blocks_for(T + len(job.question_ids) + job.max_new_tokens)
         try:
             seq, waited = await self.admission.acquire(
-                2 * per_cache * pool.block_tokens if verify else need, job.deadline, shared=hit.shared_blocks
+                (pool.blocks_for(need) + exact_blocks) * pool.block_tokens if verify else need,
+                job.deadline,
+                shared=hit.shared_blocks,
             )
-            exact = seq.split_off(per_cache) if verify else None
+            exact = seq.split_off(exact_blocks) if verify else None
             if tail:
                 try:
                     await logs.run_in(self.engine, pool.copy_blocks, tail, seq.blocks[len(hit.shared_blocks) :])
