@@ -131,13 +131,10 @@ def scale_mismatches(art: Artifact, ev: LossEvaluator, tolerance: tuple[float, f
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m calibration.candidates", description=__doc__)
-    p.add_argument("artifact", type=Path, help="the .safetensors file, rewritten in place (with its .json)")
-    corpus_lib.add_arguments(p, n=None, heldout=None)  # default: the artifact's own counts
-    p.add_argument("--dtype", default="float32", help="the dtype the artifact was calibrated in")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    args = p.parse_args(argv)
+def loaded(args: argparse.Namespace) -> tuple[Artifact, LoadedModel, LoadedModel, corpus_lib.Corpus]:
+    """The artifact of a command line (--artifact, --dtype, --threads and the corpus flags), its
+    pair loaded and checked against its digests, and its corpus (by default the artifact's own
+    counts); SystemExit naming what does not match."""
     torch.set_num_threads(args.threads)
     art = Artifact.load(args.artifact)
     if DTYPES[args.dtype].itemsize != art.geometry.kv_element_bytes:
@@ -155,7 +152,27 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.artifact}: {exc}") from None
     n = art.meta["corpus"]["sequences"] if args.n is None else args.n  # a file corpus holds out the lines after the n
     heldout = art.meta["calibration"]["heldout_examples"] if args.heldout is None else args.heldout
-    corpus = corpus_lib.load(args.corpus, consumer.tokenizer, n, heldout, dict(args.corpus_arg))
+    return art, producer, consumer, corpus_lib.load(args.corpus, consumer.tokenizer, n, heldout, dict(args.corpus_arg))
+
+
+def written(art: Artifact, section: str, rows: list[dict]) -> None:
+    """rows as the artifact's measured section (its id unchanged), written back to its file and
+    printed, one JSON line each."""
+    art.meta[section] = rows
+    art.rewrite()
+    for c in rows:
+        print(json.dumps({"artifact": art.artifact_id, **c}))
+    print(f"wrote {len(rows)} {section} into {art.path} ({art.artifact_id})", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m calibration.candidates", description=__doc__)
+    p.add_argument("artifact", type=Path, help="the .safetensors file, rewritten in place (with its .json)")
+    corpus_lib.add_arguments(p, n=None, heldout=None)  # default: the artifact's own counts
+    p.add_argument("--dtype", default="float32", help="the dtype the artifact was calibrated in")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    args = p.parse_args(argv)
+    art, producer, consumer, corpus = loaded(args)
     ev = LossEvaluator(art, producer, consumer, corpus.heldout)
     wrong = scale_mismatches(art, ev)
     if wrong:
@@ -165,11 +182,7 @@ def main(argv: list[str] | None = None) -> None:
             f"calibrated on ({art.meta['calibration']['heldout_examples']} examples, corpus {art.meta['corpus']['name']}; "
             "check --corpus, --corpus-arg, --n, --heldout and --dtype): " + "; ".join(wrong)
         )
-    art.meta["candidates"] = measure(art, producer, consumer, corpus.heldout, ev, log=lambda m: print(m, file=sys.stderr))
-    art.rewrite()
-    for c in art.meta["candidates"]:
-        print(json.dumps({"artifact": art.artifact_id, **c}))
-    print(f"wrote {len(art.meta['candidates'])} candidates into {args.artifact} ({art.artifact_id})", file=sys.stderr)
+    written(art, "candidates", measure(art, producer, consumer, corpus.heldout, ev, log=lambda m: print(m, file=sys.stderr)))
 
 
 if __name__ == "__main__":

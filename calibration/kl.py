@@ -28,17 +28,25 @@ def scored_logprobs(
     consumer: LoadedModel,
     layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
     continuations: Sequence[tuple[Sequence[int], int]],
+    logical_length: int | None = None,
 ) -> list[torch.Tensor]:
     """Log-probs C assigns to each continuation's scored tokens on top of the context in layer_kv.
 
     continuations: (ids, start) with ids[start:] scored (start >= 1: the token before the first
     scored one predicts it). Returns one float32 [len(ids) - start, vocab] per continuation, in
-    order; continuations of one length run as one batch."""
+    order; continuations of one length run as one batch. logical_length: the context's length
+    when layer_kv holds only some of its tokens (a kept cache, shared.keep: the continuations
+    run at the positions after the whole context)."""
     out: dict[int, torch.Tensor] = {}
+    stored = int(layer_kv[0][0].shape[1])
     for length in sorted({len(ids) for ids, _ in continuations}):
         group = [i for i, (ids, _) in enumerate(continuations) if len(ids) == length]
         ids = torch.tensor([list(continuations[i][0]) for i in group], device=consumer.device)  # [b, n]
-        logits = consumer.model(input_ids=ids, cache=layer_cache(consumer, layer_kv, len(group)), use_cache=True).logits
+        extra = {}
+        if logical_length is not None and logical_length != stored:  # positions continue after the whole context
+            extra["position_ids"] = torch.arange(logical_length, logical_length + length, device=consumer.device)[None]
+        cache = layer_cache(consumer, layer_kv, len(group))
+        logits = consumer.model(input_ids=ids, cache=cache, use_cache=True, **extra).logits
         logp = torch.log_softmax(logits.float(), -1)  # [b, n, vocab]
         for row, i in enumerate(group):
             start = continuations[i][1]

@@ -55,7 +55,7 @@ class LossEvaluator:
     @torch.inference_mode()
     def _answer_logp(self, ex: HeldOut, layer_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """C's log-probs of the answer tokens, [A, vocab], on top of the context in layer_kv."""
-        return scored_logprobs(self.consumer, layer_kv, [(ex.qa_ids, ex.answer_start)])[0]
+        return scored_logprobs(self.consumer, layer_kv, [(ex.qa_ids, ex.answer_start)], len(ex.context_ids))[0]
 
     def layer_kv(self, index: int, layer: int, action: Action | None) -> tuple[torch.Tensor, torch.Tensor]:
         if action is None:
@@ -76,7 +76,8 @@ class LossEvaluator:
     def mean_kl(self, rebuilt: Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]) -> float:
         """Mean KL(oracle || C on rebuilt(index)) over every held-out answer token, where
         rebuilt(index) is example index's context cache, per layer (keys, values) [n_kv, T, hd]
-        post-RoPE: the loss of any way of rebuilding the cache (a schedule, another codec)."""
+        post-RoPE, or [n_kv, n, hd] of n kept tokens (a keep set, at their original positions):
+        the loss of any way of rebuilding the cache (a schedule, another codec, a keep set)."""
         total, count = 0.0, 0
         for index, ex in enumerate(self.heldout):
             logp = self._answer_logp(ex, rebuilt(index))

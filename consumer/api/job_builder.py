@@ -105,6 +105,7 @@ class Route:
     key: str  # Chooser.key of codec and options: GenerateJob.candidate_key
     fallback: str = ""  # fallback_to_oracle: why the named mode was kept or replaced
     estimate: Estimate | None = None  # a named mode's estimate at admission
+    keep: KeepRequest | None = None  # auto chose a keep point: its selection (GenerateJob.keep); options lack it
 
 
 def _sampling(s: consumer_pb2.SamplingParams, extras: Extras) -> Sampling:
@@ -175,7 +176,9 @@ class JobBuilder:
         budget: Budget | None = None
         options: dict[str, str]
         if mode == AUTO_MODE:
-            budget = dataclasses.replace(self.chooser.budget(dict(spec.options)), verify=VERIFIES[request.verify])
+            budget = dataclasses.replace(
+                self.chooser.budget(dict(spec.options)), verify=VERIFIES[request.verify], no_keep=_keep_refused(request)
+            )
             codec, options = None, {}
         else:
             codec, options = transfer_codec(self.codecs, spec, mode)
@@ -184,11 +187,13 @@ class JobBuilder:
         context_ids = await self._ids(request.context, "context", cfg.max_context_tokens, special=True)
         question_ids = await self._ids(request.question, "question", cfg.max_question_tokens, special=False)
         tenant = tenants.tenant(salt, self.token)
-        route = self._route(request, mode, budget, codec, options, context_ids, tenant)
+        route = self._route(request, mode, budget, codec, options, context_ids, tenant, keep)
+        if route.keep is not None:
+            keep = route.keep
         policy = POLICIES[request.on_transfer_failure]
         unspecified = request.on_transfer_failure == consumer_pb2.TRANSFER_FAILURE_POLICY_UNSPECIFIED
-        if budget is not None and unspecified and (budget.modes is None or ORACLE_MODE in budget.modes):
-            policy = LOCAL_PREFILL  # auto may always answer by the own prefill
+        if budget is not None and unspecified and (budget.modes is None or ORACLE_MODE in budget.modes) and keep is None:
+            policy = LOCAL_PREFILL  # auto may always answer by the own prefill (a kept transfer: not yet)
         return GenerateJob(
             request_id=request_id,
             context_ids=context_ids,
@@ -256,13 +261,18 @@ class JobBuilder:
         options: dict[str, str],
         context_ids: list[int],
         tenant: str,
+        keep: KeepRequest | None = None,
     ) -> Route:
-        """The transfer this request runs: auto's choice within `budget`; with fallback_to_oracle
-        the named mode or the own prefill, whichever is estimated faster; else the named mode with
-        its estimate. Its key is derived here, once: the chosen candidate's, or the named mode's."""
+        """The transfer this request runs: auto's choice within `budget` (a keep point's selection
+        split off its options into Route.keep); with fallback_to_oracle the named mode or the own
+        prefill, whichever is estimated faster; else the named mode (with its keep set: `keep`)
+        and its estimate. Its key is derived here, once: the chosen candidate's, or the named mode's."""
         if budget is not None:
             auto = self.chooser.choose(context_ids, budget, tenant=tenant)
-            return Route(*self._chosen(auto), auto, auto.key)
+            codec, chosen = self._chosen(auto)
+            label = chosen.pop(KEEP_OPTION, None)
+            kept = KeepRequest.parse(label).for_codec(codec) if label is not None and codec is not None else None
+            return Route(codec, chosen, auto, auto.key, keep=kept)
         if request.fallback_to_oracle and codec is not None:
             named = Candidate(codec.name, options, math.nan, "named by the request")
             own = Candidate(ORACLE_MODE, {}, 0.0, "exact", 0.0)
@@ -270,8 +280,9 @@ class JobBuilder:
             auto = self.chooser.choose(context_ids, either, only=[named, own], tenant=tenant)
             fallback = f"{'local' if auto.chosen.mode == ORACLE_MODE else 'remote'}: {auto.reason}"
             return Route(*self._chosen(auto), auto, auto.key, fallback=fallback)
-        key = self.chooser.key(mode, options)
-        return Route(codec, options, None, key, estimate=self.chooser.estimate_named(mode, options, key, context_ids, tenant))
+        asked = {**options, KEEP_OPTION: keep.label} if keep is not None else options  # a keep transfer: a key of its own
+        key = self.chooser.key(mode, asked)
+        return Route(codec, options, None, key, estimate=self.chooser.estimate_named(mode, asked, key, context_ids, tenant))
 
     def _stop_ids(self, request: consumer_pb2.GenerateRequest, extras: Extras) -> frozenset[int]:
         """The request's stop ids, else the model's end-of-sequence id; and the HTTP API's."""
@@ -339,6 +350,18 @@ def _keep_option(spec: common_pb2.CodecSpec) -> tuple[common_pb2.CodecSpec, Keep
     return rest, asked
 
 
+def _keep_refused(request: consumer_pb2.GenerateRequest) -> str:
+    """The first field of the request that a kept cache does not serve yet ("" when none): auto
+    leaves its keep points out then (`_checked_keep` refuses a named keep set with it)."""
+    refused = {
+        "fallback_to_oracle": request.fallback_to_oracle,
+        "on_transfer_failure": request.on_transfer_failure == consumer_pb2.TRANSFER_FAILURE_POLICY_LOCAL_PREFILL,
+        "audit": request.audit not in (consumer_pb2.AUDIT_POLICY_UNSPECIFIED, consumer_pb2.AUDIT_POLICY_OFF),
+        "transfer.options['repair']": REPAIR_OPTION in request.transfer.options,
+    }
+    return next((name for name, on in refused.items() if on), "")
+
+
 def _checked_keep(
     request: consumer_pb2.GenerateRequest, mode: str, codec: codec_lib.Codec | None, keep: KeepRequest
 ) -> KeepRequest:
@@ -347,14 +370,8 @@ def _checked_keep(
     where = f"transfer.options['{KEEP_OPTION}']"
     if codec is None:
         raise InvalidArgument(f"{where}: mode {mode!r} cannot take a keep set; name a codec (raw, quant, scd)")
-    refused = {
-        "fallback_to_oracle": request.fallback_to_oracle,
-        "on_transfer_failure": request.on_transfer_failure == consumer_pb2.TRANSFER_FAILURE_POLICY_LOCAL_PREFILL,
-        "audit": request.audit not in (consumer_pb2.AUDIT_POLICY_UNSPECIFIED, consumer_pb2.AUDIT_POLICY_OFF),
-        "transfer.options['repair']": REPAIR_OPTION in request.transfer.options,
-    }
-    named = next((name for name, on in refused.items() if on), None)
-    if named is not None:
+    named = _keep_refused(request)
+    if named:
         raise InvalidArgument(
             f"{named}: not served with {where} yet (a kept cache holds only the kept tokens); ask without one of them"
         )

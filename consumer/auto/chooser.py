@@ -4,9 +4,13 @@ Candidates (`Chooser.candidates`): the consumer's own prefill (`oracle`, loss 0,
 producer's model identity equal to the consumer's (weights at their precision, forward config,
 dtype: shared.models), `raw` and `recompute` (exact); and every transfer
 point of an SCD artifact calibrated for this consumer (shared.scd.artifact.TransferPoint: the
-SCD schedules, and raw / quant / recompute measured on the same held-out KL), the non-SCD ones
-only when the producer's weights are known to be the artifact's (their loss holds for that
-producer alone; the producer checks SCD artifacts itself).
+SCD schedules, raw / quant / recompute measured on the same held-out KL, and the keep points:
+a codec point sent with a keep set, options `keep` = the selection, shared.codecs.kept), the
+non-SCD ones only when the producer's weights are known to be the artifact's (their loss holds for
+that producer alone; the producer checks SCD artifacts itself). A keep point is left out of a
+request that asks for what a kept cache does not serve (`Budget.no_keep`); it is never served from
+the prefix cache, and until its own transfer is measured its times borrow the other candidates'
+(uncertain) while its bytes are its calibrated ones (the codec's x the kept share + the keep sets).
 
 Budget (`transfer.options`): `max_loss` (nats/token), or `exact` = "true" (lossless candidates
 only); neither: the loss of the default schedule of the pair's artifact (exact without one).
@@ -55,6 +59,7 @@ from dataclasses import dataclass, field
 from consumer.auto.planner import Estimate, TransferPlanner, mode_key
 from consumer.auto.producer_memory import ProducerMemory
 from shared import codecs as codec_lib
+from shared.codecs.kept import KEEP_OPTION, KeepRequest
 from shared.codecs.scd import ScdCodec
 from shared.codecs.scd import pick as scd_pick
 from shared.config import AUTO_MODE, ORACLE_MODE
@@ -98,6 +103,7 @@ class Budget:
     modes: frozenset[str] | None = None  # None: every mode
     source: str = "request"
     verify: str = "off"  # the request's verified decoding (consumer.request.job VERIFY_*): "off" | "verified" | "provisional"
+    no_keep: str = ""  # the request field a kept cache does not serve ("": keep points are candidates)
 
 
 @dataclass(frozen=True)
@@ -208,11 +214,21 @@ class Chooser:
                 if point.mode != "scd" and producer != art.meta["producer"]["weight_digest"]:
                     continue  # a raw / quant / recompute loss holds for the artifact's producer only
                 try:
-                    options = self.codecs[point.mode].resolve(dict(point.options))
+                    options = self._resolved(point.mode, dict(point.options))
                 except ServiceError:
                     continue
                 add(Candidate(point.mode, options, point.loss, point.how, point.bytes_per_token))
         return sorted(found.values(), key=lambda c: (c.loss, c.bytes_per_token or 0.0))
+
+    def _resolved(self, mode: str, options: dict[str, str]) -> dict[str, str]:
+        """A transfer point's options as the codec resolves them, its keep set (if any) resolved
+        for the codec (ServiceError: not served here)."""
+        codec = self.codecs[mode]
+        keep = options.pop(KEEP_OPTION, None)
+        resolved = codec.resolve(options)
+        if keep is not None:
+            resolved[KEEP_OPTION] = KeepRequest.parse(keep).for_codec(codec).label
+        return resolved
 
     def default_budget(self) -> Budget:
         """The loss of the default schedule of the pair's artifact (the one chosen on validation,
@@ -280,12 +296,13 @@ class Chooser:
                 except (ServiceError, ValueError):
                     return mode_key(mode, options)
                 schedule = entry.name if entry.name != "custom" else entry.schedule
-                return mode_key(mode, {"artifact": arts[0].artifact_id, "schedule": schedule})
+                keep = {KEEP_OPTION: options[KEEP_OPTION]} if options.get(KEEP_OPTION) else {}
+                return mode_key(mode, {"artifact": arts[0].artifact_id, "schedule": schedule, **keep})
         return mode_key(mode, options)
 
     def _estimate(self, c: Candidate, key: str, context_ids: list[int], tenant: str = "") -> Estimate:
         T = len(context_ids)
-        cached = self.cached_tokens(c, context_ids, tenant)
+        cached = 0 if KEEP_OPTION in c.options else self.cached_tokens(c, context_ids, tenant)  # a kept cache is never stored
         if cached >= T:
             return Estimate(0.0, "the consumer's prefix cache holds the whole context")
         if not c.remote:
@@ -304,7 +321,8 @@ class Chooser:
         """The codec's Codec.compute_start for the candidate's options (None: spread over the layers)."""
         codec = self.codecs.get(c.mode)
         try:
-            return codec.compute_start(c.options) if codec is not None else None
+            options = {k: v for k, v in c.options.items() if k != KEEP_OPTION}
+            return codec.compute_start(options) if codec is not None else None
         except (ServiceError, ValueError):
             return None
 
@@ -335,6 +353,8 @@ class Chooser:
         """Why a candidate is not within this request's reach ("" when it is)."""
         if budget.modes is not None and c.mode not in budget.modes:
             return "not among the requested candidates"
+        if budget.no_keep and KEEP_OPTION in c.options:
+            return f"a keep set is not served with {budget.no_keep}"
         if c.how != "named by the request":
             if budget.exact and c.how not in ("exact", VERIFIED):
                 return "not exact (verified decoding would admit it)"

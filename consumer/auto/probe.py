@@ -37,6 +37,7 @@ from consumer.link.producer_client import ProducerClient
 from consumer.link.stream_reader import Expectation, LayerPayloads, StreamTrailer
 from shared import background, logs
 from shared import codecs as codec_lib
+from shared.codecs.kept import KEEP_OPTION, KeepRequest
 from shared.models import ModelInfo
 
 log = logs.get("consumer.auto.probe")
@@ -148,7 +149,10 @@ class BackgroundProbe:
         self.runs += 1
         key = self.chooser.key(candidate.mode, candidate.options)
         ids = context or self._random_context(tokens)
-        expect = Expectation(tokens, self.codecs[candidate.mode], dict(candidate.options), self.info)
+        codec, options = self.codecs[candidate.mode], dict(candidate.options)
+        label = options.pop(KEEP_OPTION, None)  # a keep point: its selection travels as PrefillRequest.keep
+        keep = KeepRequest.parse(label).for_codec(codec) if label is not None else None
+        expect = Expectation(tokens, codec, options, self.info, keep=keep)
         received, trailer = 0, None
         try:
             async for event in self.client.open(f"probe-{self.runs}", ids, expect, PROBE_TIMEOUT_S):

@@ -2,7 +2,8 @@
 measurements into the transfer planner's fits (consumer.auto.planner), the overhead the planner's
 model left out (the measured TTFT against the estimate made before the request ran: auto's
 choice's, or a named mode's), and what its transfer left in the producer's store into the
-producer memory (consumer.auto.producer_memory). Knows nothing about gRPC."""
+producer memory (consumer.auto.producer_memory). A keep transfer teaches under its own key (the
+codec's options and the keep set: auto's keep point), per context token. Knows nothing about gRPC."""
 
 from __future__ import annotations
 
@@ -19,13 +20,12 @@ def learn(planner: TransferPlanner, memory: ProducerMemory, job: GenerateJob, it
     a flagged cache re-transferred or replaced is no clean sample."""
     if item.audit_decision.startswith("diverged:"):
         return
-    if job.keep is not None:  # a kept transfer is no candidate of auto's: its bytes and times would misprice
-        return  # the whole transfer of its codec; and it left nothing in the producer's store
     if item.abandoned_span is not None:
         planner.observe_abandoned(*item.abandoned_span)
     _overhead(planner, job, item)
     planner.observe(_observation(job, item))
-    if item.trailer is not None and item.codec != ORACLE_MODE and job.codec is not None:
+    # a kept transfer left nothing in the producer's store (never chunk-stored: producer.sources)
+    if item.trailer is not None and item.codec != ORACLE_MODE and job.codec is not None and job.keep is None:
         if item.stream_producer is not None:  # what the stream's header said, not the link check
             identity, dtype = item.stream_producer
             producer = f"{identity}|{job.tenant}" if identity else ""  # the tenant's own state there (Chooser._estimate)
@@ -66,7 +66,9 @@ def _observation(job: GenerateJob, item: GenerateResult) -> Observation:
         return observed
     return dataclasses.replace(
         observed,
-        sent_tokens=item.sent_tokens,
+        # a kept transfer's payloads cover the whole context (its candidate's costs are per context
+        # token, as auto estimates them: the kept share is in its key and its bytes per token)
+        sent_tokens=item.sent_tokens if job.keep is None else item.context_tokens,
         computed_tokens=t.computed_tokens,
         queue_ms=t.queue_ms,
         header_ms=t.header_ms,

@@ -1,7 +1,8 @@
 """The SCD codec artifact: one safetensors file holding the fitted per-layer tensors, with its JSON
 metadata (format version, model ids and weight digests, corpus digest, geometry, the Pareto set
 of schedules with measured loss and bytes per token, and the other transfer modes measured on
-the same loss scale, "candidates") stored in the file's header metadata.
+the same loss scale, "candidates", and codec points sent with a keep set, "keep_points") stored in
+the file's header metadata.
 
 Owns saving, loading, discovery, digest checks, schedule choice under budgets and the list of
 every transfer mode's (loss, bytes per token) point; not how any of them is measured (calibration).
@@ -24,8 +25,10 @@ from shared.scd.predictor import from_tensors
 from shared.scd.schedule import Geometry, Schedule
 
 FORMAT_VERSION = 2  # written; 2 added optional learned predictors (layer.<l>.predictor.*)
-READABLE_VERSIONS = (1, 2)  # a version-1 artifact is a version-2 artifact without predictors
-MEASURED = ("schedules", "audit", "candidates", "default_schedule")  # measured or chosen after fitting: not in the id
+READABLE_VERSIONS = (1, 2)
+KEEP = "keep"  # a keep point's option: its selection (shared.codecs.kept.KEEP_OPTION)  # a version-1 artifact is a version-2 artifact without predictors
+# measured or chosen after fitting: not in the id
+MEASURED = ("schedules", "audit", "candidates", "default_schedule", "keep_points")
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,9 @@ class ScheduleEntry:
 @dataclass(frozen=True)
 class TransferPoint:
     """One way to move a context, on the artifact's loss scale: an SCD schedule, another transfer
-    mode measured on the same held-out set (meta["candidates"]), or the consumer's own prefill."""
+    mode measured on the same held-out set (meta["candidates"]), a codec point sent with a keep
+    set (meta["keep_points"]: options include "keep", the selection's label), or the consumer's
+    own prefill."""
 
     mode: str  # codec name ("scd", "raw", "quant", "recompute"), or "oracle"
     options: tuple[tuple[str, str], ...]  # (option, value) pairs as the codec resolves them, sorted
@@ -95,7 +100,8 @@ class Artifact:
         return [ScheduleEntry(**s) for s in self.meta.get("schedules", [])]
 
     def transfer_points(self) -> list[TransferPoint]:
-        """Every schedule, every measured candidate and the oracle, by increasing bytes per token."""
+        """Every schedule, every measured candidate, every keep point and the oracle, by increasing
+        bytes per token."""
         points = [
             TransferPoint("scd", (("artifact", self.artifact_id), ("schedule", e.name)), e.loss, e.bytes_per_token, "measured")
             for e in self.schedules
@@ -103,6 +109,12 @@ class Artifact:
         points += [
             TransferPoint(c["mode"], tuple(sorted(c["options"].items())), c["loss"], c["bytes_per_token"], c["how"])
             for c in self.meta.get("candidates", [])
+        ]
+        points += [
+            TransferPoint(
+                c["mode"], tuple(sorted({**c["options"], KEEP: c["keep"]}.items())), c["loss"], c["bytes_per_token"], c["how"]
+            )
+            for c in self.meta.get("keep_points", [])
         ]
         points.append(TransferPoint("oracle", (), 0.0, 0.0, "exact"))
         return sorted(points, key=lambda p: (p.bytes_per_token, p.loss))
