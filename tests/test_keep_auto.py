@@ -79,15 +79,17 @@ def test_the_command_prices_keep_points_and_their_loss_grows_as_fewer_tokens_are
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
-    """tiny-llama P == C: one artifact with keep points of raw (streaming at three fractions),
-    one without (the same fitted content, the same id)."""
+    """tiny-llama P == C: one artifact with keep points of raw and of its default schedule
+    (streaming at three fractions), one without (the same fitted content, the same id)."""
     model = load_model("tiny-llama", "float32", "cpu")
     held = heldout(3, 1)
     art = distill(model, model, random_corpus(12, 96, 0), held, corpus_name="random", generations=1, log=lambda m: None)
     plain, kept = tmp_path_factory.mktemp("plain"), tmp_path_factory.mktemp("kept")
     art.save(plain / "tiny.safetensors")
     ev = LossEvaluator(art, model, model, held)
-    art.meta["keep_points"] = keep_points.measure(art, model, model, held, ["streaming"], list(FRACTIONS), ["raw"], ev)
+    art.meta["keep_points"] = keep_points.measure(
+        art, model, model, held, ["streaming"], list(FRACTIONS), ["raw", "scd:DEFAULT"], ev
+    )
     art.save(kept / "tiny.safetensors")
     return {"plain": str(plain), "kept": str(kept), "rows": art.meta["keep_points"]}
 
@@ -112,19 +114,26 @@ def auto(max_loss: float) -> common_pb2.CodecSpec:
 
 
 async def test_auto_picks_a_keep_point_within_the_budget_on_a_slow_link(artifacts):
-    rows = {r["keep"].split(":")[1]: r for r in artifacts["rows"]}
+    rows = {r["keep"].split(":")[1]: r for r in artifacts["rows"] if r["mode"] == "raw"}
     half, quarter = rows["0.5"], rows["0.25"]
     assert quarter["loss"] > half["loss"] > rows["0.75"]["loss"] > 0  # a budget of half's admits 0.5 and 0.75, not 0.25
     kw = {"artifacts": artifacts["kept"]}
     consumer_kw = {**kw, "prefix_cache_bytes": 0, "probe_idle_s": 0}
     async with running_pair("tiny-llama", producer_kw=kw, consumer_kw=consumer_kw) as pair:
         whole = await slow_link(pair)
+        (listed,) = (await pair.client.describe()).artifacts  # Describe lists them with the option keep
+        assert sorted(t.options["keep"] for t in listed.transfer_points if "keep" in t.options) == sorted(
+            r["keep"] for r in artifacts["rows"]
+        )
         ids, _, stats = await pair.generate(transfer=auto(half["loss"]), **fields())
         assert stats.transfer.name == "raw" and stats.transfer.options["keep"] == half["keep"], stats.auto.reason
         assert f"keep={half['keep']}" in stats.auto.reason
         assert 0 < stats.bytes_received < 0.6 * whole  # the kept half and its keep sets
         over = [e for e in stats.auto.excluded if e.reason.startswith("over the loss budget")]
         assert any(f"keep={quarter['keep']}" in c for e in over for c in e.candidates)
+        others = [e for e in stats.auto.excluded if e.reason == "not among the requested candidates"]
+        scd_keys = {c for e in others for c in e.candidates if c.startswith("scd(") and "keep=" in c}
+        assert len(scd_keys) == 3 and all("heads=shared" in c for c in scd_keys)  # one key per keep set
         named = common_pb2.CodecSpec(name="raw", options={"keep": half["keep"]})
         same, _, again = await pair.generate(transfer=named, **fields())
         assert same == ids and again.bytes_received == stats.bytes_received  # the kept path, token for token
