@@ -11,11 +11,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from calibration import keep_points
 from calibration.distill import distill
+from calibration.kl import layer_cache
 from calibration.search import LossEvaluator
+from shared import kv
 from shared.codecs import keep_set
+from shared.keep import kept_cache, next_positions, parse_selection
 from shared.models import load_model
 from shared.pb import common_pb2, consumer_pb2
 from shared.scd.artifact import Artifact, _content_id
@@ -91,7 +95,31 @@ def artifacts(tmp_path_factory):
         art, model, model, held, ["streaming"], list(FRACTIONS), ["raw", "scd:DEFAULT"], ev
     )
     art.save(kept / "tiny.safetensors")
-    return {"plain": str(plain), "kept": str(kept), "rows": art.meta["keep_points"]}
+    return {"plain": str(plain), "kept": str(kept), "rows": art.meta["keep_points"], "model": model, "held": held}
+
+
+def test_a_keep_points_loss_is_the_kl_of_the_offline_kept_cache(artifacts):
+    """raw with P == C sends C's own K/V: its keep point's loss is the KL of shared.keep's offline
+    kept cache (the policy's keep sets over C's own prefill, the answer at the positions after the
+    whole context) against the whole cache, over the same held-out answer tokens."""
+    model, held = artifacts["model"], artifacts["held"]
+    for row in [r for r in artifacts["rows"] if r["mode"] == "raw"]:
+        selection = parse_selection(row["keep"])
+        total, count = 0.0, 0
+        for ex in held:
+            states = kv.capture_states(model, ex.context_ids, kv.Capture.KV | kv.Capture.NORMED)[0]
+            own = [states[layer].kv() for layer in range(model.info.num_layers)]
+            logps = []
+            for cache in (layer_cache(model, own), kept_cache(model, own, selection.keep(model, states))):
+                ids = torch.tensor([ex.qa_ids])
+                with torch.inference_mode():
+                    logits = model.model(
+                        input_ids=ids, cache=cache, position_ids=next_positions(cache, ids.shape[1]), use_cache=True
+                    ).logits
+                logps.append(torch.log_softmax(logits[0].float(), -1)[ex.answer_start - 1 : len(ex.qa_ids) - 1])
+            total += float((logps[0].exp() * (logps[0] - logps[1])).sum())
+            count += logps[0].shape[0]
+        assert row["loss"] == pytest.approx(total / count, rel=1e-4), row["keep"]
 
 
 def fields(**kw) -> dict:
