@@ -25,8 +25,8 @@ from shared.scd.predictor import from_tensors
 from shared.scd.schedule import Geometry, Schedule
 
 FORMAT_VERSION = 2  # written; 2 added optional learned predictors (layer.<l>.predictor.*)
-READABLE_VERSIONS = (1, 2)
-KEEP = "keep"  # a keep point's option: its selection (shared.codecs.kept.KEEP_OPTION)  # a version-1 artifact is a version-2 artifact without predictors
+READABLE_VERSIONS = (1, 2)  # a version-1 artifact is a version-2 artifact without predictors
+KEEP = "keep"  # a keep point's option: its selection (shared.codecs.kept.KEEP_OPTION)
 # measured or chosen after fitting: not in the id
 MEASURED = ("schedules", "audit", "candidates", "default_schedule", "keep_points")
 
