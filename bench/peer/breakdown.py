@@ -18,7 +18,8 @@ Workloads as the peer benchmark's: `ttft` (one prompt of `--ttft-ctx` context to
 token) and `decode` (`--streams` prompts of `--decode-ctx` context tokens at once, up to
 `--decode-tokens` new tokens, the chat turn's end stops). Each repetition runs the three layers in
 a rotating order on new prompts. One JSON line per sample (layer, workload, streams, rep, wall_s,
-tokens, load), then per workload a summary: medians per layer and their differences. Default out:
+tokens, load), then per workload a summary: medians per layer and their differences, appended to
+(each row names its torch threads). Default out:
 bench/results/peer_breakdown.jsonl.
 """
 
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         ("decode", int(n), args.decode_ctx, args.decode_tokens) for n in args.streams.split(",")
     ]
     samples: list[dict] = []
-    with open(args.out, "w") as out, services.running(ours, consumer_args, log_dir) as (_, consumer):
+    with open(args.out, "a") as out, services.running(ours, consumer_args, log_dir) as (_, consumer):
 
         def emit(row: dict) -> None:
             line = json.dumps({**common, **row})
