@@ -16,11 +16,11 @@ the frontend, admission, the prefix-cache bookkeeping, the engine thread sharing
 
 Workloads as the peer benchmark's: `ttft` (one prompt of `--ttft-ctx` context tokens, one new
 token) and `decode` (`--streams` prompts of `--decode-ctx` context tokens at once, up to
-`--decode-tokens` new tokens, the chat turn's end stops). Each repetition runs the three layers in
-a rotating order on new prompts. One JSON line per sample (layer, workload, streams, rep, wall_s,
-tokens, load), then per workload a summary: medians per layer and their differences, appended to
-(each row names its torch threads). Default out:
-bench/results/peer_breakdown.jsonl.
+`--decode-tokens` new tokens, the chat turn's end stops). Each repetition runs the services first
+(their answers fix the other layers' token counts), then the two in-process layers in alternating
+order, on new prompts. One JSON line per sample (layer, workload, streams, rep, wall_s, tokens,
+load), then per workload a summary: medians per layer and their differences; appended (each row
+names its torch threads) to `--out`, default bench/results/peer_breakdown.jsonl.
 """
 
 from __future__ import annotations
