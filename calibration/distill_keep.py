@@ -25,6 +25,8 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -75,16 +77,25 @@ def validate(consumer, net: DistillNet | None, val: list[Prepared], sinks: int, 
 
 
 def reinforce_step(
-    net: DistillNet, opt, consumer, ex: Prepared, fraction: float, group: int, sinks: int, window: int, gen
+    net: DistillNet,
+    opt: torch.optim.Optimizer,
+    feats: torch.Tensor,
+    score_keep: Callable[[list[torch.Tensor]], float],
+    fraction: float,
+    group: int,
+    sinks: int,
+    window: int,
+    gen: torch.Generator,
 ) -> torch.Tensor:
-    """One REINFORCE update on one example at one budget: `group` sampled keep sets, rewards
-    [group] (returned), advantage = reward minus the group's mean over its spread."""
-    kept = Budget(fraction=fraction).kept(ex.num_tokens)
-    scores = net(ex.feats, torch.arange(ex.feats.shape[0]))  # [L, n_kv, T]
+    """One REINFORCE update on one example (features [L, n_kv, T, F]) at one budget: `group` keep
+    sets sampled from the policy, each rewarded by `score_keep` (returned, [group]); advantage =
+    reward minus the group's mean over its spread."""
+    kept = Budget(fraction=fraction).kept(feats.shape[2])
+    scores = net(feats, torch.arange(feats.shape[0]))  # [L, n_kv, T]
     rewards, logps = [], []
     for _ in range(group):
         keep, logp = sample_keep(scores, kept, sinks, window, gen)
-        rewards.append(reward(consumer, ex, keep))
+        rewards.append(score_keep(keep))
         logps.append(logp.sum())
     r = torch.tensor(rewards, dtype=torch.float64)
     adv = (r - r.mean()) / (r.std() + 1e-6)
@@ -171,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
             rng.shuffle(order)
         ex = train[order[(step - 1) % len(order)]]
         frac = rng.choice(budgets)
-        r = reinforce_step(net, opt, consumer, ex, frac, args.group, args.sinks, args.window, gen)
+        r = reinforce_step(net, opt, ex.feats, partial(reward, consumer, ex), frac, args.group, args.sinks, args.window, gen)
         log(
             {
                 "kind": "step",

@@ -39,8 +39,8 @@ class DistillNet(nn.Module):
         self.num_layers, self.hidden, self.embed = num_layers, hidden, embed
         self.layer = nn.Embedding(num_layers, embed)
         self.linear = nn.Linear(n, 1)
-        out = nn.Linear(hidden, 1)
-        self.mlp = nn.Sequential(nn.Linear(n + embed, hidden), nn.GELU(), out)
+        first, out = nn.Linear(n + embed, hidden), nn.Linear(hidden, 1)  # created in this order: the seed's init
+        self.mlp = nn.Sequential(first, nn.GELU(), out)
         with torch.no_grad():
             self.linear.weight.zero_()
             self.linear.bias.zero_()
