@@ -39,14 +39,18 @@ def _stream(tokenizer, ctx_tokens: int, first: int) -> Iterator[TrainExample]:
         index += 1
 
 
-def calibration_corpus(tokenizer, n: int, heldout: int, ctx: str = "512") -> Corpus:
-    """n train examples of about `ctx` tokens for the moments, the next `heldout` for the loss,
-    and the predictor stream after those (families in turn throughout)."""
+def calibration_corpus(tokenizer, n: int, heldout: int, ctx: str = "512", heldout_split: str = "train") -> Corpus:
+    """n train examples of about `ctx` tokens for the moments, the next `heldout` for the loss
+    (or, with heldout_split=validation, the validation split's first `heldout`: a choice made on
+    them, such as calibration.distill_keep's, never sees a train or test seed), and the predictor
+    stream after those (families in turn throughout)."""
     ctx_tokens = int(ctx)
     held = [heldout_example(tokenizer, e) for e in tasks.examples(tokenizer, "train", n + heldout, ctx_tokens, first=FIRST)]
+    if heldout_split != "train":
+        held = held[:n] + [heldout_example(tokenizer, e) for e in tasks.examples(tokenizer, heldout_split, heldout, ctx_tokens)]
     sequences = [h.context_ids + h.qa_ids for h in held[:n]]
     return Corpus(
-        f"real:train:first={FIRST}:n={n}:ctx={ctx_tokens}",
+        f"real:train:first={FIRST}:n={n}:ctx={ctx_tokens}" + ("" if heldout_split == "train" else f":heldout={heldout_split}"),
         sequences,
         held[n:],
         _stream(tokenizer, ctx_tokens, FIRST + n + heldout),

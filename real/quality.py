@@ -13,7 +13,10 @@ profiled span), `scd:S` (schedule S of the artifact: a name or its per-layer tex
 end in `@POLICY:BUDGET` (shared.keep: `oracle@snapkv:0.25`, `scd:s11@h2o:0.5`, `naive@knorm:256`):
 the mode's cache, then only the tokens that policy keeps at that budget (a fraction or a count per
 layer and KV head), at their original positions, the question continuing at the context's
-length. The side that holds the cache before any transfer scores its tokens from its own prefill:
+length. Policies: shared.keep's heuristics, `distill` (DistillCache: its weights are the
+artifact's `<stem>.keep.safetensors`, calibration.distill_keep) and `snapkv-q` (SnapKV with the
+question's queries as its window: the keep set serves that question only; no KL rows, the text
+windows have no question). The side that holds the cache before any transfer scores its tokens from its own prefill:
 C for the oracle's cache, P for every codec (the producer chooses what it sends; selection after
 the per-token codecs raw and scd is what sending only the kept tokens gives; quant's token groups
 and recompute's spans would see only kept tokens on the wire: there it is an approximation).
@@ -49,8 +52,9 @@ from real import kl, score, tasks
 from real.reuse_gap import answer, model_row
 from shared import kv
 from shared.codecs import create_codecs
-from shared.keep import Selection, kept_cache, parse_selection
+from shared.keep import Selection, distill, kept_cache, parse_selection
 from shared.keep.policy import layer_scores
+from shared.keep.question import QuestionSnapKV, question_scores
 from shared.models import LoadedModel, load_model
 from shared.scd.artifact import Artifact
 
@@ -118,15 +122,21 @@ class Modes:
                 else candidates.payload_bytes_per_token(codec, resolved, g, layers)
             )
 
-    def caches(self, consumer: LoadedModel, states, own: tuple, num_tokens: int):
-        """(label, cache) per mode for one context: `states` are P's, `own` is C's (states, cache),
-        the oracle's cache. A mode with a selection gets a kept cache (shared.keep), scored by the
-        side holding the cache before any transfer: C for the oracle's, P for every codec's."""
+    def caches(self, consumer: LoadedModel, states, own: tuple, ids: list[int], question_ids: list[int] | None = None):
+        """(label, cache) per mode for one context `ids`: `states` are P's, `own` is C's (states,
+        cache), the oracle's cache. A mode with a selection gets a kept cache (shared.keep), scored
+        by the side holding the cache before any transfer: C for the oracle's, P for every codec's.
+        A question-aware selection (snapkv-q) scores with `question_ids` (one more prefill of
+        context + question on that side); without a question (the KL windows) its modes are left out."""
         own_states, own_cache = own
+        num_tokens = len(ids)
         scored: dict[tuple[str, str], list] = {}  # (side, policy) -> scores per layer, for every budget
         for label, codec, _, selection in self.asked:
             if not codec and selection is None:
                 yield label, own_cache
+                continue
+            asks_question = selection is not None and isinstance(selection.policy, QuestionSnapKV)
+            if asks_question and not question_ids:
                 continue
             if codec:
                 layer_kv = candidates.codec_kv(*self.codecs[label], self.options[label], states, num_tokens)
@@ -137,7 +147,9 @@ class Modes:
                 continue
             side, model, side_states = ("C", self.consumer, own_states) if not codec else ("P", self.producer, states)
             key = (side, selection.policy.name)
-            if key not in scored:
+            if key not in scored and asks_question:
+                scored[key] = question_scores(model, ids, question_ids or [])
+            elif key not in scored:
                 scored[key] = layer_scores(selection.policy, model, side_states)
             yield label, kept_cache(consumer, layer_kv, selection.select(scored[key]))
 
@@ -155,10 +167,13 @@ def _own(consumer: LoadedModel, ids: list[int], normed: bool = False):
     return states, layer_cache(consumer, [states[layer].kv() for layer in range(consumer.info.num_layers)])
 
 
-def mode_caches(producer: LoadedModel, consumer: LoadedModel, modes: Modes, ids: list[int]):
-    """(label, C's cache) per mode for one context: one prefill per side serves every mode."""
+def mode_caches(
+    producer: LoadedModel, consumer: LoadedModel, modes: Modes, ids: list[int], question_ids: list[int] | None = None
+):
+    """(label, C's cache) per mode for one context: one prefill per side serves every mode (and one
+    of context + question per side for a question-aware selection)."""
     states = _states(producer, ids) if modes.codecs else {}  # P's prefill only where a codec reads it
-    yield from modes.caches(consumer, states, _own(consumer, ids, modes.needs_normed), len(ids))
+    yield from modes.caches(consumer, states, _own(consumer, ids, modes.needs_normed), ids, question_ids)
 
 
 def answers(producer: LoadedModel, consumer: LoadedModel, modes: Modes, example: tasks.Example, max_new_tokens: int) -> dict:
@@ -170,7 +185,7 @@ def answered(producer: LoadedModel, consumer: LoadedModel, modes: Modes, example
     """({mode label: C's greedy answer text}, {mode label: context tokens its cache stores})."""
     stop = tasks.end_id(consumer.tokenizer)
     said, kept = {}, {}
-    for label, cache in mode_caches(producer, consumer, modes, example.context_ids):
+    for label, cache in mode_caches(producer, consumer, modes, example.context_ids, example.question_ids):
         said[label] = answer(consumer, cache, example.question_ids, stop, max_new_tokens)
         kept[label] = cache.get_seq_length()
     return said, kept
@@ -199,7 +214,7 @@ def run(art: Artifact, producer: LoadedModel, consumer: LoadedModel, modes: Mode
         window = tasks.text_window(tok, args.split, args.first + i, args.context_tokens)
         ids = window.context_ids
         states, own = _states(producer, ids) if modes.codecs else {}, _own(consumer, ids, modes.needs_normed)
-        for label, cache in modes.caches(consumer, states, own, len(ids)):
+        for label, cache in modes.caches(consumer, states, own, ids):
             value = 0.0 if cache is own[1] else kl.mean_kl(consumer, own[1], cache, window.following_ids)
             row = {"kind": "kl", "seed": window.seed, "context_tokens": len(ids), "kept_tokens": cache.get_seq_length()}
             rows.append({**row, "mode": label, "mean_kl": value})
@@ -283,11 +298,14 @@ def summarize(path: Path) -> None:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r["kind"] != "summary"]
     first = rows[0]
-    art = next(
-        Artifact.load(f)
+    art_path = next(
+        f
         for f in sorted((Path(__file__).parents[1] / "artifacts").glob("*.safetensors"))
-        if json.loads(f.with_suffix(".json").read_text()).get("artifact_id") == first["artifact"]
+        if f.with_suffix(".json").exists()
+        and json.loads(f.with_suffix(".json").read_text()).get("artifact_id") == first["artifact"]
     )
+    art = Artifact.load(art_path)
+    distill.register(art_path)
     asked = list(dict.fromkeys(r["mode"] for r in rows if r["kind"] == "task"))
     seeds = [r["seed"] for r in rows if r["kind"] == "task" and r["mode"] == asked[-1]]  # examples with every mode
     rows = [r for r in rows if r["kind"] != "task" or r["seed"] in seeds]
@@ -329,6 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     consumer = producer if same else load_model(art.meta["consumer"]["model_id"], dtype=args.dtype, device="cpu")
     art.check_model("producer", producer.info)
     art.check_model("consumer", consumer.info)
+    distill.register(args.artifact)  # "distill" reads <artifact stem>.keep.safetensors beside it
     modes = Modes(art, producer, consumer, args.modes.split(","))
     common = {
         "pair": "P->P" if same else "P->C",

@@ -18,6 +18,7 @@ from pathlib import Path
 from bench.figures import projection
 from bench.figures.gpu import gpu
 from bench.figures.keep import keep
+from bench.figures.keep_paired import keep_paired
 from bench.figures.peer import peer_vllm
 from bench.figures.real_pair import real_pair
 from bench.figures.rows import RESULTS, ROOT, artifact_meta, em_f1, rows_of, span, span_words  # noqa: F401 (RESULTS: re-exported)
@@ -342,4 +343,5 @@ def figures(root: Path = ROOT) -> dict:
         "rv": real.get("verify", {}).get("by_schedule", {}),
         "peer": peer_vllm(root),
         "keep": keep(root),
+        "keep_paired": keep_paired(root),
     }

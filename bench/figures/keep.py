@@ -1,7 +1,8 @@
 """Token selection's figures (shared.keep): the summary rows `python -m real.quality` writes with
 `MODE@POLICY:BUDGET` modes to bench/results/real/keep-*.jsonl, one table per file (its oracle is
-that run's own), and the check of the scorers against NVIDIA kvpress
-(bench/results/real/keep-kvpress.json, bench.keep.kvpress_check). Measures nothing."""
+that run's own; a KL-only run gets a KL table), the check of the scorers against NVIDIA kvpress
+(bench/results/real/keep-kvpress.json, bench.keep.kvpress_check) and DistillCache's training per
+pair (bench/results/keep/distill-*.jsonl, calibration.distill_keep). Measures nothing."""
 
 from __future__ import annotations
 
@@ -26,6 +27,53 @@ def _line(r: dict) -> str:
     )
 
 
+KL_HEADER = (
+    "| mode | kept | text windows | mean next-token KL (nats) | 95% |",
+    "|---|---|---|---|---|",
+)
+
+
+def _kl_line(r: dict) -> str:
+    """A KL-only row (`--n 0 --windows K`): C's mean KL over 64 real tokens after each window."""
+    kept = "100%" if r.get("keep") is None else f"{r['keep']['kept_share']:.0%}"
+    return f"| `{r['mode']}` | {kept} | {r['windows']} | {r['mean_kl']:.4f} | {r['mean_kl_ci95'][0]:.4f}..{r['mean_kl_ci95'][1]:.4f} |"
+
+
+def training(root: Path) -> dict:
+    """DistillCache's training per pair from its curve (calibration.distill_keep's JSON lines):
+    the run's record, the validation KL at the start and at the chosen step, the heuristics' on
+    the same validation examples, and the mean train reward per fraction in the first and last
+    quarter of the steps."""
+    out = {}
+    for path in sorted((root / "bench/results/keep").glob("distill-*.jsonl")):
+        rows = rows_of(path)
+        done = next((r for r in rows if r["kind"] == "done"), None)
+        if done is None:
+            continue
+        vals = {r["step"]: r for r in rows if r["kind"] == "validation" and "distill" in r}
+        heur = next(r["heuristics"] for r in rows if r["kind"] == "validation" and "heuristics" in r)
+        steps = [r for r in rows if r["kind"] == "step"]
+        q = max(1, len(steps) // 4)
+        quarter = lambda part, f: (
+            sum(r["reward"] for r in part if r["fraction"] == f) / max(1, sum(r["fraction"] == f for r in part))
+        )
+        reward = {str(f): [round(quarter(steps[:q], f), 3), round(quarter(steps[-q:], f), 3)] for f in done["budgets"]}
+        mean = lambda kl: round(sum(kl.values()) / len(kl), 3)
+        out[done["pair"]] = {
+            **done,
+            "minutes": round((done["train_s"] + done["prepare_s"]) / 60),
+            "start": vals[0]["distill"],
+            "chosen": vals[done["chosen_step"]]["distill"],
+            "start_mean": mean(vals[0]["distill"]),
+            "chosen_mean": mean(vals[done["chosen_step"]]["distill"]),
+            "heuristics": heur,
+            "heuristics_mean": {k: mean(v) for k, v in heur.items()},
+            "reward_quarters": reward,
+            "file": str(path.relative_to(root)),
+        }
+    return out
+
+
 def keep(root: Path) -> dict:
     folder = root / "bench/results/real"
     tables, cells = [], {}
@@ -38,6 +86,11 @@ def keep(root: Path) -> dict:
             f"**{rows[0]['pair']}**, {rows[0]['split']} split, {rows[0]['context_tokens_asked']} tokens, n = {rows[0]['n']} "
             f"per mode (`{path.relative_to(root)}`; consumer `{model['model']}`, {model['dtype']}; artifact `{rows[0]['artifact']}`)"
         )
+        if not rows[0]["n"]:  # KL-only
+            title = title.replace(f"n = {rows[0]['n']} per mode", f"task-free KL, {rows[0]['windows']} text windows per mode")
+            tables.append("\n".join([title, "", *KL_HEADER, *(_kl_line(r) for r in rows)]))
+            cells[path.stem] = {r["mode"]: r for r in rows}
+            continue
         tables.append("\n".join([title, "", *HEADER, *(_line(r) for r in rows)]))
         cells[path.stem] = {r["mode"]: {**r, "f1_pt": 100 * r["f1"], "gap_pt": 100 * r["f1_gap"]} for r in rows}
     check = folder / "keep-kvpress.json"
@@ -46,4 +99,4 @@ def keep(root: Path) -> dict:
         scored = [r for r in kvpress["rows"] if "score_max_abs_diff" in r]
         kvpress["max_score_diff"] = max(r["score_max_abs_diff"] for r in scored)
         kvpress["tie_only_sets"] = sum(1 for r in kvpress["rows"] for k, v in r.items() if k.startswith("keep_equal@") and not v)
-    return {"tables": "\n\n".join(tables) or "(no rows yet)", "cells": cells, "kvpress": kvpress}
+    return {"tables": "\n\n".join(tables) or "(no rows yet)", "cells": cells, "kvpress": kvpress, "training": training(root)}
