@@ -46,3 +46,52 @@ def peer_vllm(root: Path = RESULTS.parents[1]) -> dict:
         "threads": first["threads_per_engine"],
         "code": first["code"],
     }
+
+
+BREAKDOWN = "peer_breakdown.jsonl"
+
+
+def peer_breakdown(root: Path = RESULTS.parents[1]) -> dict:
+    """bench.peer.breakdown's summaries (`make bench-breakdown`): the peer workloads' wall time by
+    layer (our forward alone, the batch engine in-process, the services over gRPC), per thread count."""
+    path = root / "bench/results" / BREAKDOWN
+    if not path.exists():
+        return {"table": "(no rows yet: make bench-breakdown)", "share_min": 0.0, "code": "-"}
+    rows = rows_of(path)
+    summaries = [r for r in rows if r["kind"] == "summary"]
+    lines = [
+        "| torch threads | workload | streams | forward alone (s) | engine (s) | services (s) | forward / services | runs | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summaries:
+        lines.append(
+            f"| {r['torch_threads']} | {r['workload']} | {r['streams']} | {r['forward_s_median']:.2f} | {r['engine_s_median']:.2f} | "
+            f"{r['services_s_median']:.2f} | {r['forward_share']:.2f} | {r['runs']} | {r['load_avg_1m_median']:.1f} |"
+        )
+    return {
+        "table": "\n".join(lines),
+        "share_min": min(r["forward_share"] for r in summaries),
+        "ttft_forward_s": {r["torch_threads"]: r["forward_s_median"] for r in summaries if r["workload"] == "ttft"},
+        "code": ", ".join(sorted({r["code"] for r in summaries})),
+    }
+
+
+COMPILE = "compile_step.jsonl"
+
+
+def compile_step(root: Path = RESULTS.parents[1]) -> dict:
+    """bench.micro.compile_step's rows: torch.compile against eager on the forward's attention-free pieces."""
+    path = root / "bench/results" / COMPILE
+    if not path.exists():
+        return {"table": "(no rows yet: python -m bench.micro.compile_step)", "best": 1.0}
+    rows = rows_of(path)
+    lines = [
+        "| piece | tokens | eager (ms, 30 layers) | compiled (ms) | compiled / eager | compile (s) | max rel. diff | threads | load |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['piece']} | {r['tokens']} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} | {r['compiled_vs_eager']:.2f} | "
+            f"{r['compile_s']:.1f} | {r['max_rel_diff']:.1g} | {r['torch_threads']} | {r['load_avg_1m']:.1f} |"
+        )
+    return {"table": "\n".join(lines), "best": min(r["compiled_vs_eager"] for r in rows), "model": rows[0]["model"], "dtype": rows[0]["dtype"]}
