@@ -18,13 +18,13 @@ from shared.codecs import EncodeRequest, create_codecs
 from shared.models import load_model
 from shared.pb import consumer_pb2, producer_pb2
 from shared.scd import ops
-from shared.scd.artifact import Artifact, TransferPoint, _content_id
+from shared.scd.artifact import SIDECAR_SUFFIXES, Artifact, TransferPoint, _content_id
 from shared.scd.schedule import Action, Schedule
 from tests.conftest import perturbed_model, running_pair
 from tests.test_scd import heldout, random_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
-SHIPPED = sorted((ROOT / "artifacts").glob("*.safetensors"))
+SHIPPED = sorted(f for f in (ROOT / "artifacts").glob("*.safetensors") if not f.name.endswith(SIDECAR_SUFFIXES))
 QA_CORPUS = ["--corpus", "qa.corpus:calibration_corpus", "--corpus-arg", "task=tuned", "--corpus-arg", "ctx=256"]
 
 
@@ -56,6 +56,9 @@ def copy_artifact(name: str, into: Path) -> Path:
 def test_transfer_points_are_the_schedules_the_candidates_and_the_oracle_by_bytes(path):
     art = Artifact.load(path)
     points = art.transfer_points()
+    kept = [p for p in points if "keep" in dict(p.options)]  # keep points (calibration.keep_points): tests/test_keep_auto.py
+    assert len(kept) == len(art.meta.get("keep_points", []))
+    points = [p for p in points if p not in kept]
     assert points[0] == TransferPoint("oracle", (), 0.0, 0.0, "exact")
     assert [p.bytes_per_token for p in points] == sorted(p.bytes_per_token for p in points)
     scd = sorted((dict(p.options)["schedule"], p.loss, p.bytes_per_token) for p in points if p.mode == "scd")
@@ -75,7 +78,7 @@ def test_transfer_points_are_the_schedules_the_candidates_and_the_oracle_by_byte
     for s, e in spans:  # raw K/V outside the span, the hidden state entering it (both in the artifact's dtype)
         width = g.kv_element_bytes
         assert costs["recompute", (("end", str(e)), ("start", str(s)))] == (n - (e - s)) * g.kv_width * width + g.hidden * width
-    bare = Artifact(art.tensors, {k: v for k, v in art.meta.items() if k != "candidates"})
+    bare = Artifact(art.tensors, {k: v for k, v in art.meta.items() if k not in ("candidates", "keep_points")})
     assert [p.mode for p in bare.transfer_points()] == ["oracle"] + ["scd"] * len(art.schedules)
 
 

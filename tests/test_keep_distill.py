@@ -140,3 +140,17 @@ def test_asking_for_distill_without_its_weights_names_the_file(tmp_path):
     finally:
         distill.register(ARTIFACT)
     assert "distill" in POLICIES
+
+
+def test_the_weights_file_is_a_sidecar_artifact_discovery_skips():
+    """A folder of artifacts holds DistillCache's weights beside them: the services' artifact
+    discovery must not read them as SCD artifacts (it failed start-up on the shipped folder)."""
+    from pathlib import Path
+
+    from shared.keep import distill
+    from shared.scd.artifact import SIDECAR_SUFFIXES, discover
+
+    assert distill.SUFFIX in SIDECAR_SUFFIXES
+    folder = Path(__file__).resolve().parents[1] / "artifacts"
+    assert any(folder.glob("*" + distill.SUFFIX)), "the shipped folder has a keep sidecar"
+    assert all(not a.path.name.endswith(distill.SUFFIX) for a in discover([folder]))

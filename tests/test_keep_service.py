@@ -184,6 +184,8 @@ async def test_keep_never_meets_a_stored_chunk_or_a_cached_prefix_of_a_whole_tra
         ("scd", "h2o:0.5:heads=each", "keep.heads='each'"),
         ("raw", "h2o:0", "budget"),
         ("raw", "lru:0.5", "is not one of"),
+        ("raw", "snapkv-q:0.5", "keep.policy: 'snapkv-q' is not served over the wire"),
+        ("raw", "distill:0.5", "keep.policy: 'distill' is not served over the wire"),
     ],
 )
 async def test_keep_requests_a_codec_cannot_serve_are_invalid_argument(world, pair, codec, keep, field):

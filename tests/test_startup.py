@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from shared import config as config_lib
 from shared import startup
 from shared.config import ConsumerConfig, ProducerConfig
+from shared.scd.artifact import SIDECAR_SUFFIXES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,7 +68,8 @@ def test_an_artifact_of_other_weights_fails_the_start(tmp_path):
 def test_a_folder_of_several_pairs_artifacts_loads_the_ones_for_these_weights(tmp_path):
     """--artifacts artifacts/ (the four shipped pairs): the producer on qa-base keeps
     qa-base-to-tuned, logs the three others as skipped (one line each, naming it and why) and
-    serves; a folder holding only other pairs' artifacts fails the start naming each."""
+    serves (the keep-policy sidecars beside them are not artifacts: not read); a folder holding only
+    other pairs' artifacts fails the start naming each."""
     events = []
     with subprocess.Popen(
         [sys.executable, "-m", "producer", "--port", "0", "--model", "checkpoints/qa-base", "--device", "cpu",
@@ -87,7 +89,7 @@ def test_a_folder_of_several_pairs_artifacts_loads_the_ones_for_these_weights(tm
     names = [e["event"] for e in events]
     assert names[-1] == "server.serving", events
     skipped = {Path(e["artifact"]).name: e["reason"] for e in events if e["event"] == "startup.artifact_skipped"}
-    shipped = {p.name for p in (ROOT / "artifacts").glob("*.safetensors")}
+    shipped = {p.name for p in (ROOT / "artifacts").glob("*.safetensors") if not p.name.endswith(SIDECAR_SUFFIXES)}
     assert set(skipped) == shipped - {"qa-base-to-tuned.safetensors"}, skipped
     assert all("calibrated for producer" in why and "checkpoints/qa-base" in why for why in skipped.values())
     assert max(i for i, n in enumerate(names) if n == "startup.artifact_skipped") < names.index("server.started")

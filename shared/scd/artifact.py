@@ -268,11 +268,17 @@ def _content_id(tensors: dict[str, torch.Tensor], meta: dict) -> str:
     return digest.hexdigest()[:16]
 
 
+# Files beside an artifact that are not artifacts: a learned keep policy's weights
+# (<artifact stem>.keep.safetensors, shared.keep.distill.SUFFIX).
+SIDECAR_SUFFIXES = (".keep.safetensors",)
+
+
 def discover(paths: Iterable[str | Path]) -> list[Artifact]:
-    """Load every artifact in the given files or directories (*.safetensors)."""
+    """Load every artifact in the given files or directories (*.safetensors, but not the sidecars
+    beside them: SIDECAR_SUFFIXES)."""
     found = []
     for p in map(Path, paths):
-        files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+        files = sorted(f for f in p.glob("*.safetensors") if not f.name.endswith(SIDECAR_SUFFIXES)) if p.is_dir() else [p]
         found += [Artifact.load(f) for f in files]
     return found
 
