@@ -6,7 +6,7 @@ Knows nothing about transport or models.
 from __future__ import annotations
 
 from shared.codecs.base import Codec
-from shared.codecs.kept import KeepRequest, check_served
+from shared.codecs.kept import KeepRequest
 from shared.errors import InvalidArgument
 from shared.pb import common_pb2, producer_pb2
 
@@ -36,6 +36,4 @@ def requested(request: producer_pb2.PrefillRequest, codec: Codec) -> KeepRequest
         return None
     if request.first_token:
         raise InvalidArgument("keep: a keep transfer scores and sends the whole context; first_token must be 0")
-    keep = from_pb(request.keep)
-    check_served(keep.policy)
-    return keep.for_codec(codec)
+    return from_pb(request.keep).for_codec(codec)

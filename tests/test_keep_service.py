@@ -222,6 +222,15 @@ async def test_keep_with_a_policy_the_kept_cache_does_not_serve_yet_is_invalid_a
         async for _ in pair.producer_stub.Prefill(request, timeout=30):
             pass
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "keep.heads='each'" in err.value.details()
+    for policy in ("distill", "snapkv-q"):  # offline only: the producer refuses them by name too
+        request = producer_pb2.PrefillRequest(
+            token_ids=world["ids"], codec=common_pb2.CodecSpec(name="raw"), keep=common_pb2.KeepSpec(policy=policy, fraction=0.5)
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in pair.producer_stub.Prefill(request, timeout=30):
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"keep.policy: {policy!r} is not served over the wire" in err.value.details()
     described = await pair.producer_stub.Describe(producer_pb2.ProducerServiceDescribeRequest())
     assert {c.name: c.keep_heads for c in described.codecs} == {
         "quant": "either",

@@ -1,5 +1,6 @@
 """This project's services beside vLLM's CPU build (`make bench-peer`, bench.peer.vs_vllm): the
-summary rows of bench/results/peer_vllm.jsonl as a table, and each workload's ratio. Measures nothing."""
+summary rows of bench/results/peer_vllm.jsonl as a table, and each workload's ratio; beside them where
+our time goes (bench.peer.breakdown's layers, bench.micro.compile_step's torch.compile rows). Measures nothing."""
 
 from __future__ import annotations
 

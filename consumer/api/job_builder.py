@@ -34,7 +34,7 @@ from consumer.request.job import (
 )
 from shared import codecs as codec_lib
 from shared import tenants
-from shared.codecs.kept import KEEP_OPTION, KeepRequest, check_served
+from shared.codecs.kept import KEEP_OPTION, KeepRequest
 from shared.config import ConsumerConfig
 from shared.errors import InvalidArgument
 from shared.models import LoadedModel
@@ -375,5 +375,4 @@ def _checked_keep(
         raise InvalidArgument(
             f"{named}: not served with {where} yet (a kept cache holds only the kept tokens); ask without one of them"
         )
-    check_served(keep.policy)
     return keep.for_codec(codec)

@@ -42,7 +42,7 @@ KEEP_OPTION = "keep"  # the consumer's transfer option naming a selection (Gener
 
 
 # Policies the offline evaluation scores but the services do not serve yet, and why (a request naming
-# one is INVALID_ARGUMENT naming keep.policy; shared.keep_wire.requested, consumer.api.job_builder).
+# one is INVALID_ARGUMENT naming keep.policy: KeepRequest.checked and .parse, both sides' way in).
 NOT_SERVED = {
     "snapkv-q": "it scores with the question's queries, and the producer is not shown the question",
     "distill": "its weights are per pair and the producer does not load them yet (offline: real.quality)",
@@ -69,6 +69,7 @@ class KeepRequest:
         """From a request's fields; InvalidArgument naming the field and what is allowed."""
         if policy not in POLICIES:
             raise InvalidArgument(f"keep.policy: {policy[:64]!r} is not one of {sorted(POLICIES)}")
+        check_served(policy)
         if heads not in HEADS:
             raise InvalidArgument(f"keep.heads: {heads[:32]!r} is not '', 'each' or 'shared'")
         try:

@@ -1,0 +1,81 @@
+"""The peer benchmarks' workloads (bench.peer.vs_vllm, bench.peer.breakdown): their flags, cells and
+prompts, this project's services asked over gRPC in oracle mode, and the JSON-lines writer both use.
+Measures nothing by itself."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+from typing import TextIO
+
+from bench.harness import services
+from consumer.api.client import ConsumerClient, prompt
+from real import tasks
+
+Prompts = list[tuple[list[int], list[int]]]  # (context ids, question ids) per request
+
+
+def add_args(parser: argparse.ArgumentParser, out: Path, threads_help: str) -> None:
+    """The flags both peer benchmarks take: model, dtype, threads, the workloads' shapes, repetitions."""
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help=threads_help)
+    parser.add_argument("--ttft-ctx", type=int, default=2048)
+    parser.add_argument("--decode-ctx", type=int, default=512)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--streams", default="1,32")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=out)
+
+
+def streams(args: argparse.Namespace) -> list[int]:
+    return [int(s) for s in args.streams.split(",")]
+
+
+def cells(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
+    """(workload, streams, context tokens, max new tokens): one TTFT cell, then a decode cell per --streams."""
+    return [("ttft", 1, args.ttft_ctx, 1)] + [("decode", n, args.decode_ctx, args.decode_tokens) for n in streams(args)]
+
+
+def service_args(args: argparse.Namespace, max_batch: int) -> tuple[list[str], list[str]]:
+    """The producer's and the consumer's flags: the model at the dtype and threads asked, prefix caches off."""
+    ours = ["--model", args.model, "--dtype", args.dtype, "--torch-threads", str(args.threads)]
+    return ours, [*ours, *services.NO_PREFIX_CACHE, "--max-batch", str(max_batch)]
+
+
+def prompts(tok, ctx: int, n: int, first: int) -> Prompts:
+    return [(e.context_ids, e.question_ids) for e in tasks.examples(tok, "test", n, ctx, first=first)]
+
+
+async def _generate(address: str, batch: Prompts, max_tokens: int, stop: list[int]) -> tuple[float, list[list[int]]]:
+    async with ConsumerClient(address) as client:
+        start = time.perf_counter()
+        answers = await asyncio.gather(*(
+            client.generate(mode="oracle", context=prompt(ids=c), question=prompt(ids=q), max_new_tokens=max_tokens,
+                            stop_token_ids=stop)
+            for c, q in batch
+        ))  # fmt: skip
+        return time.perf_counter() - start, [a.ids for a in answers]
+
+
+def ours(address: str, batch: Prompts, max_tokens: int, stop: list[int]) -> tuple[float, list[list[int]]]:
+    """(wall s, generated ids per prompt): every prompt at once, oracle mode, through gRPC."""
+    return asyncio.run(_generate(address, batch, max_tokens, stop))
+
+
+class Rows:
+    """JSON lines, each the run's common fields and its own, to stdout and `out` (flushed per line)."""
+
+    def __init__(self, out: TextIO, common: dict):
+        self.out, self.common = out, common
+
+    def emit(self, row: dict) -> None:
+        line = json.dumps({**self.common, **row})
+        print(line, flush=True)
+        self.out.write(line + "\n")
+        self.out.flush()
