@@ -6,10 +6,12 @@ thread, never on the caller's. The writes waiting for that thread hold their ten
 `queue_bytes` of tensor bytes wait (`queued_bytes`); a write that would go past it is skipped
 and counted (`write_skipped`): the disk copy is lost, RAM keeps the entry as usual.
 
-Each file's metadata carries the entry's key, parent, end position and a sha256 of its tensors'
-bytes (name order). A read opens the file once, reads its bytes and parses and checks those
-bytes in memory, so a file replaced or deleted meanwhile (a rewrite, an eviction, another
-process on the same directory) is read whole, old or new, never half of each. A file that does
+Each file's metadata carries the entry's key, parent, end position, a sha256 of its tensors'
+bytes (name order) and their order in the entry (a read gives them back in it: a stored keep
+transfer's layer is replayed in its payload order, producer.sources). A read opens the file
+once, reads its bytes and parses and checks those bytes in memory, so a file replaced or deleted
+meanwhile (a rewrite, an eviction, another process on the same directory) is read whole, old or
+new, never half of each. A file that does
 not parse, names another key or fails its checksum is deleted and counted (`corrupt`), and the
 caller falls back to the prefill: bad bytes are never served. A file gone between the index
 check and the open is a miss, not corruption. On start the directory is scanned (headers
@@ -142,6 +144,7 @@ class DiskTier:
                 "parent": entry.parent,
                 "end": str(entry.end),
                 "sha256": checksum(tensors),
+                "order": json.dumps(list(tensors)),  # the entry's tensor order (a stream's payload order)
             }
             save_file(tensors, str(tmp), metadata=meta)
             nbytes = tmp.stat().st_size
@@ -186,7 +189,10 @@ class DiskTier:
             del data
             if meta.get("key") != key or meta.get("sha256") != checksum(tensors):
                 raise ValueError("checksum or key mismatch")
-            entry = ChunkEntry(key, meta["parent"], int(meta["end"]), tensors)
+            order = json.loads(meta.get("order") or "[]") or sorted(tensors)
+            if sorted(order) != sorted(tensors):
+                raise ValueError("tensor order names other tensors than the file holds")
+            entry = ChunkEntry(key, meta["parent"], int(meta["end"]), {name: tensors[name] for name in order})
         except Exception as exc:  # truncated, flipped, unparsable: never served
             with self._lock:
                 self.index.drop(key)

@@ -194,9 +194,9 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         options = codec.resolve(dict(request.codec.options))
         keep = keep_wire.requested(request, codec)
         encoder = codec.encoder(options, codec_lib.EncodeRequest(len(request.token_ids), request.consumer_weight_digest))
-        if keep is not None:  # scored and cut per layer; never chunk-stored (producer.sources)
+        if keep is not None:  # scored and cut per layer; stored whole under its selection (producer.sources)
             encoder = KeptEncoder(encoder, keep, self._ready(), len(request.token_ids))
-        roots = self._roots(codec, options, encoder, tenant) if self.chunks is not None and keep is None else None
+        roots = self._roots(codec, options, encoder, tenant) if self.chunks is not None else None
         self._check_prefix(request, codec, encoder, roots)
         log.info("prefill.start", tokens=len(request.token_ids), codec=codec.name, deadline_s=round(timeout_s, 3))
         info = self._ready().info

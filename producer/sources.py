@@ -13,7 +13,12 @@ Owns:
   layers assembled in runs of one message's worth) and the engine's stream (producer.prefill)
   over what is not stored (the plan: producer.reuse), the release of the
   plan's pin on stored entries when its stream ends, and the keeping of a completed forward's
-  new state.
+  new state;
+- keep transfers (a keep set per transfer, shared.codecs.kept): their keep set depends on every
+  token, so their stream is stored and replayed whole, never in chunks: one chunk-store entry
+  under shared.chunks.kept_key (the whole context under the codec's root, and the resolved
+  selection), or the whole-context store's key with the selection in it. A whole transfer's key
+  never names one, nor the other way round.
 
 Knows nothing about gRPC: layers are packed by the `pack` the servicer gives.
 """
@@ -22,17 +27,21 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from producer.chunk_store import ChunkStore
+import torch
+
+from producer.chunk_store import ChunkEntry, ChunkStore
 from producer.disk_tier import DiskTier
 from producer.encode import EncodePool
 from producer.flight import Flight, Flights, Unsent
 from producer.prefill import EncodedLayer, PrefillDone, PrefillEngine
-from producer.reuse import Continuation, Roots, plan
+from producer.reuse import Roots, plan
 from producer.store import ContextStore, StoredPrefill, store_key
 from shared import chunks
+from shared.codecs import keep_set
 from shared.config import ProducerConfig
 from shared.kv_events import KVEventPublisher
 from shared.wire_bytes import MAX_MESSAGE_DATA
@@ -43,6 +52,16 @@ REPLAY_RUN_BYTES = MAX_MESSAGE_DATA  # a chunk-store replay assembles layers in 
 
 def _payload_bytes(item: object) -> int:
     return item.payload_bytes if isinstance(item, EncodedLayer) else 0
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """t, copied when it is a view into a larger buffer (the store counts the bytes it holds)."""
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
+def _whole_stream(entry: ChunkEntry, num_layers: int) -> bool:
+    """A stored keep transfer holds every layer's keep set (a shorter entry is not served)."""
+    return all(f"{layer}.{keep_set.KEEP_PAYLOAD}" in entry.tensors for layer in range(num_layers))
 
 
 class Sources:
@@ -94,20 +113,14 @@ class Sources:
         `tenant` (shared.tenants) already, the whole-context store's key names it here: a tenant's
         requests never join, replay or continue another's. `keep`: a keep transfer's resolved
         selection (shared.codecs.kept.KeepRequest.label): its keep set depends on the whole
-        context, so it bypasses both stores (never replayed, never stored) and joins only a running
-        flight of the same selection."""
-        if keep:
-            key = f"keep {keep} " + store_key(token_ids, codec_name, options, encoder.metadata(), tenant)
-            source, shared = self.flights.join(
-                key,
-                lambda: self._engine().stream(list(token_ids), encoder, pack),
-                is_last=lambda item: isinstance(item, PrefillDone),
-                on_complete=lambda items: None,
-            )
-            return source, shared, False
+        context, so it is stored and replayed whole, under a key that names the selection (the
+        whole-context store's key, or shared.chunks.kept_key in the chunk store), and never
+        continues nor fills a whole transfer's chunks."""
         if roots is not None:
+            if keep:
+                return await self._kept_source(list(token_ids), keep, encoder, roots, pack, num_layers)
             return await self._chunked_source(list(token_ids), first_token, encoder, roots, pack, num_layers)
-        key = store_key(token_ids, codec_name, options, encoder.metadata(), tenant)
+        key = store_key(token_ids, codec_name, options, encoder.metadata(), tenant, keep)
         # a running flight first: its caller already missed the store, a follower is no second miss
         stored = None if key in self.flights.running else self.whole.get(key)
         if stored is not None:
@@ -150,7 +163,8 @@ class Sources:
             )
             if planned.replay:
                 self.chunks.hits += 1
-                return self._replay_chunks(planned, pack, num_layers), False, True
+                replay = self._replay_stored(planned.replay_layer, planned.release, planned.reused_tokens, pack, num_layers)
+                return replay, False, True
             if key not in self.flights.running:  # a concurrent call may have started it while we planned
                 reuse = planned
                 self.chunks.misses += 1
@@ -178,15 +192,58 @@ class Sources:
             if self.prefix_flights.get(chunk) is flight:
                 del self.prefix_flights[chunk]
 
-    async def _replay_chunks(self, reuse: Continuation, pack: Pack, num_layers: int):
-        """Every payload chunk from first_token on is stored: joined and packed per layer on the
-        encode threads, no forward."""
+    async def _kept_source(self, ids: list[int], selection: str, encoder, roots: Roots, pack: Pack, num_layers: int):
+        """(stream, joined a running flight, replayed from the chunk store) of a keep transfer: its
+        stored payloads (one entry, shared.chunks.kept_key: the whole context under the codec's
+        root, and the selection) replayed, else a running flight of the same key joined, else a
+        forward whose payloads are kept under that key when it completes."""
+        assert self.chunks is not None
+        context = chunks.chain(roots.codec, ids, self.chunk_tokens)[-1].key
+        key = chunks.kept_key(context, selection)
+        if key not in self.flights.running:  # a running flight's caller already missed the store
+            entry = await asyncio.to_thread(self.chunks.get, key)  # RAM, else disk (file I/O)
+            if entry is not None and _whole_stream(entry, num_layers):
+                self.chunks.hits += 1
+                release = self.chunks.pin([entry])
+                replay = self._replay_stored(entry.layer, release, len(ids), pack, num_layers)
+                weakref.finalize(replay, release)  # a replay never started still lets go
+                return replay, False, True
+            if key not in self.flights.running:  # a concurrent call may have started it while we looked
+                self.chunks.misses += 1
+        layers: dict[int, dict] = {}  # this flight's payloads per layer, kept when it completes
+
+        def recorded(layer: int, payloads: dict) -> Any:  # on the flight's encode lane
+            if self.chunks is not None and self.chunks.budget_bytes > 0:
+                layers[layer] = {name: _owned(t) for name, t in payloads.items()}
+            return pack(layer, payloads)
+
+        def store_kept(items: list) -> None:  # once per run, before any subscriber sees its end
+            assert self.chunks is not None
+            if len(layers) == num_layers:
+                tensors = {f"{layer}.{name}": t for layer, payloads in layers.items() for name, t in payloads.items()}
+                self.chunks.put_many([ChunkEntry(key, roots.codec, len(ids), tensors)])
+            layers.clear()
+
+        source, shared = self.flights.join(
+            key,
+            lambda: self._engine().stream(ids, encoder, recorded),
+            is_last=lambda item: isinstance(item, PrefillDone),
+            on_complete=store_kept,
+        )
+        return source, shared, False
+
+    async def _replay_stored(
+        self, payloads_of: Callable[[int], dict], release: Callable[[], object], reused: int, pack: Pack, num_layers: int
+    ):
+        """Stored payloads (`payloads_of(layer)`: a plan's chunks joined, or a keep transfer's
+        entry) packed per layer on the encode threads, no forward; `release` ends the pin on the
+        entries they come from, whichever way the stream ends."""
         loop = asyncio.get_running_loop()
         encode_ms = 0.0
 
         def build(layer: int) -> EncodedLayer:
             began = time.perf_counter()
-            payloads = reuse.replay_layer(layer)
+            payloads = payloads_of(layer)
             packed = pack(layer, payloads)
             took = (time.perf_counter() - began) * 1e3
             return EncodedLayer(layer, packed, sum(t.numel() * t.element_size() for t in payloads.values()), took)
@@ -209,8 +266,8 @@ class Sources:
                     yield item
                 layer += len(run)
         finally:
-            reuse.release()
-        yield PrefillDone(0.0, encode_ms, num_layers, batch_size=0, reused_tokens=reuse.reused_tokens, computed_tokens=0)
+            release()
+        yield PrefillDone(0.0, encode_ms, num_layers, batch_size=0, reused_tokens=reused, computed_tokens=0)
 
     def _keep_chunks(self, items: list) -> None:
         """A completed forward's new chunks go to the chunk store (once per run)."""

@@ -1,6 +1,6 @@
 """The producer's context store: encoded prefill streams kept for reuse, content-addressed by
-(context token ids, codec, resolved options, codec metadata), least-recently-used first out
-within a byte budget. A hit skips the forward and the encode: the stored chunks are re-sent.
+(context token ids, codec, resolved options, codec metadata, tenant, keep selection),
+least-recently-used first out within a byte budget. A hit skips the forward and the encode: the stored chunks are re-sent.
 
 Knows nothing about gRPC or models; entries are opaque packed layers.
 """
@@ -22,14 +22,21 @@ class StoredPrefill:
 
 
 def store_key(
-    token_ids: Sequence[int], codec: str, options: Mapping[str, str], metadata: Mapping[str, str], tenant: str = ""
+    token_ids: Sequence[int],
+    codec: str,
+    options: Mapping[str, str],
+    metadata: Mapping[str, str],
+    tenant: str = "",
+    keep: str = "",
 ) -> str:
-    """The whole-context store's key, for `tenant`'s requests (shared.tenants). Neither the model
+    """The whole-context store's key, for `tenant`'s requests (shared.tenants), of a keep
+    transfer's stream when `keep` names its resolved selection (KeepRequest.label; "": every
+    token, a whole transfer). Neither the model
     nor its dtype is in it: the store is in memory only and one process serves one model in one
     dtype, so every entry was computed by this process's model (the chunk store, whose disk tier
     outlives the process, keys both: shared.chunks.model_root)."""
     digest = hashlib.sha256()
-    digest.update(json.dumps([codec, sorted(options.items()), sorted(metadata.items()), tenant]).encode())
+    digest.update(json.dumps([codec, sorted(options.items()), sorted(metadata.items()), tenant, keep]).encode())
     digest.update(b"|" + ",".join(map(str, token_ids)).encode())
     return digest.hexdigest()
 

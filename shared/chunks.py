@@ -10,6 +10,8 @@ for the first chunk), its token ids and, through the root, what the stored state
 - `codec_root(identity, dtype, codec, format_version, options, metadata, tenant)`: also the codec,
   its payload format, its resolved options and its metadata (for SCD: the artifact and the
   schedule); chunks under it name encoded payloads.
+A keep transfer's payloads are stored whole under `kept_key` (the whole context's key under the
+codec's root and the resolved selection): a keep set depends on every token.
 Everything that shaped a chunk's bytes is in its key, so a chunk made one way is never found
 under another's key, on any tier, after any restart; and the tenant is, so one tenant's chunks
 are never found by another's requests.
@@ -179,6 +181,18 @@ class Chains:
         if refs is None:
             refs = self._chains[key] = _chain(root, token_ids, packed, chunk_tokens)
         return list(refs)
+
+
+def kept_key(context_key: str, selection: str) -> str:
+    """The key of a keep transfer's stored payloads (the producer's chunk store): the whole
+    context's key under the codec's root (the last chunk's: model, dtype, tenant, codec, options,
+    metadata and every token id) and the resolved keep selection
+    (shared.codecs.kept.KeepRequest.label: policy, budget, sinks, window, heads). A keep set
+    depends on every token, so the entry is one whole context: no prefix of it, and no other
+    selection, codec or context, shares its key."""
+    if not selection:
+        raise ValueError("kept_key: a selection is required (a whole transfer's key is its chain's)")
+    return _digest(b"scd.chunks.kept.v1", context_key.encode(), selection.encode())
 
 
 def prefix_key(root: str, token_ids: Sequence[int], upto: int, chunk_tokens: int) -> str:

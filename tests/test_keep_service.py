@@ -9,7 +9,8 @@ consumer stores only those and answers at the context's logical positions.
 - a hostile producer's bad keep sets fail at the first bad message with the field and the limit,
   and every KV block comes back;
 - a keep request never reads nor fills a stored chunk or cached prefix of a whole transfer (nor
-  the other way round), and requests with and without keep in one batch do not change each other.
+  the other way round); a repeated one is the producer's stored kept stream (tests/test_keep_store.py:
+  its keys); requests with and without keep in one batch do not change each other.
 """
 
 from __future__ import annotations
@@ -164,8 +165,9 @@ async def test_keep_never_meets_a_stored_chunk_or_a_cached_prefix_of_a_whole_tra
         whole, _, first = await p.generate(**fields(world, "raw"))
         kept, _, stats = await p.generate(**fields(world, "raw", keep))  # the whole context is stored and cached now
         assert stats.prefix_reused_tokens == 0 and not stats.producer_store_hit and stats.bytes_received < first.bytes_received
-        again, _, stats2 = await p.generate(**fields(world, "raw", keep))
-        assert again == kept and stats2.prefix_reused_tokens == 0 and not stats2.producer_store_hit
+        again, _, stats2 = await p.generate(**fields(world, "raw", keep))  # the producer's stored kept stream
+        assert again == kept and stats2.prefix_reused_tokens == 0 and stats2.producer_store_hit
+        assert stats2.bytes_received == stats.bytes_received and stats2.producer_prefill_ms == 0
         whole2, _, full2 = await p.generate(**fields(world, "raw"))  # the kept transfers stored nothing of theirs
         assert whole2 == whole and full2.prefix_reused_tokens > 0
     async with running_pair("tiny-llama", producer_kw=kw, consumer_kw={**kw, "prefix_cache_bytes": 1 << 24}) as p:

@@ -18,12 +18,29 @@ def test_lru_eviction_within_budget():
 def test_key_separates_tokens_codecs_and_options():
     base = store_key([1, 2, 3], "quant", {"bits": "8"}, {})
     assert base == store_key([1, 2, 3], "quant", {"bits": "8"}, {})
-    assert len({base, store_key([1, 2, 4], "quant", {"bits": "8"}, {}), store_key([1, 2, 3], "quant", {"bits": "4"}, {}),
-                store_key([1, 2, 3], "raw", {}, {}), store_key([12, 3], "quant", {"bits": "8"}, {})}) == 5
+    assert (
+        len(
+            {
+                base,
+                store_key([1, 2, 4], "quant", {"bits": "8"}, {}),
+                store_key([1, 2, 3], "quant", {"bits": "4"}, {}),
+                store_key([1, 2, 3], "raw", {}, {}),
+                store_key([12, 3], "quant", {"bits": "8"}, {}),
+            }
+        )
+        == 5
+    )
+    kept = [
+        store_key([1, 2, 3], "quant", {"bits": "8"}, {}, "", keep)
+        for keep in ("h2o:0.3:sinks=4,window=64,heads=each", "h2o:0.4:sinks=4,window=64,heads=each")
+    ]
+    assert len({base, *kept}) == 3  # a keep transfer's stream never under a whole one's key, nor another selection's
 
 
 async def test_repeated_context_is_served_from_the_store():
-    async with running_pair("tiny-llama", consumer_kw={"prefix_cache_bytes": 0}) as pair:  # the producer store, not the consumer cache
+    async with running_pair(
+        "tiny-llama", consumer_kw={"prefix_cache_bytes": 0}
+    ) as pair:  # the producer store, not the consumer cache
         fields = dict(context=prompt("alpha beta gamma delta " * 40), question=prompt(" zeta"), max_new_tokens=6)
         cold_ids, _, cold = await pair.generate(transfer=common_pb2.CodecSpec(name="quant", options={"bits": "4"}), **fields)
         warm_ids, _, warm = await pair.generate(transfer=common_pb2.CodecSpec(name="quant", options={"bits": "4"}), **fields)

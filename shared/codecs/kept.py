@@ -16,8 +16,9 @@ only; the consumer rebuilds the kept tokens at their original positions.
   (checked as it arrives, `check`), gives the codec's decoder the layer's kept positions (RoPE
   of Reuse and Patch layers) and stores n tokens per layer.
 
-A keep transfer is never chunk-stored or cut at a chunk boundary (`per_token` False, no token
-layout): its keep set depends on the whole context. Knows nothing about gRPC or the services.
+A keep transfer is never cut at a chunk boundary (`per_token` False, no token layout): its keep
+set depends on the whole context (the producer stores and replays its stream whole, under a key
+naming the selection: producer.sources). Knows nothing about gRPC or the services.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def kept_state(state: LayerState, keep: torch.Tensor, shared: bool) -> LayerStat
 
 
 class KeptEncoder(LayerEncoder):
-    per_token = False  # never chunk-stored: the keep set depends on the whole context
+    per_token = False  # never cut in chunks: the keep set depends on the whole context
     computes = True
 
     def __init__(self, inner: LayerEncoder, keep: KeepRequest, loaded: LoadedModel, num_tokens: int):
