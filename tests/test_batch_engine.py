@@ -63,8 +63,11 @@ def test_the_pool_forward_equals_the_hf_runner_with_prefill_and_decode_rows_toge
     """Our forward over the pool in place against the Hugging Face runner over gathered blocks:
     the same rows (a chunk after a prefix, a first chunk, decode rows) in one forward each, on two
     pools with the same tables, one of them scattered (not one run: read through the gather).
-    float32: logits within 1e-4; bfloat16: within 2**-6 of the largest |logit|, argmax equal
-    wherever the reference's margin is above twice that."""
+    float32: logits within 1e-4; bfloat16: within 2**-5 of the largest |logit| (decode rows go
+    through the paged kernel, which keeps scores, softmax and sums in float32 and rounds once,
+    where bf16 SDPA rounds its own way: a few bf16 steps apart after the layers; the kernel itself
+    is held to float32 SDPA in tests/test_paged_attention.py), argmax equal wherever the
+    reference's margin is above twice that."""
     loaded = load_model(name, dtype, "cpu")
     vocab = loaded.info.vocab_size
     pools = [pool_for(loaded), pool_for(loaded)]
@@ -81,7 +84,7 @@ def test_the_pool_forward_equals_the_hf_runner_with_prefill_and_decode_rows_toge
 
     def both(make_rows):
         out = [runner.forward(make_rows(kv_list)) for runner, kv_list in zip(runners, kvs)]
-        tol = 1e-4 if dtype == "float32" else 2**-6 * out[0].abs().max().item()
+        tol = 1e-4 if dtype == "float32" else 2**-5 * out[0].abs().max().item()
         assert (out[0] - out[1]).abs().max().item() <= tol
         top2 = out[0].topk(2, dim=-1).values
         clear = top2[:, 0] - top2[:, 1] > 2 * tol

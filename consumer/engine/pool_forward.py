@@ -7,7 +7,11 @@ Per layer, the new K/V go into the pool by slot mapping (one index_copy_ over al
 then each row attends over its own blocks read where they lie: in the pool's head-major storage
 (KVPool.k_heads) a row whose blocks are one ascending run (what the pool hands out when its free
 list is not fragmented) is, per head, one contiguous span: a view of the pool, no copy; only a row whose table is not one run has that row's blocks gathered (counted in
-`gathered_rows`). Attention is SDPA per row with the GQA groups folded into the query dimension
+`gathered_rows`). Decode rows (one new token) on the CPU go through the paged decode-attention
+kernel (consumer.engine.paged_attention), all of them in one call per layer, reading their blocks
+through their block tables wherever they lie (`decode_attention="auto"`; "sdpa" keeps them on the
+per-row path, for comparison and where the kernel is not built). Other rows (prefill chunks,
+verification's k + 1 tokens) run SDPA per row with the GQA groups folded into the query dimension
 (`_attend_row`): on this CPU that beats SDPA over a gathered rectangle and compiled FlexAttention
 over the pool (bench.micro.engine_step's attention rows; bf16 SDPA with enable_gqa is several times
 slower than the fold). Prefill and decode rows share one forward; a prefill chunk sees its row's
@@ -23,7 +27,9 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
+from consumer.engine import paged_attention
 from consumer.engine.kv_pool import KVPool
 from consumer.engine.rows import Row
 from shared import model as own
@@ -81,8 +87,54 @@ def _attend_row(view: _RowView, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out.view(kv, groups, n, hd).permute(2, 0, 1, 3).reshape(n, H, hd)
 
 
+def _decode_kernel(mode: str, device: torch.device):
+    """The paged decode-attention kernel for `mode` (paged_attention.MODES) on this device, or None
+    (per-row SDPA)."""
+    if mode not in paged_attention.MODES:
+        raise ValueError(f"decode_attention: {mode!r} is not one of {paged_attention.MODES}")
+    if mode == "sdpa" or device.type != "cpu":
+        if mode == "kernel":
+            raise ValueError(f"decode_attention: the kernel runs on the CPU, not on {device}")
+        return None
+    fn = paged_attention.kernel()
+    if fn is None and mode == "kernel":
+        raise RuntimeError("decode_attention='kernel': the kernel could not be built (see the log)")
+    return fn
+
+
+def _keys(view: _RowView, layer: int, pool_k: torch.Tensor, pool_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's keys and values of one layer, [1, n_kv, L, hd]: in place when its blocks are one
+    run, else its blocks gathered (pool_k / pool_v: the layer's [n_kv, NB + 1, Bt, hd])."""
+    if view.table is None:
+        return view.keys[layer], view.values[layer]
+    kv, hd = pool_k.shape[0], pool_k.shape[-1]
+    keys = pool_k.index_select(1, view.table).view(1, kv, -1, hd)[:, :, : view.length]
+    values = pool_v.index_select(1, view.table).view(1, kv, -1, hd)[:, :, : view.length]
+    return keys, values
+
+
+class _DecodeRows:
+    """The forward's decode rows (one new token each) for the paged kernel: their offsets in the flat
+    token order `at` [D], block tables padded with the null block `tables` [D, max_blocks] and key
+    counts `lengths` [D] (each row's prefix and its new token). Blocks need not be one run."""
+
+    __slots__ = ("count", "at", "tables", "lengths")
+
+    def __init__(self, views: list[_RowView], rows: list[Row], pool: KVPool):
+        Bt, device = pool.block_tokens, pool.device
+        picked = [(view, row) for view, row in zip(views, rows) if view.n == 1]
+        self.count = len(picked)
+        if not picked:
+            return
+        used = [-(-view.length // Bt) for view, _ in picked]
+        # the null block (0) pads: the kernel reads no key past a row's length
+        self.tables = pad_sequence([row.seq.table[:n] for (_, row), n in zip(picked, used)], batch_first=True)
+        self.lengths = torch.tensor([view.length for view, _ in picked], dtype=torch.long, device=device)
+        self.at = torch.tensor([view.offset for view, _ in picked], dtype=torch.long, device=device)
+
+
 class PoolRunner:
-    def __init__(self, loaded: LoadedModel, pool: KVPool):
+    def __init__(self, loaded: LoadedModel, pool: KVPool, decode_attention: str = "auto"):
         self.loaded, self.pool = loaded, pool
         self.model = own.of(loaded)
         g = self.model.geometry
@@ -93,6 +145,8 @@ class PoolRunner:
         self.groups = g.num_heads // g.num_kv_heads
         self.scratch_limit_blocks = sys.maxsize  # no rectangle is gathered: batches need no split
         self.gathered_rows = 0  # rows whose blocks were not one run (read through a gather)
+        # decode rows (one new token) through the paged kernel, all at once per layer; None: per-row SDPA
+        self.decode_kernel = _decode_kernel(decode_attention, pool.device)
 
     scratch_bytes = 0  # no gather buffers
 
@@ -109,13 +163,17 @@ class PoolRunner:
         for r in rows:
             views.append(_RowView(r, offset, pool, self.groups))
             offset += len(r.ids)
-        self.gathered_rows += sum(v.table is not None for v in views)
+        decode = _DecodeRows(views, rows, pool) if self.decode_kernel is not None else None
+        if decode is not None and decode.count == 0:
+            decode = None
+        self.gathered_rows += sum(v.table is not None for v in views if decode is None or v.n > 1)
         ids = torch.tensor([t for r in rows for t in r.ids], dtype=torch.long, device=device)  # [N]
         # [N] RoPE positions: the logical ones (a kept sequence does not store `dropped` tokens)
         pos = torch.tensor([r.start + r.seq.dropped + j for r in rows for j in range(len(r.ids))], device=device)
         slots = torch.cat([r.seq.flat_slots[r.start : r.start + len(r.ids)] for r in rows])  # [N] pool slots
         lengths = [v.n for v in views]
-        kv, hd, groups = pool.info.num_kv_heads, pool.info.head_dim, self.groups
+        kv, hd, groups, Bt = pool.info.num_kv_heads, pool.info.head_dim, self.groups, pool.block_tokens
+        scale = hd**-0.5  # SDPA's default, which the per-row path uses
         heads_k, heads_v = pool.k_heads, pool.v_heads  # [L, n_kv, NB + 1, Bt, hd]
         assert heads_k is not None and heads_v is not None  # checked at start
 
@@ -123,14 +181,22 @@ class PoolRunner:
             pool_k, pool_v = heads_k[layer], heads_v[layer]  # [n_kv, NB + 1, Bt, hd]
             pool_k.view(kv, -1, hd).index_copy_(1, slots, k.transpose(0, 1))  # writes by slot mapping
             pool_v.view(kv, -1, hd).index_copy_(1, slots, v.transpose(0, 1))
+            if decode is not None:
+                flat_k, flat_v = pool_k.view(kv, -1, hd), pool_v.view(kv, -1, hd)
+                if decode.count == len(views):  # every row a decode row: one call
+                    return self.decode_kernel(q.contiguous(), flat_k, flat_v, decode.tables, decode.lengths, Bt, scale)
+                out = torch.empty_like(q)
+                found = self.decode_kernel(q.index_select(0, decode.at), flat_k, flat_v, decode.tables, decode.lengths, Bt, scale)
+                out.index_copy_(0, decode.at, found)
+                for view, q_row in zip(views, q.split(lengths)):
+                    if view.n > 1:
+                        out[view.offset : view.offset + view.n] = _attend_row(
+                            view, q_row, *_keys(view, layer, pool_k, pool_v), groups
+                        )
+                return out
             outs = []
             for view, q_row in zip(views, q.split(lengths)):
-                if view.table is None:  # in place
-                    keys, values = view.keys[layer], view.values[layer]  # [1, n_kv, L, hd]
-                else:  # not one run: this row's blocks, gathered
-                    keys = pool_k.index_select(1, view.table).view(1, kv, -1, hd)[:, :, : view.length]
-                    values = pool_v.index_select(1, view.table).view(1, kv, -1, hd)[:, :, : view.length]
-                outs.append(_attend_row(view, q_row, keys, values, groups))
+                outs.append(_attend_row(view, q_row, *_keys(view, layer, pool_k, pool_v), groups))
             return outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, H, hd]
 
         h = self.model.hidden(ids, pos, attend)  # [N, d]
