@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import sys
 
+import structlog
 import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
@@ -34,6 +35,8 @@ from consumer.engine.kv_pool import KVPool
 from consumer.engine.rows import Row
 from shared import model as own
 from shared.models import LoadedModel
+
+log = structlog.get_logger(__name__)
 
 
 class _RowView:
@@ -134,7 +137,7 @@ class _DecodeRows:
 
 
 class PoolRunner:
-    def __init__(self, loaded: LoadedModel, pool: KVPool, decode_attention: str = "auto"):
+    def __init__(self, loaded: LoadedModel, pool: KVPool, decode_attention: str = "auto", packed: bool = True):
         self.loaded, self.pool = loaded, pool
         self.model = own.of(loaded)
         g = self.model.geometry
@@ -147,6 +150,10 @@ class PoolRunner:
         self.gathered_rows = 0  # rows whose blocks were not one run (read through a gather)
         # decode rows (one new token) through the paged kernel, all at once per layer; None: per-row SDPA
         self.decode_kernel = _decode_kernel(decode_attention, pool.device)
+        # the projections' weights prepacked for oneDNN (CPU; None elsewhere or with packed=False)
+        self.packed = own.Packed.of(self.model) if packed else None
+        if packed and self.packed is None:
+            log.info("pool_forward.unpacked", reason=own.Packed.off_reason(self.model))
 
     scratch_bytes = 0  # no gather buffers
 
@@ -199,13 +206,13 @@ class PoolRunner:
                 outs.append(_attend_row(view, q_row, *_keys(view, layer, pool_k, pool_v), groups))
             return outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, H, hd]
 
-        h = self.model.hidden(ids, pos, attend)  # [N, d]
+        h = self.model.hidden(ids, pos, attend, self.packed)  # [N, d]
         last = torch.tensor([v.offset + v.n - 1 for v in views], device=device)
-        logits = self.model.logits(h[last])  # [B, vocab]
+        logits = self.model.logits(h[last], self.packed)  # [B, vocab]
         for view, r in zip(views, rows):
             if r.tail_logits:
                 end = view.offset + view.n
-                r.logits = self.model.logits(h[end - r.tail_logits : end])  # [n, vocab]
+                r.logits = self.model.logits(h[end - r.tail_logits : end], self.packed)  # [n, vocab]
         for r in rows:
             r.seq.length = r.start + len(r.ids)
         return logits

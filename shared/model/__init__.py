@@ -7,5 +7,6 @@ Hugging Face's modules are the reference it is tested against (tests/test_model_
 """
 
 from shared.model.model import Attend, Model, causal, masked, of
+from shared.model.packed import Packed
 
-__all__ = ["Attend", "Model", "causal", "masked", "of"]
+__all__ = ["Attend", "Model", "Packed", "causal", "masked", "of"]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from shared.model import rope as rope_mod
 from shared.model.config import Geometry
+from shared.model.packed import Packed, PackedLayer, project
 from shared.model.weights import LayerWeights, layer_weights
 
 # (layer, q [T, H, hd], k [T, n_kv, hd], v [T, n_kv, hd]) -> [T, H, hd]; k/v post-RoPE
@@ -72,12 +73,14 @@ class Model:
         """The layer's normalized input (input_layernorm) of the residual stream h [T, d]."""
         return rms_norm(h, self.layers[layer].input_norm, self.eps)
 
-    def qk_v(self, layer: int, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def qk_v(self, layer: int, normed: torch.Tensor, packed: PackedLayer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries and keys side by side, qk [T, H + n_kv, hd] (after q/k norm where the model has
         them, before RoPE), and values v [T, n_kv, hd], from a normalized input [T, d]: one fused
         projection, and one rotation serves q and k."""
         g, w = self.geometry, self.layers[layer]
-        qkv = F.linear(normed, w.qkv, w.qkv_bias).view(normed.shape[0], g.num_heads + 2 * g.num_kv_heads, g.head_dim)
+        qkv = project(normed, w.qkv, w.qkv_bias, None if packed is None else packed.qkv).view(
+            normed.shape[0], g.num_heads + 2 * g.num_kv_heads, g.head_dim
+        )
         qk, v = qkv[:, : g.num_heads + g.num_kv_heads], qkv[:, g.num_heads + g.num_kv_heads :]
         norm = self.qk_norms[layer]
         if norm is not None:
@@ -116,37 +119,40 @@ class Model:
         sin: torch.Tensor,
         attend: Attend,
         normed: torch.Tensor | None = None,
+        packed: PackedLayer | None = None,
     ) -> torch.Tensor:
         """One decoder layer over the residual stream h [T, d] -> [T, d]; `normed`: the layer's
-        normalized input when the caller has it already (`normed(layer, h)`, computed once)."""
-        w = self.layers[layer]
+        normalized input when the caller has it already (`normed(layer, h)`, computed once);
+        `packed`: the layer's prepacked weights (shared.model.packed; the engine's forward)."""
+        w, p = self.layers[layer], packed
         T = h.shape[0]
-        qk, v = self.qk_v(layer, self.normed(layer, h) if normed is None else normed)
+        qk, v = self.qk_v(layer, self.normed(layer, h) if normed is None else normed, p)
         qk = rope_mod.apply(qk, cos, sin)  # [T, H + n_kv, hd]
         H = self.geometry.num_heads
         out = attend(layer, qk[:, :H], qk[:, H:], v).reshape(T, -1)  # [T, H * hd]
-        h = h + F.linear(out, w.o, w.o_bias)
+        h = h + project(out, w.o, w.o_bias, None if p is None else p.o)
         x = rms_norm(h, w.post_norm, self.eps)
-        gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+        gate, up = project(x, w.gate_up, w.gate_up_bias, None if p is None else p.gate_up).chunk(2, dim=-1)
+        return h + project(F.silu(gate) * up, w.down, w.down_bias, None if p is None else p.down)
 
     # --- whole forwards --------------------------------------------------------------------------
 
-    def hidden(self, ids: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def hidden(self, ids: torch.Tensor, pos: torch.Tensor, attend: Attend, packed: Packed | None = None) -> torch.Tensor:
         """The last layer's residual stream (before the final norm), [T, d], for ids [T] at pos [T]."""
-        return self.stack(self.embedding(ids), pos, attend)  # [T, d]
+        return self.stack(self.embedding(ids), pos, attend, packed)  # [T, d]
 
-    def stack(self, h: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def stack(self, h: torch.Tensor, pos: torch.Tensor, attend: Attend, packed: Packed | None = None) -> torch.Tensor:
         """Every layer over the residual stream entering layer 0, h [T, d] at pos [T] -> [T, d]
         (inputs given as embeddings: the SCD predictor's)."""
         cos, sin = self.tables(pos)
         for index in range(self.geometry.num_layers):
-            h = self.layer(index, h, cos, sin, attend)
+            h = self.layer(index, h, cos, sin, attend, packed=None if packed is None else packed.layers[index])
         return h
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
         """Final norm and LM head over h [..., d] -> [..., vocab] float32."""
-        return F.linear(rms_norm(h, self.norm, self.eps), self.lm_head).float()
+        x = rms_norm(h, self.norm, self.eps)
+        return project(x, self.lm_head, None, None if packed is None else packed.lm_head).float()
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
