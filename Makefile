@@ -11,7 +11,7 @@ PROTOS  := $(wildcard protos/scd/v1/*.proto)
 PB_GEN  := $(PB_OUT)/scd/v1/.generated
 COMPOSE := .venv-compose/bin/docker-compose
 
-.PHONY: all install real-model real-artifacts proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft bench-peer bench-breakdown kvpress-check compose-config compose-smoke vllm-structs clean
+.PHONY: all install kernel real-model real-artifacts proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft bench-peer bench-breakdown kvpress-check compose-config compose-smoke vllm-structs clean
 
 all: test
 
@@ -30,7 +30,14 @@ REAL_MODEL := .cache/models/smollm2-135m/origin.json
 $(REAL_MODEL): $(STAMP)
 	$(PYTHON) -m shared.pretrained smollm2-135m smollm2-135m-tuned
 
-install: $(STAMP) $(REAL_MODEL)
+install: $(STAMP) $(REAL_MODEL) kernel
+
+# The engine's paged decode-attention kernel (consumer/engine/paged_attention.py), built now for this
+# CPU's instruction set into .cache/kernels/ (~30 s once; a second or two when built), so no test or
+# request waits for a compile. Needs a C++ compiler (and ninja: the pinned wheel); without a compiler
+# it says so and the engine runs per-row SDPA; a compiler whose build fails stops here.
+kernel: $(STAMP)
+	$(PYTHON) -m consumer.engine.paged_attention
 
 real-model: $(REAL_MODEL)
 
@@ -126,7 +133,7 @@ bench-breakdown: $(PB_GEN) $(REAL_MODEL)
 compose-smoke: $(PB_GEN) $(COMPOSE)
 	$(PYTHON) docker/compose_smoke.py
 
-test: lint $(PB_GEN) $(COMPOSE) $(REAL_MODEL)
+test: lint $(PB_GEN) $(COMPOSE) $(REAL_MODEL) kernel
 	-$(MAKE) --no-print-directory vllm-structs
 	$(PYTHON) -m pytest -q
 
@@ -135,6 +142,7 @@ test: lint $(PB_GEN) $(COMPOSE) $(REAL_MODEL)
 # honours ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA; its MKL ignores MKL_ENABLE_INSTRUCTIONS (set anyway).
 LOWERED_ISA := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 test-lowered-isa: $(PB_GEN)
+	$(LOWERED_ISA) $(PYTHON) -m consumer.engine.paged_attention
 	$(LOWERED_ISA) $(PYTHON) -m pytest -q -m numeric
 
 demo: $(PB_GEN)

@@ -17,6 +17,7 @@ from consumer.api.openai_api import OpenAIServer
 from consumer.api.servicer import SERVICE_NAME, ConsumerServicer
 from consumer.auto import defaults
 from consumer.auto.probe import BackgroundProbe
+from consumer.engine import paged_attention
 from consumer.engine.batch import BatchEngine
 from consumer.engine.kv_admission import KVAdmission
 from consumer.engine.kv_pool import KVPool, default_pool_bytes
@@ -77,6 +78,8 @@ class ConsumerServer:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="consumer-load") as loader:
                 loaded = await logs.run_in(loader, load_model, cfg.model, cfg.dtype, cfg.device)
         pool = KVPool(loaded.info, loaded.device, default_pool_bytes(cfg, loaded), cfg.kv_block_tokens)
+        if loaded.device.type == "cpu":  # the decode kernel, loaded (built, if make install did not) off the event loop
+            await asyncio.to_thread(paged_attention.kernel)
         batch = self.executor = await self._engine(loaded, pool)
         await logs.run_in(batch, warm_up, loaded)
         prefix, kv_admission = self._kv_memory(pool, batch)
@@ -101,6 +104,7 @@ class ConsumerServer:
             digest=loaded.info.weight_digest[:16],
             kv_pool_bytes=pool.capacity_bytes,
             max_batch=cfg.max_batch,
+            decode_attention=self.servicer.decode_attention(),
         )
 
     async def _engine(self, loaded: LoadedModel, pool: KVPool) -> BatchEngine | EngineProcess:

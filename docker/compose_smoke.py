@@ -12,7 +12,8 @@ producer replica how many prefills it served, stops the stack (SIGTERM, drain) a
 
 Prints one JSON line, bench.serving.compose_report's report: images_built, healthy_after_s (from `up` to
 every container healthy), demo_modes_ok (every mode the demo asks, bench.demo.modes_asked over the
-consumer's codecs, answered with tokens), producers (healthy producer replicas), http_ok (the
+consumer's codecs, answered with tokens), decode_attention (the consumer's Describe: "kernel ..."
+where its image built the paged decode kernel), producers (healthy producer replicas), http_ok (the
 `openai` client got the task's gold answer from the served model), kv_events_ok (AllBlocksCleared
 first, then stored blocks); also modes, scd_match_oracle, http_text, kv_events, prefills_by_producer,
 stop_s and stop_exit_codes (0 = drained and exited cleanly). Exit status 0 only when all of it held;
@@ -110,15 +111,17 @@ def published(compose: list[str], port: int) -> str:
     return sh(*compose, "port", "consumer", str(port), capture=True).strip().replace("0.0.0.0", "127.0.0.1")
 
 
-def codecs(address: str) -> list[str]:
-    """The codecs the consumer describes (what the demo asks besides the default)."""
+def described(address: str) -> tuple[list[str], str]:
+    """The codecs the consumer describes (what the demo asks besides the default) and what its
+    decode rows attend with ("kernel avx512", or "sdpa: why")."""
     import asyncio
 
     from consumer.api.client import ConsumerClient
 
-    async def ask() -> list[str]:
+    async def ask() -> tuple[list[str], str]:
         async with ConsumerClient(address) as client:
-            return [c.name for c in (await client.describe()).codecs]
+            reply = await client.describe()
+            return [c.name for c in reply.codecs], reply.decode_attention
 
     return asyncio.run(ask())
 
@@ -203,7 +206,8 @@ def main() -> int:
         run["producers_healthy"] = sum(health(c) == "healthy" for c in pids)
         address = published(compose, 50052)
         log(f"stack healthy after {run['healthy_after_s']} s; demo against {address}")
-        run["codecs"], run["has_artifact"] = codecs(address), bool(demo.default_example()[2])
+        (run["codecs"], run["decode_attention"]), run["has_artifact"] = described(address), bool(demo.default_example()[2])
+        log(f"consumer decode attention: {run['decode_attention']}")
         run["rows"] = run_demo(address)
         run["http"] = ask_openai(published(compose, 8000))
         log(f"openai client over {published(compose, 8000)}: {run['http']['text']!r} (gold {run['http']['gold']!r})")

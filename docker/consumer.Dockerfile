@@ -38,6 +38,15 @@ RUN (command -v make >/dev/null || (apt-get update -q && apt-get install -y -q -
  && mkdir -p shared/pb && make proto PYTHON=/opt/venv/bin/python STAMP=
 
 FROM ${BASE_IMAGE}
+# The engine's paged decode-attention kernel (consumer/engine/paged_attention.py) is C++: g++ (Debian's)
+# and Python's headers (python3-dev where the base has none: Debian's python3 ships without them,
+# python:3.11-slim with them); ninja is the pinned wheel in the venv. They stay in the image so that a container on a
+# CPU of another instruction set builds its own variant at start instead of falling back to SDPA.
+RUN apt-get update -q \
+ && pkgs=g++ \
+ && if [ ! -f "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ]; then pkgs="$pkgs python3-dev"; fi \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $pkgs \
+ && rm -rf /var/lib/apt/lists/*
 RUN useradd --system --uid 10001 --user-group --home-dir /app --no-create-home --shell /usr/sbin/nologin scd \
  && mkdir -p /app /cache && chown scd:scd /cache
 COPY --from=deps /opt/venv /opt/venv
@@ -45,6 +54,11 @@ WORKDIR /app
 COPY shared/ shared/
 COPY --from=deps /build/shared/pb/scd/ shared/pb/scd/
 COPY consumer/ consumer/
+# Built now, for the build machine's instruction set, into /app/.cache/kernels/<name>/ (owned by the
+# service's user: each start re-checks the build there, and a CPU of another set builds its variant);
+# the consumer loads it before it reports SERVING and names it in Describe.decode_attention.
+RUN OMP_NUM_THREADS=1 /opt/venv/bin/python -m consumer.engine.paged_attention \
+ && chown -R scd:scd /app/.cache
 # Models: a builtin tiny name (built into /cache on first use), or a local checkpoint directory
 # mounted into the container (compose mounts ./checkpoints and ./artifacts read-only under /app).
 # The image never downloads weights: HF_HUB_OFFLINE.

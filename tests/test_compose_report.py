@@ -53,6 +53,8 @@ def broken(change) -> dict:
         ("no stored block", lambda r: r.update(kv_events=[e for e in r["kv_events"] if e != "BlockStored"])),
         ("a container killed", lambda r: r["stop_exit_codes"].append(137)),
         ("never stopped", lambda r: r.update(stop_exit_codes=[])),
+        ("decode rows on per-row SDPA", lambda r: r.update(decode_attention="sdpa: scd_decode_attention_avx512 not built")),
+        ("decode attention not reported", lambda r: r.pop("decode_attention")),
     ],
 )
 def test_a_run_with_one_thing_wrong_fails(why, change):

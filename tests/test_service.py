@@ -14,6 +14,7 @@ from producer.server import ProducerServer
 from shared.config import ConsumerConfig, ProducerConfig
 from shared.models import load_model
 from shared.pb import common_pb2, consumer_pb2, producer_pb2, producer_pb2_grpc
+from consumer.engine import paged_attention
 from consumer.server import ConsumerServer
 from tests.conftest import prompt, running_pair
 
@@ -71,6 +72,9 @@ async def test_describe_reports_what_was_loaded():
     assert "oracle" not in {x.name for x in p.codecs}
     assert p.api_version == c.api_version == "scd.v1"
     assert c.producer_target == ""  # no internal addresses in Describe
+    # decode rows through the paged kernel where a compiler built it, else per-row SDPA saying why
+    assert c.decode_attention == paged_attention.which()
+    assert c.decode_attention.startswith("kernel " if paged_attention.compiler() else "sdpa: ")
 
 
 @pytest.mark.parametrize(

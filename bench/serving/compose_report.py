@@ -18,8 +18,9 @@ def verdict(run: dict) -> tuple[dict, bool]:
     images_built, healthy_after_s, producers_expected, producers_healthy; codecs and has_artifact
     (what the demo was shown), rows (its JSON lines); http (the `openai` client's completion over the
     published HTTP port: model, models, text, completion_tokens, gold); kv_events (event types in
-    order, replayed from sequence 0 over the published replay port); prefills_by_producer, stop_s,
-    stop_exit_codes."""
+    order, replayed from sequence 0 over the published replay port); decode_attention (the consumer's
+    Describe: what its decode rows attend with; the image builds the kernel, so "kernel ..." is
+    required); prefills_by_producer, stop_s, stop_exit_codes."""
     rows = run.get("rows", [])
     asked = modes_asked(run.get("codecs", []), run.get("has_artifact", False))
     modes = [r["mode"] for r in rows]
@@ -44,6 +45,8 @@ def verdict(run: dict) -> tuple[dict, bool]:
         # KV events over the published ports: the start's AllBlocksCleared first, then the demo's blocks
         "kv_events_ok": events[:1] == ["AllBlocksCleared"] and "BlockStored" in events,
         "kv_events": {kind: events.count(kind) for kind in dict.fromkeys(events)},
+        # the consumer container's decode rows through the paged kernel its image built
+        "decode_attention": run.get("decode_attention", ""),
         "prefills_by_producer": run.get("prefills_by_producer", []),
         "stop_s": run.get("stop_s"),
         "stop_exit_codes": run.get("stop_exit_codes", []),
@@ -54,6 +57,7 @@ def verdict(run: dict) -> tuple[dict, bool]:
         and report["producers"] == run.get("producers_expected")
         and report["http_ok"]
         and report["kv_events_ok"]
+        and report["decode_attention"].startswith("kernel ")
         and bool(report["stop_exit_codes"])
         and set(report["stop_exit_codes"]) == {0}
     )

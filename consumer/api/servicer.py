@@ -19,6 +19,7 @@ from consumer.auto.defaults import DefaultMode
 from consumer.auto.planner import TransferPlanner
 from consumer.auto.probe import BackgroundProbe
 from consumer.auto.producer_memory import ProducerMemory
+from consumer.engine import paged_attention
 from consumer.engine.batch import BatchEngine
 from consumer.engine.kv_admission import KVAdmission
 from consumer.engine.prefix_cache import PrefixCache
@@ -152,6 +153,13 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         codec = self.codecs.get(c.mode) if c.remote else None
         return self.pipeline.cached_tokens(codec, dict(c.options), context_ids, tenant)
 
+    def decode_attention(self) -> str:
+        """What the engine's decode rows attend with (paged_attention.runs): "kernel avx512", or
+        "sdpa: why". With --engine-process, as this process's engine resolved it (the child loads
+        the same build)."""
+        batch = self.batch
+        return paged_attention.runs(batch.local.runner if isinstance(batch, EngineProcess) else batch.runner)
+
     def _ready(self) -> LoadedModel:
         if self.loaded is None:
             raise Unavailable("consumer model is still loading")
@@ -242,6 +250,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             api_version=shared.API_VERSION,
             artifacts=describe.artifacts_to_pb(self.codecs),
             auto_default_budget=budget_to_pb(self.chooser.default_budget()),
+            decode_attention=self.decode_attention(),
             default_mode=self.default.mode,
             default_mode_reason=self.default.why,
             producer_link=readiness.link_to_pb(self.link),

@@ -3,19 +3,27 @@ own blocks of the KV pool in one call per layer, all rows and KV heads together,
 where they lie (consumer/engine/kernels/decode_attention.cpp). Per-row SDPA, which it replaces on
 decode rows, costs ~85 us of fixed work per call: at batch 32 that is most of a decode step.
 
-The kernel is C++ built on first use by torch.utils.cpp_extension into `.cache/kernels/` (g++ and
-ninja; `make install` builds it ahead so no request waits), once per instruction set: AVX2 + FMA
-where the CPU has them (`torch.backends.cpu.get_cpu_capability()`, which honours
-ATEN_CPU_CAPABILITY), portable code otherwise. Where it cannot be built or loaded (no compiler, a
-GPU pool) `kernel()` returns None and the engine keeps per-row SDPA: slower, same answers within
-float tolerance (tests/test_paged_attention.py checks the kernel against SDPA).
+The kernel is C++ built by torch.utils.cpp_extension (a C++ compiler and ninja: the `ninja` wheel
+in the venv is found even when the venv's bin is not on PATH) into `.cache/kernels/<name>/`
+(SCD_KERNEL_DIR moves it), one folder per instruction set: AVX-512 or AVX2 + FMA where the CPU has
+them (`torch.backends.cpu.get_cpu_capability()`, which honours ATEN_CPU_CAPABILITY), portable code
+otherwise. `make install` and `make test` build it ahead (`python -m consumer.engine.paged_attention`),
+and the consumer loads it before it reports SERVING, so no request waits for a compile. Processes
+building at once take turns (an OS file lock, released if a builder dies; cpp_extension's own lock
+file, which a killed builder leaves behind, is cleared under it). Where it cannot be built or
+loaded (no compiler, SCD_DECODE_KERNEL=0) `kernel()` returns None, `which()` says why, and the
+engine keeps per-row SDPA: slower, same answers within float tolerance (tests/test_paged_attention.py
+holds the kernel to float32 SDPA).
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
+import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -24,7 +32,7 @@ import torch
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "decode_attention.cpp"
-BUILD = Path(__file__).resolve().parents[2] / ".cache" / "kernels"
+CACHE = Path(__file__).resolve().parents[2] / ".cache" / "kernels"
 # OpenMP: at::parallel_for runs its threads only when built with it; the simd pragmas and no errno
 # let the compiler vectorize the dot products and exp
 COMMON = ["-O3", "-fopenmp", "-fno-math-errno"]
@@ -48,23 +56,87 @@ def _flags() -> tuple[str, list[str]]:
     return "scd_decode_attention_base", COMMON
 
 
+def compiler() -> str | None:
+    """The C++ compiler cpp_extension would run ($CXX, else c++), or None where there is none."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def build_dir(name: str) -> Path:
+    """Where extension `name` is built: its own folder (a build.ninja and object per instruction set,
+    so the AVX2 and AVX-512 builds never overwrite each other's)."""
+    return Path(os.environ.get("SCD_KERNEL_DIR") or CACHE) / name
+
+
+def _ninja_on_path() -> None:
+    """cpp_extension runs `ninja --version` from PATH: where none is there, the `ninja` wheel's
+    script beside this interpreter (the venv's bin, not on PATH when the venv is not activated)."""
+    if shutil.which("ninja") is None:
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+
+
+def _build(name: str, flags: list[str]) -> Callable:
+    from torch.utils import cpp_extension
+
+    _ninja_on_path()
+    folder = build_dir(name)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "build.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # one builder at a time; the OS releases it if the holder dies
+        # cpp_extension's own baton (O_EXCL file, waited on forever): under our lock, one found is a
+        # leftover of a builder that was killed mid-build
+        (folder / "lock").unlink(missing_ok=True)
+        module = cpp_extension.load(
+            name=name, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(folder), verbose=False
+        )
+    return module.decode_attention
+
+
+def _cause(error: Exception) -> str:
+    """The line of a failed build that says why (the compiler's first error, a missing tool), not
+    the command lines or ninja's closing "build stopped"."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for line in lines:
+        if ("error" in line.lower() or "not found" in line) and not line.startswith("Error building extension"):
+            return line[:200]
+    return (lines[-1] if lines else type(error).__name__)[:200]
+
+
 @functools.cache
-def kernel():
-    """The built extension's `decode_attention`, or None where it cannot be built (logged once)."""
+def _loaded() -> tuple[Callable | None, str]:
+    """(the extension's decode_attention, "kernel avx512") or (None, "sdpa: why"); built once per process."""
     if os.environ.get("SCD_DECODE_KERNEL", "1") == "0":
-        return None
+        return None, "sdpa: SCD_DECODE_KERNEL=0"
     name, flags = _flags()
     try:
-        from torch.utils import cpp_extension
-
-        BUILD.mkdir(parents=True, exist_ok=True)
-        module = cpp_extension.load(
-            name=name, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(BUILD), verbose=False
-        )
+        fn = _build(name, flags)
     except Exception as error:  # no compiler, no ninja, a failed build: the engine keeps per-row SDPA
-        log.warning("decode_attention.unavailable", error=str(error)[:500], fallback="per-row SDPA")
-        return None
-    return module.decode_attention
+        log.warning("decode_attention.unavailable", error=str(error)[-2000:], fallback="per-row SDPA")
+        return None, f"sdpa: {name} not built ({_cause(error)})"
+    return fn, f"kernel {name.rsplit('_', 1)[-1]}"
+
+
+def kernel() -> Callable | None:
+    """The built extension's `decode_attention`, or None where it cannot be built (logged once)."""
+    return _loaded()[0]
+
+
+def which() -> str:
+    """What decode rows on the CPU run here: "kernel avx512" / "kernel avx2" / "kernel base", or
+    "sdpa: why" (builds the kernel if not yet built)."""
+    return _loaded()[1]
+
+
+def runs(runner: object) -> str:
+    """What a runner runs for its decode rows: `which()` when it holds the kernel, else "sdpa: why"
+    (consumer.engine.pool_forward.PoolRunner resolves its `decode_attention` mode at construction)."""
+    if getattr(runner, "decode_kernel", None) is not None:
+        return which()
+    pool = getattr(runner, "pool", None)
+    if not hasattr(runner, "decode_kernel"):
+        return f"sdpa: {type(runner).__name__} has no paged kernel"
+    if pool is not None and pool.device.type != "cpu":
+        return f"sdpa: the kernel runs on the CPU, the pool is on {pool.device}"
+    return which() if kernel() is None else "sdpa: decode_attention='sdpa'"
 
 
 def decode_attention(
@@ -72,14 +144,16 @@ def decode_attention(
 ) -> torch.Tensor:
     """q [B, H, hd] (one new token per row) over k / v [n_kv, slots, hd] (one layer of the pool, flat
     slots = block * block_tokens + offset), rows' blocks `tables` [B, max_blocks] int64 and key
-    counts `lengths` [B] int64 -> [B, H, hd] in q's dtype. Raises where the kernel is not built."""
+    counts `lengths` [B] int64 -> [B, H, hd] in q's dtype. Raises where the kernel is not built,
+    and (ValueError from the kernel's checks) on a block outside the pool, a length outside its
+    table or below 1, mixed dtypes, non-CPU or misshapen tensors."""
     fn = kernel()
     if fn is None:
-        raise RuntimeError("decode_attention: the kernel is not built (see the log)")
+        raise RuntimeError(f"decode_attention: the kernel is not built ({which()})")
     return fn(q.contiguous(), k, v, tables, lengths, block_tokens, q.shape[-1] ** -0.5)
 
 
-if __name__ == "__main__":  # `python -m consumer.engine.paged_attention`: build it now (make install)
-    built = kernel()
-    print(f"decode attention kernel: {'built' if built is not None else 'NOT built (per-row SDPA)'} ({_flags()[0]})")
-    sys.exit(0)
+if __name__ == "__main__":  # `python -m consumer.engine.paged_attention`: build it now (make install, make test)
+    print(f"decode attention: {which()} ({build_dir(_flags()[0])})")
+    # no compiler: per-row SDPA is this machine's path, not an error; a compiler that fails is one
+    sys.exit(1 if kernel() is None and compiler() is not None and os.environ.get("SCD_DECODE_KERNEL") != "0" else 0)

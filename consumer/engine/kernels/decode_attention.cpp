@@ -8,6 +8,7 @@
 // j * g .. j * g + g - 1 (GQA, g = H / n_kv); tables [B, max_blocks] int64 (a row's blocks, padded);
 // lengths [B] int64 (keys each row attends over, its new token's included). Out [B, H, hd] in q's
 // dtype. Scores, softmax and the weighted sum in float32, as SDPA's CPU kernels accumulate.
+// Every table entry and length a row uses is checked against the pool before anything is read.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -92,22 +93,42 @@ void decode(const T* q, const T* k, const T* v, const int64_t* tables, const int
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& tables, const torch::Tensor& lengths, int64_t block_tokens,
                                double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q [B, H, hd], k / v [n_kv, slots, hd]");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "q, k, v must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "q, k, v: one dtype");
-  TORCH_CHECK(k.sizes() == v.sizes() && q.size(2) == k.size(2), "k / v shapes differ, or head_dim");
-  TORCH_CHECK(q.size(1) % k.size(0) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(tables.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong, "tables / lengths int64");
-  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && tables.is_contiguous(), "tables [B, max_blocks]");
-  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == q.size(0), "lengths [B]");
+  // every check before any read: a hostile table or length raises (ValueError / TypeError), never reads
+  // outside the pool
+  TORCH_CHECK_VALUE(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && tables.device().is_cpu() &&
+                        lengths.device().is_cpu(),
+                    "decode_attention: q, k, v, tables, lengths must be CPU tensors");
+  TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "decode_attention: q must be [B, H, hd] and k / v ",
+                    "[n_kv, slots, hd]; got q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK_VALUE(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
+                    "decode_attention: q, k, v must be contiguous");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK_TYPE((dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf) &&
+                       dtype == k.scalar_type() && dtype == v.scalar_type(),
+                   "decode_attention: q, k, v must share one dtype of float32, float64, bfloat16, float16; got ",
+                   dtype, ", ", k.scalar_type(), ", ", v.scalar_type());
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "decode_attention: k ", k.sizes(), " and v ", v.sizes(), " differ");
+  TORCH_CHECK_VALUE(q.size(2) == k.size(2), "decode_attention: q's head_dim ", q.size(2), " != k's ", k.size(2));
+  TORCH_CHECK_VALUE(k.size(0) > 0 && q.size(1) % k.size(0) == 0, "decode_attention: q's ", q.size(1),
+                    " heads are not a multiple of k's ", k.size(0), " KV heads");
+  TORCH_CHECK_VALUE(block_tokens > 0, "decode_attention: block_tokens must be >= 1, got ", block_tokens);
+  TORCH_CHECK_TYPE(tables.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong,
+                   "decode_attention: tables and lengths must be int64; got ", tables.scalar_type(), ", ",
+                   lengths.scalar_type());
+  TORCH_CHECK_VALUE(tables.dim() == 2 && tables.size(0) == q.size(0) && tables.is_contiguous(),
+                    "decode_attention: tables must be contiguous [B = ", q.size(0), ", max_blocks]; got ", tables.sizes());
+  TORCH_CHECK_VALUE(lengths.dim() == 1 && lengths.size(0) == q.size(0) && lengths.is_contiguous(),
+                    "decode_attention: lengths must be contiguous [B = ", q.size(0), "]; got ", lengths.sizes());
   const int64_t B = q.size(0), max_blocks = tables.size(1), slots = k.size(1);
+  const int64_t pool_blocks = slots / block_tokens;  // whole blocks in the pool
   const int64_t* tab = tables.data_ptr<int64_t>();
   const int64_t* len = lengths.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {  // every key a row reads lies in its table and in the pool
-    TORCH_CHECK(len[b] > 0 && len[b] <= max_blocks * block_tokens, "row ", b, ": length ", len[b], " outside its table");
-    for (int64_t i = 0; i < (len[b] + block_tokens - 1) / block_tokens; ++i)
-      TORCH_CHECK(tab[b * max_blocks + i] >= 0 && (tab[b * max_blocks + i] + 1) * block_tokens <= slots,
-                  "row ", b, ": block ", tab[b * max_blocks + i], " outside the pool");
+    TORCH_CHECK_VALUE(len[b] >= 1 && (len[b] - 1) / block_tokens < max_blocks, "decode_attention: row ", b,
+                      ": length ", len[b], " outside 1 .. ", max_blocks, " blocks x ", block_tokens, " tokens");
+    for (int64_t i = 0; i <= (len[b] - 1) / block_tokens; ++i)
+      TORCH_CHECK_VALUE(tab[b * max_blocks + i] >= 0 && tab[b * max_blocks + i] < pool_blocks, "decode_attention: row ",
+                        b, ": block ", tab[b * max_blocks + i], " outside the pool's 0 .. ", pool_blocks - 1);
   }
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
