@@ -509,7 +509,9 @@ def engine_step(root: Path = ROOT) -> dict:
 def engine_forward(root: Path = ROOT) -> dict:
     """bench.micro.engine_step --compare's rows: per (model, dtype, context, batch) the medians over
     rounds of our pool step, the HF runner's and the bare HF step; per (model, dtype, prefill shape)
-    ours against the runner's prefill forward. Cells `model|dtype|ctx|batch` and `model|dtype|shape`."""
+    ours against the runner's prefill forward. Cells `model|dtype|ctx|batch` and `model|dtype|shape`;
+    rows that also time the plain pool forward (per-row SDPA, plain weights: the forward before the
+    paged decode kernel and the packed weights) go to `kernel_table`, cells `kernel|model|dtype|ctx|batch`."""
     rows = rows_of(root / "bench/results/engine_forward.jsonl")
     steps: dict[tuple, list[dict]] = {}
     prefills: dict[tuple, list[dict]] = {}
@@ -523,6 +525,29 @@ def engine_forward(root: Path = ROOT) -> dict:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     cells: dict = {}
+    kernel = [
+        "| model | dtype | context | batch | ours ms (decode attention, packed weights) | plain ms | HF runner ms | bare HF ms"
+        " | ours / plain | ours / runner | rounds | load |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    later: dict[tuple, list[dict]] = {}  # rows that also time the plain forward (per-row SDPA, plain weights)
+    for key, rs in list(steps.items()):
+        if any("pool_plain_step_ms" in r for r in rs):
+            later[key] = [r for r in rs if "pool_plain_step_ms" in r]
+            steps[key] = [r for r in rs if "pool_plain_step_ms" not in r]
+            if not steps[key]:
+                del steps[key]
+    for (model, dtype, ctx, batch), rs in sorted(later.items()):
+        ours, plain, runner, bare = (
+            statistics.median(r[k] for r in rs) for k in ("pool_step_ms", "pool_plain_step_ms", "runner_step_ms", "bare_step_ms")
+        )
+        how = ", ".join(sorted({f"{r['decode_attention']}, {'packed' if r['packed_weights'] else 'plain'}" for r in rs}))
+        cells[f"kernel|{model}|{dtype}|{ctx}|{batch}"] = {"ours": ours, "plain": plain, "ratio": ours / plain, "runner_ratio": ours / runner}
+        loads = [r["load_avg_1m"] for r in rs] + [r["load_avg_1m_end"] for r in rs]
+        kernel.append(
+            f"| {model} | {dtype} | {ctx} | {batch} | {ours:.2f} ({how}) | {plain:.2f} | {runner:.2f} | {bare:.2f}"
+            f" | {ours / plain:.2f}x | {ours / runner:.2f}x | {len(rs)} | {span(loads, '{:.1f}')} |"
+        )
     for (model, dtype, ctx, batch), rs in sorted(steps.items()):
         ours, runner, bare = (statistics.median(r[k] for r in rs) for k in ("pool_step_ms", "runner_step_ms", "bare_step_ms"))
         cells[f"{model}|{dtype}|{ctx}|{batch}"] = {"ours": ours, "runner": runner, "bare": bare, "ratio": ours / runner}
@@ -539,7 +564,13 @@ def engine_forward(root: Path = ROOT) -> dict:
             f"| {model} | {dtype} | {shape.replace('_', ' ')} | {ours:.1f} | {runner:.1f} | {ours / runner:.2f}x"
             f" | {span([r['load_avg_1m'] for r in rs], '{:.1f}')} |"
         )
-    return {"table": "\n".join(table), "prefill": "\n".join(prefill), "rows": len(rows), "cells": cells}
+    return {
+        "table": "\n".join(table),
+        "kernel_table": "\n".join(kernel),
+        "prefill": "\n".join(prefill),
+        "rows": len(rows),
+        "cells": cells,
+    }
 
 
 def kv_check(root: Path = ROOT) -> dict:

@@ -23,9 +23,11 @@ Rows before the limits (no kv_check_sums_ms) timed finite_each as kv_check_ms.
 `--compare`: the new step against the old, side by side (issue 47): per model (`--models`, comma
 separated: checkpoint paths or registry short names), context (`--ctx`, comma separated) and batch,
 one decode step of our own forward over the pool in place (consumer.engine.pool_forward,
-`pool_step_ms`), of the Hugging Face runner over gathered blocks (consumer.engine.hf_reference,
+`pool_step_ms`: as the engine runs it, decode rows through the paged kernel and prepacked weights
+where they apply, `decode_attention` / `packed_weights` say which), of the same forward with per-row
+SDPA and plain weights (`pool_plain_step_ms`, the forward before those two), of the Hugging Face runner over gathered blocks (consumer.engine.hf_reference,
 `runner_step_ms`) and of the bare Hugging Face model with a DynamicCache (`bare_step_ms`),
-interleaved step by step (pool, runner, bare, pool, ...), medians of `--steps`. Every row holds
+interleaved step by step (pool, plain, runner, bare, pool, ...), medians of `--steps`. Every row holds
 the model's own K/V of one seeded random-token context (prefilled once, copied to every row, to
 both pools and to the DynamicCache), so the three steps start from one state and the row checks
 that the pool step's logits equal the runner's (`logits_max_diff`, and `logits_max_abs` for scale). One JSON line per (model, ctx, batch, round) to stdout and
@@ -157,7 +159,7 @@ def _filled_pools(loaded, batch: int, ctx: int, steps: int):
     reserve = ctx + steps + 8
     budget = batch * (reserve + 16) * info.kv_bytes(1)
     # ours reads the head-major pool; the runner gets the token-major one it was built for (main's)
-    pools = [KVPool(info, loaded.device, budget, 16, head_major=True), KVPool(info, loaded.device, budget, 16, head_major=False)]
+    pools = [KVPool(info, loaded.device, budget, 16, head_major=major) for major in (True, False, True)]
     seqs: list[list[SequenceKV]] = []
     for pool in pools:
         held = [pool.allocate(reserve) for _ in range(batch)]
@@ -173,9 +175,11 @@ def _filled_pools(loaded, batch: int, ctx: int, steps: int):
     used = -(-ctx // 16)
     for seq in seqs[0][1:]:  # every row holds the same context
         pools[0].copy_blocks(first.blocks[:used], seq.blocks[:used])
-    pools[1].k.copy_(pools[0].k)
-    pools[1].v.copy_(pools[0].v)
-    for seq in seqs[0] + seqs[1]:
+    for other in (1, 2):  # the same blocks hold the same K/V in every pool
+        assert all(a.blocks == b.blocks for a, b in zip(seqs[0], seqs[other]))
+        pools[other].k.copy_(pools[0].k)
+        pools[other].v.copy_(pools[0].v)
+    for seq in seqs[0] + seqs[1] + seqs[2]:
         seq.length = ctx
     cache = DynamicCache(config=loaded.model.config)
     table = torch.stack([seq.table[:used] for seq in seqs[0]])  # [B, used]
@@ -196,12 +200,14 @@ def compare(loaded, batch: int, ctx: int, steps: int) -> dict:
 
     pools, seqs, cache = _filled_pools(loaded, batch, ctx, steps)
     new, old = PoolRunner(loaded, pools[0]), Runner(loaded, pools[1])
+    plain = PoolRunner(loaded, pools[2], decode_attention="sdpa", packed=False)
     step_ids = torch.full((batch, 1), 7, device=loaded.device)
-    times: dict[str, list[float]] = {"pool": [], "runner": [], "bare": []}
+    times: dict[str, list[float]] = {"pool": [], "plain": [], "runner": [], "bare": []}
     diff = scale = 0.0
     with torch.inference_mode():
         fns = {
             "pool": lambda: new.forward([Row(seq, [7], seq.length) for seq in seqs[0]]),
+            "plain": lambda: plain.forward([Row(seq, [7], seq.length) for seq in seqs[2]]),
             "runner": lambda: old.forward([Row(seq, [7], seq.length) for seq in seqs[1]]),
             "bare": lambda: loaded.model(input_ids=step_ids, cache=cache, use_cache=True, logits_to_keep=1).logits,
         }
@@ -218,10 +224,14 @@ def compare(loaded, batch: int, ctx: int, steps: int) -> dict:
     med = {name: statistics.median(ts[2:]) * 1e3 for name, ts in times.items()}
     return {
         "pool_step_ms": round(med["pool"], 3),
+        "pool_plain_step_ms": round(med["plain"], 3),
         "runner_step_ms": round(med["runner"], 3),
         "bare_step_ms": round(med["bare"], 3),
         "pool_vs_runner": round(med["pool"] / med["runner"], 3),
+        "pool_vs_plain": round(med["pool"] / med["plain"], 3),
         "pool_vs_bare": round(med["pool"] / med["bare"], 3),
+        "decode_attention": "kernel" if new.decode_kernel is not None else "sdpa",
+        "packed_weights": new.packed is not None,
         "logits_max_diff": float(f"{diff:.3g}"),
         "logits_max_abs": float(f"{scale:.3g}"),
         "gathered_rows": new.gathered_rows,
