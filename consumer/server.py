@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -21,6 +22,7 @@ from consumer.engine import paged_attention
 from consumer.engine.batch import BatchEngine
 from consumer.engine.kv_admission import KVAdmission
 from consumer.engine.kv_pool import KVPool, default_pool_bytes
+from consumer.engine.pool_forward import PoolRunner
 from consumer.engine.prefix_cache import PrefixCache
 from consumer.engine.process import EngineProcess
 from consumer.link import readiness
@@ -105,13 +107,16 @@ class ConsumerServer:
             kv_pool_bytes=pool.capacity_bytes,
             max_batch=cfg.max_batch,
             decode_attention=self.servicer.decode_attention(),
+            packed_weights=self.servicer.packed_weights(),
         )
 
     async def _engine(self, loaded: LoadedModel, pool: KVPool) -> BatchEngine | EngineProcess:
         """The batch engine: on a thread here, or in a process of its own (--engine-process)."""
         cfg = self.config
+        forward = {"decode_attention": cfg.decode_attention, "packed": cfg.packed_weights}  # PoolRunner's options
         if not cfg.engine_process:
-            return BatchEngine(loaded, pool, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens)
+            runner = functools.partial(PoolRunner, **forward)
+            return BatchEngine(loaded, pool, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens, runner=runner)
         loop = asyncio.get_running_loop()
 
         def exited(why: str) -> None:  # the engine process's reader thread
@@ -119,7 +124,7 @@ class ConsumerServer:
 
         threads = torch.get_num_threads()  # as this process resolved it (shared.torch_threads.intra_op_threads)
         args = (loaded, pool, cfg.model, threads, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens)
-        return await asyncio.to_thread(EngineProcess, *args, on_exit=exited)
+        return await asyncio.to_thread(EngineProcess, *args, on_exit=exited, forward=forward)
 
     def _kv_memory(self, pool: KVPool, batch: BatchEngine | EngineProcess) -> tuple[PrefixCache | None, KVAdmission]:
         """The prefix cache (--prefix-cache-bytes; its KV events when --kv-events-endpoint is given)

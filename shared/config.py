@@ -236,6 +236,8 @@ class ConsumerConfig(ServerConfig):
     stream_interval: int = 1  # tokens per streamed message after the first (1: each alone; as vLLM's --stream-interval)
     verify_draft_bytes: int = 32 << 20  # verified decoding: sampled drafts a request keeps, bytes (consumer.engine.speculative)
     engine_process: bool = False  # the engine's forwards in a child process, the KV pool in shared memory
+    decode_attention: str = "auto"  # CPU decode rows: auto (paged kernel, else SDPA), kernel (or fail start), sdpa
+    packed_weights: bool = True  # CPU: projections on oneDNN-prepacked weights (a second copy in memory)
     chunk_tokens: int = 256  # context chunk size of the prefix cache (a multiple of kv_block_tokens)
     prefix_cache_bytes: int = -1  # KV pool bytes the prefix cache may keep; -1: half the pool, 0: off
     http_port: int = -1  # OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models; consumer.api.openai_api); -1 off, 0 any free port
@@ -266,6 +268,8 @@ class ConsumerConfig(ServerConfig):
         for name in ("max_batch", "kv_block_tokens", "prefill_chunk", "max_batch_tokens", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention: {self.decode_attention!r} not in {DECODE_ATTENTION}")
         if self.kv_pool_bytes < 0 or self.max_queue < 0:
             raise ValueError("kv_pool_bytes and max_queue: must be >= 0")
         if self.verify_draft_bytes < 0:
@@ -294,6 +298,8 @@ def default_modes() -> list[str]:
 
     return sorted([*registered(), ORACLE_MODE, AUTO_MODE])
 
+
+DECODE_ATTENTION = ("auto", "kernel", "sdpa")  # consumer.engine.paged_attention.MODES
 
 _FIELD_LINE = re.compile(r"^\s+(\w+): [^=]+=.*?  # (.+)$")
 

@@ -84,3 +84,32 @@ def test_packing_is_off_with_its_reason_where_it_does_not_apply():
     loaded = load_model("checkpoints/qa-tuned", "float32", "cpu")
     pool = KVPool(loaded.info, loaded.device, 64 * loaded.info.kv_bytes(1) + (1 << 20), 16)
     assert PoolRunner(loaded, pool, packed=False).packed is None
+
+
+def test_the_consumer_flags_are_validated():
+    from shared.config import ConsumerConfig
+
+    with pytest.raises(ValueError, match="decode_attention: 'flash' not in"):
+        ConsumerConfig(model="tiny-llama", decode_attention="flash").validate()
+
+
+@pytest.mark.parametrize("engine_process", [False, True])
+async def test_the_consumer_runs_the_forward_its_flags_ask_for(engine_process):
+    """--decode-attention sdpa --packed-weights false: the served engine's runner (in this process or
+    the engine process's frontend twin) runs per-row SDPA on plain weights, and its greedy answers
+    equal those of a consumer on the defaults (float32: the paths agree within 1e-4)."""
+    from shared.pb import consumer_pb2
+    from tests.conftest import prompt, running_pair
+
+    answers = []
+    for kw in ({}, {"decode_attention": "sdpa", "packed_weights": False, "engine_process": engine_process}):
+        async with running_pair("tiny-llama", consumer_kw=kw) as pair:
+            c = await pair.stub.Describe(consumer_pb2.ConsumerServiceDescribeRequest())
+            if kw:
+                assert c.decode_attention == "sdpa: decode_attention='sdpa'"
+                assert pair.consumer.servicer.packed_weights() == "off: --packed-weights false"
+            else:
+                assert pair.consumer.servicer.packed_weights() == "on"
+            ids, _, _ = await pair.generate(context=prompt("the cat sat on the mat " * 8), question=prompt("where?"), max_new_tokens=8, mode="oracle")
+            answers.append(ids)
+    assert answers[0] == answers[1] and len(answers[0]) > 0

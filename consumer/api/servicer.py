@@ -160,6 +160,14 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         batch = self.batch
         return paged_attention.runs(batch.local.runner if isinstance(batch, EngineProcess) else batch.runner)
 
+    def packed_weights(self) -> str:
+        """Whether the engine's projections run on oneDNN-prepacked weights: "on", or "off: why"."""
+        batch = self.batch
+        runner = batch.local.runner if isinstance(batch, EngineProcess) else batch.runner
+        if getattr(runner, "packed", None) is not None:
+            return "on"
+        return "off: --packed-weights false" if not self.config.packed_weights else f"off: {runner.packed_off}"
+
     def _ready(self) -> LoadedModel:
         if self.loaded is None:
             raise Unavailable("consumer model is still loading")

@@ -29,6 +29,8 @@ from pathlib import Path
 import structlog
 import torch
 
+from shared.config import DECODE_ATTENTION
+
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "decode_attention.cpp"
@@ -36,7 +38,7 @@ CACHE = Path(__file__).resolve().parents[2] / ".cache" / "kernels"
 # OpenMP: at::parallel_for runs its threads only when built with it; the simd pragmas and no errno
 # let the compiler vectorize the dot products and exp
 COMMON = ["-O3", "-fopenmp", "-fno-math-errno"]
-MODES = ("auto", "kernel", "sdpa")  # the engine's decode attention: the kernel where it loads, or per-row SDPA
+MODES = DECODE_ATTENTION  # the engine's decode attention: the kernel where it loads (auto), it or fail, per-row SDPA
 
 
 def _flags() -> tuple[str, list[str]]:

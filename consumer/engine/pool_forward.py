@@ -152,8 +152,9 @@ class PoolRunner:
         self.decode_kernel = _decode_kernel(decode_attention, pool.device)
         # the projections' weights prepacked for oneDNN (CPU; None elsewhere or with packed=False)
         self.packed = own.Packed.of(self.model) if packed else None
+        self.packed_off = "" if self.packed is not None else "packed=False" if not packed else own.Packed.off_reason(self.model)
         if packed and self.packed is None:
-            log.info("pool_forward.unpacked", reason=own.Packed.off_reason(self.model))
+            log.info("pool_forward.unpacked", reason=self.packed_off)
 
     scratch_bytes = 0  # no gather buffers
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import os
 import signal
@@ -50,6 +51,7 @@ import torch.multiprocessing as mp
 from consumer.engine.batch import BatchEngine, EngineStats, Finished, PostHook, Task
 from consumer.engine.decoding import Sampler, TokenLogprobs
 from consumer.engine.kv_pool import KVPool, SequenceKV
+from consumer.engine.pool_forward import PoolRunner
 from consumer.engine.speculative import DraftSampler, Nucleus
 from shared import liveness, logs
 from shared.errors import ServiceError, Unavailable
@@ -177,6 +179,7 @@ def _child(spec: dict[str, Any], k: torch.Tensor, v: torch.Tensor, state: torch.
         spec["max_batch_tokens"],
         progress=SharedProgress("consumer-engine", state),
         after_iteration=relay.flush,
+        runner=functools.partial(PoolRunner, **spec["forward"]),
     )
     conn.send(("ready",))
     try:
@@ -292,11 +295,14 @@ class EngineProcess(concurrent.futures.Executor):
         prefill_chunk: int = 512,
         max_batch_tokens: int = 2048,
         on_exit: Callable[[str], None] | None = None,
+        forward: dict[str, Any] | None = None,
     ):
         self.loaded, self.pool, self.max_batch = loaded, pool, max_batch
         self.on_exit = on_exit  # called (reader thread) with the reason when the child exits unasked
         self.post_hook: PostHook | None = None  # tests: see consumer.engine.batch.PostHook (reader thread)
-        self.local = BatchEngine(loaded, pool, max_batch)  # the frontend's jobs only: never given a task
+        forward = forward or {}  # PoolRunner's options (decode_attention, packed), the same in both engines
+        # the frontend's jobs only: never given a task
+        self.local = BatchEngine(loaded, pool, max_batch, runner=functools.partial(PoolRunner, **forward))
         self.stats = EngineStats()
         self.progress = SharedProgress("consumer-engine")
         self._lock = threading.Lock()
@@ -318,6 +324,7 @@ class EngineProcess(concurrent.futures.Executor):
             "max_batch": max_batch,
             "prefill_chunk": prefill_chunk,
             "max_batch_tokens": max_batch_tokens,
+            "forward": forward,
         }
         check_shm(pool)
         k, v = pool.share()
