@@ -34,8 +34,9 @@ def peer_vllm(root: Path = RESULTS.parents[1]) -> dict:
             f"{r['identical_outputs']:.0%} | {r['runs']} | {r['load_avg_1m_median']:.1f} |"
         )
         ratios[f"{r['workload']}@{r['streams']}"] = r["ratio_ours_vs_vllm"]
-    identical = next((r["identical_outputs"] for r in summaries if (r["workload"], r["streams"]) == ("decode", 32)), 0.0)
-    first = rows[0]
+    # the latest run's (rows are appended run after run; the table shows every run, its code named)
+    identical = next((r["identical_outputs"] for r in reversed(summaries) if (r["workload"], r["streams"]) == ("decode", 32)), 0.0)
+    first = rows[-1]
     return {
         "table": "\n".join(lines),
         "ratios": ratios,
@@ -61,12 +62,12 @@ def peer_breakdown(root: Path = RESULTS.parents[1]) -> dict:
     rows = rows_of(path)
     summaries = [r for r in rows if r["kind"] == "summary"]
     lines = [
-        "| torch threads | workload | streams | forward alone (s) | engine (s) | services (s) | forward / services | runs | load (1 min) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| code | torch threads | workload | streams | forward alone (s) | engine (s) | services (s) | forward / services | runs | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summaries:
         lines.append(
-            f"| {r['torch_threads']} | {r['workload']} | {r['streams']} | {r['forward_s_median']:.2f} | {r['engine_s_median']:.2f} | "
+            f"| {r['code']} | {r['torch_threads']} | {r['workload']} | {r['streams']} | {r['forward_s_median']:.2f} | {r['engine_s_median']:.2f} | "
             f"{r['services_s_median']:.2f} | {r['forward_share']:.2f} | {r['runs']} | {r['load_avg_1m_median']:.1f} |"
         )
     return {

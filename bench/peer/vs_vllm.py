@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     ours_args, consumer_args = workloads.service_args(args, max(streams))
     samples: list[dict] = []
-    with open(args.out, "w") as out, services.running(ours_args, consumer_args, log_dir) as (_, consumer):
+    with open(args.out, "a") as out, services.running(ours_args, consumer_args, log_dir) as (_, consumer):
         emit = workloads.Rows(out, common).emit
         cells = workloads.cells(args)
         serial = 0

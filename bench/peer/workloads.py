@@ -43,9 +43,11 @@ def cells(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
 
 
 def service_args(args: argparse.Namespace, max_batch: int) -> tuple[list[str], list[str]]:
-    """The producer's and the consumer's flags: the model at the dtype and threads asked, prefix caches off."""
+    """The producer's and the consumer's flags: the model at the dtype and threads asked, prefix caches off,
+    and no idle probe (the consumer's background transfer after 60 s idle, a 64- or 512-token prefill
+    on the producer: it ran while the other engine or the in-process layers were being timed)."""
     ours = ["--model", args.model, "--dtype", args.dtype, "--torch-threads", str(args.threads)]
-    return ours, [*ours, *services.NO_PREFIX_CACHE, "--max-batch", str(max_batch)]
+    return ours, [*ours, *services.NO_PREFIX_CACHE, "--max-batch", str(max_batch), "--probe-idle-s", "0"]
 
 
 def prompts(tok, ctx: int, n: int, first: int) -> Prompts:
