@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures
 import functools
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 from grpc_health.v1 import health_pb2
@@ -113,7 +114,7 @@ class ConsumerServer:
     async def _engine(self, loaded: LoadedModel, pool: KVPool) -> BatchEngine | EngineProcess:
         """The batch engine: on a thread here, or in a process of its own (--engine-process)."""
         cfg = self.config
-        forward = {"decode_attention": cfg.decode_attention, "packed": cfg.packed_weights}  # PoolRunner's options
+        forward: dict[str, Any] = {"decode_attention": cfg.decode_attention, "packed": cfg.packed_weights}  # PoolRunner's options
         if not cfg.engine_process:
             runner = functools.partial(PoolRunner, **forward)
             return BatchEngine(loaded, pool, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens, runner=runner)
