@@ -84,3 +84,12 @@ def test_compose_publishes_and_the_images_expose_what_the_consumer_serves():
     section = guide[guide.index("## Docker Compose") : guide.index("## Kubernetes")]
     for needed in ("8000", "5557", "5558", "SCD_KV_EVENTS_ENDPOINT", "OpenAI"):
         assert needed in section, needed
+
+
+def test_a_built_kernel_that_auto_left_aside_still_passes():
+    from bench.serving.compose_report import kernel_built
+
+    assert kernel_built("kernel avx2")
+    assert kernel_built("sdpa: auto: float32 with head_dim 32 < 64 (per-row SDPA measured faster); kernel avx512 built")
+    assert not kernel_built("sdpa: auto: float32 with head_dim 32 < 64 (per-row SDPA measured faster); sdpa: no compiler")
+    assert not kernel_built("sdpa: scd_decode_attention_avx512 not built")

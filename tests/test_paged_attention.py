@@ -203,3 +203,26 @@ def test_the_engine_answers_with_the_kernel_as_with_sdpa(decode, name):
             engine.shutdown()
     assert answers["kernel"] == answers["sdpa"]
     assert [len(a) for a in answers["kernel"]] == [new for _, new in specs]  # type: ignore[arg-type]
+
+
+def test_auto_keeps_per_row_sdpa_where_it_measured_faster():
+    """auto: float32 pools with head_dim < 64 keep per-row SDPA (the QA pair's rows: the kernel was
+    0.97-1.13x the per-row step there), saying so and that the kernel is built; bfloat16 on the same
+    model and an explicit "kernel" take the kernel."""
+    from consumer.engine.kv_pool import KVPool
+    from consumer.engine.pool_forward import PoolRunner
+    from shared.models import load_model
+
+    if paged_attention.kernel() is None:
+        pytest.skip(f"no kernel here: {paged_attention.which()}")
+    for dtype, mode, takes in (("float32", "auto", False), ("bfloat16", "auto", True), ("float32", "kernel", True)):
+        loaded = load_model("checkpoints/qa-tuned", dtype, "cpu")
+        assert loaded.info.head_dim == 32
+        pool = KVPool(loaded.info, loaded.device, 64 * loaded.info.kv_bytes(1) + (1 << 20), 16)
+        runner = PoolRunner(loaded, pool, decode_attention=mode)
+        assert (runner.decode_kernel is not None) == takes, (dtype, mode)
+        status = paged_attention.runs(runner)
+        if takes:
+            assert status == paged_attention.which()
+        else:
+            assert status.startswith("sdpa: auto: float32 with head_dim 32 < 64") and status.endswith(" built"), status

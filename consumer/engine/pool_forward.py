@@ -90,7 +90,21 @@ def _attend_row(view: _RowView, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out.view(kv, groups, n, hd).permute(2, 0, 1, 3).reshape(n, H, hd)
 
 
-def _decode_kernel(mode: str, device: torch.device):
+# auto keeps per-row SDPA for float32 pools with heads this small: there the kernel's per-key dot
+# products are too short to beat SDPA's float32 path (engine_forward rows, the QA pair, head_dim 32:
+# 0.97-1.13x the per-row step in float32, slower in 5 of 6 cells, 0.49-0.88x in bfloat16; the real pair, head_dim 64,
+# 0.64-0.74x in float32)
+AUTO_MIN_FLOAT32_HEAD_DIM = 64
+
+
+def auto_skips(dtype: torch.dtype, head_dim: int) -> str:
+    """Why `auto` keeps per-row SDPA for a pool of this dtype and head size, or ""."""
+    if dtype == torch.float32 and head_dim < AUTO_MIN_FLOAT32_HEAD_DIM:
+        return f"auto: float32 with head_dim {head_dim} < {AUTO_MIN_FLOAT32_HEAD_DIM} (per-row SDPA measured faster)"
+    return ""
+
+
+def _decode_kernel(mode: str, device: torch.device, dtype: torch.dtype, head_dim: int):
     """The paged decode-attention kernel for `mode` (paged_attention.MODES) on this device, or None
     (per-row SDPA)."""
     if mode not in paged_attention.MODES:
@@ -98,6 +112,8 @@ def _decode_kernel(mode: str, device: torch.device):
     if mode == "sdpa" or device.type != "cpu":
         if mode == "kernel":
             raise ValueError(f"decode_attention: the kernel runs on the CPU, not on {device}")
+        return None
+    if mode == "auto" and auto_skips(dtype, head_dim):
         return None
     fn = paged_attention.kernel()
     if fn is None and mode == "kernel":
@@ -149,7 +165,10 @@ class PoolRunner:
         self.scratch_limit_blocks = sys.maxsize  # no rectangle is gathered: batches need no split
         self.gathered_rows = 0  # rows whose blocks were not one run (read through a gather)
         # decode rows (one new token) through the paged kernel, all at once per layer; None: per-row SDPA
-        self.decode_kernel = _decode_kernel(decode_attention, pool.device)
+        self.decode_kernel = _decode_kernel(decode_attention, pool.device, pool.dtype, pool.info.head_dim)
+        self.decode_skip = (
+            auto_skips(pool.dtype, pool.info.head_dim) if decode_attention == "auto" and pool.device.type == "cpu" else ""
+        )
         # the projections' weights prepacked for oneDNN (CPU; None elsewhere or with packed=False)
         self.packed = own.Packed.of(self.model) if packed else None
         self.packed_off = "" if self.packed is not None else "packed=False" if not packed else own.Packed.off_reason(self.model)
