@@ -138,8 +138,9 @@ def runs(runner: object) -> str:
         return f"sdpa: {type(runner).__name__} has no paged kernel"
     if pool is not None and pool.device.type != "cpu":
         return f"sdpa: the kernel runs on the CPU, the pool is on {pool.device}"
-    if getattr(runner, "decode_skip", ""):  # auto chose per-row SDPA; say whether the kernel is there
-        return f"sdpa: {runner.decode_skip}; {which()}{' built' if kernel() is not None else ''}"
+    skip = getattr(runner, "decode_skip", "")
+    if skip:  # auto chose per-row SDPA; say whether the kernel is there
+        return f"sdpa: {skip}; {which()}{' built' if kernel() is not None else ''}"
     return which() if kernel() is None else "sdpa: decode_attention='sdpa'"
 
 
