@@ -105,20 +105,21 @@ def auto_skips(dtype: torch.dtype, head_dim: int) -> str:
 
 
 def _decode_kernel(mode: str, device: torch.device, dtype: torch.dtype, head_dim: int):
-    """The paged decode-attention kernel for `mode` (paged_attention.MODES) on this device, or None
-    (per-row SDPA)."""
+    """(the paged decode-attention kernel for `mode` (paged_attention.MODES) on this device, or None:
+    per-row SDPA; why `auto` chose per-row SDPA for this dtype and head size, or "")."""
     if mode not in paged_attention.MODES:
         raise ValueError(f"decode_attention: {mode!r} is not one of {paged_attention.MODES}")
     if mode == "sdpa" or device.type != "cpu":
         if mode == "kernel":
             raise ValueError(f"decode_attention: the kernel runs on the CPU, not on {device}")
-        return None
-    if mode == "auto" and auto_skips(dtype, head_dim):
-        return None
+        return None, ""
+    skip = auto_skips(dtype, head_dim) if mode == "auto" else ""
+    if skip:
+        return None, skip
     fn = paged_attention.kernel()
     if fn is None and mode == "kernel":
         raise RuntimeError("decode_attention='kernel': the kernel could not be built (see the log)")
-    return fn
+    return fn, ""
 
 
 def _keys(view: _RowView, layer: int, pool_k: torch.Tensor, pool_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,10 +166,8 @@ class PoolRunner:
         self.scratch_limit_blocks = sys.maxsize  # no rectangle is gathered: batches need no split
         self.gathered_rows = 0  # rows whose blocks were not one run (read through a gather)
         # decode rows (one new token) through the paged kernel, all at once per layer; None: per-row SDPA
-        self.decode_kernel = _decode_kernel(decode_attention, pool.device, pool.dtype, pool.info.head_dim)
-        self.decode_skip = (
-            auto_skips(pool.dtype, pool.info.head_dim) if decode_attention == "auto" and pool.device.type == "cpu" else ""
-        )
+        # decode_skip: why auto kept per-row SDPA (paged_attention.runs reports it), or ""
+        self.decode_kernel, self.decode_skip = _decode_kernel(decode_attention, pool.device, pool.dtype, pool.info.head_dim)
         # the projections' weights prepacked for oneDNN (CPU; None elsewhere or with packed=False)
         self.packed = own.Packed.of(self.model) if packed else None
         self.packed_off = "" if self.packed is not None else "packed=False" if not packed else own.Packed.off_reason(self.model)
