@@ -108,13 +108,18 @@ class ConsumerServer:
             kv_pool_bytes=pool.capacity_bytes,
             max_batch=cfg.max_batch,
             decode_attention=self.servicer.decode_attention(),
+            prefill_attention=self.servicer.prefill_attention(),
             packed_weights=self.servicer.packed_weights(),
         )
 
     async def _engine(self, loaded: LoadedModel, pool: KVPool) -> BatchEngine | EngineProcess:
         """The batch engine: on a thread here, or in a process of its own (--engine-process)."""
         cfg = self.config
-        forward: dict[str, Any] = {"decode_attention": cfg.decode_attention, "packed": cfg.packed_weights}  # PoolRunner's options
+        forward: dict[str, Any] = {  # PoolRunner's options
+            "decode_attention": cfg.decode_attention,
+            "prefill_attention": cfg.prefill_attention,
+            "packed": cfg.packed_weights,
+        }
         if not cfg.engine_process:
             runner = functools.partial(PoolRunner, **forward)
             return BatchEngine(loaded, pool, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens, runner=runner)

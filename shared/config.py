@@ -237,6 +237,7 @@ class ConsumerConfig(ServerConfig):
     verify_draft_bytes: int = 32 << 20  # verified decoding: sampled drafts a request keeps, bytes (consumer.engine.speculative)
     engine_process: bool = False  # the engine's forwards in a child process, the KV pool in shared memory
     decode_attention: str = "auto"  # CPU decode rows: auto (paged kernel, else SDPA), kernel (or fail start), sdpa
+    prefill_attention: str = "auto"  # CPU prefill rows, bf16: auto (AVX-512 BF16 kernel where it runs, else SDPA), kernel, sdpa
     packed_weights: bool = True  # CPU: projections on oneDNN-prepacked weights (a second copy in memory)
     chunk_tokens: int = 256  # context chunk size of the prefix cache (a multiple of kv_block_tokens)
     prefix_cache_bytes: int = -1  # KV pool bytes the prefix cache may keep; -1: half the pool, 0: off
@@ -270,6 +271,8 @@ class ConsumerConfig(ServerConfig):
                 raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention: {self.decode_attention!r} not in {DECODE_ATTENTION}")
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(f"prefill_attention: {self.prefill_attention!r} not in {PREFILL_ATTENTION}")
         if self.kv_pool_bytes < 0 or self.max_queue < 0:
             raise ValueError("kv_pool_bytes and max_queue: must be >= 0")
         if self.verify_draft_bytes < 0:
@@ -300,6 +303,7 @@ def default_modes() -> list[str]:
 
 
 DECODE_ATTENTION = ("auto", "kernel", "sdpa")  # consumer.engine.paged_attention.MODES
+PREFILL_ATTENTION = ("auto", "kernel", "sdpa")  # consumer.engine.prefill_attention.MODES
 
 _FIELD_LINE = re.compile(r"^\s+(\w+): [^=]+=.*?  # (.+)$")
 

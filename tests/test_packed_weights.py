@@ -95,6 +95,8 @@ def test_the_consumer_flags_are_validated():
 
     with pytest.raises(ValueError, match="decode_attention: 'flash' not in"):
         ConsumerConfig(model="tiny-llama", decode_attention="flash").validate()
+    with pytest.raises(ValueError, match="prefill_attention: 'flash' not in"):
+        ConsumerConfig(model="tiny-llama", prefill_attention="flash").validate()
 
 
 @pytest.mark.parametrize("engine_process", [False, True])
@@ -106,11 +108,13 @@ async def test_the_consumer_runs_the_forward_its_flags_ask_for(engine_process):
     from tests.conftest import prompt, running_pair
 
     answers = []
-    for kw in ({}, {"decode_attention": "sdpa", "packed_weights": False, "engine_process": engine_process}):
+    flags = {"decode_attention": "sdpa", "prefill_attention": "sdpa", "packed_weights": False, "engine_process": engine_process}
+    for kw in ({}, flags):
         async with running_pair("smollm2-135m", consumer_kw=kw) as pair:
             c = await pair.stub.Describe(consumer_pb2.ConsumerServiceDescribeRequest())
             if kw:
                 assert c.decode_attention == "sdpa: decode_attention='sdpa'"
+                assert c.prefill_attention == "sdpa: prefill_attention='sdpa'"
                 assert pair.consumer.servicer.packed_weights() == "off: --packed-weights false"
             else:
                 assert pair.consumer.servicer.packed_weights() == "on"

@@ -10,12 +10,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from consumer.engine import paged_attention
+from consumer.server import ConsumerServer
 from producer.server import ProducerServer
 from shared.config import ConsumerConfig, ProducerConfig
 from shared.models import load_model
 from shared.pb import common_pb2, consumer_pb2, producer_pb2, producer_pb2_grpc
-from consumer.engine import paged_attention
-from consumer.server import ConsumerServer
 from tests.conftest import prompt, running_pair
 
 CONTEXT = "Most layers are rebuilt from low rank subspaces and a few layers are patched. " * 20
@@ -75,6 +75,8 @@ async def test_describe_reports_what_was_loaded():
     # decode rows through the paged kernel where a compiler built it, else per-row SDPA saying why
     assert c.decode_attention == paged_attention.which()
     assert c.decode_attention.startswith("kernel " if paged_attention.compiler() else "sdpa: ")
+    # prefill rows: tiny-qwen2's head_dim 16 is not one the bfloat16 prefill kernel serves
+    assert c.prefill_attention == "sdpa: head_dim 16 not one of (32, 64, 128)"
 
 
 @pytest.mark.parametrize(

@@ -160,6 +160,13 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         batch = self.batch
         return paged_attention.runs(batch.local.runner if isinstance(batch, EngineProcess) else batch.runner)
 
+    def prefill_attention(self) -> str:
+        """What the engine's prefill rows attend with (PoolRunner.prefill_runs): "kernel avx512bf16",
+        or "sdpa: why"."""
+        batch = self.batch
+        runner = batch.local.runner if isinstance(batch, EngineProcess) else batch.runner
+        return getattr(runner, "prefill_runs", f"sdpa: {type(runner).__name__} has no prefill kernel")
+
     def packed_weights(self) -> str:
         """Whether the engine's projections run on oneDNN-prepacked weights: "on", or "off: why"."""
         batch = self.batch
@@ -259,6 +266,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             artifacts=describe.artifacts_to_pb(self.codecs),
             auto_default_budget=budget_to_pb(self.chooser.default_budget()),
             decode_attention=self.decode_attention(),
+            prefill_attention=self.prefill_attention(),
             default_mode=self.default.mode,
             default_mode_reason=self.default.why,
             producer_link=readiness.link_to_pb(self.link),

@@ -25,6 +25,7 @@ import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -37,7 +38,7 @@ SOURCE = Path(__file__).with_name("kernels") / "decode_attention.cpp"
 CACHE = Path(__file__).resolve().parents[2] / ".cache" / "kernels"
 # OpenMP: at::parallel_for runs its threads only when built with it; the simd pragmas and no errno
 # let the compiler vectorize the dot products and exp
-COMMON = ["-O3", "-fopenmp", "-fno-math-errno"]
+COMMON: list[str] = ["-O3", "-fopenmp", "-fno-math-errno"]
 MODES = DECODE_ATTENTION  # the engine's decode attention: the kernel where it loads (auto), it or fail, per-row SDPA
 
 
@@ -76,7 +77,8 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 
-def _build(name: str, flags: list[str]) -> Callable:
+def build(name: str, source: Path, flags: list[str]) -> Any:
+    """Extension `name` from `source` with `flags`, built into its own folder (or loaded where built)."""
     from torch.utils import cpp_extension
 
     _ninja_on_path()
@@ -87,13 +89,12 @@ def _build(name: str, flags: list[str]) -> Callable:
         # cpp_extension's own baton (O_EXCL file, waited on forever): under our lock, one found is a
         # leftover of a builder that was killed mid-build
         (folder / "lock").unlink(missing_ok=True)
-        module = cpp_extension.load(
-            name=name, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(folder), verbose=False
+        return cpp_extension.load(
+            name=name, sources=[str(source)], extra_cflags=flags, build_directory=str(folder), verbose=False
         )
-    return module.decode_attention
 
 
-def _cause(error: Exception) -> str:
+def cause(error: Exception) -> str:
     """The line of a failed build that says why (the compiler's first error, a missing tool), not
     the command lines or ninja's closing "build stopped"."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
@@ -110,10 +111,10 @@ def _loaded() -> tuple[Callable | None, str]:
         return None, "sdpa: SCD_DECODE_KERNEL=0"
     name, flags = _flags()
     try:
-        fn = _build(name, flags)
+        fn = build(name, SOURCE, flags).decode_attention
     except Exception as error:  # no compiler, no ninja, a failed build: the engine keeps per-row SDPA
         log.warning("decode_attention.unavailable", error=str(error)[-2000:], fallback="per-row SDPA")
-        return None, f"sdpa: {name} not built ({_cause(error)})"
+        return None, f"sdpa: {name} not built ({cause(error)})"
     return fn, f"kernel {name.rsplit('_', 1)[-1]}"
 
 
@@ -158,7 +159,12 @@ def decode_attention(
     return fn(q.contiguous(), k, v, tables, lengths, block_tokens, q.shape[-1] ** -0.5)
 
 
-if __name__ == "__main__":  # `python -m consumer.engine.paged_attention`: build it now (make install, make test)
+if __name__ == "__main__":  # `python -m consumer.engine.paged_attention`: build the kernels now (make kernel)
+    from consumer.engine import prefill_attention
+
     print(f"decode attention: {which()} ({build_dir(_flags()[0])})")
+    print(f"prefill attention: {prefill_attention.which()}")
     # no compiler: per-row SDPA is this machine's path, not an error; a compiler that fails is one
-    sys.exit(1 if kernel() is None and compiler() is not None and os.environ.get("SCD_DECODE_KERNEL") != "0" else 0)
+    failed = kernel() is None and os.environ.get("SCD_DECODE_KERNEL") != "0"
+    failed = failed or prefill_attention.which().startswith(prefill_attention.NOT_BUILT)
+    sys.exit(1 if failed and compiler() is not None else 0)

@@ -11,11 +11,13 @@ list is not fragmented) is, per head, one contiguous span: a view of the pool, n
 kernel (consumer.engine.paged_attention), all of them in one call per layer, reading their blocks
 through their block tables wherever they lie (`decode_attention="auto"`; "sdpa" keeps them on the
 per-row path, for comparison and where the kernel is not built). Other rows (prefill chunks,
-verification's k + 1 tokens) run SDPA per row with the GQA groups folded into the query dimension
-(`_attend_row`): on this CPU that beats SDPA over a gathered rectangle and compiled FlexAttention
-over the pool (bench.micro.engine_step's attention rows; bf16 SDPA with enable_gqa is several times
-slower than the fold). Prefill and decode rows share one forward; a prefill chunk sees its row's
-prefix and itself causally (a bottom-right mask).
+verification's k + 1 tokens) of a bfloat16 pool on a CPU with AVX-512 BF16 go through the paged
+prefill kernel (consumer.engine.prefill_attention), one call per row and layer, also reading through
+the block table (`prefill_attention="auto"`); elsewhere they run SDPA per row with the GQA groups
+folded into the query dimension (`_attend_row`): on this CPU that beats SDPA over a gathered
+rectangle and compiled FlexAttention over the pool (bench.micro.engine_step's attention rows; bf16
+SDPA with enable_gqa is several times slower than the fold). Prefill and decode rows share one
+forward; a prefill chunk sees its row's prefix and itself causally (a bottom-right mask).
 
 Same surface as consumer.engine.hf_reference.Runner (`forward(rows)`, Row, the scratch figures: none
 here). Knows nothing about scheduling, sampling, codecs or gRPC.
@@ -32,6 +34,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from consumer.engine import paged_attention
 from consumer.engine.kv_pool import KVPool
+from consumer.engine.prefill_attention import resolve as resolve_prefill
 from consumer.engine.rows import Row
 from shared import model as own
 from shared.models import LoadedModel
@@ -45,15 +48,16 @@ class _RowView:
     block table (gathered per layer, after the layer's write). And its bottom-right causal mask
     for n > 1."""
 
-    __slots__ = ("offset", "n", "length", "table", "keys", "values", "mask")
+    __slots__ = ("offset", "n", "start", "length", "blocks", "table", "keys", "values", "mask")
     keys: torch.Tensor
     values: torch.Tensor
 
     def __init__(self, row: Row, offset: int, pool: KVPool, groups: int):
         Bt, device = pool.block_tokens, pool.device
-        self.offset, self.n = offset, len(row.ids)
+        self.offset, self.n, self.start = offset, len(row.ids), row.start
         self.length = row.start + self.n  # keys it attends over: its prefix and its new tokens
         used = -(-self.length // Bt)
+        self.blocks = row.seq.table[:used]  # its block table (the prefill kernel reads through it)
         blocks = row.seq.blocks[:used]
         first = blocks[0]
         run = blocks[-1] - first == used - 1 and all(b == first + i for i, b in enumerate(blocks))
@@ -154,7 +158,14 @@ class _DecodeRows:
 
 
 class PoolRunner:
-    def __init__(self, loaded: LoadedModel, pool: KVPool, decode_attention: str = "auto", packed: bool = True):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        pool: KVPool,
+        decode_attention: str = "auto",
+        packed: bool = True,
+        prefill_attention: str = "auto",
+    ):
         self.loaded, self.pool = loaded, pool
         self.model = own.of(loaded)
         g = self.model.geometry
@@ -168,6 +179,9 @@ class PoolRunner:
         # decode rows (one new token) through the paged kernel, all at once per layer; None: per-row SDPA
         # decode_skip: why auto kept per-row SDPA (paged_attention.runs reports it), or ""
         self.decode_kernel, self.decode_skip = _decode_kernel(decode_attention, pool.device, pool.dtype, pool.info.head_dim)
+        # rows of more than one new token through the bfloat16 prefill kernel, one call per row and layer;
+        # None: per-row SDPA. prefill_runs: what they run ("kernel avx512bf16" or "sdpa: why")
+        self.prefill_kernel, self.prefill_runs = resolve_prefill(prefill_attention, pool.device, pool.dtype, pool.info.head_dim)
         # the projections' weights prepacked for oneDNN (CPU; None elsewhere or with packed=False)
         self.packed = own.Packed.of(self.model) if packed else None
         self.packed_off = "" if self.packed is not None else "packed=False" if not packed else own.Packed.off_reason(self.model)
@@ -192,7 +206,9 @@ class PoolRunner:
         decode = _DecodeRows(views, rows, pool) if self.decode_kernel is not None else None
         if decode is not None and decode.count == 0:
             decode = None
-        self.gathered_rows += sum(v.table is not None for v in views if decode is None or v.n > 1)
+        self.gathered_rows += sum(
+            v.table is not None for v in views if (v.n == 1 and decode is None) or (v.n > 1 and self.prefill_kernel is None)
+        )
         ids = torch.tensor([t for r in rows for t in r.ids], dtype=torch.long, device=device)  # [N]
         # [N] RoPE positions: the logical ones (a kept sequence does not store `dropped` tokens)
         pos = torch.tensor([r.start + r.seq.dropped + j for r in rows for j in range(len(r.ids))], device=device)
@@ -202,6 +218,12 @@ class PoolRunner:
         scale = hd**-0.5  # SDPA's default, which the per-row path uses
         heads_k, heads_v = pool.k_heads, pool.v_heads  # [L, n_kv, NB + 1, Bt, hd]
         assert heads_k is not None and heads_v is not None  # checked at start
+
+        def attend_row(view: _RowView, q_row: torch.Tensor, layer: int, pool_k: torch.Tensor, pool_v: torch.Tensor):
+            if self.prefill_kernel is not None and view.n > 1:  # through its block table, no views or gather
+                flat_k, flat_v = pool_k.view(kv, -1, hd), pool_v.view(kv, -1, hd)
+                return self.prefill_kernel(q_row.contiguous(), flat_k, flat_v, view.blocks, view.start, Bt, scale)
+            return _attend_row(view, q_row, *_keys(view, layer, pool_k, pool_v), groups)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             pool_k, pool_v = heads_k[layer], heads_v[layer]  # [n_kv, NB + 1, Bt, hd]
@@ -216,13 +238,9 @@ class PoolRunner:
                 out.index_copy_(0, decode.at, found)
                 for view, q_row in zip(views, q.split(lengths)):
                     if view.n > 1:
-                        out[view.offset : view.offset + view.n] = _attend_row(
-                            view, q_row, *_keys(view, layer, pool_k, pool_v), groups
-                        )
+                        out[view.offset : view.offset + view.n] = attend_row(view, q_row, layer, pool_k, pool_v)
                 return out
-            outs = []
-            for view, q_row in zip(views, q.split(lengths)):
-                outs.append(_attend_row(view, q_row, *_keys(view, layer, pool_k, pool_v), groups))
+            outs = [attend_row(view, q_row, layer, pool_k, pool_v) for view, q_row in zip(views, q.split(lengths))]
             return outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, H, hd]
 
         h = self.model.hidden(ids, pos, attend, self.packed)  # [N, d]

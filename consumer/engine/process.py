@@ -300,7 +300,7 @@ class EngineProcess(concurrent.futures.Executor):
         self.loaded, self.pool, self.max_batch = loaded, pool, max_batch
         self.on_exit = on_exit  # called (reader thread) with the reason when the child exits unasked
         self.post_hook: PostHook | None = None  # tests: see consumer.engine.batch.PostHook (reader thread)
-        forward = forward or {}  # PoolRunner's options (decode_attention, packed), the same in both engines
+        forward = forward or {}  # PoolRunner's options (decode_attention, prefill_attention, packed), the same in both engines
         # the frontend's jobs only: never given a task
         self.local = BatchEngine(loaded, pool, max_batch, runner=functools.partial(PoolRunner, **forward))
         self.stats = EngineStats()

@@ -1,0 +1,270 @@
+// Paged prefill attention on the CPU in bfloat16 with AVX-512 BF16 dot products: one row's new
+// tokens (a prefill chunk, verification's k + 1 tokens) against its prefix and themselves, causal,
+// reading the row's blocks of the KV pool through its block table (no gather). Built only where
+// the CPU has AVX-512 BF16 (consumer/engine/prefill_attention.py); the reference it is tested
+// against is torch's SDPA over the same keys (tests/test_prefill_attention.py).
+//
+// Why: SDPA's CPU flash kernel computes bfloat16 attention in float32 FMAs (~115 GFLOPS at 2
+// threads here, the same as float32), about half of a 2048-token prefill. VDPBF16PS does two
+// bfloat16 products per float32 lane per instruction.
+//
+// Layout (KVPool's head-major storage, one layer): k, v [n_kv, slots, hd] contiguous (slot = block *
+// block_tokens + offset); q [n, H, hd] contiguous, the g = H / n_kv query heads of KV head j being
+// j * g .. j * g + g - 1; table [blocks] int64. Query i sits at position start + i and sees keys
+// 0 .. start + i. Out [n, H, hd] bfloat16.
+//
+// Numbers, as SDPA's flash kernel for bfloat16: scores q.k in float32 (products of bfloat16 pairs
+// accumulated in float32), scaled, online softmax in float32, the probabilities rounded to bfloat16
+// for the weighted sum of values (accumulated in float32), the sum of probabilities in float32.
+//
+// Per call: the row's K and V of every KV head are repacked once into the pair-interleaved layout
+// the dot products read (keys padded with zeros to a multiple of 32); then every group of R query
+// rows (R consecutive (position, head) pairs of one KV head) walks the key tiles up to its last
+// visible key, its scores, softmax state and output in registers. Every table entry and length is
+// checked before any read.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t TILE = 32;  // keys per tile: two vectors of 16 float32 scores
+
+// e^x for 16 lanes (x <= 0 here: scores minus their running maximum): 2^n * p(r), r = x - n ln 2,
+// a degree-6 polynomial; relative error ~2e-7. Lanes below -100 give 0 after scaling.
+inline __m512 exp512(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+  r = _mm512_fnmadd_ps(n, ln2_lo, r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 dot(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+
+struct Shape {
+  int64_t n, H, n_kv, g, slots, block_tokens, start, L, tiles;
+  float scale;
+};
+
+// K of KV head j in tiles of 32 keys: kp[(tile * hd/2 + p) * 32 + key] = the bfloat16 pair (2p, 2p + 1)
+// of that key (one uint32); V in key pairs: vp[u * hd + d] = (v[2u][d], v[2u + 1][d]). Zero past L.
+template <int HD>
+void pack(const uint16_t* k, const uint16_t* v, const int64_t* table, const Shape& s, int64_t j, uint32_t* kp,
+          uint32_t* vp) {
+  constexpr int P = HD / 2;
+  auto row = [&](const uint16_t* base, int64_t t) {
+    return base + (j * s.slots + table[t / s.block_tokens] * s.block_tokens + t % s.block_tokens) * HD;
+  };
+  for (int64_t tile = 0; tile < s.tiles; ++tile) {
+    uint32_t* kt = kp + tile * P * TILE;
+    for (int64_t key = 0; key < TILE; ++key) {
+      const int64_t t = tile * TILE + key;
+      if (t < s.L) {
+        uint32_t pairs[P];
+        std::memcpy(pairs, row(k, t), sizeof(pairs));
+        for (int p = 0; p < P; ++p) kt[p * TILE + key] = pairs[p];
+      } else {
+        for (int p = 0; p < P; ++p) kt[p * TILE + key] = 0;
+      }
+    }
+  }
+  for (int64_t u = 0; u < s.tiles * TILE / 2; ++u) {
+    const int64_t t = 2 * u;
+    uint32_t* out = vp + u * HD;
+    const uint16_t* a = t < s.L ? row(v, t) : nullptr;
+    const uint16_t* b = t + 1 < s.L ? row(v, t + 1) : nullptr;
+    for (int d = 0; d < HD; ++d)
+      out[d] = static_cast<uint32_t>(a ? a[d] : 0) | (static_cast<uint32_t>(b ? b[d] : 0) << 16);
+  }
+}
+
+// R query rows of KV head j: folded rows first .. first + R - 1 (row r: position r / g, head j * g + r % g)
+template <int HD, int R>
+void group(const uint16_t* q, const uint32_t* kp, const uint32_t* vp, uint16_t* out, const Shape& s, int64_t j,
+           int64_t first) {
+  constexpr int P = HD / 2, C = HD / 16;
+  const int64_t rows = s.n * s.g;
+  uint32_t qv[R][P];
+  int64_t limit[R];  // the last key each row sees; -1: no row here
+  int64_t top = -1;
+  for (int r = 0; r < R; ++r) {
+    const int64_t f = first + r;
+    if (f >= rows) {
+      limit[r] = -1;
+      std::memset(qv[r], 0, sizeof(qv[r]));
+      continue;
+    }
+    const int64_t pos = f / s.g, head = j * s.g + f % s.g;
+    std::memcpy(qv[r], q + (pos * s.H + head) * HD, sizeof(qv[r]));
+    limit[r] = s.start + pos;
+    top = std::max(top, limit[r]);
+  }
+  __m512 acc[R][C];
+  float m[R], l[R];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.f;
+  }
+  const __m512 scale = _mm512_set1_ps(s.scale);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  alignas(64) uint32_t prob[R][TILE / 2];
+  for (int64_t t0 = 0; t0 <= top; t0 += TILE) {
+    const uint32_t* kt = kp + (t0 / TILE) * P * TILE;
+    __m512 sc[R][2];
+    for (int r = 0; r < R; ++r) sc[r][0] = sc[r][1] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
+      const __m512i k0 = _mm512_loadu_si512(kt + p * TILE), k1 = _mm512_loadu_si512(kt + p * TILE + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512i b = _mm512_set1_epi32(static_cast<int>(qv[r][p]));
+        sc[r][0] = dot(sc[r][0], b, k0);
+        sc[r][1] = dot(sc[r][1], b, k1);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      if (t0 > limit[r]) {  // every key of this tile is past the row's position (or no row): no weight
+        std::memset(prob[r], 0, sizeof(prob[r]));
+        continue;
+      }
+      // lanes past the row's last key: excluded from the maximum and given probability 0
+      const __m512i last = _mm512_set1_epi32(static_cast<int>(limit[r] - t0));
+      const __mmask16 in0 = _mm512_cmple_epi32_mask(lane, last);
+      const __mmask16 in1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), last);
+      const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      const __m512 s0 = _mm512_mask_mul_ps(ninf, in0, sc[r][0], scale);
+      const __m512 s1 = _mm512_mask_mul_ps(ninf, in1, sc[r][1], scale);
+      const float mx = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+      const float m_new = std::max(m[r], mx);
+      const float alpha = std::exp(m[r] - m_new);  // 0 on the first tile (m = -inf)
+      const __m512 mv = _mm512_set1_ps(m_new);
+      const __m512 p0 = _mm512_maskz_mov_ps(in0, exp512(_mm512_sub_ps(s0, mv)));
+      const __m512 p1 = _mm512_maskz_mov_ps(in1, exp512(_mm512_sub_ps(s1, mv)));
+      l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      m[r] = m_new;
+      if (alpha != 1.f) {
+        const __m512 a = _mm512_set1_ps(alpha);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], a);
+      }
+      // bfloat16 probabilities, keys (2u, 2u + 1) as pair u
+      _mm512_store_si512(prob[r], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
+    }
+    const int64_t pairs = std::min<int64_t>(TILE, top + 1 - t0 + 1) / 2;  // key pairs up to the last one used
+    const uint32_t* vt = vp + (t0 / 2) * HD;
+    for (int64_t u = 0; u < pairs; ++u) {
+      __m512i vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_si512(vt + u * HD + c * 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512i b = _mm512_set1_epi32(static_cast<int>(prob[r][u]));
+        for (int c = 0; c < C; ++c) acc[r][c] = dot(acc[r][c], b, vv[c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (limit[r] < 0) continue;
+    const int64_t f = first + r, pos = f / s.g, head = j * s.g + f % s.g;
+    uint16_t* o = out + (pos * s.H + head) * HD;
+    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    for (int c = 0; c < C; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c * 16),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inv))));
+  }
+}
+
+template <int HD, int R>
+void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* table, uint16_t* out,
+            const Shape& s) {
+  constexpr int P = HD / 2;
+  std::vector<uint32_t> kp(s.n_kv * s.tiles * P * TILE), vp(s.n_kv * s.tiles * TILE / 2 * HD);
+  at::parallel_for(0, s.n_kv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j)
+      pack<HD>(k, v, table, s, j, kp.data() + j * s.tiles * P * TILE, vp.data() + j * s.tiles * TILE / 2 * HD);
+  });
+  const int64_t groups = (s.n * s.g + R - 1) / R;
+  // later groups see more keys: item i takes groups from both ends in turn, so the contiguous ranges
+  // at::parallel_for hands each thread carry about equal work
+  at::parallel_for(0, s.n_kv * groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t j = item % s.n_kv, i = item / s.n_kv;
+      const int64_t gi = i % 2 == 0 ? i / 2 : groups - 1 - i / 2;
+      group<HD, R>(q, kp.data() + j * s.tiles * P * TILE, vp.data() + j * s.tiles * TILE / 2 * HD, out, s, j, gi * R);
+    }
+  });
+}
+
+torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                const torch::Tensor& table, int64_t start, int64_t block_tokens, double scale) {
+  TORCH_CHECK_VALUE(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && table.device().is_cpu(),
+                    "prefill_attention: q, k, v, table must be CPU tensors");
+  TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                       v.scalar_type() == at::kBFloat16,
+                   "prefill_attention: q, k, v must be bfloat16; got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+                   v.scalar_type());
+  TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: q must be [n, H, hd] and k / v ",
+                    "[n_kv, slots, hd]; got q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK_VALUE(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
+                    "prefill_attention: q, k, v must be contiguous");
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "prefill_attention: k ", k.sizes(), " and v ", v.sizes(), " differ");
+  const int64_t hd = q.size(2);
+  TORCH_CHECK_VALUE(hd == k.size(2), "prefill_attention: q's head_dim ", hd, " != k's ", k.size(2));
+  TORCH_CHECK_VALUE(hd == 32 || hd == 64 || hd == 128, "prefill_attention: head_dim ", hd, " not one of 32, 64, 128");
+  TORCH_CHECK_VALUE(k.size(0) > 0 && q.size(1) % k.size(0) == 0, "prefill_attention: q's ", q.size(1),
+                    " heads are not a multiple of k's ", k.size(0), " KV heads");
+  TORCH_CHECK_VALUE(q.size(0) >= 1, "prefill_attention: no query");
+  TORCH_CHECK_VALUE(block_tokens > 0 && block_tokens <= k.size(1), "prefill_attention: block_tokens ", block_tokens,
+                    " outside 1 .. the pool's ", k.size(1), " slots");
+  // start + n below overflow: the table check below then bounds both
+  TORCH_CHECK_VALUE(start >= 0 && start <= (std::numeric_limits<int64_t>::max() >> 2), "prefill_attention: start ",
+                    start, " outside 0 .. 2**61 - 1");
+  TORCH_CHECK_TYPE(table.scalar_type() == at::kLong, "prefill_attention: table must be int64; got ", table.scalar_type());
+  TORCH_CHECK_VALUE(table.dim() == 1 && table.is_contiguous(), "prefill_attention: table must be contiguous [blocks]; got ",
+                    table.sizes());
+  Shape s{};
+  s.n = q.size(0), s.H = q.size(1), s.n_kv = k.size(0), s.g = s.H / s.n_kv, s.slots = k.size(1);
+  s.block_tokens = block_tokens, s.start = start, s.L = start + s.n, s.scale = static_cast<float>(scale);
+  s.tiles = (s.L + TILE - 1) / TILE;
+  const int64_t used = (s.L - 1) / block_tokens + 1, pool_blocks = s.slots / block_tokens;
+  TORCH_CHECK_VALUE(used <= table.size(0), "prefill_attention: ", s.L, " keys need ", used, " blocks of ",
+                    block_tokens, "; the table has ", table.size(0));
+  const int64_t* tab = table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < used; ++i)
+    TORCH_CHECK_VALUE(tab[i] >= 0 && tab[i] < pool_blocks, "prefill_attention: block ", tab[i],
+                      " outside the pool's 0 .. ", pool_blocks - 1);
+  auto out = torch::empty_like(q);
+  auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  if (hd == 32) attend<32, 4>(qp, kp, vp, tab, op, s);
+  else if (hd == 64) attend<64, 4>(qp, kp, vp, tab, op, s);
+  else attend<128, 2>(qp, kp, vp, tab, op, s);
+  return out;
+}
+
+bool supported() { return __builtin_cpu_supports("avx512bf16"); }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("prefill_attention", &prefill_attention, "paged causal prefill attention, bfloat16, AVX-512 BF16 (CPU)");
+  m.def("supported", &supported, "whether this CPU runs AVX-512 BF16 instructions");
+}

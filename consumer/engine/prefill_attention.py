@@ -1,0 +1,114 @@
+"""Paged prefill attention in bfloat16 on CPUs with AVX-512 BF16: a row's new tokens (a prefill chunk,
+verification's k + 1 tokens) attend causally over its prefix and themselves, reading the row's blocks
+of the KV pool through its block table (consumer/engine/kernels/prefill_attention.cpp). SDPA's CPU
+flash kernel, which it replaces on those rows, computes bfloat16 attention with float32 FMAs; the
+kernel's VDPBF16PS does two bfloat16 products per float32 lane: ~0.43x SDPA's time over a
+2048-token prefill in 512-token chunks here (bench.micro.engine_step --prefill rows).
+
+Built like the decode kernel (consumer.engine.paged_attention: cpp_extension into
+`.cache/kernels/<name>/`, `make kernel`, loaded before SERVING), but only where it can run: torch's
+CPU capability is AVX512 (ATEN_CPU_CAPABILITY lowers it) and the CPU has AVX-512 BF16. Elsewhere,
+for float32 / float16 pools, head sizes other than 32, 64, 128 and with SCD_PREFILL_KERNEL=0, the
+engine keeps per-row SDPA, and `which()` / the runner say why.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+import torch
+
+from consumer.engine import paged_attention
+from shared import compute_dtype
+from shared.config import PREFILL_ATTENTION
+
+log = structlog.get_logger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels") / "prefill_attention.cpp"
+NAME = "scd_prefill_attention_avx512bf16"
+FLAGS = [*paged_attention.COMMON, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]
+MODES = PREFILL_ATTENTION  # auto: the kernel where it runs, kernel: it or fail start, sdpa: per-row SDPA
+HEAD_DIMS = (32, 64, 128)
+NOT_BUILT = f"sdpa: {NAME} not built"
+
+
+def cpu_reason() -> str:
+    """Why this CPU (as torch sees it) cannot run the kernel, or ""."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX512":
+        return f"torch's CPU capability is {capability}, the kernel needs AVX512"
+    flags = compute_dtype.cpu_flags()
+    if flags is None:
+        return "no /proc/cpuinfo to check for AVX-512 BF16"
+    return "" if "avx512_bf16" in flags else "the CPU has no AVX-512 BF16"
+
+
+@functools.cache
+def _loaded() -> tuple[Callable | None, str]:
+    """(the extension's prefill_attention, "kernel avx512bf16") or (None, "sdpa: why"); built once per process."""
+    if os.environ.get("SCD_PREFILL_KERNEL", "1") == "0":
+        return None, "sdpa: SCD_PREFILL_KERNEL=0"
+    reason = cpu_reason()
+    if reason:
+        return None, f"sdpa: {reason}"
+    try:
+        module = paged_attention.build(NAME, SOURCE, FLAGS)
+    except Exception as error:  # no compiler, a failed build: the engine keeps per-row SDPA
+        log.warning("prefill_attention.unavailable", error=str(error)[-2000:], fallback="per-row SDPA")
+        return None, f"{NOT_BUILT} ({paged_attention.cause(error)})"
+    if not module.supported():  # the extension's own CPUID check agrees with /proc/cpuinfo, or nothing runs
+        return None, "sdpa: the CPU reports no AVX-512 BF16 (cpuid)"
+    return module.prefill_attention, "kernel avx512bf16"
+
+
+def kernel() -> Callable | None:
+    """The built extension's `prefill_attention`, or None where it does not run here."""
+    return _loaded()[0]
+
+
+def which() -> str:
+    """What prefill rows on the CPU may run here: "kernel avx512bf16", or "sdpa: why"."""
+    return _loaded()[1]
+
+
+def skips(dtype: torch.dtype, head_dim: int) -> str:
+    """Why the kernel does not serve a pool of this dtype and head size, or ""."""
+    if dtype != torch.bfloat16:
+        return f"the kernel is bfloat16-only, the pool is {str(dtype).removeprefix('torch.')}"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} not one of {HEAD_DIMS}"
+    return ""
+
+
+def resolve(mode: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[Callable | None, str]:
+    """(the kernel for a runner's prefill rows, or None: per-row SDPA; what they run: "kernel
+    avx512bf16" or "sdpa: why"). mode "kernel" raises where the kernel cannot serve this pool."""
+    if mode not in MODES:
+        raise ValueError(f"prefill_attention: {mode!r} is not one of {MODES}")
+    if mode == "sdpa":
+        return None, "sdpa: prefill_attention='sdpa'"
+    reason = f"the kernel runs on the CPU, the pool is on {device}" if device.type != "cpu" else skips(dtype, head_dim)
+    fn = None if reason else kernel()
+    if fn is None and not reason:
+        reason = which().removeprefix("sdpa: ")
+    if fn is None and mode == "kernel":
+        raise ValueError(f"prefill_attention='kernel': {reason}")
+    return fn, which() if fn is not None else f"sdpa: {reason}"
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, start: int, block_tokens: int
+) -> torch.Tensor:
+    """q [n, H, hd] (the row's new tokens, at positions start .. start + n - 1) over k / v [n_kv,
+    slots, hd] (one layer of the pool, flat slots = block * block_tokens + offset) and the row's
+    blocks `table` [blocks] int64, causal -> [n, H, hd] bfloat16. Raises where the kernel does not
+    run here, and (ValueError / TypeError from its checks) on a block outside the pool, a table too
+    short for start + n keys, a negative start, a dtype other than bfloat16, misshapen tensors."""
+    fn = kernel()
+    if fn is None:
+        raise RuntimeError(f"prefill_attention: the kernel does not run here ({which()})")
+    return fn(q.contiguous(), k, v, table, start, block_tokens, q.shape[-1] ** -0.5)
