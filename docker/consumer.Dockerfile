@@ -56,7 +56,8 @@ COPY --from=deps /build/shared/pb/scd/ shared/pb/scd/
 COPY consumer/ consumer/
 # Built now, for the build machine's instruction set, into /app/.cache/kernels/<name>/ (owned by the
 # service's user: each start re-checks the build there, and a CPU of another set builds its variant);
-# the consumer loads it before it reports SERVING and names it in Describe.decode_attention.
+# the consumer loads it before it reports SERVING and names it in Describe.decode_attention (and, on a
+# CPU with AVX-512 BF16, the bfloat16 prefill kernel beside it: Describe.prefill_attention).
 RUN OMP_NUM_THREADS=1 /opt/venv/bin/python -m consumer.engine.paged_attention \
  && chown -R scd:scd /app/.cache
 # Models: a builtin tiny name (built into /cache on first use), or a local checkpoint directory
