@@ -118,6 +118,17 @@ def _loaded() -> tuple[Callable | None, str]:
     return fn, f"kernel {name.rsplit('_', 1)[-1]}"
 
 
+# the AVX-512 build's vectorized path serves these (others: its portable per-key loop)
+VECTOR_HEAD_DIMS = (32, 64, 128)
+VECTOR_MAX_GROUPS = 4
+
+
+def vectorized(head_dim: int, groups: int) -> bool:
+    """Whether the AVX-512 build runs its vectorized path for this head size and GQA group (query
+    heads per KV head): float32, bfloat16 and float16, head_dim 32 / 64 / 128, groups 1-4."""
+    return head_dim in VECTOR_HEAD_DIMS and 1 <= groups <= VECTOR_MAX_GROUPS
+
+
 def kernel() -> Callable | None:
     """The built extension's `decode_attention`, or None where it cannot be built (logged once)."""
     return _loaded()[0]

@@ -94,21 +94,24 @@ def _attend_row(view: _RowView, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out.view(kv, groups, n, hd).permute(2, 0, 1, 3).reshape(n, H, hd)
 
 
-# auto keeps per-row SDPA for float32 pools with heads this small: there the kernel's per-key dot
-# products are too short to beat SDPA's float32 path (engine_forward rows, the QA pair, head_dim 32:
-# 0.97-1.13x the per-row step in float32, slower in 5 of 6 cells, 0.49-0.88x in bfloat16; the real pair, head_dim 64,
-# 0.64-0.74x in float32)
+# auto keeps per-row SDPA for float32 pools with heads this small where the kernel runs its portable
+# per-key loop: there its dot products are too short to beat SDPA's float32 path (engine_forward rows at
+# 103e3b3, the QA pair, head_dim 32: 0.97-1.13x the per-row step in float32, slower in 5 of 6 cells).
+# The AVX-512 build's vectorized path (head_dim 32 / 64 / 128, up to 4 query heads per KV head) is
+# faster there too (0.78-0.93x per-row SDPA, QA pair fp32, batch 1-32, hand run at 2 threads)
 AUTO_MIN_FLOAT32_HEAD_DIM = 64
 
 
-def auto_skips(dtype: torch.dtype, head_dim: int) -> str:
-    """Why `auto` keeps per-row SDPA for a pool of this dtype and head size, or ""."""
+def auto_skips(dtype: torch.dtype, head_dim: int, groups: int = 1) -> str:
+    """Why `auto` keeps per-row SDPA for a pool of this dtype, head size and GQA group, or ""."""
     if dtype == torch.float32 and head_dim < AUTO_MIN_FLOAT32_HEAD_DIM:
+        if paged_attention.which() == "kernel avx512" and paged_attention.vectorized(head_dim, groups):
+            return ""
         return f"auto: float32 with head_dim {head_dim} < {AUTO_MIN_FLOAT32_HEAD_DIM} (per-row SDPA measured faster)"
     return ""
 
 
-def _decode_kernel(mode: str, device: torch.device, dtype: torch.dtype, head_dim: int):
+def _decode_kernel(mode: str, device: torch.device, dtype: torch.dtype, head_dim: int, groups: int):
     """(the paged decode-attention kernel for `mode` (paged_attention.MODES) on this device, or None:
     per-row SDPA; why `auto` chose per-row SDPA for this dtype and head size, or "")."""
     if mode not in paged_attention.MODES:
@@ -117,7 +120,7 @@ def _decode_kernel(mode: str, device: torch.device, dtype: torch.dtype, head_dim
         if mode == "kernel":
             raise ValueError(f"decode_attention: the kernel runs on the CPU, not on {device}")
         return None, ""
-    skip = auto_skips(dtype, head_dim) if mode == "auto" else ""
+    skip = auto_skips(dtype, head_dim, groups) if mode == "auto" else ""
     if skip:
         return None, skip
     fn = paged_attention.kernel()
@@ -178,7 +181,9 @@ class PoolRunner:
         self.gathered_rows = 0  # rows whose blocks were not one run (read through a gather)
         # decode rows (one new token) through the paged kernel, all at once per layer; None: per-row SDPA
         # decode_skip: why auto kept per-row SDPA (paged_attention.runs reports it), or ""
-        self.decode_kernel, self.decode_skip = _decode_kernel(decode_attention, pool.device, pool.dtype, pool.info.head_dim)
+        self.decode_kernel, self.decode_skip = _decode_kernel(
+            decode_attention, pool.device, pool.dtype, pool.info.head_dim, self.groups
+        )
         # rows of more than one new token through the bfloat16 prefill kernel, one call per row and layer;
         # None: per-row SDPA. prefill_runs: what they run ("kernel avx512bf16" or "sdpa: why")
         self.prefill_kernel, self.prefill_runs = resolve_prefill(prefill_attention, pool.device, pool.dtype, pool.info.head_dim)

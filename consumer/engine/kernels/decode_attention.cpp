@@ -17,8 +17,53 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
+
+#ifdef __AVX512F__
+// e^x for 16 lanes: 2^n * p(r), r = x - n ln 2, a degree-6 polynomial (relative error ~2e-7); x
+// clamped below at -104 (e^-104 is below float32's smallest normal: the result flushes to ~0)
+inline __m512 exp512(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+  r = _mm512_fnmadd_ps(n, ln2_lo, r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// s[t] <- e^(s[t] - top) for t < L; returns their sum (the softmax's denominator)
+inline float exp_sum(float* s, int64_t L, float top) {
+  float sum = 0.f;
+  int64_t t = 0;
+#ifdef __AVX512F__
+  const __m512 m = _mm512_set1_ps(top);
+  __m512 total = _mm512_setzero_ps();
+  for (; t + 16 <= L; t += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+    _mm512_storeu_ps(s + t, e);
+    total = _mm512_add_ps(total, e);
+  }
+  sum = _mm512_reduce_add_ps(total);
+#endif
+  for (; t < L; ++t) {
+    s[t] = std::exp(s[t] - top);
+    sum += s[t];
+  }
+  return sum;
+}
 
 inline float to_f32(float x) { return x; }
 inline float to_f32(double x) { return static_cast<float>(x); }
@@ -30,10 +75,147 @@ inline float to_f32(c10::BFloat16 x) {
 }
 inline float to_f32(c10::Half x) { return static_cast<float>(x); }
 
+#ifdef __AVX512F__
+// 16 values of a row as float32 lanes (exact for every dtype here)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(c10::BFloat16* p, __m512 x) {  // round to nearest even, as c10::BFloat16's conversion
+  for (int i = 0; i < 16; ++i) p[i] = static_cast<c10::BFloat16>(x[i]);
+}
+inline void store16(c10::Half* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// the 16 lane sums of v[0..15] as one vector: lane i = sum of v[i]'s lanes (a transposing reduction:
+// 45 shuffles and adds for 16 dot products, where one horizontal sum each would take ~10 apiece)
+inline __m512 hsum16(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit block: lanes 0, 2 hold v[2i]'s partials, 1, 3 v[2i + 1]'s
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per block: lane m holds v[4i + m]'s sum over that block
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
+}
+
+// One decode row and KV head with G query heads of head_dim 16 * C, vectorized: scores 16 keys at a
+// time (each key's row converted once into a float32 tile), softmax with a vector exp, the weighted
+// sum in registers. Same numbers as the portable loop up to float32 summation order.
+template <typename T, int G, int C>
+void decode_item(const T* qb, const T* kh, const T* vh, const int64_t* table, int64_t L, int64_t block_tokens,
+                 float scale, T* ob, std::vector<float>& scores) {
+  constexpr int HD = 16 * C;
+  __m512 qv[G][C];
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int h = 0; h < G; ++h)
+    for (int c = 0; c < C; ++c) qv[h][c] = _mm512_mul_ps(load16(qb + h * HD + c * 16), sv);
+  const int64_t Lp = (L + 15) / 16 * 16;
+  if (static_cast<int64_t>(scores.size()) < G * Lp) scores.resize(G * Lp);
+  float* sc = scores.data();
+  alignas(64) float tile[16][HD];
+  int64_t block = 0, offset = 0;  // where key t0 lies: table[block], offset
+  for (int64_t t0 = 0; t0 < L; t0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, L - t0));
+    for (int i = 0; i < n; ++i) {  // the keys' rows, converted once for every head
+      const T* kt = kh + (table[block] * block_tokens + offset) * HD;
+      for (int c = 0; c < C; ++c) _mm512_store_ps(tile[i] + c * 16, load16(kt + c * 16));
+      if (++offset == block_tokens) offset = 0, ++block;
+    }
+    for (int h = 0; h < G; ++h) {
+      __m512 dots[16];
+      for (int i = 0; i < 16; ++i) {
+        if (i >= n) {
+          dots[i] = _mm512_setzero_ps();
+          continue;
+        }
+        __m512 a = _mm512_mul_ps(qv[h][0], _mm512_load_ps(tile[i]));
+        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[h][c], _mm512_load_ps(tile[i] + c * 16), a);
+        dots[i] = a;
+      }
+      _mm512_storeu_ps(sc + h * Lp + t0, hsum16(dots));
+    }
+  }
+  float total[G];
+  for (int h = 0; h < G; ++h) {
+    float* sh = sc + h * Lp;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < L; ++t) top = sh[t] > top ? sh[t] : top;
+    total[h] = exp_sum(sh, L, top);
+  }
+  __m512 acc[G][C];
+  for (int h = 0; h < G; ++h)
+    for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
+  block = 0, offset = 0;
+  for (int64_t t = 0; t < L; ++t) {
+    const T* vt = vh + (table[block] * block_tokens + offset) * HD;
+    if (++offset == block_tokens) offset = 0, ++block;
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(vt + c * 16);
+    for (int h = 0; h < G; ++h) {
+      const __m512 p = _mm512_set1_ps(sc[h * Lp + t]);
+      for (int c = 0; c < C; ++c) acc[h][c] = _mm512_fmadd_ps(p, vv[c], acc[h][c]);
+    }
+  }
+  for (int h = 0; h < G; ++h) {
+    const __m512 inv = _mm512_set1_ps(1.f / total[h]);
+    for (int c = 0; c < C; ++c) store16(ob + h * HD + c * 16, _mm512_mul_ps(acc[h][c], inv));
+  }
+}
+
+// the vectorized item for this (g, hd), or nullptr (the portable loop serves it)
+template <typename T>
+using Item = void (*)(const T*, const T*, const T*, const int64_t*, int64_t, int64_t, float, T*, std::vector<float>&);
+
+template <typename T, int C>
+Item<T> item_for_g(int64_t g) {
+  switch (g) {
+    case 1: return decode_item<T, 1, C>;
+    case 2: return decode_item<T, 2, C>;
+    case 3: return decode_item<T, 3, C>;
+    case 4: return decode_item<T, 4, C>;
+    default: return nullptr;
+  }
+}
+
+template <typename T>
+Item<T> item_for(int64_t g, int64_t hd) {
+  switch (hd) {
+    case 32: return item_for_g<T, 2>(g);
+    case 64: return item_for_g<T, 4>(g);
+    case 128: return item_for_g<T, 8>(g);
+    default: return nullptr;
+  }
+}
+template <>
+Item<double> item_for<double>(int64_t, int64_t) { return nullptr; }
+#endif
+
 template <typename T>
 void decode(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* lengths, T* out,
             int64_t B, int64_t H, int64_t n_kv, int64_t hd, int64_t slots, int64_t max_blocks,
             int64_t block_tokens, float scale) {
+#ifdef __AVX512F__
+  if (const Item<T> item = item_for<T>(H / n_kv, hd)) {
+    const int64_t g = H / n_kv;
+    at::parallel_for(0, B * n_kv, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t it = begin; it < end; ++it) {
+        const int64_t b = it / n_kv, j = it % n_kv;
+        item(q + (b * H + j * g) * hd, k + j * slots * hd, v + j * slots * hd, tables + b * max_blocks, lengths[b],
+             block_tokens, scale, out + (b * H + j * g) * hd, scores);
+      }
+    });
+    return;
+  }
+#endif
   const int64_t g = H / n_kv;
   at::parallel_for(0, B * n_kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(g * hd), acc(g * hd), scores, kf(hd);
@@ -62,14 +244,9 @@ void decode(const T* q, const T* k, const T* v, const int64_t* tables, const int
       for (int64_t h = 0; h < g; ++h) {
         float* sh = scores.data() + h * L;
         float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
         for (int64_t t = 0; t < L; ++t) top = sh[t] > top ? sh[t] : top;
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < L; ++t) {
-          sh[t] = std::exp(sh[t] - top);
-          sum += sh[t];
-        }
-        total[h] = sum;
+        total[h] = exp_sum(sh, L, top);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
