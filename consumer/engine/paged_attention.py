@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import os
 import shutil
 import sys
@@ -35,6 +36,7 @@ from shared.config import DECODE_ATTENTION
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "decode_attention.cpp"
+HEADER = SOURCE.with_name("vec_math.h")  # included by both kernels
 CACHE = Path(__file__).resolve().parents[2] / ".cache" / "kernels"
 # OpenMP: at::parallel_for runs its threads only when built with it; the simd pragmas and no errno
 # let the compiler vectorize the dot products and exp
@@ -78,8 +80,12 @@ def _ninja_on_path() -> None:
 
 
 def build(name: str, source: Path, flags: list[str]) -> Any:
-    """Extension `name` from `source` with `flags`, built into its own folder (or loaded where built)."""
+    """Extension `name` from `source` with `flags`, built into its own folder (or loaded where built).
+    cpp_extension rebuilds when a source or a flag changes, not a header: the shared header's digest
+    rides in the flags."""
     from torch.utils import cpp_extension
+
+    flags = [*flags, f"-DSCD_HEADER_DIGEST={hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]}"]
 
     _ninja_on_path()
     folder = build_dir(name)
