@@ -46,18 +46,21 @@ class _RowView:
     """Where one row's keys lie, for the whole forward: when its used blocks are one ascending run,
     views of every layer's K and V over them ([num_layers, 1, n_kv, L, hd], in place); else its
     block table (gathered per layer, after the layer's write). And its bottom-right causal mask
-    for n > 1."""
+    for n > 1. A row a kernel serves (`by_kernel`: it reads through the block table) gets neither."""
 
     __slots__ = ("offset", "n", "start", "length", "blocks", "table", "keys", "values", "mask")
     keys: torch.Tensor
     values: torch.Tensor
 
-    def __init__(self, row: Row, offset: int, pool: KVPool, groups: int):
+    def __init__(self, row: Row, offset: int, pool: KVPool, groups: int, by_kernel: bool = False):
         Bt, device = pool.block_tokens, pool.device
         self.offset, self.n, self.start = offset, len(row.ids), row.start
         self.length = row.start + self.n  # keys it attends over: its prefix and its new tokens
         used = -(-self.length // Bt)
-        self.blocks = row.seq.table[:used]  # its block table (the prefill kernel reads through it)
+        self.blocks = row.seq.table[:used]  # its block table (the kernels read through it)
+        self.table, self.mask = None, None
+        if by_kernel:
+            return
         blocks = row.seq.blocks[:used]
         first = blocks[0]
         run = blocks[-1] - first == used - 1 and all(b == first + i for i, b in enumerate(blocks))
@@ -68,7 +71,6 @@ class _RowView:
             assert pool.k_heads is not None and pool.v_heads is not None
             self.keys = pool.k_heads[:, :, span].view(L, 1, kv, used * Bt, hd)[..., : self.length, :]
             self.values = pool.v_heads[:, :, span].view(L, 1, kv, used * Bt, hd)[..., : self.length, :]
-        self.mask = None
         if self.n > 1 and row.start > 0:  # query j sees keys 0 .. start + j; the fold repeats it per group
             keys = torch.arange(self.length, device=device)
             mask = keys[None] <= row.start + torch.arange(self.n, device=device)[:, None]  # [n, L]
@@ -206,14 +208,13 @@ class PoolRunner:
         pool, device = self.pool, self.loaded.device
         views, offset = [], 0
         for r in rows:
-            views.append(_RowView(r, offset, pool, self.groups))
+            by_kernel = (self.decode_kernel if len(r.ids) == 1 else self.prefill_kernel) is not None
+            views.append(_RowView(r, offset, pool, self.groups, by_kernel))
             offset += len(r.ids)
         decode = _DecodeRows(views, rows, pool) if self.decode_kernel is not None else None
         if decode is not None and decode.count == 0:
             decode = None
-        self.gathered_rows += sum(
-            v.table is not None for v in views if (v.n == 1 and decode is None) or (v.n > 1 and self.prefill_kernel is None)
-        )
+        self.gathered_rows += sum(v.table is not None for v in views)  # kernel rows keep none: they read through tables
         ids = torch.tensor([t for r in rows for t in r.ids], dtype=torch.long, device=device)  # [N]
         # [N] RoPE positions: the logical ones (a kept sequence does not store `dropped` tokens)
         pos = torch.tensor([r.start + r.seq.dropped + j for r in rows for j in range(len(r.ids))], device=device)
