@@ -228,3 +228,30 @@ def test_auto_keeps_per_row_sdpa_where_it_measured_faster():
             assert status == paged_attention.which()
         else:
             assert status.startswith("sdpa: auto: float32 with head_dim 32 < 64") and status.endswith(" built"), status
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("bt", [1, 5, 48])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_any_block_size_reads_the_same_keys(decode, bt, dtype):
+    """Blocks of 1, 5 and 48 tokens (the vectorized path's 16-key tiles straddle them), rows' blocks
+    out of order: the same answer as float32 SDPA over the keys gathered."""
+    g = torch.Generator().manual_seed(bt)
+    n_kv, hd, groups, lengths = 2, 64, 3, [1, 17, 70, 33]
+    used = [-(-n // bt) for n in lengths]
+    blocks = 1 + torch.randperm(sum(used) + 2, generator=g)
+    k = torch.randn(n_kv, (sum(used) + 3) * bt, hd, generator=g).to(dtype)
+    v = torch.randn(n_kv, (sum(used) + 3) * bt, hd, generator=g).to(dtype)
+    tables = torch.zeros(len(lengths), max(used), dtype=torch.long)
+    at = 0
+    for b, u in enumerate(used):
+        tables[b, :u] = blocks[at : at + u]
+        at += u
+    q = torch.randn(len(lengths), n_kv * groups, hd, generator=g).to(dtype)
+    got = decode(q, k, v, tables, torch.tensor(lengths), bt)
+    want = []
+    for b, n in enumerate(lengths):
+        flat = (tables[b, : used[b]][:, None] * bt + torch.arange(bt)).reshape(-1)[:n]
+        folded = q[b].float().view(1, n_kv, groups, hd)
+        want.append(F.scaled_dot_product_attention(folded, k[:, flat].float()[None], v[:, flat].float()[None]).reshape(-1, hd))
+    torch.testing.assert_close(got.float(), torch.stack(want), **TOLERANCE[dtype])

@@ -41,18 +41,18 @@ def prefill():
     return prefill_attention.prefill_attention
 
 
-def random_case(n: int, start: int, groups: int, hd: int, seed: int):
+def random_case(n: int, start: int, groups: int, hd: int, seed: int, bt: int = BT):
     """One layer of a pool (k, v [n_kv, slots, hd] bf16) and one row of n new tokens after `start`:
     its blocks a random non-ascending draw (block 0 never among them), every slot it may not read
     (block 0, spare blocks, its last block past start + n) NaN."""
     g = torch.Generator().manual_seed(seed)
     n_kv, L = 2, start + n
-    used = -(-L // BT)
+    used = -(-L // bt)
     table = 1 + torch.randperm(used + 3, generator=g)[:used]
-    slots = (used + 4) * BT
+    slots = (used + 4) * bt
     k = torch.full((n_kv, slots, hd), float("nan"))
     v = torch.full((n_kv, slots, hd), float("nan"))
-    flat = (table[:, None] * BT + torch.arange(BT)).reshape(-1)[:L]
+    flat = (table[:, None] * bt + torch.arange(bt)).reshape(-1)[:L]
     k[:, flat] = 2 * torch.randn(n_kv, L, hd, generator=g)  # scores of a few units: a peaked softmax
     v[:, flat] = torch.randn(n_kv, L, hd, generator=g)
     q = (2 * torch.randn(n, n_kv * groups, hd, generator=g)).bfloat16()
@@ -97,6 +97,18 @@ def test_the_kernel_equals_float32_sdpa_as_closely_as_bf16_sdpa(prefill, n, star
     own = (sdpa(q, k, v, flat, start, torch.bfloat16) - ref).abs().max().item()
     err = (got.float() - ref).abs().max().item()
     assert err <= 2 * own + 2**-9 * ref.abs().max().item(), (err, own)
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("bt", [1, 7, 32, 48])
+def test_any_block_size_reads_the_same_keys(prefill, bt):
+    """Blocks of 1, 7, 32, 48 tokens (tiles of 32 keys straddle them): the same answer as SDPA."""
+    q, k, v, table, flat = random_case(45, 61, 3, 64, seed=bt, bt=bt)
+    got = prefill(q, k, v, table, 61, bt)
+    assert torch.isfinite(got).all()
+    ref = sdpa(q, k, v, flat, 61, torch.float32)
+    own = (sdpa(q, k, v, flat, 61, torch.bfloat16) - ref).abs().max().item()
+    assert (got.float() - ref).abs().max().item() <= 2 * own + 2**-9 * ref.abs().max().item()
 
 
 def test_table_entries_past_the_rows_keys_are_never_read(prefill):
