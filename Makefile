@@ -38,7 +38,7 @@ install: $(STAMP) $(REAL_MODEL) kernel
 # request waits for a compile. Needs a C++ compiler (and ninja: the pinned wheel); without a compiler
 # it says so and the engine runs per-row SDPA; a compiler whose build fails stops here.
 kernel: $(STAMP)
-	$(PYTHON) -m consumer.engine.paged_attention
+	$(PYTHON) -m consumer.engine.build_kernels
 
 real-model: $(REAL_MODEL)
 
@@ -143,7 +143,7 @@ test: lint $(PB_GEN) $(COMPOSE) $(REAL_MODEL) kernel
 # honours ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA; its MKL ignores MKL_ENABLE_INSTRUCTIONS (set anyway).
 LOWERED_ISA := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 test-lowered-isa: $(PB_GEN)
-	$(LOWERED_ISA) $(PYTHON) -m consumer.engine.paged_attention
+	$(LOWERED_ISA) $(PYTHON) -m consumer.engine.build_kernels
 	$(LOWERED_ISA) $(PYTHON) -m pytest -q -m numeric
 
 demo: $(PB_GEN)

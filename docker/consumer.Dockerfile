@@ -58,7 +58,7 @@ COPY consumer/ consumer/
 # service's user: each start re-checks the build there, and a CPU of another set builds its variant);
 # the consumer loads it before it reports SERVING and names it in Describe.decode_attention (and, on a
 # CPU with AVX-512 BF16, the bfloat16 prefill kernel beside it: Describe.prefill_attention).
-RUN OMP_NUM_THREADS=1 /opt/venv/bin/python -m consumer.engine.paged_attention \
+RUN OMP_NUM_THREADS=1 /opt/venv/bin/python -m consumer.engine.build_kernels \
  && chown -R scd:scd /app/.cache
 # Models: a builtin tiny name (built into /cache on first use), or a local checkpoint directory
 # mounted into the container (compose mounts ./checkpoints and ./artifacts read-only under /app).

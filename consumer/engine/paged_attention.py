@@ -7,7 +7,7 @@ The kernel is C++ built by torch.utils.cpp_extension (a C++ compiler and ninja: 
 in the venv is found even when the venv's bin is not on PATH) into `.cache/kernels/<name>/`
 (SCD_KERNEL_DIR moves it), one folder per instruction set: AVX-512 or AVX2 + FMA where the CPU has
 them (`torch.backends.cpu.get_cpu_capability()`, which honours ATEN_CPU_CAPABILITY), portable code
-otherwise. `make install` and `make test` build it ahead (`python -m consumer.engine.paged_attention`),
+otherwise. `make install` and `make test` build it ahead (`python -m consumer.engine.build_kernels`),
 and the consumer loads it before it reports SERVING, so no request waits for a compile. Processes
 building at once take turns (an OS file lock, released if a builder dies; cpp_extension's own lock
 file, which a killed builder leaves behind, is cleared under it). Where it cannot be built or
@@ -176,12 +176,7 @@ def decode_attention(
     return fn(q.contiguous(), k, v, tables, lengths, block_tokens, q.shape[-1] ** -0.5)
 
 
-if __name__ == "__main__":  # `python -m consumer.engine.paged_attention`: build the kernels now (make kernel)
-    from consumer.engine import prefill_attention
-
+if __name__ == "__main__":  # `python -m consumer.engine.paged_attention`: build this kernel now
     print(f"decode attention: {which()} ({build_dir(_flags()[0])})")
-    print(f"prefill attention: {prefill_attention.which()}")
     # no compiler: per-row SDPA is this machine's path, not an error; a compiler that fails is one
-    failed = kernel() is None and os.environ.get("SCD_DECODE_KERNEL") != "0"
-    failed = failed or prefill_attention.which().startswith(prefill_attention.NOT_BUILT)
-    sys.exit(1 if failed and compiler() is not None else 0)
+    sys.exit(1 if kernel() is None and compiler() is not None and os.environ.get("SCD_DECODE_KERNEL") != "0" else 0)

@@ -1,0 +1,26 @@
+"""`python -m consumer.engine.build_kernels` (`make kernel`, the consumer image): build the engine's CPU
+attention kernels now, so no request waits for a compile: the paged decode kernel
+(consumer.engine.paged_attention) and, where the CPU runs it, the bfloat16 prefill kernel
+(consumer.engine.prefill_attention). Prints what each row kind runs; exits 1 where a C++ compiler is
+here and a build failed (no compiler: per-row SDPA is this machine's path, not an error).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from consumer.engine import paged_attention, prefill_attention
+
+
+def main() -> int:
+    decode, prefill = paged_attention.which(), prefill_attention.which()
+    print(f"decode attention: {decode} ({paged_attention.build_dir(paged_attention._flags()[0])})")
+    print(f"prefill attention: {prefill}")
+    failed = paged_attention.kernel() is None and os.environ.get("SCD_DECODE_KERNEL") != "0"
+    failed = failed or prefill.startswith(prefill_attention.NOT_BUILT)
+    return 1 if failed and paged_attention.compiler() is not None else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
