@@ -226,3 +226,18 @@ def test_a_lowered_cpu_capability_keeps_sdpa_and_says_why():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["sdpa: torch's CPU capability is AVX2, the kernel needs AVX512", "None"]
+
+
+def test_the_benchmark_writes_a_row_per_chunk_and_a_total(prefill, tmp_path):
+    """`python -m bench.micro.prefill_attention` on a small prefill: one row per chunk and a total."""
+    import json
+
+    from bench.micro import prefill_attention as bench
+
+    out = tmp_path / "rows.jsonl"
+    assert bench.main(["--tokens", "96", "--chunk", "32", "--reps", "1", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["chunk"] * 3 + ["total"]
+    assert [r["start"] for r in rows[:3]] == [0, 32, 64]
+    assert all(r["sdpa_ms"] > 0 and r["kernel_ms"] > 0 for r in rows)
+    assert rows[-1]["layers"] == 30 and rows[-1]["head_dim"] == 64
