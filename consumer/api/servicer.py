@@ -153,24 +153,26 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         codec = self.codecs.get(c.mode) if c.remote else None
         return self.pipeline.cached_tokens(codec, dict(c.options), context_ids, tenant)
 
+    def _runner(self):
+        """The engine's runner; with --engine-process, this process's twin of the child's (built
+        with the same options, loading the same kernel builds)."""
+        batch = self.batch
+        return batch.local.runner if isinstance(batch, EngineProcess) else batch.runner
+
     def decode_attention(self) -> str:
         """What the engine's decode rows attend with (paged_attention.runs): "kernel avx512", or
-        "sdpa: why". With --engine-process, as this process's engine resolved it (the child loads
-        the same build)."""
-        batch = self.batch
-        return paged_attention.runs(batch.local.runner if isinstance(batch, EngineProcess) else batch.runner)
+        "sdpa: why"."""
+        return paged_attention.runs(self._runner())
 
     def prefill_attention(self) -> str:
         """What the engine's prefill rows attend with (PoolRunner.prefill_runs): "kernel avx512bf16",
         or "sdpa: why"."""
-        batch = self.batch
-        runner = batch.local.runner if isinstance(batch, EngineProcess) else batch.runner
+        runner = self._runner()
         return getattr(runner, "prefill_runs", f"sdpa: {type(runner).__name__} has no prefill kernel")
 
     def packed_weights(self) -> str:
         """Whether the engine's projections run on oneDNN-prepacked weights: "on", or "off: why"."""
-        batch = self.batch
-        runner = batch.local.runner if isinstance(batch, EngineProcess) else batch.runner
+        runner = self._runner()
         if getattr(runner, "packed", None) is not None:
             return "on"
         return "off: --packed-weights false" if not self.config.packed_weights else f"off: {runner.packed_off}"

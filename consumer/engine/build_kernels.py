@@ -7,7 +7,6 @@ here and a build failed (no compiler: per-row SDPA is this machine's path, not a
 
 from __future__ import annotations
 
-import os
 import sys
 
 from consumer.engine import paged_attention, prefill_attention
@@ -17,9 +16,8 @@ def main() -> int:
     decode, prefill = paged_attention.which(), prefill_attention.which()
     print(f"decode attention: {decode} ({paged_attention.build_dir(paged_attention._flags()[0])})")
     print(f"prefill attention: {prefill}")
-    failed = paged_attention.kernel() is None and os.environ.get("SCD_DECODE_KERNEL") != "0"
-    failed = failed or prefill.startswith(prefill_attention.NOT_BUILT)
-    return 1 if failed and paged_attention.compiler() is not None else 0
+    prefill_failed = prefill.startswith(prefill_attention.NOT_BUILT) and paged_attention.compiler() is not None
+    return 1 if paged_attention.build_failed() or prefill_failed else 0
 
 
 if __name__ == "__main__":

@@ -135,6 +135,12 @@ def vectorized(head_dim: int, groups: int) -> bool:
     return head_dim in VECTOR_HEAD_DIMS and 1 <= groups <= VECTOR_MAX_GROUPS
 
 
+def build_failed() -> bool:
+    """A C++ compiler is here and the kernel was not turned off, yet it did not build (no compiler
+    is not a failure: per-row SDPA is that machine's path)."""
+    return kernel() is None and compiler() is not None and os.environ.get("SCD_DECODE_KERNEL") != "0"
+
+
 def kernel() -> Callable | None:
     """The built extension's `decode_attention`, or None where it cannot be built (logged once)."""
     return _loaded()[0]
@@ -178,5 +184,4 @@ def decode_attention(
 
 if __name__ == "__main__":  # `python -m consumer.engine.paged_attention`: build this kernel now
     print(f"decode attention: {which()} ({build_dir(_flags()[0])})")
-    # no compiler: per-row SDPA is this machine's path, not an error; a compiler that fails is one
-    sys.exit(1 if kernel() is None and compiler() is not None and os.environ.get("SCD_DECODE_KERNEL") != "0" else 0)
+    sys.exit(1 if build_failed() else 0)

@@ -64,7 +64,7 @@ class _RowView:
         blocks = row.seq.blocks[:used]
         first = blocks[0]
         run = blocks[-1] - first == used - 1 and all(b == first + i for i, b in enumerate(blocks))
-        self.table = None if run else row.seq.table[:used]
+        self.table = None if run else self.blocks
         if run:
             L, kv, hd = pool.info.num_layers, pool.info.num_kv_heads, pool.info.head_dim
             span = slice(first, first + used)
@@ -149,17 +149,15 @@ class _DecodeRows:
 
     __slots__ = ("count", "at", "tables", "lengths")
 
-    def __init__(self, views: list[_RowView], rows: list[Row], pool: KVPool):
-        Bt, device = pool.block_tokens, pool.device
-        picked = [(view, row) for view, row in zip(views, rows) if view.n == 1]
+    def __init__(self, views: list[_RowView], device: torch.device):
+        picked = [view for view in views if view.n == 1]
         self.count = len(picked)
         if not picked:
             return
-        used = [-(-view.length // Bt) for view, _ in picked]
         # the null block (0) pads: the kernel reads no key past a row's length
-        self.tables = pad_sequence([row.seq.table[:n] for (_, row), n in zip(picked, used)], batch_first=True)
-        self.lengths = torch.tensor([view.length for view, _ in picked], dtype=torch.long, device=device)
-        self.at = torch.tensor([view.offset for view, _ in picked], dtype=torch.long, device=device)
+        self.tables = pad_sequence([view.blocks for view in picked], batch_first=True)
+        self.lengths = torch.tensor([view.length for view in picked], dtype=torch.long, device=device)
+        self.at = torch.tensor([view.offset for view in picked], dtype=torch.long, device=device)
 
 
 class PoolRunner:
@@ -211,7 +209,7 @@ class PoolRunner:
             by_kernel = (self.decode_kernel if len(r.ids) == 1 else self.prefill_kernel) is not None
             views.append(_RowView(r, offset, pool, self.groups, by_kernel))
             offset += len(r.ids)
-        decode = _DecodeRows(views, rows, pool) if self.decode_kernel is not None else None
+        decode = _DecodeRows(views, pool.device) if self.decode_kernel is not None else None
         if decode is not None and decode.count == 0:
             decode = None
         self.gathered_rows += sum(v.table is not None for v in views)  # kernel rows keep none: they read through tables

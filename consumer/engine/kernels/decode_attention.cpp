@@ -21,9 +21,11 @@
 
 namespace {
 
-
-// s[t] <- e^(s[t] - top) for t < L; returns their sum (the softmax's denominator)
-inline float exp_sum(float* s, int64_t L, float top) {
+// s[t] <- e^(s[t] - max s) for t < L, the softmax's numerators; returns their sum
+inline float exp_sum(float* s, int64_t L) {
+  float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
+  for (int64_t t = 0; t < L; ++t) top = s[t] > top ? s[t] : top;
   float sum = 0.f;
   int64_t t = 0;
 #ifdef __AVX512F__
@@ -122,12 +124,7 @@ void decode_item(const T* qb, const T* kh, const T* vh, const int64_t* table, in
     }
   }
   float total[G];
-  for (int h = 0; h < G; ++h) {
-    float* sh = sc + h * Lp;
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < L; ++t) top = sh[t] > top ? sh[t] : top;
-    total[h] = exp_sum(sh, L, top);
-  }
+  for (int h = 0; h < G; ++h) total[h] = exp_sum(sc + h * Lp, L);
   __m512 acc[G][C];
   for (int h = 0; h < G; ++h)
     for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
@@ -219,13 +216,7 @@ void decode(const T* q, const T* k, const T* v, const int64_t* tables, const int
         }
       }
       std::vector<float> total(g);
-      for (int64_t h = 0; h < g; ++h) {
-        float* sh = scores.data() + h * L;
-        float top = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : top)
-        for (int64_t t = 0; t < L; ++t) top = sh[t] > top ? sh[t] : top;
-        total[h] = exp_sum(sh, L, top);
-      }
+      for (int64_t h = 0; h < g; ++h) total[h] = exp_sum(scores.data() + h * L, L);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
         const T* vt = vh + (table[t / block_tokens] * block_tokens + t % block_tokens) * hd;

@@ -37,7 +37,6 @@ namespace {
 
 constexpr int64_t TILE = 32;  // keys per tile: two vectors of 16 float32 scores
 
-
 inline __m512 dot(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
 }
@@ -175,11 +174,10 @@ void group(const uint16_t* q, const uint32_t* kp, const uint32_t* vp, uint16_t* 
 template <int HD, int R>
 void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* table, uint16_t* out,
             const Shape& s) {
-  constexpr int P = HD / 2;
-  std::vector<uint32_t> kp(s.n_kv * s.tiles * P * TILE), vp(s.n_kv * s.tiles * TILE / 2 * HD);
+  const int64_t per_head = s.tiles * TILE / 2 * HD;  // uint32 pairs of one KV head's packed K, and of its V
+  std::vector<uint32_t> kp(s.n_kv * per_head), vp(s.n_kv * per_head);
   at::parallel_for(0, s.n_kv, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j)
-      pack<HD>(k, v, table, s, j, kp.data() + j * s.tiles * P * TILE, vp.data() + j * s.tiles * TILE / 2 * HD);
+    for (int64_t j = begin; j < end; ++j) pack<HD>(k, v, table, s, j, kp.data() + j * per_head, vp.data() + j * per_head);
   });
   const int64_t groups = (s.n * s.g + R - 1) / R;
   // later groups see more keys: item i takes groups from both ends in turn, so the contiguous ranges
@@ -188,7 +186,7 @@ void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64
     for (int64_t item = begin; item < end; ++item) {
       const int64_t j = item % s.n_kv, i = item / s.n_kv;
       const int64_t gi = i % 2 == 0 ? i / 2 : groups - 1 - i / 2;
-      group<HD, R>(q, kp.data() + j * s.tiles * P * TILE, vp.data() + j * s.tiles * TILE / 2 * HD, out, s, j, gi * R);
+      group<HD, R>(q, kp.data() + j * per_head, vp.data() + j * per_head, out, s, j, gi * R);
     }
   });
 }
