@@ -30,14 +30,14 @@ REAL_MODEL := .cache/models/smollm2-135m/origin.json
 $(REAL_MODEL): $(STAMP)
 	$(PYTHON) -m shared.pretrained smollm2-135m smollm2-135m-tuned
 
-install: $(STAMP) $(REAL_MODEL) kernel
+install: $(STAMP) $(PB_GEN) $(REAL_MODEL) kernel
 
 # The engine's paged decode-attention kernel (consumer/engine/paged_attention.py) and, on CPUs with
 # AVX-512 BF16, its bfloat16 prefill-attention kernel (consumer/engine/prefill_attention.py), built now for this
 # CPU's instruction set into .cache/kernels/ (~30 s once; a second or two when built), so no test or
 # request waits for a compile. Needs a C++ compiler (and ninja: the pinned wheel); without a compiler
 # it says so and the engine runs per-row SDPA; a compiler whose build fails stops here.
-kernel: $(STAMP)
+kernel: $(STAMP) $(PB_GEN)
 	$(PYTHON) -m consumer.engine.build_kernels
 
 real-model: $(REAL_MODEL)
