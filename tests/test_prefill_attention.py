@@ -199,10 +199,12 @@ def test_the_real_pairs_prefill_with_the_kernel_is_as_close_to_float32_as_with_s
 
 
 def test_the_runner_says_what_its_prefill_rows_run(prefill):
-    """auto: the kernel on a bfloat16 pool; SDPA on float32 saying why; "kernel" where it cannot
-    serve the pool fails at construction; "sdpa" asked for."""
+    """auto: the kernel on a bfloat16 pool (SDPA where the CPU has AMX-BF16, saying so); SDPA on
+    float32 saying why; "kernel" where it cannot serve the pool fails at construction; "sdpa" asked for."""
+    amx = prefill_attention.amx_reason()
     for dtype, mode, runs in (
-        ("bfloat16", "auto", "kernel avx512bf16"),
+        ("bfloat16", "auto", f"sdpa: {amx}" if amx else "kernel avx512bf16"),
+        ("bfloat16", "kernel", "kernel avx512bf16"),
         ("float32", "auto", "sdpa: the kernel is bfloat16-only, the pool is float32"),
         ("bfloat16", "sdpa", "sdpa: prefill_attention='sdpa'"),
     ):

@@ -11,6 +11,11 @@ from bench.figures.rows import RESULTS, rows_of
 ROWS = "peer_vllm.jsonl"
 
 
+def host(row: dict) -> str:
+    """The CPU a row ran on (bench.harness.provenance.host_fields), or "not recorded" for rows before it."""
+    return f"{row['cpu']} ({row['cpu_bf16']})" if "cpu" in row else "not recorded"
+
+
 def peer_vllm(root: Path = RESULTS.parents[1]) -> dict:
     path = root / "bench/results" / ROWS
     if not path.exists():
@@ -19,8 +24,8 @@ def peer_vllm(root: Path = RESULTS.parents[1]) -> dict:
     rows = rows_of(path)
     summaries = [r for r in rows if r["kind"] == "summary"]
     lines = [
-        "| code | workload | streams | context tokens | ours | vLLM | ours / vLLM | identical outputs | runs | load (1 min) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| code | host | workload | streams | context tokens | ours | vLLM | ours / vLLM | identical outputs | runs | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ratios = {}
     for r in summaries:
@@ -30,7 +35,7 @@ def peer_vllm(root: Path = RESULTS.parents[1]) -> dict:
         else:
             ours, theirs, unit = r["ours_tokens_per_s_median"], r["vllm_tokens_per_s_median"], "tokens/s"
         lines.append(
-            f"| {r['code']} | {r['workload']} | {r['streams']} | {ctx} | {ours:g} {unit} | {theirs:g} {unit} | {r['ratio_ours_vs_vllm']:.2f} | "
+            f"| {r['code']} | {host(r)} | {r['workload']} | {r['streams']} | {ctx} | {ours:g} {unit} | {theirs:g} {unit} | {r['ratio_ours_vs_vllm']:.2f} | "
             f"{r['identical_outputs']:.0%} | {r['runs']} | {r['load_avg_1m_median']:.1f} |"
         )
         ratios[f"{r['workload']}@{r['streams']}"] = r["ratio_ours_vs_vllm"]

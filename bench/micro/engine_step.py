@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from bench.harness import services
+from bench.harness.provenance import host_fields
 
 RESULTS = services.ROOT / "bench" / "results"
 
@@ -311,6 +312,7 @@ def main_compare(args) -> None:
                 "load_avg_1m": load_before,
                 "load_avg_1m_end": load_after,
                 "code": code,
+                **host_fields(),
             }
             print(json.dumps(row), flush=True)
             out.write(json.dumps(row) + "\n")

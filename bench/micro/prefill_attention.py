@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.harness import services
+from bench.harness.provenance import host_fields
 from consumer.engine import prefill_attention
 from shared.models import resolve_path
 
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         "head_dim": hd,
         "threads": args.threads,
         "code": services.code_version(),
+        **host_fields(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
     g = torch.Generator().manual_seed(0)

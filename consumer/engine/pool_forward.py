@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from consumer.engine import paged_attention
+from consumer.engine.fused_ops import resolve as resolve_fused
 from consumer.engine.kv_pool import KVPool
 from consumer.engine.prefill_attention import resolve as resolve_prefill
 from consumer.engine.rows import Row
@@ -168,6 +169,7 @@ class PoolRunner:
         decode_attention: str = "auto",
         packed: bool = True,
         prefill_attention: str = "auto",
+        fused_ops: bool = True,
     ):
         self.loaded, self.pool = loaded, pool
         self.model = own.of(loaded)
@@ -187,6 +189,9 @@ class PoolRunner:
         # rows of more than one new token through the bfloat16 prefill kernel, one call per row and layer;
         # None: per-row SDPA. prefill_runs: what they run ("kernel avx512bf16" or "sdpa: why")
         self.prefill_kernel, self.prefill_runs = resolve_prefill(prefill_attention, pool.device, pool.dtype, pool.info.head_dim)
+        # the elementwise steps (norms, residual adds, SiLU * up, RoPE) fused where the extension runs;
+        # fused_runs: "fused avx512" or "eager: why"
+        self.ops, self.fused_runs = resolve_fused(fused_ops, pool.device, pool.dtype)
         # the projections' weights prepacked for oneDNN (CPU; None elsewhere or with packed=False)
         self.packed = own.Packed.of(self.model) if packed else None
         self.packed_off = "" if self.packed is not None else "packed=False" if not packed else own.Packed.off_reason(self.model)
@@ -247,13 +252,13 @@ class PoolRunner:
             outs = [attend_row(view, q_row, layer, pool_k, pool_v) for view, q_row in zip(views, q.split(lengths))]
             return outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, H, hd]
 
-        h = self.model.hidden(ids, pos, attend, self.packed)  # [N, d]
+        h = self.model.hidden(ids, pos, attend, self.packed, self.ops)  # [N, d]
         last = torch.tensor([v.offset + v.n - 1 for v in views], device=device)
-        logits = self.model.logits(h[last], self.packed)  # [B, vocab]
+        logits = self.model.logits(h[last], self.packed, self.ops)  # [B, vocab]
         for view, r in zip(views, rows):
             if r.tail_logits:
                 end = view.offset + view.n
-                r.logits = self.model.logits(h[end - r.tail_logits : end], self.packed)  # [n, vocab]
+                r.logits = self.model.logits(h[end - r.tail_logits : end], self.packed, self.ops)  # [n, vocab]
         for r in rows:
             r.seq.length = r.start + len(r.ids)
         return logits

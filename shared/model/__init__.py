@@ -6,7 +6,7 @@ May import torch and shared.models' types only; never the services, codecs, engi
 Hugging Face's modules are the reference it is tested against (tests/test_model_forward.py).
 """
 
-from shared.model.model import Attend, Model, causal, masked, of
+from shared.model.model import EAGER, Attend, Model, Ops, causal, masked, of
 from shared.model.packed import Packed
 
-__all__ = ["Attend", "Model", "Packed", "causal", "masked", "of"]
+__all__ = ["EAGER", "Attend", "Model", "Ops", "Packed", "causal", "masked", "of"]

@@ -32,6 +32,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+class Ops:
+    """The layer's elementwise steps, as transformers' eager modules compute them (RMSNorm, the
+    residual add with the next RMSNorm, SiLU(gate) * up, RoPE). The engine's forward passes a fused
+    implementation (consumer.engine.fused_ops); everything else runs these."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, weight * rmsnorm(h + delta))."""
+        h = h + delta
+        return h, rms_norm(h, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2n] (gate | up) -> silu(gate) * up [T, n]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return rope_mod.apply(x, cos, sin)
+
+
+EAGER = Ops()
+
+
 class Model:
     def __init__(
         self, geometry: Geometry, embed: torch.Tensor, layers: list[LayerWeights], norm: torch.Tensor, lm_head: torch.Tensor
@@ -120,38 +147,45 @@ class Model:
         attend: Attend,
         normed: torch.Tensor | None = None,
         packed: PackedLayer | None = None,
+        ops: Ops = EAGER,
     ) -> torch.Tensor:
         """One decoder layer over the residual stream h [T, d] -> [T, d]; `normed`: the layer's
         normalized input when the caller has it already (`normed(layer, h)`, computed once);
-        `packed`: the layer's prepacked weights (shared.model.packed; the engine's forward)."""
+        `packed`: the layer's prepacked weights (shared.model.packed; the engine's forward);
+        `ops`: its elementwise steps (the engine's forward passes fused ones)."""
         w, p = self.layers[layer], packed
         T = h.shape[0]
-        qk, v = self.qk_v(layer, self.normed(layer, h) if normed is None else normed, p)
-        qk = rope_mod.apply(qk, cos, sin)  # [T, H + n_kv, hd]
+        if normed is None:
+            normed = ops.rms_norm(h, w.input_norm, self.eps)
+        qk, v = self.qk_v(layer, normed, p)
+        qk = ops.rope(qk, cos, sin)  # [T, H + n_kv, hd]
         H = self.geometry.num_heads
         out = attend(layer, qk[:, :H], qk[:, H:], v).reshape(T, -1)  # [T, H * hd]
-        h = h + project(out, w.o, w.o_bias, None if p is None else p.o)
-        x = rms_norm(h, w.post_norm, self.eps)
-        gate, up = project(x, w.gate_up, w.gate_up_bias, None if p is None else p.gate_up).chunk(2, dim=-1)
-        return h + project(F.silu(gate) * up, w.down, w.down_bias, None if p is None else p.down)
+        h, x = ops.add_rms_norm(h, project(out, w.o, w.o_bias, None if p is None else p.o), w.post_norm, self.eps)
+        gate_up = project(x, w.gate_up, w.gate_up_bias, None if p is None else p.gate_up)
+        return h + project(ops.silu_mul(gate_up), w.down, w.down_bias, None if p is None else p.down)
 
     # --- whole forwards --------------------------------------------------------------------------
 
-    def hidden(self, ids: torch.Tensor, pos: torch.Tensor, attend: Attend, packed: Packed | None = None) -> torch.Tensor:
+    def hidden(
+        self, ids: torch.Tensor, pos: torch.Tensor, attend: Attend, packed: Packed | None = None, ops: Ops = EAGER
+    ) -> torch.Tensor:
         """The last layer's residual stream (before the final norm), [T, d], for ids [T] at pos [T]."""
-        return self.stack(self.embedding(ids), pos, attend, packed)  # [T, d]
+        return self.stack(self.embedding(ids), pos, attend, packed, ops)  # [T, d]
 
-    def stack(self, h: torch.Tensor, pos: torch.Tensor, attend: Attend, packed: Packed | None = None) -> torch.Tensor:
+    def stack(
+        self, h: torch.Tensor, pos: torch.Tensor, attend: Attend, packed: Packed | None = None, ops: Ops = EAGER
+    ) -> torch.Tensor:
         """Every layer over the residual stream entering layer 0, h [T, d] at pos [T] -> [T, d]
         (inputs given as embeddings: the SCD predictor's)."""
         cos, sin = self.tables(pos)
         for index in range(self.geometry.num_layers):
-            h = self.layer(index, h, cos, sin, attend, packed=None if packed is None else packed.layers[index])
+            h = self.layer(index, h, cos, sin, attend, packed=None if packed is None else packed.layers[index], ops=ops)
         return h
 
-    def logits(self, h: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, packed: Packed | None = None, ops: Ops = EAGER) -> torch.Tensor:
         """Final norm and LM head over h [..., d] -> [..., vocab] float32."""
-        x = rms_norm(h, self.norm, self.eps)
+        x = ops.rms_norm(h, self.norm, self.eps)
         return project(x, self.lm_head, None, None if packed is None else packed.lm_head).float()
 
     @torch.inference_mode()

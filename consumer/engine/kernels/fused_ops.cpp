@@ -1,0 +1,217 @@
+// The engine forward's elementwise steps fused, one pass each (AVX-512; built by consumer/engine/fused_ops.py):
+//   rms_norm      out = w * norm(x)                       (transformers' RMSNorm: float32 statistics)
+//   add_rms_norm  h' = h + d; out = w * norm(h')          (the residual add and the next norm)
+//   silu_mul      out = silu(gate) * up                   (gate_up = [gate | up] per row)
+//   rope          out = x * cos + rotate_half(x) * sin    (every head of a token, one table row)
+// Each rounds where transformers' eager modules round: bfloat16 tensors round every op's result to
+// bfloat16 (round to nearest even, as torch does), float32 ones do not. Eager torch runs each of these
+// as 3-10 separate kernels with their own dispatch; at a decode step's 32 rows that dispatch is the cost.
+// Rows are independent: a row's result does not depend on the rows beside it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "vec_math.h"
+
+namespace {
+
+using bf16 = uint16_t;
+
+inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load(const bf16* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+// v rounded to bfloat16 (nearest even; NaN -> torch's 0x7fc0), as float32 bits (low half zero)
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                               _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+}
+
+// what an op's result is in T: rounded to bfloat16, or float32 as it is
+inline __m512 rnd(__m512 v, const float*) { return v; }
+inline __m512 rnd(__m512 v, const bf16*) { return _mm512_castsi512_ps(bf16_bits(v)); }
+
+inline void store(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store(bf16* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
+}
+
+inline __mmask16 tail(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1); }
+
+// grain: rows per task, about 16k elements (a decode step's 32 rows of 576 run on one thread)
+inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
+template <typename T>
+void norm_row(const T* x, const T* w, T* out, int64_t d, float eps) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) {
+    const __m512 v = load(x + i, tail(d - i));
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(d) + eps);
+  const __m512 s = _mm512_set1_ps(inv);
+  for (int64_t i = 0; i < d; i += 16) {
+    const __mmask16 m = tail(d - i);
+    const __m512 y = rnd(_mm512_mul_ps(load(x + i, m), s), x);  // normalized, in the input's dtype
+    store(out + i, rnd(_mm512_mul_ps(load(w + i, m), y), x), m);
+  }
+}
+
+template <typename T>
+void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double eps) {
+  const int64_t rows = x.size(0), d = x.size(1);
+  const T* px = reinterpret_cast<const T*>(x.data_ptr());
+  const T* pw = reinterpret_cast<const T*>(w.data_ptr());
+  T* po = reinterpret_cast<T*>(out.data_ptr());
+  at::parallel_for(0, rows, grain(d), [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) norm_row(px + r * d, pw, po + r * d, d, static_cast<float>(eps));
+  });
+}
+
+template <typename T>
+void add_rms_norm_impl(const at::Tensor& h, const at::Tensor& delta, const at::Tensor& w, at::Tensor& sum,
+                       at::Tensor& out, double eps) {
+  const int64_t rows = h.size(0), d = h.size(1);
+  const T* ph = reinterpret_cast<const T*>(h.data_ptr());
+  const T* pd = reinterpret_cast<const T*>(delta.data_ptr());
+  const T* pw = reinterpret_cast<const T*>(w.data_ptr());
+  T* ps = reinterpret_cast<T*>(sum.data_ptr());
+  T* po = reinterpret_cast<T*>(out.data_ptr());
+  at::parallel_for(0, rows, grain(d), [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) {
+      for (int64_t i = 0; i < d; i += 16) {
+        const __mmask16 m = tail(d - i);
+        store(ps + r * d + i, rnd(_mm512_add_ps(load(ph + r * d + i, m), load(pd + r * d + i, m)), ph), m);
+      }
+      norm_row(ps + r * d, pw, po + r * d, d, static_cast<float>(eps));
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
+  const int64_t rows = gu.size(0), n = gu.size(1) / 2;
+  const T* pg = reinterpret_cast<const T*>(gu.data_ptr());
+  T* po = reinterpret_cast<T*>(out.data_ptr());
+  const __m512 one = _mm512_set1_ps(1.f);
+  at::parallel_for(0, rows, grain(2 * n), [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) {
+      const T* g = pg + r * 2 * n;
+      for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = tail(n - i);
+        const __m512 x = load(g + i, m);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        const __m512 s = rnd(_mm512_div_ps(x, _mm512_add_ps(one, e)), g);  // silu(gate) in the dtype
+        store(po + r * n + i, rnd(_mm512_mul_ps(s, load(g + n + i, m)), g), m);
+      }
+    }
+  });
+}
+
+template <typename T>
+void rope_impl(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+  const int64_t tokens = x.size(0), heads = x.size(1), hd = x.size(2), half = hd / 2;
+  const int64_t stride = x.stride(0);
+  const T* px = reinterpret_cast<const T*>(x.data_ptr());
+  const T* pc = reinterpret_cast<const T*>(cos.data_ptr());
+  const T* psn = reinterpret_cast<const T*>(sin.data_ptr());
+  T* po = reinterpret_cast<T*>(out.data_ptr());
+  at::parallel_for(0, tokens, grain(heads * hd), [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) {
+      const T* c = pc + t * hd;
+      const T* s = psn + t * hd;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* v = px + t * stride + h * hd;
+        T* o = po + (t * heads + h) * hd;
+        for (int64_t i = 0; i < half; i += 16) {
+          const __mmask16 m = tail(half - i);
+          const __m512 x1 = load(v + i, m), x2 = load(v + half + i, m);
+          // first half: x1 * cos - x2 * sin; second: x2 * cos + x1 * sin (rotate_half = [-x2, x1])
+          const __m512 lo = _mm512_add_ps(rnd(_mm512_mul_ps(x1, load(c + i, m)), v),
+                                          rnd(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), load(s + i, m)), v));
+          const __m512 hi = _mm512_add_ps(rnd(_mm512_mul_ps(x2, load(c + half + i, m)), v),
+                                          rnd(_mm512_mul_ps(x1, load(s + half + i, m)), v));
+          store(o + i, rnd(lo, v), m);
+          store(o + half + i, rnd(hi, v), m);
+        }
+      }
+    }
+  });
+}
+
+void check(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dims) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, ": a CPU tensor");
+  TORCH_CHECK_VALUE(t.scalar_type() == dtype, name, ": dtype ", t.scalar_type(), ", expected ", dtype);
+  TORCH_CHECK_VALUE(t.dim() == dims, name, ": ", dims, " dimensions, got ", t.dim());
+}
+
+void check_dtype(const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
+                    "fused ops: float32 or bfloat16, got ", t.scalar_type());
+}
+
+#define DISPATCH(t, ...) \
+  if ((t).scalar_type() == at::kFloat) { using T = float; __VA_ARGS__; } else { using T = bf16; __VA_ARGS__; }
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_dtype(x);
+  check(x, "x", x.scalar_type(), 2);
+  check(w, "weight", x.scalar_type(), 1);
+  TORCH_CHECK_VALUE(x.is_contiguous() && w.is_contiguous() && w.size(0) == x.size(1), "rms_norm: contiguous x [T, d], weight [d]");
+  at::Tensor out = at::empty_like(x);
+  DISPATCH(x, rms_norm_impl<T>(x, w, out, eps));
+  return out;
+}
+
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& delta, const at::Tensor& w, double eps) {
+  check_dtype(h);
+  check(h, "h", h.scalar_type(), 2);
+  check(delta, "delta", h.scalar_type(), 2);
+  check(w, "weight", h.scalar_type(), 1);
+  TORCH_CHECK_VALUE(h.is_contiguous() && delta.is_contiguous() && w.is_contiguous() && h.sizes() == delta.sizes() &&
+                        w.size(0) == h.size(1),
+                    "add_rms_norm: contiguous h, delta [T, d], weight [d]");
+  at::Tensor sum = at::empty_like(h), out = at::empty_like(h);
+  DISPATCH(h, add_rms_norm_impl<T>(h, delta, w, sum, out, eps));
+  return {sum, out};
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  check_dtype(gu);
+  check(gu, "gate_up", gu.scalar_type(), 2);
+  TORCH_CHECK_VALUE(gu.is_contiguous() && gu.size(1) % 2 == 0, "silu_mul: contiguous gate_up [T, 2 * n]");
+  at::Tensor out = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
+  DISPATCH(gu, silu_mul_impl<T>(gu, out));
+  return out;
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_dtype(x);
+  check(x, "x", x.scalar_type(), 3);
+  check(cos, "cos", x.scalar_type(), 2);
+  check(sin, "sin", x.scalar_type(), 2);
+  TORCH_CHECK_VALUE(x.stride(2) == 1 && x.stride(1) == x.size(2) && x.size(2) % 2 == 0,
+                    "rope: x [T, heads, hd] with contiguous heads and an even head_dim");
+  TORCH_CHECK_VALUE(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) &&
+                        sin.sizes() == cos.sizes(),
+                    "rope: contiguous cos, sin [T, hd]");
+  at::Tensor out = at::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  DISPATCH(x, rope_impl<T>(x, cos, sin, out));
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "x [T, d], weight [d], eps -> weight * rmsnorm(x)");
+  m.def("add_rms_norm", &add_rms_norm, "h, delta [T, d], weight [d], eps -> [h + delta, weight * rmsnorm(h + delta)]");
+  m.def("silu_mul", &silu_mul, "gate_up [T, 2n] -> silu(gate) * up [T, n]");
+  m.def("rope", &rope, "x [T, heads, hd], cos, sin [T, hd] -> x * cos + rotate_half(x) * sin");
+}
