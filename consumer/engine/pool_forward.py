@@ -74,7 +74,10 @@ class _RowView:
             self.values = pool.v_heads[:, :, span].view(L, 1, kv, used * Bt, hd)[..., : self.length, :]
         if self.n > 1 and row.start > 0:  # query j sees keys 0 .. start + j; the fold repeats it per group
             keys = torch.arange(self.length, device=device)
-            mask = keys[None] <= row.start + torch.arange(self.n, device=device)[:, None]  # [n, L]
+            seen = keys[None] <= row.start + torch.arange(self.n, device=device)[:, None]  # [n, L]
+            # additive, in the pool's dtype, built once for every layer: SDPA turns a bool mask into
+            # exactly this on each call (a `where` over [g * n, L]: a quarter of a 2048-token prefill)
+            mask = torch.zeros(seen.shape, dtype=pool.dtype, device=device).masked_fill_(~seen, float("-inf"))
             self.mask = mask.repeat(groups, 1)[None, None]  # [1, 1, g * n, L]
 
 
