@@ -110,6 +110,7 @@ class ConsumerServer:
             decode_attention=self.servicer.decode_attention(),
             prefill_attention=self.servicer.prefill_attention(),
             packed_weights=self.servicer.packed_weights(),
+            elementwise_ops=self.servicer.elementwise_ops(),
         )
 
     async def _engine(self, loaded: LoadedModel, pool: KVPool) -> BatchEngine | EngineProcess:
@@ -119,6 +120,7 @@ class ConsumerServer:
             "decode_attention": cfg.decode_attention,
             "prefill_attention": cfg.prefill_attention,
             "packed": cfg.packed_weights,
+            "fused_ops": cfg.fused_ops,
         }
         if not cfg.engine_process:
             runner = functools.partial(PoolRunner, **forward)

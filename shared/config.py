@@ -239,6 +239,7 @@ class ConsumerConfig(ServerConfig):
     decode_attention: str = "auto"  # CPU decode rows: auto (paged kernel, else SDPA), kernel (or fail start), sdpa
     prefill_attention: str = "auto"  # CPU prefill rows, bf16: auto (AVX-512 BF16 kernel where it runs, else SDPA), kernel, sdpa
     packed_weights: bool = True  # CPU: projections on oneDNN-prepacked weights (a second copy in memory)
+    fused_ops: bool = True  # CPU: the forward's norms, residual adds, SiLU * up and RoPE fused (AVX-512 extension)
     chunk_tokens: int = 256  # context chunk size of the prefix cache (a multiple of kv_block_tokens)
     prefix_cache_bytes: int = -1  # KV pool bytes the prefix cache may keep; -1: half the pool, 0: off
     http_port: int = -1  # OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models; consumer.api.openai_api); -1 off, 0 any free port

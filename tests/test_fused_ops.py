@@ -118,7 +118,7 @@ def test_the_runner_says_what_its_elementwise_steps_run_and_both_pick_the_same_t
     for on in (True, False):
         pool = KVPool(loaded.info, loaded.device, 400 * loaded.info.kv_bytes(1) + (1 << 20), 16)
         runner = PoolRunner(loaded, pool, fused_ops=on)
-        assert runner.fused_runs == (fused_ops.which() if on else "eager: fused_ops=False")
+        assert runner.fused_runs == (fused_ops.which() if on else "eager: --fused-ops false")
         assert (runner.ops is not EAGER) == runner.fused_runs.startswith("fused")
         seq = pool.allocate(301)
         row = Row(seq, ids, 0, tail_logits=len(ids))

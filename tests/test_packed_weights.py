@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from consumer.engine import fused_ops
 from consumer.engine.kv_pool import KVPool
 from consumer.engine.pool_forward import PoolRunner
 from consumer.engine.rows import Row
@@ -101,14 +102,20 @@ def test_the_consumer_flags_are_validated():
 
 @pytest.mark.parametrize("engine_process", [False, True])
 async def test_the_consumer_runs_the_forward_its_flags_ask_for(engine_process):
-    """--decode-attention sdpa --packed-weights false: the served engine's runner (in this process or
+    """--decode-attention sdpa --packed-weights false --fused-ops false: the served engine's runner (in this process or
     the engine process's frontend twin) runs per-row SDPA on plain weights, and its greedy answers
     equal those of a consumer on the defaults (real pair, float32: the paths agree within 1e-4)."""
     from shared.pb import consumer_pb2
     from tests.conftest import prompt, running_pair
 
     answers = []
-    flags = {"decode_attention": "sdpa", "prefill_attention": "sdpa", "packed_weights": False, "engine_process": engine_process}
+    flags = {
+        "decode_attention": "sdpa",
+        "prefill_attention": "sdpa",
+        "packed_weights": False,
+        "fused_ops": False,
+        "engine_process": engine_process,
+    }
     for kw in ({}, flags):
         async with running_pair("smollm2-135m", consumer_kw=kw) as pair:
             c = await pair.stub.Describe(consumer_pb2.ConsumerServiceDescribeRequest())
@@ -116,8 +123,10 @@ async def test_the_consumer_runs_the_forward_its_flags_ask_for(engine_process):
                 assert c.decode_attention == "sdpa: decode_attention='sdpa'"
                 assert c.prefill_attention == "sdpa: prefill_attention='sdpa'"
                 assert pair.consumer.servicer.packed_weights() == "off: --packed-weights false"
+                assert c.elementwise_ops == "eager: --fused-ops false"
             else:
                 assert pair.consumer.servicer.packed_weights() == "on"
+                assert c.elementwise_ops == fused_ops.which()
             ids, _, _ = await pair.generate(context=prompt("the cat sat on the mat " * 8), question=prompt("where?"), max_new_tokens=8, mode="oracle")
             answers.append(ids)
     assert answers[0] == answers[1] and len(answers[0]) > 0

@@ -170,6 +170,11 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         runner = self._runner()
         return getattr(runner, "prefill_runs", f"sdpa: {type(runner).__name__} has no prefill kernel")
 
+    def elementwise_ops(self) -> str:
+        """What the forward's norms, residual adds, SiLU * up and RoPE run (PoolRunner.fused_runs):
+        "fused avx512", or "eager: why"."""
+        return getattr(self._runner(), "fused_runs", f"eager: {type(self._runner()).__name__} has no fused ops")
+
     def packed_weights(self) -> str:
         """Whether the engine's projections run on oneDNN-prepacked weights: "on", or "off: why"."""
         runner = self._runner()
@@ -269,6 +274,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             auto_default_budget=budget_to_pb(self.chooser.default_budget()),
             decode_attention=self.decode_attention(),
             prefill_attention=self.prefill_attention(),
+            elementwise_ops=self.elementwise_ops(),
             default_mode=self.default.mode,
             default_mode_reason=self.default.why,
             producer_link=readiness.link_to_pb(self.link),

@@ -78,7 +78,7 @@ def which() -> str:
 def resolve(enabled: bool, device: torch.device, dtype: torch.dtype) -> tuple[Ops, str]:
     """(the ops for a runner's forward, what they are: "fused avx512" or "eager: why")."""
     if not enabled:
-        return EAGER, "eager: fused_ops=False"
+        return EAGER, "eager: --fused-ops false"
     if device.type != "cpu":
         return EAGER, f"eager: the fused ops run on the CPU, the pool is on {device}"
     if dtype not in DTYPES:
