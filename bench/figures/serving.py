@@ -506,6 +506,12 @@ def engine_step(root: Path = ROOT) -> dict:
     return {"table": "\n".join(table), "rows": len(rows), "cells": out}
 
 
+def cell_host(host: str) -> str:
+    """A cell key's host prefix: "" for rows that do not name their host (the cells the text cites
+    from before), else "HOST|"."""
+    return f"{host}|" if host else ""
+
+
 def engine_forward(root: Path = ROOT) -> dict:
     """bench.micro.engine_step --compare's rows: per (model, dtype, context, batch) the medians over
     rounds of our pool step, the HF runner's and the bare HF step; per (model, dtype, prefill shape)
@@ -516,19 +522,20 @@ def engine_forward(root: Path = ROOT) -> dict:
     steps: dict[tuple, list[dict]] = {}
     prefills: dict[tuple, list[dict]] = {}
     for r in rows:
+        host = r.get("cpu", "")  # rows before bench.harness.provenance.host_fields: ""
         if r["bench"] == "engine_forward":
-            steps.setdefault((r["model"], r["dtype"], r["ctx_tokens"], r["batch"]), []).append(r)
+            steps.setdefault((host, r["model"], r["dtype"], r["ctx_tokens"], r["batch"]), []).append(r)
         else:
-            prefills.setdefault((r["model"], r["dtype"], r["prefill"]), []).append(r)
+            prefills.setdefault((host, r["model"], r["dtype"], r["prefill"]), []).append(r)
     table = [
-        "| model | dtype | context | batch | ours (pool) ms | HF runner ms | bare HF ms | ours / runner | ours / bare | rounds | load |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| host | model | dtype | context | batch | ours (pool) ms | HF runner ms | bare HF ms | ours / runner | ours / bare | rounds | load |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     cells: dict = {}
     kernel = [
-        "| model | dtype | context | batch | ours ms (decode attention, packed weights) | plain ms | HF runner ms | bare HF ms"
+        "| host | model | dtype | context | batch | ours ms (decode attention, packed weights) | plain ms | HF runner ms | bare HF ms"
         " | ours / plain | ours / runner | rounds | load |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     later: dict[tuple, list[dict]] = {}  # rows that also time the plain forward (per-row SDPA, plain weights)
     for key, rs in list(steps.items()):
@@ -537,31 +544,34 @@ def engine_forward(root: Path = ROOT) -> dict:
             steps[key] = [r for r in rs if "pool_plain_step_ms" not in r]
             if not steps[key]:
                 del steps[key]
-    for (model, dtype, ctx, batch), rs in sorted(later.items()):
+    for (host, model, dtype, ctx, batch), rs in sorted(later.items()):
         ours, plain, runner, bare = (
             statistics.median(r[k] for r in rs) for k in ("pool_step_ms", "pool_plain_step_ms", "runner_step_ms", "bare_step_ms")
         )
         how = ", ".join(sorted({f"{r['decode_attention']}, {'packed' if r['packed_weights'] else 'plain'}" for r in rs}))
-        cells[f"kernel|{model}|{dtype}|{ctx}|{batch}"] = {"ours": ours, "plain": plain, "ratio": ours / plain, "runner_ratio": ours / runner}
+        cells[f"kernel|{cell_host(host)}{model}|{dtype}|{ctx}|{batch}"] = {"ours": ours, "plain": plain, "ratio": ours / plain, "runner_ratio": ours / runner}
         loads = [r["load_avg_1m"] for r in rs] + [r["load_avg_1m_end"] for r in rs]
         kernel.append(
-            f"| {model} | {dtype} | {ctx} | {batch} | {ours:.2f} ({how}) | {plain:.2f} | {runner:.2f} | {bare:.2f}"
+            f"| {host or 'not recorded'} | {model} | {dtype} | {ctx} | {batch} | {ours:.2f} ({how}) | {plain:.2f} | {runner:.2f} | {bare:.2f}"
             f" | {ours / plain:.2f}x | {ours / runner:.2f}x | {len(rs)} | {span(loads, '{:.1f}')} |"
         )
-    for (model, dtype, ctx, batch), rs in sorted(steps.items()):
+    for (host, model, dtype, ctx, batch), rs in sorted(steps.items()):
         ours, runner, bare = (statistics.median(r[k] for r in rs) for k in ("pool_step_ms", "runner_step_ms", "bare_step_ms"))
-        cells[f"{model}|{dtype}|{ctx}|{batch}"] = {"ours": ours, "runner": runner, "bare": bare, "ratio": ours / runner}
+        cells[f"{cell_host(host)}{model}|{dtype}|{ctx}|{batch}"] = {"ours": ours, "runner": runner, "bare": bare, "ratio": ours / runner}
         loads = [r["load_avg_1m"] for r in rs] + [r["load_avg_1m_end"] for r in rs]
         table.append(
-            f"| {model} | {dtype} | {ctx} | {batch} | {ours:.2f} | {runner:.2f} | {bare:.2f} | {ours / runner:.2f}x | {ours / bare:.2f}x"
+            f"| {host or 'not recorded'} | {model} | {dtype} | {ctx} | {batch} | {ours:.2f} | {runner:.2f} | {bare:.2f} | {ours / runner:.2f}x | {ours / bare:.2f}x"
             f" | {len(rs)} | {span(loads, '{:.1f}')} |"
         )
-    prefill = ["| model | dtype | prefill forward | ours ms | HF runner ms | ours / runner | load |", "|---|---|---|---:|---:|---:|---:|"]
-    for (model, dtype, shape), rs in sorted(prefills.items()):
+    prefill = [
+        "| host | model | dtype | prefill forward | ours ms | HF runner ms | ours / runner | load |",
+        "|---|---|---|---|---:|---:|---:|---:|",
+    ]
+    for (host, model, dtype, shape), rs in sorted(prefills.items()):
         ours, runner = (statistics.median(r[k] for r in rs) for k in ("pool_prefill_ms", "runner_prefill_ms"))
-        cells[f"{model}|{dtype}|{shape}"] = {"ours": ours, "runner": runner, "ratio": ours / runner}
+        cells[f"{cell_host(host)}{model}|{dtype}|{shape}"] = {"ours": ours, "runner": runner, "ratio": ours / runner}
         prefill.append(
-            f"| {model} | {dtype} | {shape.replace('_', ' ')} | {ours:.1f} | {runner:.1f} | {ours / runner:.2f}x"
+            f"| {host or 'not recorded'} | {model} | {dtype} | {shape.replace('_', ' ')} | {ours:.1f} | {runner:.1f} | {ours / runner:.2f}x"
             f" | {span([r['load_avg_1m'] for r in rs], '{:.1f}')} |"
         )
     return {
