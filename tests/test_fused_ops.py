@@ -99,7 +99,10 @@ def test_nan_propagates_and_bad_input_is_refused_by_name():
     out = fused.rms_norm(h, w, 1e-5)
     assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
     with pytest.raises(ValueError, match="weight: dtype"):
-        fused.rms_norm(h, w.float(), 1e-5)
+        fused.module.rms_norm(h, w.float(), 1e-5)
+    # through the Ops a float32 norm weight on bfloat16 activations runs the eager op, promotion and all
+    finite = h[[0, 2]]
+    assert torch.equal(fused.rms_norm(finite, w.float(), 1e-5), EAGER.rms_norm(finite, w.float(), 1e-5))
     with pytest.raises(ValueError, match="fused ops: float32 or bfloat16"):
         fused.silu_mul(h.half())
     with pytest.raises(ValueError, match="silu_mul"):

@@ -34,17 +34,23 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 class Fused(Ops):
-    """shared.model's Ops through the extension (float32 and bfloat16 CPU tensors)."""
+    """shared.model's Ops through the extension (float32 and bfloat16 CPU tensors). A norm whose
+    weight is not in the activations' dtype (a checkpoint that keeps its norms in float32) runs the
+    eager op, whose type promotion the extension does not reproduce."""
 
     def __init__(self, module: Any):
         self.module = module
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if weight.dtype != x.dtype:
+            return EAGER.rms_norm(x, weight, eps)
         return self.module.rms_norm(x.contiguous(), weight, eps)
 
     def add_rms_norm(
         self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if weight.dtype != h.dtype:
+            return EAGER.add_rms_norm(h, delta, weight, eps)
         total, normed = self.module.add_rms_norm(h.contiguous(), delta.contiguous(), weight, eps)
         return total, normed
 
