@@ -86,17 +86,24 @@ def choose(requested: str, facts: DeviceFacts) -> DtypeChoice:
     return DtypeChoice(requested, f"--dtype {requested} (explicit)", warning)
 
 
-def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str] | None:
-    """The first CPU's flags (x86 `flags`, Arm `Features`); None where the file is not readable."""
+def cpu_info(keys: tuple[str, ...], path: str = "/proc/cpuinfo") -> str | None:
+    """The first CPU's value of the first of `keys` its entry has; None where the file is not
+    readable or names none of them."""
     try:
         text = Path(path).read_text()
     except OSError:
         return None
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
+        if key.strip() in keys:
+            return value.strip()
     return None
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str] | None:
+    """The first CPU's flags (x86 `flags`, Arm `Features`); None where the file is not readable."""
+    value = cpu_info(("flags", "Features"), path)
+    return None if value is None else frozenset(value.split())
 
 
 def probe_ratio(shape: tuple[int, int, int] = PROBE_SHAPE, repeats: int = PROBE_REPEATS) -> float:

@@ -128,6 +128,18 @@ def migrate(path: Path, label) -> int:
     return changed
 
 
+def host_fields() -> dict:
+    """{"cpu": the CPU's model name, "cpu_bf16": its native bfloat16 instructions ("amx_bf16+avx512_bf16",
+    "avx512_bf16", "none")}: the host a timing row ran on (the hosts this repo's sessions get differ:
+    an AMD EPYC with AVX-512 BF16, an Intel Xeon with AMX). Rows written before this field existed say
+    nothing of their host."""
+    from shared import compute_dtype
+
+    flags = compute_dtype.cpu_flags() or frozenset()
+    native = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+    return {"cpu": compute_dtype.cpu_info(("model name",)) or "unknown", "cpu_bf16": "+".join(native) or "none"}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.harness.provenance", description=__doc__.split("\n\n")[0])
     p.add_argument("--results", type=Path, default=RESULTS)
@@ -171,23 +183,3 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     main()
 
-
-def host_fields() -> dict:
-    """{"cpu": the CPU's model name, "cpu_bf16": its native bfloat16 instructions ("amx_bf16+avx512_bf16",
-    "avx512_bf16", "none")}: the host a timing row ran on (the hosts this repo's sessions get differ:
-    an AMD EPYC with AVX-512 BF16, an Intel Xeon with AMX). Rows written before this field existed say
-    nothing of their host."""
-    from shared import compute_dtype
-
-    name = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                name = value.strip()
-                break
-    except OSError:
-        pass
-    flags = compute_dtype.cpu_flags() or frozenset()
-    native = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
-    return {"cpu": name, "cpu_bf16": "+".join(native) or "none"}

@@ -173,7 +173,8 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
     def elementwise_ops(self) -> str:
         """What the forward's norms, residual adds, SiLU * up and RoPE run (PoolRunner.fused_runs):
         "fused avx512", or "eager: why"."""
-        return getattr(self._runner(), "fused_runs", f"eager: {type(self._runner()).__name__} has no fused ops")
+        runner = self._runner()
+        return getattr(runner, "fused_runs", f"eager: {type(runner).__name__} has no fused ops")
 
     def packed_weights(self) -> str:
         """Whether the engine's projections run on oneDNN-prepacked weights: "on", or "off: why"."""

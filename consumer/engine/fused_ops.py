@@ -31,6 +31,7 @@ SOURCE = Path(__file__).with_name("kernels") / "fused_ops.cpp"
 NAME = "scd_fused_ops_avx512"
 FLAGS = [*paged_attention.COMMON, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
 DTYPES = (torch.float32, torch.bfloat16)
+NOT_BUILT = f"eager: {NAME} not built"
 
 
 class Fused(Ops):
@@ -72,7 +73,7 @@ def _loaded() -> tuple[Fused | None, str]:
         module = paged_attention.build(NAME, SOURCE, FLAGS)
     except Exception as error:  # no compiler, a failed build: the forward keeps the eager ops
         log.warning("fused_ops.unavailable", error=str(error)[-2000:], fallback="eager ops")
-        return None, f"eager: {NAME} not built ({paged_attention.cause(error)})"
+        return None, f"{NOT_BUILT} ({paged_attention.cause(error)})"
     return Fused(module), "fused avx512"
 
 
