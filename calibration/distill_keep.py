@@ -1,7 +1,11 @@
 """Train DistillCache (shared.keep.distill) for a pair with REINFORCE on a per-step KL reward:
 
     python -m calibration.distill_keep --pair qa --seed 0 --steps 300
-    python -m calibration.distill_keep --pair real --seed 0 --steps 500 --pool 24 --minutes 30
+    python -m calibration.distill_keep --pair real --seed 0 --inputs normed --warm 100 --steps 200 --lr 1e-4
+
+`--inputs normed` trains a probe over each layer's normed input instead of the attention features;
+it is first fitted to the full cache's attention while answering, on `--warm` train examples
+after the pool (calibration.keep_attention, `--warm-epochs` passes), and REINFORCE starts from it.
 
 Each step takes one train example (the consumer's own prefill, features and full-cache log-probs,
 prepared once for a pool of examples read in turn), a budget drawn from --budgets, `--group` keep
@@ -32,6 +36,7 @@ from pathlib import Path
 import torch
 
 from calibration import corpus as corpus_lib
+from calibration import keep_attention
 from calibration.keep_reinforce import HEURISTICS, Prepared, greedy_keep, prepare, reward, sample_keep
 from shared.keep.distill import DistillNet, save, weights_path
 from shared.keep.select import Budget
@@ -53,6 +58,19 @@ PAIRS = {  # pair -> (artifact, corpus provider, its args)
 EVAL_FRACTIONS = (0.1, 0.25, 0.5)
 
 
+def pair_meta(artifact: Path) -> dict:
+    """The pair's metadata: its artifact's, or where only the summary calibration writes beside it
+    is here (artifacts/<pair>.json, committed; the real pair's 84 MB tensors are built by `make
+    real-artifacts`), that summary. Training reads the consumer's id, the layer count and the
+    artifact id, never the tensors."""
+    if artifact.exists():
+        return Artifact.load(artifact).meta
+    summary = artifact.with_suffix(".json")
+    if not summary.exists():
+        raise SystemExit(f"{artifact}: no artifact and no summary {summary.name} beside it")
+    return json.loads(summary.read_text())
+
+
 def validate(consumer, net: DistillNet | None, val: list[Prepared], sinks: int, window: int) -> dict[str, dict[str, float]]:
     """Mean KL (nats per scored token) per policy and fraction on the validation examples;
     net None: the heuristics only."""
@@ -65,8 +83,7 @@ def validate(consumer, net: DistillNet | None, val: list[Prepared], sinks: int, 
             for ex in val:
                 if net is not None:
                     with torch.no_grad():
-                        s = net(ex.feats, torch.arange(ex.feats.shape[0]))
-                    layer_scores = list(s.unbind(0))
+                        layer_scores = list(ex.scores(net).unbind(0))
                 else:
                     layer_scores = ex.heuristic[name]
                 kls.append(
@@ -79,7 +96,7 @@ def validate(consumer, net: DistillNet | None, val: list[Prepared], sinks: int, 
 def reinforce_step(
     net: DistillNet,
     opt: torch.optim.Optimizer,
-    feats: torch.Tensor,
+    ex: Prepared,
     score_keep: Callable[[list[torch.Tensor]], float],
     fraction: float,
     group: int,
@@ -87,11 +104,11 @@ def reinforce_step(
     window: int,
     gen: torch.Generator,
 ) -> torch.Tensor:
-    """One REINFORCE update on one example (features [L, n_kv, T, F]) at one budget: `group` keep
-    sets sampled from the policy, each rewarded by `score_keep` (returned, [group]); advantage =
-    reward minus the group's mean over its spread."""
-    kept = Budget(fraction=fraction).kept(feats.shape[2])
-    scores = net(feats, torch.arange(feats.shape[0]))  # [L, n_kv, T]
+    """One REINFORCE update on one example (what the network reads: Prepared.scores) at one budget:
+    `group` keep sets sampled from the policy, each rewarded by `score_keep` (returned, [group]);
+    advantage = reward minus the group's mean over its spread."""
+    scores = ex.scores(net)  # [L, n_kv, T]
+    kept = Budget(fraction=fraction).kept(scores.shape[-1])
     rewards, logps = [], []
     for _ in range(group):
         keep, logp = sample_keep(scores, kept, sinks, window, gen)
@@ -123,6 +140,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--window", type=int, default=64, help="recent tokens always kept (shared.keep.Selection's window)")
+    p.add_argument("--inputs", default="features", choices=("features", "normed"), help="what the network reads")
+    p.add_argument("--warm", type=int, default=100, help="--inputs normed: train examples of the attention fit")
+    p.add_argument("--warm-epochs", type=int, default=12)
+    p.add_argument("--warm-lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, help="weights (default: beside the pair's artifact)")
     p.add_argument("--curve", type=Path, help="JSON lines (default: bench/results/keep/distill-PAIR-sSEED.jsonl)")
@@ -132,13 +153,18 @@ def main(argv: list[str] | None = None) -> None:
     rng, gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     start = time.perf_counter()
     art_path, provider, corpus_args = PAIRS[args.pair]
-    art = Artifact.load(Path(art_path))
-    consumer = load_model(art.meta["consumer"]["model_id"], "float32", "cpu")
+    meta = pair_meta(Path(art_path))
+    artifact_id, num_layers = meta["artifact_id"], meta["geometry"]["num_layers"]
+    consumer = load_model(meta["consumer"]["model_id"], "float32", "cpu")
     corpus = corpus_lib.load(provider, consumer.tokenizer, 0, args.val, corpus_args)
+    normed = args.inputs == "normed"
     train: list[Prepared] = []
     for _, example in zip(range(args.pool), corpus.train_stream):
-        train.append(prepare(consumer, example.context_ids, list(example.continuations[: args.questions])))
-    val = [prepare(consumer, h.context_ids, [(h.qa_ids, h.answer_start)]) for h in corpus.heldout]
+        train.append(prepare(consumer, example.context_ids, list(example.continuations[: args.questions]), normed))
+    val = [prepare(consumer, h.context_ids, [(h.qa_ids, h.answer_start)], normed) for h in corpus.heldout]
+    warm: list[keep_attention.Target] = []
+    for _, example in zip(range(args.warm if normed else 0), corpus.train_stream):  # the examples after the pool
+        warm += [keep_attention.target(consumer, example.context_ids, ids, first) for ids, first in example.continuations[:1]]
     prep_s = time.perf_counter() - start
     print(f"prepared {len(train)} train / {len(val)} validation examples in {prep_s:.0f} s", file=sys.stderr)
     out_path = args.out or weights_path(Path(art_path))
@@ -150,11 +176,21 @@ def main(argv: list[str] | None = None) -> None:
         curve.write(json.dumps(row) + "\n")
         curve.flush()
 
-    header = {"kind": "config", "pair": args.pair, "artifact": art.artifact_id, "consumer": consumer.info.model_id}
+    header = {"kind": "config", "pair": args.pair, "artifact": artifact_id, "consumer": consumer.info.model_id}
     log({**header, **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "prepare_s": round(prep_s, 1)})
     baseline = validate(consumer, None, val, args.sinks, args.window)
     log({"kind": "validation", "step": 0, "heuristics": baseline})
-    net = DistillNet(art.num_layers)
+    if normed:
+        net = DistillNet(
+            num_layers, inputs=("normed",), d_model=consumer.info.hidden_size, num_kv_heads=consumer.info.num_kv_heads
+        )
+        held = warm[-max(1, len(warm) // 10) :]
+        keep_attention.fit(
+            net, warm[: len(warm) - len(held)], held, args.warm_epochs, args.warm_lr, args.sinks, args.window, args.seed, log
+        )
+        del warm, held
+    else:
+        net = DistillNet(num_layers)
     opt = torch.optim.Adam(net.parameters(), lr=args.lr)
     budgets = [float(b) for b in args.budgets.split(",")]
     order = list(range(len(train)))
@@ -182,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
             rng.shuffle(order)
         ex = train[order[(step - 1) % len(order)]]
         frac = rng.choice(budgets)
-        r = reinforce_step(net, opt, ex.feats, partial(reward, consumer, ex), frac, args.group, args.sinks, args.window, gen)
+        r = reinforce_step(net, opt, ex, partial(reward, consumer, ex), frac, args.group, args.sinks, args.window, gen)
         log(
             {
                 "kind": "step",
@@ -202,10 +238,13 @@ def main(argv: list[str] | None = None) -> None:
     train_s = time.perf_counter() - t0
     meta = {
         "pair": args.pair,
-        "artifact": art.artifact_id,
+        "artifact": artifact_id,
         "consumer": consumer.info.model_id,
         "consumer_digest": consumer.info.weight_digest,
         "seed": args.seed,
+        "inputs": args.inputs,
+        "warm_examples": args.warm if normed else 0,
+        "warm_epochs": args.warm_epochs if normed else 0,
         "steps": step,
         "chosen_step": best[1],
         "validation_kl": round(best[0], 5),

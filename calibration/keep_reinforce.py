@@ -18,8 +18,8 @@ import torch
 from calibration.kl import kl_sum, layer_cache
 from shared import kv
 from shared.keep import features, kept_cache, next_positions
-from shared.keep.distill import DistillCache
-from shared.keep.policy import POLICIES, layer_views
+from shared.keep.distill import DistillNet
+from shared.keep.policy import POLICIES, SNAPKV_WINDOW, Needs, layer_views
 from shared.keep.select import keep_indices, protected
 from shared.models import LoadedModel
 
@@ -32,6 +32,7 @@ class Prepared:
 
     layer_kv: list[tuple[torch.Tensor, torch.Tensor]]  # [n_kv, T, hd] per layer
     feats: torch.Tensor  # [L, n_kv, T, F]
+    normed: torch.Tensor | None  # [L, T, d] (the layers' normed inputs) where the network reads them
     continuations: list[tuple[list[int], int]]  # (ids, first scored index)
     reference: list[torch.Tensor]  # the full cache's log-probs [scored, vocab] per continuation
     heuristic: dict[str, list[torch.Tensor]]  # name -> scores [n_kv, T] per layer
@@ -39,6 +40,10 @@ class Prepared:
     @property
     def num_tokens(self) -> int:
         return int(self.layer_kv[0][0].shape[1])
+
+    def scores(self, net: DistillNet) -> torch.Tensor:
+        """The network's scores [L, n_kv, T] for every layer (differentiable in its weights)."""
+        return net(torch.arange(self.feats.shape[0]), self.feats, self.normed)
 
 
 @torch.inference_mode()
@@ -54,18 +59,29 @@ def continuation_logprobs(consumer: LoadedModel, cache, ids: list[int], start: i
     return torch.log_softmax(logits[start - 1 : len(ids) - 1].float(), -1)
 
 
-def prepare(consumer: LoadedModel, context_ids: list[int], continuations: list[tuple[list[int], int]]) -> Prepared:
+def prepare(
+    consumer: LoadedModel, context_ids: list[int], continuations: list[tuple[list[int], int]], normed: bool = False
+) -> Prepared:
+    """One context's fixed inputs; `normed`: keep the layers' normed inputs too (a probe reads them)."""
     with torch.inference_mode():
         states = kv.capture_states(consumer, context_ids, kv.Capture.KV | kv.Capture.NORMED)[0]
-        views = list(layer_views(consumer, states, DistillCache.needs, DistillCache.observation))
+        views = list(layer_views(consumer, states, Needs.WINDOW_ATTENTION | Needs.ACCUMULATED_ATTENTION, SNAPKV_WINDOW))
         feats = torch.stack([features.token_features(v) for v in views])
     feats = feats.clone()  # a normal tensor: the network's forward on it is differentiated
     heuristic = {name: [POLICIES[name]().score(v) for v in views] for name in HEURISTICS}
     # own storage, not views of the forward's buffers (a pool of prepared examples stays small)
     layer_kv = [(k.clone(), v.clone()) for k, v in (states[i].kv() for i in range(len(states)))]
+    inputs = None
+    if normed:
+        layers: list[torch.Tensor] = []
+        for i in range(len(states)):
+            x = states[i].normed
+            assert x is not None  # captured above
+            layers.append(x)
+        inputs = torch.stack(layers).clone()
     full = layer_cache(consumer, layer_kv)
     reference = [continuation_logprobs(consumer, full, ids, start) for ids, start in continuations]
-    return Prepared(layer_kv, feats, list(continuations), reference, heuristic)
+    return Prepared(layer_kv, feats, inputs, list(continuations), reference, heuristic)
 
 
 def reward(consumer: LoadedModel, ex: Prepared, keep: list[torch.Tensor]) -> float:

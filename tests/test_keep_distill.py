@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from calibration import keep_attention
 from calibration.distill_keep import reinforce_step
-from calibration.keep_reinforce import greedy_keep, plackett_luce_logp, prepare, reward, sample_keep
+from calibration.keep_reinforce import Prepared, greedy_keep, plackett_luce_logp, prepare, reward, sample_keep
 from qa.corpus import heldout_example
 from qa.task import examples
 from shared import kv
 from shared.keep import POLICIES, distill, features, parse_selection
 from shared.keep.distill import DistillCache, DistillNet
-from shared.keep.policy import layer_scores, layer_views
+from shared.keep.policy import Needs, layer_scores, layer_views
 from shared.keep.select import Budget
 from shared.models import load_model
 
@@ -82,19 +83,24 @@ def _needle_problem(seed: int = 0):
     return feats, share
 
 
+def _inputs(feats) -> Prepared:
+    """A Prepared with only what the network reads (the tiny problem scores keep sets itself)."""
+    return Prepared(layer_kv=[], feats=feats, normed=None, continuations=[], reference=[], heuristic={})
+
+
 def _train(feats, score_keep, seed: int, steps: int = 30) -> DistillNet:
     torch.manual_seed(seed)
     net = DistillNet(2)
     opt = torch.optim.Adam(net.parameters(), lr=5e-2)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        reinforce_step(net, opt, feats, score_keep, 0.25, 4, SINKS, WINDOW, gen)
+        reinforce_step(net, opt, _inputs(feats), score_keep, 0.25, 4, SINKS, WINDOW, gen)
     return net
 
 
 def _greedy_share(net: DistillNet, feats, score_keep) -> float:
     with torch.no_grad():
-        s = net(feats, torch.arange(feats.shape[0]))
+        s = _inputs(feats).scores(net)
     return score_keep(greedy_keep(list(s.unbind(0)), Budget(fraction=0.25).kept(feats.shape[2]), SINKS, WINDOW))
 
 
@@ -126,7 +132,7 @@ def test_the_committed_weights_load_through_policies_and_beat_snapkv_on_validati
             kls.append(-reward(consumer, ex, keep))
         return sum(kls) / len(kls)
 
-    learned = mean_kl(lambda ex: [sel.policy.net(ex.feats[i], torch.tensor(i)).detach() for i in range(ex.feats.shape[0])])
+    learned = mean_kl(lambda ex: [sel.policy.net(torch.tensor(i), ex.feats[i]).detach() for i in range(ex.feats.shape[0])])
     snapkv = mean_kl(lambda ex: ex.heuristic["snapkv"])
     assert learned < snapkv - 1.0, (learned, snapkv)
 
@@ -154,3 +160,148 @@ def test_the_weights_file_is_a_sidecar_artifact_discovery_skips():
     folder = Path(__file__).resolve().parents[1] / "artifacts"
     assert any(folder.glob("*" + distill.SUFFIX)), "the shipped folder has a keep sidecar"
     assert all(not a.path.name.endswith(distill.SUFFIX) for a in discover([folder]))
+
+
+# --- the probe over normed inputs (DistillNet(inputs=("normed",)), calibration.keep_attention) ---
+
+
+def _probe(consumer, seed: int = 0) -> DistillNet:
+    net = DistillNet(
+        consumer.info.num_layers, inputs=("normed",), d_model=consumer.info.hidden_size, num_kv_heads=consumer.info.num_kv_heads
+    )
+    with torch.no_grad():
+        net.probe.copy_(torch.randn(net.probe.shape, generator=torch.Generator().manual_seed(seed)))
+    return net
+
+
+def test_a_probe_reads_only_the_normed_input_and_names_it_when_missing(consumer):
+    h = _held(consumer, "validation", 1)[0]
+    states = kv.capture_states(consumer, h.context_ids, kv.Capture.KV | kv.Capture.NORMED)[0]
+    policy = DistillCache(_probe(consumer))
+    assert policy.needs == Needs.NORMED  # no T x T attention pass: a producer scores each layer as it comes
+    views = list(layer_views(consumer, states, policy.needs, policy.observation))
+    assert views[0].window_attention is None and views[0].accumulated_attention is None
+    scores = layer_scores(policy, consumer, states)
+    T, n_kv = len(h.context_ids), consumer.info.num_kv_heads
+    assert [s.shape for s in scores] == [(n_kv, T)] * consumer.info.num_layers
+    with torch.no_grad():
+        expected = (states[1].normed.float() @ policy.net.probe[1]).T + policy.net.probe_bias[1][:, None]
+    torch.testing.assert_close(scores[1], expected)
+    bare = layer_views(consumer, states, Needs.NONE, 0)
+    with pytest.raises(ValueError, match=rf"normed input \[T, {consumer.info.hidden_size}\], got None"):
+        policy.score(next(bare))
+
+
+def test_a_probe_saves_and_loads_to_the_same_scores_and_a_foreign_file_is_named(consumer, tmp_path):
+    net = _probe(consumer, 3)
+    path = tmp_path / "pair.keep.safetensors"
+    distill.save(net, path, {"pair": "test"})
+    loaded = distill.load(path)
+    assert loaded.net.inputs == ("normed",) and distill.meta_of(path)["trained"] == {"pair": "test"}
+    normed = torch.randn(2, 10, consumer.info.hidden_size)
+    layers = torch.tensor([0, 1])
+    torch.testing.assert_close(loaded.net(layers, None, normed), net(layers, None, normed))
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "other.keep.safetensors"), metadata={"distill": '{"format": "v0"}'})
+    with pytest.raises(ValueError, match="other.keep.safetensors"):
+        distill.load(tmp_path / "other.keep.safetensors")
+
+
+def _attention_problem(seed: int = 0, n: int = 8):
+    """Tiny fixed targets: 2 layers x 2 KV heads x 200 tokens of random 16-dim "normed inputs";
+    20 needle tokens per example carry one direction and get the answers' attention."""
+    g = torch.Generator().manual_seed(seed)
+    direction = torch.randn(16, generator=g)
+    out = []
+    for _ in range(n):
+        normed = torch.randn(2, 200, 16, generator=g)
+        needles = 8 + torch.randperm(150, generator=g)[:20]
+        normed[:, needles] += direction
+        att = torch.rand(2, 2, 200, generator=g) * 0.01
+        att[..., needles] += 0.5
+        out.append(keep_attention.Target(normed.half(), att))
+    return out
+
+
+def test_the_attention_fit_learns_what_answers_read_and_repeats_with_the_seed():
+    """From zero (every token ties) the fit puts the needles' attention in the top 25 %: fails with
+    the loss's sign flipped or a target read from the wrong tokens."""
+    train, held = _attention_problem(0), _attention_problem(1, 2)
+
+    def fitted(seed: int) -> DistillNet:
+        torch.manual_seed(seed)
+        net = DistillNet(2, inputs=("normed",), d_model=16, num_kv_heads=2)
+        keep_attention.fit(net, train, held, 5, 5e-2, SINKS, WINDOW, seed, lambda row: None)
+        return net
+
+    def held_recall(net: DistillNet) -> float:
+        with torch.no_grad():
+            return (
+                sum(
+                    keep_attention.recall(net(torch.arange(2), None, t.normed.float()), t.attention, 0.25, SINKS, WINDOW)
+                    for t in held
+                )
+                / 2
+            )
+
+    start = DistillNet(2, inputs=("normed",), d_model=16, num_kv_heads=2)
+    first, again = fitted(0), fitted(0)
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), again.state_dict().values()))
+    assert held_recall(start) < 0.4 and held_recall(first) > 0.7, (held_recall(start), held_recall(first))
+
+
+def test_the_attention_target_is_the_answers_largest_attention_per_kv_head(consumer):
+    h = _held(consumer, "validation", 1)[0]
+    t = keep_attention.target(consumer, h.context_ids, h.qa_ids, h.answer_start)
+    L, n_kv, T = consumer.info.num_layers, consumer.info.num_kv_heads, len(h.context_ids)
+    assert t.normed.shape == (L, T, consumer.info.hidden_size) and t.attention.shape == (L, n_kv, T)
+    assert bool((t.attention >= 0).all() and (t.attention <= 1).all())
+    # the answer is copied from the context: where its tokens occur, the answers' queries look hardest
+    answer = set(h.qa_ids[h.answer_start : -1])  # the gold value, not the end-of-answer token
+    at = [i for i, x in enumerate(h.context_ids) if x in answer]
+    rest = [i for i in range(T) if i not in at]
+    strongest = t.attention.amax((0, 1))  # [T]: over layers and KV heads
+    assert at and float(strongest[at].mean()) > 3 * float(strongest[rest].mean())
+    with pytest.raises(ValueError, match="answer_start"):
+        keep_attention.target(consumer, h.context_ids, h.qa_ids, 0)
+
+
+def _occurrences(tokenizer, ids: list[int], values) -> list[int]:
+    """Positions of every token of each value where it occurs in ids (as " value" or "value")."""
+    out = set()
+    for value in values:
+        for text in (" " + value, value):
+            v = tokenizer(text, add_special_tokens=False)["input_ids"]
+            for i in range(len(ids) - len(v) + 1):
+                if ids[i : i + len(v)] == v:
+                    out.update(range(i, i + len(v)))
+    return sorted(out)
+
+
+def test_the_real_pairs_committed_probe_keeps_more_of_the_answers_than_streaming():
+    """The real pair's committed weights (a probe over normed inputs, fitted to answer-time
+    attention on train examples) load through POLICIES and, on validation examples of every
+    family, hold more of the gold value's tokens in their 25 % keep sets (over layers and KV
+    heads) than StreamingLLM's: fails for weights that learned nothing (they tie, keeping the
+    earliest tokens) or that read another model's inputs."""
+    from real import tasks
+
+    path = distill.register(ROOT / "artifacts" / "smollm2-pc.safetensors")
+    try:
+        sel = parse_selection("distill:0.25")
+        assert isinstance(sel.policy, DistillCache) and sel.policy.needs == Needs.NORMED
+        assert distill.meta_of(path)["trained"]["pair"] == "real"
+        real = load_model("smollm2-135m-tuned", "float32", "cpu")
+        streaming = parse_selection("streaming:0.25")
+        held = {"distill": [], "streaming": []}
+        for ex in tasks.examples(real.tokenizer, "validation", 5, 1024):
+            at = torch.tensor(_occurrences(real.tokenizer, ex.context_ids, ex.answers))
+            assert len(at), ex.family
+            states = kv.capture_states(real, ex.context_ids, kv.Capture.KV | kv.Capture.NORMED)[0]
+            for name, s in (("distill", sel), ("streaming", streaming)):
+                keep = s.keep(real, states)
+                held[name].append(float(torch.stack([torch.isin(at, k).float().mean() for k in keep]).mean()))
+    finally:
+        distill.register(ARTIFACT)
+    assert sum(held["distill"]) > sum(held["streaming"]) + 1.0, held

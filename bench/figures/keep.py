@@ -18,11 +18,21 @@ HEADER = (
 )
 
 
+def _mode(r: dict) -> str:
+    """The mode's cell; a DistillCache mode names what its weights read (none named: the first,
+    attention-feature weights)."""
+    keep = r.get("keep") or {}
+    if not keep.get("selection", "").startswith("distill"):
+        return f"`{r['mode']}`"
+    weights = keep.get("weights", {"inputs": ["features"]})
+    return f"`{r['mode']}` [{'+'.join(weights['inputs'])}]"
+
+
 def _line(r: dict) -> str:
     kept = "100%" if r.get("keep") is None else f"{r['keep']['kept_share']:.0%}"
     cost = cost_cells(r)
     return (
-        f"| `{r['mode']}` | {kept} | {cost} | {100 * r['f1']:.1f} | {_interval(r['f1_ci95'], '{:.1f}')} | "
+        f"| {_mode(r)} | {kept} | {cost} | {100 * r['f1']:.1f} | {_interval(r['f1_ci95'], '{:.1f}')} | "
         f"{100 * r['f1_gap']:+.1f} | {_interval(r['f1_gap_ci95'])} | {100 * r['em']:.1f} | {r['identical_to_oracle']:.0%} |"
     )
 
@@ -36,12 +46,15 @@ KL_HEADER = (
 def _kl_line(r: dict) -> str:
     """A KL-only row (`--n 0 --windows K`): C's mean KL over 64 real tokens after each window."""
     kept = "100%" if r.get("keep") is None else f"{r['keep']['kept_share']:.0%}"
-    return f"| `{r['mode']}` | {kept} | {r['windows']} | {r['mean_kl']:.4f} | {r['mean_kl_ci95'][0]:.4f}..{r['mean_kl_ci95'][1]:.4f} |"
+    return (
+        f"| {_mode(r)} | {kept} | {r['windows']} | {r['mean_kl']:.4f} | {r['mean_kl_ci95'][0]:.4f}..{r['mean_kl_ci95'][1]:.4f} |"
+    )
 
 
 def training(root: Path) -> dict:
-    """DistillCache's training per pair from its curve (calibration.distill_keep's JSON lines):
-    the run's record, the validation KL at the start and at the chosen step, the heuristics' on
+    """DistillCache's training per pair (and inputs, where not the attention features: "real-normed")
+    from its curve (calibration.distill_keep's JSON lines): the run's record, the attention fit's
+    first and last epoch (a probe over normed inputs), the validation KL at the start and at the chosen step, the heuristics' on
     the same validation examples, and the mean train reward per fraction in the first and last
     quarter of the steps."""
     out = {}
@@ -59,7 +72,9 @@ def training(root: Path) -> dict:
         )
         reward = {str(f): [round(quarter(steps[:q], f), 3), round(quarter(steps[-q:], f), 3)] for f in done["budgets"]}
         mean = lambda kl: round(sum(kl.values()) / len(kl), 3)
-        out[done["pair"]] = {
+        warm = [r for r in rows if r["kind"] == "warm"]
+        inputs = done.get("inputs", "features")  # the first runs' networks read attention features
+        out[done["pair"] + ("" if inputs == "features" else f"-{inputs}")] = {
             **done,
             "minutes": round((done["train_s"] + done["prepare_s"]) / 60),
             "start": vals[0]["distill"],
@@ -70,6 +85,8 @@ def training(root: Path) -> dict:
             "heuristics_mean": {k: mean(v) for k, v in heur.items()},
             "reward_quarters": reward,
             "file": str(path.relative_to(root)),
+            "warm_first": warm[0] if warm else None,
+            "warm_last": warm[-1] if warm else None,
         }
     return out
 
@@ -92,7 +109,16 @@ def keep(root: Path) -> dict:
             cells[path.stem] = {r["mode"]: r for r in rows}
             continue
         tables.append("\n".join([title, "", *HEADER, *(_line(r) for r in rows)]))
-        cells[path.stem] = {r["mode"]: {**r, "f1_pt": 100 * r["f1"], "gap_pt": 100 * r["f1_gap"]} for r in rows}
+        oracle_f1 = next((r["f1"] for r in rows if r["mode"] == "oracle"), None)
+        cells[path.stem] = {
+            r["mode"]: {
+                **r,
+                "f1_pt": 100 * r["f1"],
+                "gap_pt": 100 * r["f1_gap"],
+                "oracle_share_pt": 100 * r["f1"] / oracle_f1 if oracle_f1 else None,  # the share of the run's oracle's F1
+            }
+            for r in rows
+        }
     check = folder / "keep-kvpress.json"
     kvpress = json.loads(check.read_text()) if check.exists() else None
     if kvpress:

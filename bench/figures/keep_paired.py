@@ -2,6 +2,8 @@
 bench/results/real/keep-*.jsonl run on C's own cache (`oracle@POLICY:FRACTION`), the paired F1
 difference of DistillCache and question-aware SnapKV to each heuristic at the same fraction, over
 the seeds both were measured on, with a 95 % bootstrap interval (qa.metrics.bootstrap_ci).
+DistillCache's rows are told apart by what their weights read (`distill[features]`: the first
+weights, over attention features; `distill[normed]`: the probe over normed inputs).
 Measures nothing."""
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ def _f1s(folder: Path) -> dict[tuple[str, str], dict[int, float]]:
             if r.get("kind") != "task" or head != "oracle" or not at:
                 continue
             policy, _, fraction = keep.partition(":")
+            if policy == "distill":  # which weights: rows before keep_weights ran the first, attention-feature ones
+                policy += "[" + "+".join(r.get("keep_weights", {}).get("inputs", ["features"])) + "]"
             out.setdefault((policy, fraction), {})[r["seed"]] = float(r["f1"])
     return out
 
@@ -36,7 +40,7 @@ def keep_paired(root: Path) -> dict:
     f1s = _f1s(root / "bench/results/real")
     lines, cells = [], {}
     for (policy, fraction), mine in sorted(f1s.items()):
-        if policy not in CHALLENGERS:
+        if policy.partition("[")[0] not in CHALLENGERS:
             continue
         for other in HEURISTICS:
             theirs = f1s.get((other, fraction), {})

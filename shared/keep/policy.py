@@ -31,6 +31,7 @@ class Needs(enum.Flag):
     NONE = 0
     WINDOW_ATTENTION = enum.auto()  # [H, w, T]: the context's last w queries over every key
     ACCUMULATED_ATTENTION = enum.auto()  # [H, T]: every query's attention summed per key
+    NORMED = enum.auto()  # [T, d]: the layer's normed input itself (a learned policy's probe reads it)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class LayerView:
     values: torch.Tensor  # [n_kv, T, hd]
     window_attention: torch.Tensor | None = None  # [H, w, T] float32
     accumulated_attention: torch.Tensor | None = None  # [H, T] float32
+    normed: torch.Tensor | None = None  # [T, d]: the layer's input_layernorm output (Needs.NORMED)
 
 
 class Policy(Protocol):
@@ -108,15 +110,16 @@ def layer_view(loaded: LoadedModel, state: LayerState, needs: Needs, observation
     """The LayerView of one layer's state (a producer scores each layer as its prefill reaches it)."""
     keys, values = state.kv()
     window = accumulated = None
-    if needs:
-        if state.normed is None:
-            raise ValueError(f"layer {state.index}: the policy needs attention statistics; capture NORMED")
-        q = attention.queries(forward.of(loaded), state.index, state.normed)
+    normed = state.normed
+    if needs and normed is None:
+        raise ValueError(f"layer {state.index}: the policy needs the layer's normed input ({needs}); capture NORMED")
+    if normed is not None and needs & (Needs.WINDOW_ATTENTION | Needs.ACCUMULATED_ATTENTION):
+        q = attention.queries(forward.of(loaded), state.index, normed)
         if Needs.WINDOW_ATTENTION in needs:
             window = attention.window_attention(q, keys, observation)
         if Needs.ACCUMULATED_ATTENTION in needs:
             accumulated = attention.accumulated_attention(q, keys)
-    return LayerView(state.index, keys, values, window, accumulated)
+    return LayerView(state.index, keys, values, window, accumulated, normed if Needs.NORMED in needs else None)
 
 
 def layer_scores(policy: Policy, loaded: LoadedModel, states: dict[int, LayerState]) -> list[torch.Tensor]:
