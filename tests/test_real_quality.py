@@ -132,3 +132,19 @@ async def test_services_answer_as_real_quality_scores_offline(calibrated):
         print(line)
     assert not failures, "\n".join(failures)
     assert len(ties) < len(examples) * len(MODES), "every answer differed, each at a near tie: " + "\n".join(ties)
+
+
+def test_oracle_only_runs_read_the_pairs_summary_where_its_tensors_are_not_built(tmp_path):
+    """real.quality's oracle modes (C's own cache, a selection or not) read no artifact tensor: the
+    committed summary beside an unbuilt artifact stands in and names it; a mode that sends codes
+    still needs the tensors (the error names the file)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    summary = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2-pc.json"
+    shutil.copy(summary, tmp_path / "pair.json")
+    art = quality.pair_artifact(tmp_path / "pair.safetensors", ["oracle", "oracle@streaming:0.25"])
+    assert art.artifact_id == json.loads(summary.read_text())["artifact_id"] and not art.tensors
+    with pytest.raises(Exception, match="pair.safetensors"):
+        quality.pair_artifact(tmp_path / "pair.safetensors", ["oracle", "naive"])
