@@ -182,8 +182,10 @@ def make(tokenizer, family: str, split: str, index: int, context_tokens: int) ->
 
 
 def examples(tokenizer, split: str, n: int, context_tokens: int, families=FAMILIES, first: int = 0) -> list[Example]:
-    """`n` examples, families in turn, indices first, first+1, ..."""
-    return [make(tokenizer, families[i % len(families)], split, first + i, context_tokens) for i in range(n)]
+    """`n` examples, indices first, first+1, ...; index i is family i mod len(families), whatever
+    `first` is, so a run resumed at --first N asks the examples a whole run would have (until
+    this fixed it, a run resumed at 131 shifted the families of indices 131.. by one)."""
+    return [make(tokenizer, families[i % len(families)], split, i, context_tokens) for i in range(first, first + n)]
 
 
 @dataclass(frozen=True)

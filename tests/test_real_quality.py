@@ -148,3 +148,12 @@ def test_oracle_only_runs_read_the_pairs_summary_where_its_tensors_are_not_built
     assert art.artifact_id == json.loads(summary.read_text())["artifact_id"] and not art.tensors
     with pytest.raises(Exception, match="pair.safetensors"):
         quality.pair_artifact(tmp_path / "pair.safetensors", ["oracle", "naive"])
+
+
+def test_an_index_asks_the_same_example_whatever_the_runs_first_index():
+    """A run resumed at --first N asks what a whole run asks at those indices (families in turn
+    by index, not by position in the run)."""
+    tok = load_model(CONSUMER, "float32", "cpu").tokenizer
+    whole = tasks.examples(tok, "test", 8, 1024)
+    resumed = tasks.examples(tok, "test", 5, 1024, first=3)
+    assert [(e.seed, e.family, e.answers) for e in resumed] == [(e.seed, e.family, e.answers) for e in whole[3:]]

@@ -21,9 +21,11 @@ HEADER = (
 )
 
 
-def _f1s(folder: Path) -> dict[tuple[str, str], dict[int, float]]:
-    """(policy, fraction) -> {seed: F1} of C's own kept cache, over every keep-*.jsonl file."""
-    out: dict[tuple[str, str], dict[int, float]] = {}
+def _f1s(folder: Path) -> dict[tuple[str, str], dict[tuple[int, str, str, int], float]]:
+    """(policy, fraction) -> {(seed, family, gold, context tokens): F1} of C's own kept cache, over every keep-*.jsonl
+    file: an example is its seed, family and gold answer (a run resumed at --first 131 before
+    real.tasks.examples was fixed asked other families at the same seeds: those never pair)."""
+    out: dict[tuple[str, str], dict[tuple[int, str, str, int], float]] = {}
     for path in sorted(folder.glob("keep-*.jsonl")):
         for r in rows_of(path):
             head, at, keep = r.get("mode", "").partition("@")
@@ -32,7 +34,7 @@ def _f1s(folder: Path) -> dict[tuple[str, str], dict[int, float]]:
             policy, _, fraction = keep.partition(":")
             if policy == "distill":  # which weights: rows before keep_weights ran the first, attention-feature ones
                 policy += "[" + "+".join(r.get("keep_weights", {}).get("inputs", ["features"])) + "]"
-            out.setdefault((policy, fraction), {})[r["seed"]] = float(r["f1"])
+            out.setdefault((policy, fraction), {})[(r["seed"], r["family"], r["gold"], r["context_tokens"])] = float(r["f1"])
     return out
 
 
