@@ -1,7 +1,8 @@
 """The pieces of DistillCache's REINFORCE training (calibration.distill_keep runs the loop): one
-example's fixed inputs (the consumer's own prefill: K/V, per-token features, the full cache's
-log-probs of the scored continuation tokens), keep sets sampled from the policy's scores at a
-budget (Gumbel top-k = a Plackett-Luce sample, with its log-probability), and the reward of a keep
+example's fixed inputs (the consumer's own prefill: K/V, per-token features, the layers' normed
+inputs where the network reads them, the full cache's log-probs of the scored continuation
+tokens), keep sets sampled from the policy's scores at a budget (Gumbel top-k = a Plackett-Luce
+sample, with its log-probability), and the reward of a keep
 set: minus the mean per-step KL(full cache || kept cache) over the scored tokens, teacher-forced.
 
 The consumer scores and reads its own cache, as real.quality's `oracle@distill:B` does. The
