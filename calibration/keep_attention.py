@@ -26,6 +26,7 @@ from shared import kv
 from shared import model as forward
 from shared.keep import attention
 from shared.keep.distill import DistillNet
+from shared.keep.select import Budget, protected
 from shared.models import LoadedModel
 
 
@@ -59,7 +60,8 @@ def target(consumer: LoadedModel, context_ids: list[int], qa_ids: list[int], ans
 
 
 def free_span(num_tokens: int, sinks: int, window: int) -> slice:
-    """The tokens a selection chooses among (shared.keep.select protects the rest)."""
+    """The tokens a selection chooses among: all but shared.keep.select.protected's (the sinks and
+    the recent window), which leave one contiguous span."""
     return slice(min(sinks, num_tokens), max(min(sinks, num_tokens), num_tokens - window))
 
 
@@ -77,7 +79,7 @@ def recall(scores: torch.Tensor, attention_: torch.Tensor, fraction: float, sink
     context, less the protected tokens, holds (mean over layers and KV heads)."""
     T = scores.shape[-1]
     span = free_span(T, sinks, window)
-    n = max(0, min(span.stop - span.start, int(fraction * T) - (T - (span.stop - span.start))))
+    n = max(0, min(span.stop - span.start, Budget(fraction=fraction).kept(T) - protected(T, sinks, window).numel()))
     s, a = scores[..., span], attention_[..., span]
     held = a.gather(-1, s.topk(n, dim=-1).indices).sum(-1)
     return float((held / a.sum(-1).clamp_min(1e-12)).mean())

@@ -213,8 +213,9 @@ def run(art: Artifact, producer: LoadedModel, consumer: LoadedModel, modes: Mode
                 "prediction": text,
                 **score.score(text, example, said["oracle"]),
             }
-            if modes.weights(label):
-                row["keep_weights"] = modes.weights(label)
+            weights = modes.weights(label)
+            if weights:
+                row["keep_weights"] = weights
             rows.append(row)
             emit(row)
     for i in range(args.windows):
@@ -253,6 +254,7 @@ def summaries(rows: list[dict], modes: Modes) -> list[dict]:
         mine = [r for r in task if r["mode"] == label]
         kl_rows = [r for r in rows if r["kind"] == "kl" and r["mode"] == label]
         kls = [r["mean_kl"] for r in kl_rows]
+        weights = modes.weights(label)
         if not mine and not kls:
             continue
         measured = mine + kl_rows
@@ -268,7 +270,7 @@ def summaries(rows: list[dict], modes: Modes) -> list[dict]:
                     "selection": selection.label,
                     "kept_share": round(kept_share, 4),
                     "scored_by": "P" if label in modes.bytes else "C",
-                    **({"weights": modes.weights(label)} if modes.weights(label) else {}),
+                    **({"weights": weights} if weights else {}),
                 },
                 **_task_summary(mine, oracle),
                 "windows": len(kls),
