@@ -14,6 +14,7 @@ from producer import coalesce
 from producer.chunk_store import ChunkStore
 from producer.encode import EncodePool
 from producer.flight import Flight, Flights
+from producer.keep_weights import KeepWeights
 from producer.prefill import EncodedLayer, PrefillDone, PrefillEngine
 from producer.reuse import Roots
 from producer.sources import Sources
@@ -96,7 +97,9 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         return self.sources.prefix_waits
 
     def attach(self, loaded: LoadedModel) -> None:
-        self.codecs = codec_lib.create_codecs(loaded, artifacts=discover(self.config.artifact_paths))
+        artifacts = discover(self.config.artifact_paths)
+        self.codecs = codec_lib.create_codecs(loaded, artifacts=artifacts)
+        self.keep_weights = KeepWeights(artifacts, loaded.info)  # a learned keep policy's, per pair
         self.encode.attach(loaded.device)
         self.engine = PrefillEngine(
             loaded,
@@ -194,8 +197,10 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         options = codec.resolve(dict(request.codec.options))
         keep = keep_wire.requested(request, codec)
         encoder = codec.encoder(options, codec_lib.EncodeRequest(len(request.token_ids), request.consumer_weight_digest))
+        weights = self.keep_weights.resolve(keep, request.consumer_weight_digest, options.get("artifact", "")) if keep else None
         if keep is not None:  # scored and cut per layer; stored whole under its selection (producer.sources)
-            encoder = KeptEncoder(encoder, keep, self._ready(), len(request.token_ids))
+            policy = weights.policy if weights is not None else None  # a learned policy: this pair's weights
+            encoder = KeptEncoder(encoder, keep, self._ready(), len(request.token_ids), policy)
         roots = self._roots(codec, options, encoder, tenant) if self.chunks is not None else None
         self._check_prefix(request, codec, encoder, roots)
         log.info("prefill.start", tokens=len(request.token_ids), codec=codec.name, deadline_s=round(timeout_s, 3))
@@ -219,6 +224,8 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             )
         )
         label = keep.label if keep is not None else ""
+        if weights is not None:  # another weights file keeps other tokens: never the same stored stream
+            label += f",weights={weights.digest}"
         messages = self._messages(request, codec.name, options, encoder, roots, tenant, started, label)
         if not request.accept_batches:  # one stream message per gRPC message, as before accept_batches
             yield header
@@ -344,7 +351,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             ),
             server_version=shared.__version__,
             api_version=shared.API_VERSION,
-            artifacts=describe.artifacts_to_pb(self.codecs),
+            artifacts=describe.artifacts_to_pb(self.codecs, self.keep_weights.digest_of),
             stats=producer_pb2.ProducerStats(
                 prefills_started=self.outcomes.started,
                 prefills_completed=self.outcomes.completed,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from shared.codecs import Codec
 from shared.codecs.scd import ScdCodec
@@ -44,8 +44,12 @@ def local_mode_pb(name: str) -> common_pb2.CodecInfo:
     )
 
 
-def artifacts_to_pb(codecs: Mapping[str, Codec]) -> list[common_pb2.ArtifactInfo]:
-    """The SCD artifacts the service loaded, with their schedules and every transfer mode's point on their loss scale."""
+def artifacts_to_pb(
+    codecs: Mapping[str, Codec], keep_weights: Callable[[str], str] = lambda _: ""
+) -> list[common_pb2.ArtifactInfo]:
+    """The SCD artifacts the service loaded, with their schedules and every transfer mode's point on
+    their loss scale; `keep_weights`: an artifact id's learned keep weights digest ("" none: a
+    producer's, producer.keep_weights)."""
     codec = codecs.get("scd")
     out = []
     for art in codec.artifacts if isinstance(codec, ScdCodec) else []:
@@ -65,6 +69,7 @@ def artifacts_to_pb(codecs: Mapping[str, Codec]) -> list[common_pb2.ArtifactInfo
                 ],
                 predictor_layers=art.predictor_layers,
                 file_name=art.path.name if art.path is not None else "",
+                keep_weights_digest=keep_weights(art.artifact_id),
                 transfer_points=[
                     common_pb2.TransferPoint(
                         mode=t.mode, options=dict(t.options), calibrated_loss=t.loss, bytes_per_token=t.bytes_per_token, how=t.how

@@ -87,7 +87,7 @@ def greedy(model, cache, question: list[int], stop: int | None) -> list[int]:
     return out
 
 
-def offline(world, codec: str, keep: KeepRequest, quant_kept: bool = True) -> tuple[list[int], int]:
+def offline(world, codec: str, keep: KeepRequest, quant_kept: bool = True, policy=None) -> tuple[list[int], int]:
     """(greedy ids, kept count) of the offline path: the producer's states scored by the selection
     (shared.keep), the mode's cache over the whole context (calibration.candidates.codec_kv), the
     kept tokens gathered (shared.keep.kept_cache); quant: its kept K/V quantized per KV head, as a
@@ -95,7 +95,7 @@ def offline(world, codec: str, keep: KeepRequest, quant_kept: bool = True) -> tu
     cache quantized, then the kept tokens)."""
     model = world["model"]
     states, _ = kv.capture_states(model, world["ids"], kv.Capture.KV | kv.Capture.NORMED)
-    sets = keep.selection().keep(model, states)
+    sets = keep.selection(policy).keep(model, states)
     layers = range(model.info.num_layers)
     if codec == "quant" and quant_kept:
         cache = KeptCache(config=model.model.config)
@@ -187,7 +187,6 @@ async def test_keep_never_meets_a_stored_chunk_or_a_cached_prefix_of_a_whole_tra
         ("raw", "h2o:0", "budget"),
         ("raw", "lru:0.5", "is not one of"),
         ("raw", "snapkv-q:0.5", "keep.policy: 'snapkv-q' is not served over the wire"),
-        ("raw", "distill:0.5", "keep.policy: 'distill' is not served over the wire"),
     ],
 )
 async def test_keep_requests_a_codec_cannot_serve_are_invalid_argument(world, pair, codec, keep, field):
@@ -224,7 +223,7 @@ async def test_keep_with_a_policy_the_kept_cache_does_not_serve_yet_is_invalid_a
         async for _ in pair.producer_stub.Prefill(request, timeout=30):
             pass
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "keep.heads='each'" in err.value.details()
-    for policy in ("distill", "snapkv-q"):  # offline only: the producer refuses them by name too
+    for policy in ("snapkv-q",):  # offline only: the producer refuses it by name too
         request = producer_pb2.PrefillRequest(
             token_ids=world["ids"], codec=common_pb2.CodecSpec(name="raw"), keep=common_pb2.KeepSpec(policy=policy, fraction=0.5)
         )

@@ -32,9 +32,9 @@ import torch
 from shared.codecs import keep_set
 from shared.codecs.base import CacheDecoder, Codec, LayerEncoder, PayloadSpec, Schema, StreamInfo
 from shared.errors import InvalidArgument
-from shared.keep import POLICIES, Budget, Selection, parse_selection
+from shared.keep import POLICIES, Budget, Policy, Selection
 from shared.keep.cache import gather
-from shared.keep.policy import layer_view
+from shared.keep.policy import layer_view, parse_fields
 from shared.kv import Capture, KVSink, LayerState
 from shared.models import LoadedModel
 
@@ -44,9 +44,10 @@ KEEP_OPTION = "keep"  # the consumer's transfer option naming a selection (Gener
 
 # Policies the offline evaluation scores but the services do not serve yet, and why (a request naming
 # one is INVALID_ARGUMENT naming keep.policy: KeepRequest.checked and .parse, both sides' way in).
+# "distill" is served by a producer holding the pair's keep weights (producer.keep_weights: a
+# FailedPrecondition naming keep.policy where it holds none for the request's consumer).
 NOT_SERVED = {
     "snapkv-q": "it scores with the question's queries, and the producer is not shown the question",
-    "distill": "its weights are per pair and the producer does not load them yet (offline: real.quality)",
 }
 
 
@@ -83,15 +84,13 @@ class KeepRequest:
     def parse(text: str) -> KeepRequest:
         """shared.keep.parse_selection's text ('snapkv:0.25', 'h2o:256:window=16,heads=shared');
         heads "" when the text does not name them."""
-        check_served(text.partition(":")[0])  # before parse_selection builds the policy
+        check_served(text.partition(":")[0])
         try:
-            sel = parse_selection(text)
+            name, budget, kw = parse_fields(text)  # the policy is not built: a learned one's weights are the producer's
         except ValueError as exc:
             raise InvalidArgument(f"transfer.options['keep']={text[:80]!r}: {exc}") from None
-        named = "heads=each" in text or "heads=shared" in text
-        return KeepRequest(
-            sel.policy.name, sel.budget, sel.sinks, sel.window, ("shared" if sel.shared else "each") if named else ""
-        )
+        heads = ("shared" if kw["shared"] else "each") if "shared" in kw else ""
+        return KeepRequest(name, budget, kw.get("sinks", Selection.sinks), kw.get("window", Selection.window), heads)
 
     def for_codec(self, codec: Codec) -> KeepRequest:
         """Resolved for `codec` (heads filled in); InvalidArgument when the codec cannot take it."""
@@ -112,8 +111,12 @@ class KeepRequest:
     def shared(self) -> bool:
         return self.heads == "shared"
 
-    def selection(self) -> Selection:
-        return Selection(POLICIES[self.policy](), self.budget, self.sinks, self.window, self.shared)
+    def selection(self, policy: Policy | None = None) -> Selection:
+        """The selection scoring with `policy` (a learned one, the pair's: producer.keep_weights), or
+        the registry's policy of that name."""
+        if policy is not None and policy.name != self.policy:
+            raise ValueError(f"keep: policy {policy.name!r} given for a request naming {self.policy!r}")
+        return Selection(policy or POLICIES[self.policy](), self.budget, self.sinks, self.window, self.shared)
 
     def kept(self, num_tokens: int) -> int:
         return self.budget.kept(num_tokens)
@@ -150,9 +153,11 @@ class KeptEncoder(LayerEncoder):
     per_token = False  # never cut in chunks: the keep set depends on the whole context
     computes = True
 
-    def __init__(self, inner: LayerEncoder, keep: KeepRequest, loaded: LoadedModel, num_tokens: int):
+    def __init__(
+        self, inner: LayerEncoder, keep: KeepRequest, loaded: LoadedModel, num_tokens: int, policy: Policy | None = None
+    ):
         self.inner, self.keep, self.loaded, self.num_tokens = inner, keep, loaded, num_tokens
-        self.selection = keep.selection()
+        self.selection = keep.selection(policy)  # policy: a learned one's weights for this pair, else the registry's
         policy = self.selection.policy
         self.captures = inner.captures | Capture.KV | (Capture.NORMED if policy.needs else Capture.NONE)
 

@@ -136,7 +136,8 @@ class DistillCache:
                     f"distill ({self.source}): layer {view.index} needs its normed input [T, {self.net.d_model}], got {got}"
                 )
             normed = view.normed.float()
-        return self.net(torch.tensor(view.index), feats, normed).float()
+        layer = torch.tensor(view.index, device=next(self.net.parameters()).device)
+        return self.net(layer, feats, normed).float()
 
 
 def save(net: DistillNet, path: Path, meta: dict) -> None:

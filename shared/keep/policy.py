@@ -157,8 +157,9 @@ class Selection:
         return self.select(layer_scores(self.policy, loaded, states))
 
 
-def parse_selection(text: str) -> Selection:
-    """'snapkv:0.25', 'h2o:256', 'knorm:0.5:sinks=0,window=0,heads=shared'."""
+def parse_fields(text: str) -> tuple[str, Budget, dict]:
+    """(policy name, budget, Selection's keyword fields) of a selection's text, without building the
+    policy (a learned one's weights are the scoring side's: the producer's, not the caller's)."""
     name, _, rest = text.partition(":")
     budget, _, opts = rest.partition(":")
     if name not in POLICIES:
@@ -174,4 +175,10 @@ def parse_selection(text: str) -> Selection:
             kw["shared"] = value == "shared"
         else:
             raise ValueError(f"keep option: {opt!r} is not sinks=N, window=N or heads=shared|each")
-    return Selection(POLICIES[name](), Budget.parse(budget), **kw)
+    return name, Budget.parse(budget), kw
+
+
+def parse_selection(text: str) -> Selection:
+    """'snapkv:0.25', 'h2o:256', 'knorm:0.5:sinks=0,window=0,heads=shared'."""
+    name, budget, kw = parse_fields(text)
+    return Selection(POLICIES[name](), budget, **kw)
