@@ -13,7 +13,8 @@ profiled span), `scd:S` (schedule S of the artifact: a name or its per-layer tex
 end in `@POLICY:BUDGET` (shared.keep: `oracle@snapkv:0.25`, `scd:s11@h2o:0.5`, `naive@knorm:256`):
 the mode's cache, then only the tokens that policy keeps at that budget (a fraction or a count per
 layer and KV head), at their original positions, the question continuing at the context's
-length. Policies: shared.keep's heuristics, `distill` (DistillCache: its weights are the
+length. An scd mode's selection is one keep set per layer for all its KV heads, as the services
+send it (its label then names `heads=shared`; rows of runs before 2026-12-06 kept per KV head). Policies: shared.keep's heuristics, `distill` (DistillCache: its weights are the
 artifact's `<stem>.keep.safetensors`, calibration.distill_keep) and `snapkv-q` (SnapKV with the
 question's queries as its window: the keep set serves that question only; no KL rows, the text
 windows have no question). The side that holds the cache before any transfer scores its tokens from its own prefill:
@@ -37,6 +38,7 @@ tests/test_real_quality.py checks that the services give the same answers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -79,6 +81,11 @@ def parse_mode(text: str) -> tuple[str, str, dict[str, str], Selection | None]:
     if head == "recompute":
         return text, "recompute", {}, selection
     if head == "scd" and arg:
+        if selection is not None and not selection.shared:  # as the services resolve it (KeepRequest.for_codec)
+            if "heads=each" in keep:
+                raise SystemExit(f"--modes: {text!r}: scd sends one row per token for all KV heads: heads=shared only")
+            selection = dataclasses.replace(selection, shared=True)
+            text = f"{base}@{selection.label}"  # names heads=shared, as no per-head row of an earlier run does
         return text, "scd", {"schedule": arg}, selection
     raise SystemExit(
         f"--modes: {text!r} is not oracle | naive | quant:BITS | recompute | scd:SCHEDULE, then @POLICY:BUDGET or not"

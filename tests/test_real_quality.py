@@ -6,13 +6,17 @@ consumer services give the same answers. Here: a small SCD artifact for P = smol
 C = smollm2-135m-tuned (given schedules, no search, a given recompute span, no profile), the real
 services on loopback ports with it, and real.tasks test examples (~384 tokens of context) asked as
 token ids in modes raw (naive reuse), scd with each schedule, quant at 4 bits, recompute and
-oracle, greedy up to `<|im_end|>`; each answer's text must be real.quality.answers' for the same
+oracle, and raw and scd with the committed learned keep policy at 25 % (the producer scores its own
+prefill with artifacts/smollm2-pc.keep.safetensors), greedy up to `<|im_end|>`; each answer's text must be real.quality.answers' for the same
 mode. Where the two differ, the only excuse is a near tie (tests/greedy.py): the offline greedy's
 top-2 logits at the first differing token within NEAR_TIE, where the services' kernels (their
 engine's chunked prefill and paged attention) may round the other way.
 """
 
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +25,7 @@ from calibration.distill import distill
 from qa.predict import prefill
 from real import corpus as real_corpus
 from real import quality, tasks
+from shared.keep import distill as keep_distill
 from shared.models import load_model
 from shared.pb import common_pb2
 from tests.conftest import prompt, running_pair
@@ -41,7 +46,11 @@ MODES = [
     ("quant", {"bits": "4"}, "quant:4"),
     ("recompute", {"start": str(RECOMPUTE_SPAN[0]), "end": str(RECOMPUTE_SPAN[1])}, "recompute"),
     ("oracle", {}, "oracle"),
+    # the committed learned keep policy (artifacts/smollm2-pc.keep.safetensors), scored by the producer
+    ("raw", {"keep": "distill:0.25"}, "naive@distill:0.25"),
+    ("scd", {"schedule": SCHEDULES[1], "keep": "distill:0.25"}, f"scd:{SCHEDULES[1]}@distill:0.25:heads=shared"),
 ]
+KEEP_WEIGHTS = Path(__file__).resolve().parent.parent / "artifacts" / "smollm2-pc.keep.safetensors"
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +74,8 @@ def calibrated(threads, tmp_path_factory):
     assert art.meta["recompute_span"] == list(RECOMPUTE_SPAN) and "recompute_profile" not in art.meta
     directory = tmp_path_factory.mktemp("artifacts")
     art.save(directory / "smollm2-pc.safetensors")
+    shutil.copy(KEEP_WEIGHTS, keep_distill.weights_path(directory / "smollm2-pc.safetensors"))  # the producer loads it
+    keep_distill.register(directory / "smollm2-pc.safetensors")  # and real.quality's "distill" reads the same file
     return producer, consumer, art, directory
 
 
@@ -113,7 +124,9 @@ async def test_services_answer_as_real_quality_scores_offline(calibrated):
                     context=prompt(ids=ex.context_ids), question=prompt(ids=ex.question_ids), max_new_tokens=MAX_NEW,
                     stop_token_ids=[stop], transfer=common_pb2.CodecSpec(name=codec, options=options))
                 assert stats.transfer.name == codec and stats.context_tokens == len(ex.context_ids), label
-                assert {k: stats.transfer.options[k] for k in options} == options, label
+                asked = {k: v for k, v in options.items() if k != "keep"}
+                assert {k: stats.transfer.options[k] for k in asked} == asked, label
+                assert stats.transfer.options.get("keep", "").startswith(options.get("keep", "")), label
                 out[label] = ids, text.strip()  # the services' text skips special tokens; the stop token is the one here
     failures, ties = [], []
     for ex, said, ids_by_mode in zip(examples, offline, served):
