@@ -138,6 +138,7 @@ class Modes:
         own_states, own_cache = own
         num_tokens = len(ids)
         scored: dict[tuple[str, str], list] = {}  # (side, policy) -> scores per layer, for every budget
+        rebuilt: dict[tuple, list] = {}  # (codec, options) -> C's rebuild, for every selection of that mode
         for label, codec, _, selection in self.asked:
             if not codec and selection is None:
                 yield label, own_cache
@@ -146,7 +147,10 @@ class Modes:
             if asks_question and not question_ids:
                 continue
             if codec:
-                layer_kv = candidates.codec_kv(*self.codecs[label], self.options[label], states, num_tokens)
+                key_kv = (codec, tuple(sorted(self.options[label].items())))
+                if key_kv not in rebuilt:
+                    rebuilt[key_kv] = candidates.codec_kv(*self.codecs[label], self.options[label], states, num_tokens)
+                layer_kv = rebuilt[key_kv]
             else:
                 layer_kv = [own_states[layer].kv() for layer in range(consumer.info.num_layers)]
             if selection is None:
