@@ -32,7 +32,8 @@ context token and the ratio to raw K/V in the run's dtype and in bfloat16. Every
 pair (weights, digests, dtype, origin), the artifact and the split. Offline on purpose: one
 prefill per side per example serves every mode (the services would repeat them per mode);
 tests/test_real_quality.py checks that the services give the same answers.
-`python -m real.quality summarize ROWS.jsonl` writes the summaries of a run stopped early.
+`python -m real.quality summarize ROWS.jsonl [ARTIFACT]` writes the summaries of a run stopped early
+or of runs over other example ranges joined in one file.
 """
 
 from __future__ import annotations
@@ -312,22 +313,34 @@ def _task_summary(mine: list[dict], oracle: dict) -> dict:
     }
 
 
-def summarize(path: Path) -> None:
-    """Append the summary lines to a rows file whose run was stopped early (its task and KL rows
-    are kept; n is what was measured): the modes, pair and bytes come from the rows and the
-    artifact they name."""
+def summarize(path: Path, artifact: Path | None = None) -> None:
+    """Append the summary lines to a rows file whose run was stopped early, or that joins the rows
+    of runs over other example ranges (its task and KL rows are kept, an example asked twice in
+    the same mode counts once; n is what was measured): the modes, pair and bytes come from the
+    rows and the artifact they name (`artifact`, else the one in artifacts/ whose `<stem>.json`
+    has that id; its summary where the tensors are not built and every mode is the oracle's)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r["kind"] != "summary"]
+    seen: set[tuple] = set()
+    unique = []
+    for r in rows:
+        key = (r.get("family"), r.get("seed"), r.get("mode"))
+        if r["kind"] == "task" and key in seen:
+            continue
+        seen.add(key)
+        unique.append(r)
+    rows = unique
     first = rows[0]
-    art_path = next(
-        f
-        for f in sorted((Path(__file__).parents[1] / "artifacts").glob("*.safetensors"))
-        if f.with_suffix(".json").exists()
-        and json.loads(f.with_suffix(".json").read_text()).get("artifact_id") == first["artifact"]
+    art_path = artifact or next(
+        f.with_suffix(".safetensors")
+        for f in sorted((Path(__file__).parents[1] / "artifacts").glob("*.json"))
+        if json.loads(f.read_text()).get("artifact_id") == first["artifact"]
     )
-    art = Artifact.load(art_path)
-    distill.register(art_path)
     asked = list(dict.fromkeys(r["mode"] for r in rows if r["kind"] == "task"))
+    art = pair_artifact(art_path, asked)
+    if art.artifact_id != first["artifact"]:
+        raise SystemExit(f"summarize: {art_path} is artifact {art.artifact_id}, the rows name {first['artifact']}")
+    distill.register(art_path)
     seeds = [r["seed"] for r in rows if r["kind"] == "task" and r["mode"] == asked[-1]]  # examples with every mode
     rows = [r for r in rows if r["kind"] != "task" or r["seed"] in seeds]
     producer = load_model(art.meta["producer"]["model_id"], dtype=first["consumer_model"]["dtype"], device="cpu")
@@ -355,7 +368,7 @@ def pair_artifact(path: Path, modes: list[str]) -> Artifact:
 
 def main(argv: list[str] | None = None) -> None:
     if argv is None and sys.argv[1:2] == ["summarize"]:
-        return summarize(Path(sys.argv[2]))
+        return summarize(Path(sys.argv[2]), Path(sys.argv[3]) if len(sys.argv) > 3 else None)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--artifact", type=Path, required=True, help="the pair's SCD artifact (.safetensors)")
     parser.add_argument("--modes", default="oracle,naive,quant:8,quant:4,quant:2,recompute")

@@ -15,6 +15,7 @@ engine's chunked prefill and paged attention) may round the other way.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -170,3 +171,24 @@ def test_an_index_asks_the_same_example_whatever_the_runs_first_index():
     whole = tasks.examples(tok, "test", 8, 1024)
     resumed = tasks.examples(tok, "test", 5, 1024, first=3)
     assert [(e.seed, e.family, e.answers) for e in resumed] == [(e.seed, e.family, e.answers) for e in whole[3:]]
+
+
+def test_summarize_joins_runs_over_overlapping_ranges_counting_each_example_once(tmp_path):
+    """The committed 4096-token run's rows cut in two parts that overlap by two examples (as a
+    resumed run's are), joined in one file: the summaries are the whole run's."""
+    committed = Path(__file__).resolve().parent.parent / "bench/results/real/keep-pc-4096-probe.jsonl"
+    lines = [json.loads(line) for line in committed.read_text().splitlines() if line.strip()]
+    tasks_rows = [r for r in lines if r["kind"] == "task"]
+    want = {r["mode"]: r for r in lines if r["kind"] == "summary"}
+    seeds = list(dict.fromkeys(r["seed"] for r in tasks_rows))
+    cut = len(seeds) // 2
+    first = [r for r in tasks_rows if r["seed"] in seeds[: cut + 2]]
+    second = [r for r in tasks_rows if r["seed"] in seeds[cut:]]
+    joined = tmp_path / "joined.jsonl"
+    joined.write_text("".join(json.dumps(r) + "\n" for r in first + second))
+    quality.summarize(joined)
+    got = {r["mode"]: r for r in map(json.loads, joined.read_text().splitlines()) if r["kind"] == "summary"}
+    assert set(got) == set(want)
+    for mode, summary in want.items():
+        assert got[mode]["n"] == summary["n"] == len(seeds), mode
+        assert got[mode]["f1"] == summary["f1"] and got[mode]["f1_gap_ci95"] == summary["f1_gap_ci95"], mode
