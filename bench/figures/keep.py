@@ -115,6 +115,7 @@ def keep(root: Path) -> dict:
                 **r,
                 "f1_pt": 100 * r["f1"],
                 "gap_pt": 100 * r["f1_gap"],
+                "gap_ci_pt": [100 * x for x in r["f1_gap_ci95"]],
                 "oracle_share_pt": 100 * r["f1"] / oracle_f1 if oracle_f1 else None,  # the share of the run's oracle's F1
             }
             for r in rows
