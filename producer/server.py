@@ -197,9 +197,10 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         options = codec.resolve(dict(request.codec.options))
         keep = keep_wire.requested(request, codec)
         encoder = codec.encoder(options, codec_lib.EncodeRequest(len(request.token_ids), request.consumer_weight_digest))
-        weights = self.keep_weights.resolve(keep, request.consumer_weight_digest, options.get("artifact", "")) if keep else None
+        weights = None  # a learned keep policy's: this pair's (producer.keep_weights)
         if keep is not None:  # scored and cut per layer; stored whole under its selection (producer.sources)
-            policy = weights.policy if weights is not None else None  # a learned policy: this pair's weights
+            weights = self.keep_weights.resolve(keep, request.consumer_weight_digest, options.get("artifact", ""))
+            policy = weights.policy if weights is not None else None
             encoder = KeptEncoder(encoder, keep, self._ready(), len(request.token_ids), policy)
         roots = self._roots(codec, options, encoder, tenant) if self.chunks is not None else None
         self._check_prefix(request, codec, encoder, roots)
