@@ -314,10 +314,10 @@ def _task_summary(mine: list[dict], oracle: dict) -> dict:
 
 
 def summarize(path: Path, artifact: Path | None = None) -> None:
-    """Append the summary lines to a rows file whose run was stopped early, or that joins the rows
-    of runs over other example ranges (its task and KL rows are kept, an example asked twice in
-    the same mode counts once; n is what was measured): the modes, pair and bytes come from the
-    rows and the artifact they name (`artifact`, else the one in artifacts/ whose `<stem>.json`
+    """Append the summary lines (marked summarized_from_rows) to a rows file whose run was stopped
+    early, or that joins the rows of runs over other example ranges (its task and KL rows are kept,
+    an example asked twice in the same mode counts once; n is what was measured): the modes, pair
+    and bytes come from the rows and the artifact they name (`artifact`, else the one in artifacts/ whose `<stem>.json`
     has that id; its summary where the tensors are not built and every mode is the oracle's)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r["kind"] != "summary"]
@@ -352,7 +352,7 @@ def summarize(path: Path, artifact: Path | None = None) -> None:
         for r in rows:
             out.write(json.dumps(r) + "\n")
         for s in summaries(rows, modes):
-            out.write(json.dumps({**common, **s, "context_tokens_asked": int(ctx), "stopped_early": True}) + "\n")
+            out.write(json.dumps({**common, **s, "context_tokens_asked": int(ctx), "summarized_from_rows": True}) + "\n")
 
 
 def pair_artifact(path: Path, modes: list[str]) -> Artifact:
