@@ -14,9 +14,13 @@ ARTIFACT = "artifacts/qa-base-to-tuned.safetensors"  # committed: a fresh clone 
 
 
 def test_a_mode_suffix_is_a_selection():
-    label, codec, options, sel = quality.parse_mode("scd:s11@h2o:0.5")
-    assert (label, codec, options) == ("scd:s11@h2o:0.5", "scd", {"schedule": "s11"})
-    assert sel is not None and sel.label == "h2o:0.5" and sel.policy.name == "h2o"
+    label, codec, options, sel = quality.parse_mode("scd:s11@h2o:0.5")  # one keep set per layer, as the services send scd
+    assert (label, codec, options) == ("scd:s11@h2o:0.5:heads=shared", "scd", {"schedule": "s11"})
+    assert sel is not None and sel.shared and sel.label == "h2o:0.5:heads=shared" and sel.policy.name == "h2o"
+    with pytest.raises(SystemExit, match="heads=shared only"):
+        quality.parse_mode("scd:s11@h2o:0.5:heads=each")
+    label, _, _, sel = quality.parse_mode("naive@h2o:0.5")  # raw: each KV head its own, as the services' default
+    assert label == "naive@h2o:0.5" and sel is not None and not sel.shared
     assert quality.parse_mode("oracle@snapkv:0.25")[:2] == ("oracle@snapkv:0.25", "")
     assert quality.parse_mode("naive")[3] is None
     with pytest.raises(SystemExit, match="keep policy"):

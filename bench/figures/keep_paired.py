@@ -64,7 +64,7 @@ def keep_paired(root: Path) -> dict:
                 continue
             diffs = [mine[s] - theirs[s] for s in seeds]
             mean, (lo, hi) = sum(diffs) / len(diffs), bootstrap_ci(diffs)
-            name = f"{tokens}:{head}@{policy}:{fraction}-{other}"
+            name = f"{tokens}:{head}@{policy.replace('[', '-').rstrip(']')}:{fraction}-{other}"  # a template key: no brackets
             cells[name] = {"n": len(seeds), "diff_pt": 100 * mean, "ci_pt": [100 * lo, 100 * hi]}
             lines.append(
                 f"| {tokens} | `{head}` | `{policy}` | {float(fraction):.0%} | `{other}` | {len(seeds)} | {100 * mean:+.1f} |"
