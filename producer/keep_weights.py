@@ -48,7 +48,6 @@ class KeepWeights:
 
     def __init__(self, artifacts: list[Artifact], info: ModelInfo):
         self.info = info
-        self.artifacts = artifacts
         self.pairs: dict[str, PairWeights] = {}  # artifact id -> its weights
         for art in artifacts:
             if art.path is None or art.meta["producer"]["weight_digest"] != info.weight_digest:

@@ -56,7 +56,7 @@ from real.reuse_gap import answer, model_row
 from shared import kv
 from shared.codecs import create_codecs
 from shared.keep import Selection, distill, kept_cache, parse_selection
-from shared.keep.policy import layer_scores
+from shared.keep.policy import layer_scores, parse_fields
 from shared.keep.question import QuestionSnapKV, question_scores
 from shared.models import LoadedModel, load_model
 from shared.scd.artifact import Artifact
@@ -83,7 +83,7 @@ def parse_mode(text: str) -> tuple[str, str, dict[str, str], Selection | None]:
         return text, "recompute", {}, selection
     if head == "scd" and arg:
         if selection is not None and not selection.shared:  # as the services resolve it (KeepRequest.for_codec)
-            if "heads=each" in keep:
+            if parse_fields(keep)[2].get("shared") is False:  # heads=each, named
                 raise SystemExit(f"--modes: {text!r}: scd sends one row per token for all KV heads: heads=shared only")
             selection = dataclasses.replace(selection, shared=True)
             text = f"{base}@{selection.label}"  # names heads=shared, as no per-head row of an earlier run does
@@ -324,10 +324,11 @@ def summarize(path: Path, artifact: Path | None = None) -> None:
     seen: set[tuple] = set()
     unique = []
     for r in rows:
-        key = (r.get("family"), r.get("seed"), r.get("mode"))
-        if r["kind"] == "task" and key in seen:
-            continue
-        seen.add(key)
+        if r["kind"] == "task":
+            key = (r["family"], r["seed"], r["mode"])
+            if key in seen:
+                continue
+            seen.add(key)
         unique.append(r)
     rows = unique
     first = rows[0]

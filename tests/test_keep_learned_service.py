@@ -30,7 +30,7 @@ from shared.pb import common_pb2, producer_pb2
 from shared.scd.artifact import discover
 from tests.conftest import running_pair
 from tests.hostile import record
-from tests.test_keep_service import CONTEXT, QUESTION, fields, offline
+from tests.test_keep_service import CONTEXT, QUESTION, fields, keep_chunk, offline
 from tests.test_scd import heldout, random_corpus
 
 
@@ -65,15 +65,13 @@ async def pair(world):
         yield p
 
 
-def wire_keep_sets(messages, num_tokens: int, num_kv_heads: int = 2) -> list[torch.Tensor]:
+def wire_keep_sets(messages, num_tokens: int, num_kv_heads: int) -> list[torch.Tensor]:
     """Each layer's keep set as the producer sent it ([rows, kept]: one row when shared)."""
     header = messages[0].header
     rows = 1 if header.keep.heads == "shared" else num_kv_heads
     out = []
     for layer in range(header.num_layers):
-        chunk = next(
-            m.chunk for m in messages if m.WhichOneof("kind") == "chunk" and m.chunk.layer == layer and m.chunk.kind == "keep"
-        )
+        chunk = messages[keep_chunk(messages, layer)].chunk
         dtype, shape = keep_set.wire_shape(num_tokens, header.kept_tokens, rows)
         payload = torch.frombuffer(bytearray(chunk.data), dtype=dtype).view(shape)
         out.append(keep_set.decode(payload, num_tokens, header.kept_tokens, layer))
@@ -93,7 +91,7 @@ async def test_distill_served_keeps_the_weights_tokens_and_answers_as_offline(wo
     spec = common_pb2.KeepSpec(policy="distill", fraction=0.3, window=8, heads=resolved.heads)
     options = {"schedule": "R8.P.F8.W"} if codec == "scd" else {}
     messages = await record(pair.producer.address, world["ids"], codec, options, model.info.weight_digest, spec)
-    sent = wire_keep_sets(messages, len(world["ids"]))
+    sent = wire_keep_sets(messages, len(world["ids"]), model.info.num_kv_heads)
     states, _ = kv.capture_states(model, world["ids"], kv.Capture.KV | kv.Capture.NORMED)
     rows = 1 if resolved.shared else model.info.num_kv_heads  # a shared keep set travels once per layer
     assert [s.tolist() for s in sent] == [s[:rows].tolist() for s in resolved.selection(policy).keep(model, states)]
@@ -154,6 +152,11 @@ async def test_a_stored_kept_stream_is_keyed_by_the_weights(world, tmp_path):
         async with running_pair("tiny-llama", producer_kw=kw, consumer_kw={"artifacts": str(arts)}) as p:
             spec = common_pb2.KeepSpec(policy="distill", fraction=0.3, window=8)
             messages = await record(p.producer.address, world["ids"], "raw", {}, model.info.weight_digest, spec)
-            seen.append((messages[-1].trailer.store_hit, [s.tolist() for s in wire_keep_sets(messages, len(world["ids"]))]))
+            seen.append(
+                (
+                    messages[-1].trailer.store_hit,
+                    [s.tolist() for s in wire_keep_sets(messages, len(world["ids"]), model.info.num_kv_heads)],
+                )
+            )
     assert [hit for hit, _ in seen] == [False, True, False]
     assert seen[0][1] == seen[1][1] != seen[2][1]
