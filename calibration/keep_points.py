@@ -12,9 +12,14 @@ over the same held-out answer tokens as the schedules and candidates (calibratio
 the kept tokens plus each layer's keep set, shared.codecs.keep_set), i.e. the codec point's bytes
 x the kept share + the index bytes for the per-token codecs.
 
+A learned policy (`distill`) scores with the pair's keep weights, the file beside the artifact
+(`<artifact stem>.keep.safetensors`, shared.keep.distill), as the producer serving this artifact
+does; its points name those weights' digest ("keep_weights"), and auto offers them only while the
+producer says it holds the same weights for this artifact (Describe's keep_weights_digest).
+
 Stored as meta["keep_points"]: [{"mode", "options" (the codec's, resolved), "keep" (the
 selection's label, resolved for the codec), "loss", "bytes_per_token", "kept_share", "how":
-"measured"}]; measured, not fitted (shared.scd.artifact.MEASURED), so the artifact id and digests
+"measured", "keep_weights" (learned policies only)}]; measured, not fitted (shared.scd.artifact.MEASURED), so the artifact id and digests
 do not change, and an artifact without the section has no keep points. Before writing, each codec
 point is measured without a keep set and must give the loss the artifact stores for it (the same
 held-out set), else the command refuses.
@@ -37,6 +42,9 @@ from calibration.search import HeldOut, LossEvaluator
 from shared import kv
 from shared.codecs import Codec, EncodeRequest, StreamInfo, create_codecs
 from shared.codecs.kept import KeepRequest, KeptDecoder, KeptEncoder
+from shared.keep import distill
+from shared.keep.distill import LEARNED, DistillCache
+from shared.keep.policy import Policy
 from shared.models import LoadedModel
 from shared.scd.artifact import Artifact
 
@@ -65,14 +73,19 @@ def codec_points(art: Artifact, asked: list[str]) -> list[tuple[str, dict[str, s
 
 
 def kept_kv(
-    codecs: tuple[Codec, Codec], options: Mapping[str, str], keep: KeepRequest, state: dict[int, kv.LayerState], num_tokens: int
+    codecs: tuple[Codec, Codec],
+    options: Mapping[str, str],
+    keep: KeepRequest,
+    state: dict[int, kv.LayerState],
+    num_tokens: int,
+    policy: Policy | None = None,
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
     """The consumer's cache of the kept tokens a keep transfer makes (the services' KeptEncoder
     and KeptDecoder around the codec), per layer (keys, values) [n_kv, n, hd], and the payload
-    bytes it sent."""
+    bytes it sent. `policy`: a learned policy's pair weights (None: the registry's heuristic)."""
     producer, consumer = codecs
     info = producer.model.info
-    encoder = KeptEncoder(producer.encoder(options, EncodeRequest(num_tokens)), keep, producer.model, num_tokens)
+    encoder = KeptEncoder(producer.encoder(options, EncodeRequest(num_tokens)), keep, producer.model, num_tokens, policy)
     stream = StreamInfo(
         info.num_layers,
         num_tokens,
@@ -96,13 +109,20 @@ def kept_kv(
     return [(keys[0], values[0]) for keys, values in (kv.layer_kv(cache, l) for l in range(info.num_layers))], sent
 
 
-def keep_point(ev: LossEvaluator, pair: tuple[Codec, Codec], options: Mapping[str, str], keep: KeepRequest, states: list) -> dict:
+def keep_point(
+    ev: LossEvaluator,
+    pair: tuple[Codec, Codec],
+    options: Mapping[str, str],
+    keep: KeepRequest,
+    states: list,
+    policy: Policy | None = None,
+) -> dict:
     """One keep point's loss on ev's held-out set, its payload bytes per context token and kept share."""
     sent, shares = [], []
 
     def rebuilt(i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         T = len(ev.heldout[i].context_ids)
-        layer_kv, nbytes = kept_kv(pair, options, keep, states[i], T)
+        layer_kv, nbytes = kept_kv(pair, options, keep, states[i], T, policy)
         sent.append(nbytes / T)
         shares.append(keep.kept(T) / T)
         return layer_kv
@@ -131,6 +151,7 @@ def measure(
     without a keep set does not re-measure to its stored loss (another held-out set)."""
     ev = ev or LossEvaluator(art, producer, consumer, heldout)
     points = codec_points(art, asked)
+    learned = {name: pair_weights(art, name) for name in policies if name in LEARNED}
     names = sorted({mode for mode, _, _ in points})
     sides = create_codecs(producer, names, [art]), create_codecs(consumer, names, [art])
     needs = kv.Capture.KV | kv.Capture.NORMED | kv.Capture.HIDDEN
@@ -149,7 +170,15 @@ def measure(
         for policy in policies:
             for fraction in fractions:
                 keep = KeepRequest.parse(f"{policy}:{fraction}").for_codec(pair[1])
-                row = {"mode": mode, "options": resolved, "keep": keep.label, **keep_point(ev, pair, resolved, keep, states)}
+                weights = learned.get(policy)
+                row = {
+                    "mode": mode,
+                    "options": resolved,
+                    "keep": keep.label,
+                    **keep_point(ev, pair, resolved, keep, states, weights),
+                }
+                if weights is not None:
+                    row["keep_weights"] = weights.digest
                 out.append(row)
                 log(
                     f"{mode} {resolved} keep {keep.label}: loss {row['loss']:.6g} (without: {whole:.6g}), {row['bytes_per_token']:g} B/token"
@@ -157,11 +186,26 @@ def measure(
     return out
 
 
+def pair_weights(art: Artifact, policy: str) -> DistillCache:
+    """A learned policy's weights for this artifact's pair: the file beside it (SystemExit naming
+    it where there is none or it is not a keep weights file)."""
+    if art.path is None:
+        raise SystemExit(f"--policies: {policy!r} reads the keep weights beside the artifact file; this artifact has no path")
+    try:
+        return distill.load(distill.weights_path(art.path))
+    except ValueError as e:
+        raise SystemExit(f"--policies: {e}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m calibration.keep_points", description=__doc__)
     p.add_argument("--artifact", type=Path, required=True, help="the .safetensors file, rewritten in place (with its .json)")
     p.add_argument("--policies", default=",".join(POLICIES), help="shared.keep policies, comma-separated")
-    p.add_argument("--fractions", default=",".join(FRACTIONS), help="kept fractions of the context, comma-separated")
+    p.add_argument(
+        "--fractions",
+        default=",".join(FRACTIONS),
+        help="kept fractions of the context, comma-separated (each may carry the policy's options: 0.25:window=16)",
+    )
     p.add_argument("--codecs", default=",".join(CODECS), help="codec points: raw, quant:BITS, scd:NAME or scd:DEFAULT")
     corpus_lib.add_arguments(p, n=None, heldout=None)  # default: the artifact's own counts
     p.add_argument("--dtype", default="float32", help="the dtype the artifact was calibrated in")

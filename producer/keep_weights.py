@@ -14,11 +14,9 @@ from dataclasses import dataclass
 from shared.codecs.kept import KeepRequest
 from shared.errors import FailedPrecondition, InvalidArgument
 from shared.keep import distill
-from shared.keep.distill import DistillCache
+from shared.keep.distill import LEARNED, DistillCache
 from shared.models import ModelInfo
 from shared.scd.artifact import Artifact, for_pair
-
-LEARNED = ("distill",)  # keep policies whose weights are a pair's
 
 
 @dataclass(frozen=True)

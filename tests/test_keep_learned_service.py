@@ -7,7 +7,9 @@ keep policy "distill" is scored with them.
 - Describe names the weights' digest on the pair's artifact;
 - a consumer the producer holds no weights for is FAILED_PRECONDITION naming keep.policy;
 - a weights file for another geometry fails the producer's start, naming the file; a stored kept
-  stream is keyed by the weights' digest (other weights, other tokens).
+  stream is keyed by the weights' digest (other weights, other tokens);
+- calibration.keep_points prices distill's keep points with those weights, and auto offers one
+  only where the producer holds the same weights.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from shared.keep import distill
 from shared.keep.distill import DistillNet
 from shared.models import load_model
 from shared.pb import common_pb2, producer_pb2
-from shared.scd.artifact import discover
+from shared.scd.artifact import Artifact, discover
 from tests.conftest import running_pair
 from tests.hostile import record
 from tests.test_keep_service import CONTEXT, QUESTION, fields, keep_chunk, offline
@@ -160,3 +162,41 @@ async def test_a_stored_kept_stream_is_keyed_by_the_weights(world, tmp_path):
             )
     assert [hit for hit, _ in seen] == [False, True, False]
     assert seen[0][1] == seen[1][1] != seen[2][1]
+
+
+async def test_auto_prices_and_picks_a_learned_keep_point_only_where_the_producer_holds_its_weights(world, tmp_path):
+    """calibration.keep_points measures distill's keep points with the weights beside the artifact
+    (their digest on each point; not streaming's tokens, so not its loss); auto offers one only
+    while the producer's Describe names those weights for the artifact, and then runs the
+    transfer with that keep set."""
+    from calibration import keep_points
+    from calibration.search import LossEvaluator
+    from tests.test_keep_auto import auto, slow_link
+
+    model = world["model"]
+    kept, bare = tmp_path / "kept", tmp_path / "bare"
+    kept.mkdir(), bare.mkdir()
+    world["art"].save(kept / "tiny.safetensors")
+    distill.save(probe_weights(model.info, 3), distill.weights_path(kept / "tiny.safetensors"), {"test": "seed 3"})
+    art = Artifact.load(kept / "tiny.safetensors")
+    held = heldout(3, 1)
+    ev = LossEvaluator(art, model, model, held)
+    rows = keep_points.measure(art, model, model, held, ["distill", "streaming"], ["0.5:window=8"], ["raw"], ev)
+    digest = distill.load(distill.weights_path(kept / "tiny.safetensors")).digest
+    learned, heuristic = (next(r for r in rows if r["keep"].startswith(p)) for p in ("distill:", "streaming:"))
+    assert learned["keep_weights"] == digest and "keep_weights" not in heuristic
+    assert learned["loss"] > 0 and learned["loss"] != pytest.approx(heuristic["loss"])
+    art.meta["keep_points"] = [learned, {**heuristic, "loss": learned["loss"] * 10}]  # distill's loss admits it alone
+    for where in (kept, bare):
+        art.save(where / "tiny.safetensors")
+    consumer_kw = {"artifacts": str(kept), "prefix_cache_bytes": 0, "probe_idle_s": 0}
+    async with running_pair("tiny-llama", producer_kw={"artifacts": str(kept)}, consumer_kw=consumer_kw) as p:
+        whole = await slow_link(p)
+        _, _, stats = await p.generate(**{**fields(world, "raw"), "transfer": auto(learned["loss"])})
+        assert stats.transfer.name == "raw" and stats.transfer.options["keep"] == learned["keep"], stats.auto.reason
+        assert 0 < stats.bytes_received < 0.6 * whole
+    async with running_pair("tiny-llama", producer_kw={"artifacts": str(bare)}, consumer_kw=consumer_kw) as p:
+        await slow_link(p)
+        _, _, stats = await p.generate(**{**fields(world, "raw"), "transfer": auto(learned["loss"])})
+        assert "keep" not in stats.transfer.options
+        assert not [c for c in stats.auto.candidates if c.options.get("keep", "").startswith("distill")]

@@ -92,6 +92,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             self._producer_usable,
             self._producer_dtype,
             self._producer_identity,
+            self._producer_keep_weights,
         )
         cfg = self.config
         self.jobs = JobBuilder(
@@ -138,6 +139,12 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         """What shapes the producer's K/V (ModelInfo.identity) as the link last saw it ("" before it answered)."""
         link = getattr(self, "link", None)
         return link.state.producer_identity if link is not None else ""
+
+    def _producer_keep_weights(self) -> dict[str, str]:
+        """Artifact id -> the digest of the keep weights the producer serves learned keep with, as the
+        link last saw it (empty before it answered)."""
+        link = getattr(self, "link", None)
+        return dict(link.state.producer_keep_weights) if link is not None else {}
 
     def _producer_dtype(self) -> str:
         """The dtype the producer computes its KV in, as the link last saw it ("" before it answered)."""

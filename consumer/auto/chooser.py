@@ -7,7 +7,9 @@ point of an SCD artifact calibrated for this consumer (shared.scd.artifact.Trans
 SCD schedules, raw / quant / recompute measured on the same held-out KL, and the keep points:
 a codec point sent with a keep set, options `keep` = the selection, shared.codecs.kept), the
 non-SCD ones only when the producer's weights are known to be the artifact's (their loss holds for
-that producer alone; the producer checks SCD artifacts itself). A keep point is left out of a
+that producer alone; the producer checks SCD artifacts itself), a learned policy's keep point only
+while the producer says it holds the keep weights that point was measured with for that artifact
+(Describe's ArtifactInfo.keep_weights_digest: other weights keep other tokens). A keep point is left out of a
 request that asks for what a kept cache does not serve (`Budget.no_keep`); it is never served from
 the prefix cache, and until its own transfer is measured its times borrow the other candidates'
 (uncertain) while its bytes are its calibrated ones (the codec's x the kept share + the keep sets).
@@ -157,15 +159,15 @@ class Chooser:
         producer_usable: Callable[[], bool] = lambda: True,
         producer_dtype: Callable[[], str] = lambda: "",
         producer_identity: Callable[[], str] = lambda: "",
+        producer_keep_weights: Callable[[], Mapping[str, str]] = dict,
     ):
         self.loaded, self.codecs, self.planner, self.memory = loaded, codecs, planner, memory
         self.cached_tokens = cached_tokens  # tokens of the context the prefix cache holds made as a candidate makes them
         self.producer_digest, self.producer_usable = producer_digest, producer_usable
         self.producer_dtype = producer_dtype  # the dtype the producer computes its KV in ("" unknown)
         self.producer_identity = producer_identity  # what shapes the producer's K/V (ModelInfo.identity; "" unknown)
-        self._cached: tuple[tuple[str, str, str], list[Candidate]] | None = (
-            None  # ((digest, dtype, identity), candidates) last built
-        )
+        self.producer_keep_weights = producer_keep_weights  # artifact id -> the keep weights' digest it serves ({} unknown)
+        self._cached: tuple[tuple, list[Candidate]] | None = None  # ((digest, dtype, identity, keep weights), candidates)
         self.choices_since_probe = PROBE_EVERY  # auto choices since a user request was last a probe
         self.local_choice_at = 0.0  # time.monotonic() of the last choice of the own prefill over a remote candidate
         self._keys: dict[tuple, str] = {}  # key() memo: (producer digest, mode, options) -> key
@@ -183,7 +185,8 @@ class Chooser:
 
     def candidates(self) -> list[Candidate]:
         """The candidate set for what is known of the producer now (built again when that changes)."""
-        producer = (self.producer_digest(), self.producer_dtype(), self.producer_identity())
+        weights = tuple(sorted(self.producer_keep_weights().items()))
+        producer = (self.producer_digest(), self.producer_dtype(), self.producer_identity(), weights)
         if self._cached is None or self._cached[0] != producer:
             self._cached = (producer, self._build())
         return self._cached[1]
@@ -197,7 +200,7 @@ class Chooser:
                 found[key] = c
 
         add(Candidate(ORACLE_MODE, {}, 0.0, "exact", 0.0))
-        info, producer = self.loaded.info, self.producer_digest()
+        info, producer, keep_weights = self.loaded.info, self.producer_digest(), self.producer_keep_weights()
         # the producer's K/V are the consumer's own only from the same model identity: the same weights
         # at the same precision, the same forward config (rope, window, eps...), computed in the same
         # dtype (a bfloat16 producer's K/V cast to a float32 consumer, or back, is not exact)
@@ -213,6 +216,8 @@ class Chooser:
                     continue
                 if point.mode != "scd" and producer != art.meta["producer"]["weight_digest"]:
                     continue  # a raw / quant / recompute loss holds for the artifact's producer only
+                if point.keep_weights and keep_weights.get(art.artifact_id) != point.keep_weights:
+                    continue  # a learned keep point's loss holds for the weights it was measured with only
                 try:
                     options = self._resolved(point.mode, dict(point.options))
                 except ServiceError:

@@ -59,6 +59,7 @@ class LinkState:
     producer_artifacts: tuple[str, ...] | None = None  # ids of the SCD artifacts it loaded (None: unknown)
     producer_dtype: str = ""  # the dtype it computes its KV in, once it answered Describe
     producer_identity: str = ""  # what shapes its K/V (ModelInfo.identity), once it answered Describe
+    producer_keep_weights: tuple[tuple[str, str], ...] = ()  # (artifact id, keep weights digest) it serves learned keep with
 
 
 def failure(code: grpc.StatusCode, details: str, transport: str = "plaintext") -> ServiceError | None:
@@ -132,7 +133,10 @@ class ProducerLink:
             reason = compat.mismatch(reply, self.codecs)
             digest = reply.model.weight_digest
             arts = tuple(a.artifact_id for a in reply.artifacts)
-            state = LinkState("incompatible" if reason else "ok", reason, digest, arts, reply.model.dtype, reply.model.identity)
+            weights = tuple((a.artifact_id, a.keep_weights_digest) for a in reply.artifacts if a.keep_weights_digest)
+            state = LinkState(
+                "incompatible" if reason else "ok", reason, digest, arts, reply.model.dtype, reply.model.identity, weights
+            )
         if state != self.state:
             self.state = state
             self.changes += 1

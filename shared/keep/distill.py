@@ -29,6 +29,7 @@ from shared.keep.policy import POLICIES, SNAPKV_WINDOW, LayerView, Needs
 FORMAT = "scd.keep.distill.v2"
 SUFFIX = ".keep.safetensors"
 TRAIN_COMMAND = "python -m calibration.distill_keep"
+LEARNED = ("distill",)  # keep policies whose weights are a pair's (the file beside its artifact)
 INPUTS = ("features", "normed")  # what a network may read: shared.keep.features, the layer's normed input
 
 

@@ -51,6 +51,7 @@ class TransferPoint:
     loss: float  # mean KL(oracle || this mode), nats per held-out answer token
     bytes_per_token: float  # payload bytes per context token over all layers (oracle: 0, tokens only)
     how: str  # "measured" (on the artifact's held-out set) | "exact" (the oracle, by definition)
+    keep_weights: str = ""  # a learned keep point's: the digest of the keep weights it was measured with
 
 
 @dataclass
@@ -112,7 +113,12 @@ class Artifact:
         ]
         points += [
             TransferPoint(
-                c["mode"], tuple(sorted({**c["options"], KEEP: c["keep"]}.items())), c["loss"], c["bytes_per_token"], c["how"]
+                c["mode"],
+                tuple(sorted({**c["options"], KEEP: c["keep"]}.items())),
+                c["loss"],
+                c["bytes_per_token"],
+                c["how"],
+                c.get("keep_weights", ""),
             )
             for c in self.meta.get("keep_points", [])
         ]
