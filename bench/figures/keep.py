@@ -91,6 +91,29 @@ def training(root: Path) -> dict:
     return out
 
 
+POINTS_HEADER = [
+    "| artifact | codec point | kept | policy | loss (nats per answer token) | bytes/token | keep weights |",
+    "|---|---|---|---|---|---|---|",
+]
+
+
+def points(root: Path) -> str:
+    """Keep points on the artifact's loss scale (`python -m calibration.keep_points`; the rows it
+    wrote into the artifact, `bench/results/real/keep-points-*.jsonl`), by codec point and policy."""
+    lines = []
+    for path in sorted((root / "bench/results/real").glob("keep-points-*.jsonl")):
+        for r in sorted(
+            rows_of(path), key=lambda r: (r["mode"], r["options"].get("schedule", ""), r["keep"].split(":")[0], r["kept_share"])
+        ):
+            policy, fraction = r["keep"].split(":")[:2]
+            codec = r["mode"] + (f":{r['options']['schedule']}" if "schedule" in r["options"] else "")
+            lines.append(
+                f"| `{r['artifact']}` | {codec} | {100 * float(fraction):.0f} % | {policy} | {r['loss']:.3f} |"
+                f" {r['bytes_per_token']:.0f} | {r.get('keep_weights', '-')} |"
+            )
+    return "\n".join([*POINTS_HEADER, *lines]) if lines else "(no keep points measured)"
+
+
 def keep(root: Path) -> dict:
     folder = root / "bench/results/real"
     tables, cells = [], {}
@@ -126,4 +149,10 @@ def keep(root: Path) -> dict:
         scored = [r for r in kvpress["rows"] if "score_max_abs_diff" in r]
         kvpress["max_score_diff"] = max(r["score_max_abs_diff"] for r in scored)
         kvpress["tie_only_sets"] = sum(1 for r in kvpress["rows"] for k, v in r.items() if k.startswith("keep_equal@") and not v)
-    return {"tables": "\n\n".join(tables) or "(no rows yet)", "cells": cells, "kvpress": kvpress, "training": training(root)}
+    return {
+        "tables": "\n\n".join(tables) or "(no rows yet)",
+        "cells": cells,
+        "kvpress": kvpress,
+        "training": training(root),
+        "points": points(root),
+    }
