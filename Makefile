@@ -205,11 +205,16 @@ bench-quality: $(PB_GEN)
 # The real pair's SCD artifacts (SmolLM2-135M-Instruct P -> its fine-tune C, and P -> P), all 30
 # layers, calibrated on the real tasks' train split (real.corpus). Not committed (84 MB each: the
 # .json beside each, committed, holds its schedules, losses, search report and candidates); about
-# 25 min each on a quiet 2-core CPU (42 min while other jobs ran), one thread.
+# 25 min each on a quiet 2-core CPU (42 min while other jobs ran), one thread. P -> C then gets its
+# keep points for auto (calibration.keep_points: streaming, SnapKV and the pair's committed learned
+# policy, artifacts/smollm2-pc.keep.safetensors, at 25 / 50 / 75 % with raw and two schedules;
+# about 5 min), measured on the artifact just built.
 REAL_CORPUS := --corpus real.corpus:calibration_corpus --corpus-arg ctx=512 --n 24 --heldout 8 --threads 1
 real-artifacts: $(PB_GEN) $(REAL_MODEL)
 	$(PYTHON) -m calibration --producer smollm2-135m --consumer smollm2-135m-tuned $(REAL_CORPUS) \
 		--loss-target 0.02 --out artifacts/smollm2-pc.safetensors
+	$(PYTHON) -m calibration.keep_points --artifact artifacts/smollm2-pc.safetensors $(REAL_CORPUS) \
+		--policies streaming,snapkv,distill --fractions 0.25,0.5,0.75 --codecs raw,scd:s7,scd:s11
 	$(PYTHON) -m calibration --producer smollm2-135m --consumer smollm2-135m $(REAL_CORPUS) \
 		--loss-target 0.01 --out artifacts/smollm2-pp.safetensors
 
