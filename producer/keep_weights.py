@@ -4,7 +4,8 @@ once at start with the artifacts and checked against this producer's model (laye
 heads: a file for another geometry fails the start, naming it); a request naming keep policy
 "distill" scores with the weights of the artifact for its consumer (the request's consumer weight
 digest, or the artifact its options name), and is a FailedPrecondition naming keep.policy where
-this producer holds none. Knows nothing about gRPC.
+this producer holds none, or where the request names other weights than it holds
+(`keep.weights`: the digest a keep point was measured with). Knows nothing about gRPC.
 """
 
 from __future__ import annotations
@@ -78,4 +79,10 @@ class KeepWeights:
                 f" artifact for consumer digest {consumer_digest[:16] or '(not stated)'}"
                 f"{', artifact ' + repr(artifact_id) if artifact_id else ''}); this producer holds them for: {loaded}"
             )
-        return self.pairs[art.artifact_id]
+        pair = self.pairs[art.artifact_id]
+        if keep.weights and keep.weights != pair.digest:
+            raise FailedPrecondition(
+                f"keep.weights: {keep.weights!r}: this producer scores {keep.policy!r} for this pair (artifact"
+                f" {art.artifact_id}) with keep weights {pair.digest!r}, not the ones the caller measured"
+            )
+        return pair

@@ -6,6 +6,7 @@ accepts batches, what is ready together in one message, producer.coalesce) and p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -225,8 +226,8 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             )
         )
         label = keep.label if keep is not None else ""
-        if weights is not None:  # another weights file keeps other tokens: never the same stored stream
-            label += f",weights={weights.digest}"
+        if keep is not None and weights is not None:  # another weights file keeps other tokens: never the same stored stream
+            label = dataclasses.replace(keep, weights=weights.digest).label
         messages = self._messages(request, codec.name, options, encoder, roots, tenant, started, label)
         if not request.accept_batches:  # one stream message per gRPC message, as before accept_batches
             yield header

@@ -12,7 +12,7 @@ from shared.pb import common_pb2, producer_pb2
 
 
 def to_pb(keep: KeepRequest) -> common_pb2.KeepSpec:
-    spec = common_pb2.KeepSpec(policy=keep.policy, sinks=keep.sinks, window=keep.window, heads=keep.heads)
+    spec = common_pb2.KeepSpec(policy=keep.policy, sinks=keep.sinks, window=keep.window, heads=keep.heads, weights=keep.weights)
     if keep.budget.count is not None:
         spec.count = keep.budget.count
     else:
@@ -27,7 +27,7 @@ def from_pb(spec: common_pb2.KeepSpec) -> KeepRequest:
     count = spec.count if which == "count" else None
     sinks = spec.sinks if spec.HasField("sinks") else KeepRequest.sinks
     window = spec.window if spec.HasField("window") else KeepRequest.window
-    return KeepRequest.checked(spec.policy, fraction, count, sinks, window, spec.heads)
+    return KeepRequest.checked(spec.policy, fraction, count, sinks, window, spec.heads, spec.weights)
 
 
 def requested(request: producer_pb2.PrefillRequest, codec: Codec) -> KeepRequest | None:

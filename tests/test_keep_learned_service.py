@@ -193,10 +193,34 @@ async def test_auto_prices_and_picks_a_learned_keep_point_only_where_the_produce
     async with running_pair("tiny-llama", producer_kw={"artifacts": str(kept)}, consumer_kw=consumer_kw) as p:
         whole = await slow_link(p)
         _, _, stats = await p.generate(**{**fields(world, "raw"), "transfer": auto(learned["loss"])})
-        assert stats.transfer.name == "raw" and stats.transfer.options["keep"] == learned["keep"], stats.auto.reason
+        named = f"{learned['keep']},weights={digest}"  # the request names the weights the point was measured with
+        assert stats.transfer.name == "raw" and stats.transfer.options["keep"] == named, stats.auto.reason
         assert 0 < stats.bytes_received < 0.6 * whole
     async with running_pair("tiny-llama", producer_kw={"artifacts": str(bare)}, consumer_kw=consumer_kw) as p:
         await slow_link(p)
         _, _, stats = await p.generate(**{**fields(world, "raw"), "transfer": auto(learned["loss"])})
         assert "keep" not in stats.transfer.options
         assert not [c for c in stats.auto.candidates if c.options.get("keep", "").startswith("distill")]
+
+
+async def test_a_request_naming_other_keep_weights_is_failed_precondition_naming_keep_weights(world, pair):
+    """keep.weights pins the weights: the producer's own digest serves (the same answer as without
+    it), another digest is FAILED_PRECONDITION naming keep.weights, a heuristic or a malformed digest
+    INVALID_ARGUMENT naming it (on the consumer's side, before any transfer)."""
+    digest = distill.load(world["weights"]).digest
+    plain, _, _ = await pair.generate(**fields(world, "raw", "distill:0.3:window=8"))
+    pinned, _, stats = await pair.generate(**fields(world, "raw", f"distill:0.3:window=8,weights={digest}"))
+    assert pinned == plain and stats.transfer.options["keep"].endswith(f",weights={digest}")
+    other = "0123456789abcdef"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await pair.generate(**fields(world, "raw", f"distill:0.3:window=8,weights={other}"))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"keep.weights: {other!r}" in err.value.details() and digest in err.value.details()
+    spec = common_pb2.KeepSpec(policy="distill", fraction=0.3, window=8, weights=other)  # straight to the producer
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await record(pair.producer.address, world["ids"], "raw", {}, world["model"].info.weight_digest, spec)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "keep.weights" in err.value.details()
+    for bad in (f"streaming:0.3:weights={digest}", "distill:0.3:weights=ABC"):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pair.generate(**fields(world, "raw", bad))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "keep.weights" in err.value.details(), bad

@@ -219,20 +219,22 @@ class Chooser:
                 if point.keep_weights and keep_weights.get(art.artifact_id) != point.keep_weights:
                     continue  # a learned keep point's loss holds for the weights it was measured with only
                 try:
-                    options = self._resolved(point.mode, dict(point.options))
+                    options = self._resolved(point.mode, dict(point.options), point.keep_weights)
                 except ServiceError:
                     continue
                 add(Candidate(point.mode, options, point.loss, point.how, point.bytes_per_token))
         return sorted(found.values(), key=lambda c: (c.loss, c.bytes_per_token or 0.0))
 
-    def _resolved(self, mode: str, options: dict[str, str]) -> dict[str, str]:
+    def _resolved(self, mode: str, options: dict[str, str], keep_weights: str = "") -> dict[str, str]:
         """A transfer point's options as the codec resolves them, its keep set (if any) resolved
-        for the codec (ServiceError: not served here)."""
+        for the codec and naming the keep weights it was measured with, if learned, so that a
+        producer holding others refuses it (ServiceError: not served here)."""
         codec = self.codecs[mode]
         keep = options.pop(KEEP_OPTION, None)
         resolved = codec.resolve(options)
         if keep is not None:
-            resolved[KEEP_OPTION] = KeepRequest.parse(keep).for_codec(codec).label
+            request = KeepRequest.parse(keep).for_codec(codec)
+            resolved[KEEP_OPTION] = dataclasses.replace(request, weights=keep_weights or request.weights).label
         return resolved
 
     def default_budget(self) -> Budget:

@@ -24,6 +24,7 @@ naming the selection: producer.sources). Knows nothing about gRPC or the service
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from shared.codecs.base import CacheDecoder, Codec, LayerEncoder, PayloadSpec, S
 from shared.errors import InvalidArgument
 from shared.keep import POLICIES, Budget, Policy, Selection
 from shared.keep.cache import gather
+from shared.keep.distill import LEARNED
 from shared.keep.policy import layer_view, parse_fields
 from shared.kv import Capture, KVSink, LayerState
 from shared.models import LoadedModel
@@ -58,6 +60,18 @@ def check_served(policy: str) -> None:
         raise InvalidArgument(f"keep.policy: {policy!r} is not served over the wire: {NOT_SERVED[policy]}; served: {served}")
 
 
+def check_weights(policy: str, weights: str) -> None:
+    """InvalidArgument naming keep.weights unless it is "" or a learned policy's 16-hex-digit digest."""
+    if not weights:
+        return
+    if policy not in LEARNED:
+        raise InvalidArgument(
+            f"keep.weights: {policy!r} is a heuristic: only a learned policy {list(LEARNED)} scores with weights"
+        )
+    if not re.fullmatch(r"[0-9a-f]{16}", weights):
+        raise InvalidArgument(f"keep.weights: {weights[:40]!r} is not a keep weights digest (16 hex digits, lower case)")
+
+
 @dataclass(frozen=True)
 class KeepRequest:
     policy: str
@@ -65,32 +79,46 @@ class KeepRequest:
     sinks: int = Selection.sinks  # the selection's defaults
     window: int = Selection.window
     heads: str = ""  # "" (the codec's choice), "each" or "shared"
+    weights: str = ""  # a learned policy's: the keep weights' digest the caller expects ("" any)
 
     @staticmethod
-    def checked(policy: str, fraction: float | None, count: int | None, sinks: int, window: int, heads: str) -> KeepRequest:
+    def checked(
+        policy: str, fraction: float | None, count: int | None, sinks: int, window: int, heads: str, weights: str = ""
+    ) -> KeepRequest:
         """From a request's fields; InvalidArgument naming the field and what is allowed."""
         if policy not in POLICIES:
             raise InvalidArgument(f"keep.policy: {policy[:64]!r} is not one of {sorted(POLICIES)}")
         check_served(policy)
         if heads not in HEADS:
             raise InvalidArgument(f"keep.heads: {heads[:32]!r} is not '', 'each' or 'shared'")
+        check_weights(policy, weights)
         try:
             budget = Budget(fraction=fraction, count=count)
         except ValueError as exc:
             raise InvalidArgument(f"keep budget (keep.fraction / keep.count): {exc}") from None
-        return KeepRequest(policy, budget, sinks, window, heads)
+        return KeepRequest(policy, budget, sinks, window, heads, weights)
 
     @staticmethod
     def parse(text: str) -> KeepRequest:
-        """shared.keep.parse_selection's text ('snapkv:0.25', 'h2o:256:window=16,heads=shared');
-        heads "" when the text does not name them."""
-        check_served(text.partition(":")[0])
+        """shared.keep.parse_selection's text ('snapkv:0.25', 'h2o:256:window=16,heads=shared'), and
+        for a learned policy `weights=DIGEST` among the options; heads "" when the text does not name them."""
+        name = text.partition(":")[0]
+        check_served(name)
+        head, sep, opts = text.rpartition(":") if text.count(":") >= 2 else (text, "", "")
+        named = [o for o in opts.split(",") if o.startswith("weights=")]
+        rest = ",".join(o for o in opts.split(",") if o and not o.startswith("weights="))
         try:
-            name, budget, kw = parse_fields(text)  # the policy is not built: a learned one's weights are the producer's
+            if len(named) > 1:
+                raise ValueError("weights=... given twice")
+            name, budget, kw = parse_fields(
+                head + (sep + rest if rest else "")
+            )  # not built: a learned one's weights are the producer's
         except ValueError as exc:
             raise InvalidArgument(f"transfer.options['keep']={text[:80]!r}: {exc}") from None
+        weights = named[0].partition("=")[2] if named else ""
+        check_weights(name, weights)
         heads = ("shared" if kw["shared"] else "each") if "shared" in kw else ""
-        return KeepRequest(name, budget, kw.get("sinks", Selection.sinks), kw.get("window", Selection.window), heads)
+        return KeepRequest(name, budget, kw.get("sinks", Selection.sinks), kw.get("window", Selection.window), heads, weights)
 
     def for_codec(self, codec: Codec) -> KeepRequest:
         """Resolved for `codec` (heads filled in); InvalidArgument when the codec cannot take it."""
@@ -123,8 +151,9 @@ class KeepRequest:
 
     @property
     def label(self) -> str:
-        """Every field, as parse_selection reads it back: a key for single flight and stats."""
-        return f"{self.policy}:{self.budget}:sinks={self.sinks},window={self.window},heads={self.heads or 'each'}"
+        """Every field, as `parse` reads it back: a key for single flight and stats."""
+        weights = f",weights={self.weights}" if self.weights else ""
+        return f"{self.policy}:{self.budget}:sinks={self.sinks},window={self.window},heads={self.heads or 'each'}{weights}"
 
 
 def cut(payload: torch.Tensor, axis: int, keep: torch.Tensor) -> torch.Tensor:
