@@ -1,8 +1,8 @@
 """Token selection, policy against policy on the same examples: from the task rows of every
 bench/results/real/keep-*.jsonl run, on C's own cache (`oracle@POLICY:FRACTION`) or on a codec's
 rebuild (`scd:s11@POLICY:FRACTION`), the paired F1 difference of DistillCache and question-aware
-SnapKV to each heuristic at the same fraction on the same cache (and, on a codec's, to the codec
-alone), over the examples both were measured on, with a 95 % bootstrap interval (qa.metrics.bootstrap_ci).
+SnapKV to each heuristic at the same fraction on the same cache (DistillCache's to question-aware
+SnapKV too; and, on a codec's, to the codec alone), over the examples both were measured on, with a 95 % bootstrap interval (qa.metrics.bootstrap_ci).
 DistillCache's rows are told apart by what their weights read (`distill[features]`: the first
 weights, over attention features; `distill[normed]`: the probe over normed inputs).
 Measures nothing."""
@@ -54,7 +54,8 @@ def keep_paired(root: Path) -> dict:
     for (head, policy, fraction, tokens), mine in sorted(f1s.items()):
         if policy.partition("[")[0] not in CHALLENGERS:
             continue
-        others = [(other, (head, other, fraction, tokens)) for other in HEURISTICS]
+        against = HEURISTICS + (("snapkv-q",) if policy.startswith("distill") else ())  # the question-aware one too
+        others = [(other, (head, other, fraction, tokens)) for other in against]
         if head != "oracle":
             others.append((f"{head} alone", (head, ALONE, "1", tokens)))  # what the selection costs on top of the codec
         for other, key in others:
