@@ -107,12 +107,11 @@ class KeepRequest:
         head, sep, opts = text.rpartition(":") if text.count(":") >= 2 else (text, "", "")
         named = [o for o in opts.split(",") if o.startswith("weights=")]
         rest = ",".join(o for o in opts.split(",") if o and not o.startswith("weights="))
+        selection = head + (sep + rest if rest else "")  # without weights=: shared.keep's own text
         try:
             if len(named) > 1:
                 raise ValueError("weights=... given twice")
-            name, budget, kw = parse_fields(
-                head + (sep + rest if rest else "")
-            )  # not built: a learned one's weights are the producer's
+            name, budget, kw = parse_fields(selection)  # not built: a learned one's weights are the producer's
         except ValueError as exc:
             raise InvalidArgument(f"transfer.options['keep']={text[:80]!r}: {exc}") from None
         weights = named[0].partition("=")[2] if named else ""
