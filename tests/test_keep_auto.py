@@ -187,3 +187,47 @@ async def test_an_artifact_without_keep_points_offers_none(artifacts):
         _, _, stats = await pair.generate(transfer=auto(1e9), **fields())
         assert stats.transfer.name == "raw" and "keep" not in stats.transfer.options
         assert not [c for c in stats.auto.candidates if "keep" in c.options]
+
+
+def test_a_learned_keep_point_is_a_candidate_only_where_the_producer_holds_its_weights():
+    """A keep point measured with keep weights (calibration.keep_points `keep_weights`) is offered
+    only while the producer's Describe names the same weights' digest for its artifact: none, or
+    other weights, leave it out (a heuristic's point stays); offered, its keep option names the
+    digest, so that a producer with other weights refuses it rather than keep other tokens."""
+    import copy
+
+    from consumer.auto.chooser import Chooser
+    from consumer.auto.planner import TransferPlanner
+    from consumer.auto.producer_memory import ProducerMemory
+    from shared import codecs as codec_lib
+    from shared.scd.artifact import discover
+
+    loaded = load_model(str(ROOT / "checkpoints" / "qa-tuned"), "float32", "cpu")
+    (art,) = discover([ROOT / "artifacts" / "qa-base-to-tuned.safetensors"])
+    art = Artifact(art.tensors, copy.deepcopy(art.meta), art.path)
+    schedule = art.default_entry()
+    scd = {"artifact": art.artifact_id, "schedule": schedule.name}
+    point = {"mode": "scd", "options": scd, "loss": 0.5, "bytes_per_token": 10.0, "kept_share": 0.25, "how": "measured"}
+    mine = "0123456789abcdef"
+    art.meta["keep_points"] = [
+        {**point, "keep": "distill:0.25:sinks=4,window=64,heads=shared", "keep_weights": mine},
+        {**point, "keep": "streaming:0.25:sinks=4,window=64,heads=shared"},
+    ]
+    codecs = codec_lib.create_codecs(loaded, artifacts=[art])
+    held: dict[str, str] = {}
+    chooser = Chooser(
+        loaded, codecs, TransferPlanner(), ProducerMemory(), lambda c, ids, tenant="": 0,
+        lambda: art.meta["producer"]["weight_digest"], lambda: True, lambda: "float32", lambda: "", lambda: held,
+    )  # fmt: skip
+
+    def kept() -> list[str]:
+        return sorted(c.options["keep"] for c in chooser.candidates() if "keep" in c.options)
+
+    assert kept() == ["streaming:0.25:sinks=4,window=64,heads=shared"]  # the producer names no weights
+    held[art.artifact_id] = "fedcba9876543210"
+    assert kept() == ["streaming:0.25:sinks=4,window=64,heads=shared"]  # other weights
+    held[art.artifact_id] = mine
+    assert kept() == [
+        f"distill:0.25:sinks=4,window=64,heads=shared,weights={mine}",
+        "streaming:0.25:sinks=4,window=64,heads=shared",
+    ]
