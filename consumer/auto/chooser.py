@@ -188,10 +188,10 @@ class Chooser:
         weights = tuple(sorted(self.producer_keep_weights().items()))
         producer = (self.producer_digest(), self.producer_dtype(), self.producer_identity(), weights)
         if self._cached is None or self._cached[0] != producer:
-            self._cached = (producer, self._build())
+            self._cached = (producer, self._build(dict(weights)))  # built from the keep weights its key names
         return self._cached[1]
 
-    def _build(self) -> list[Candidate]:
+    def _build(self, keep_weights: Mapping[str, str]) -> list[Candidate]:
         found: dict[tuple, Candidate] = {}
 
         def add(c: Candidate) -> None:
@@ -200,7 +200,7 @@ class Chooser:
                 found[key] = c
 
         add(Candidate(ORACLE_MODE, {}, 0.0, "exact", 0.0))
-        info, producer, keep_weights = self.loaded.info, self.producer_digest(), self.producer_keep_weights()
+        info, producer = self.loaded.info, self.producer_digest()
         # the producer's K/V are the consumer's own only from the same model identity: the same weights
         # at the same precision, the same forward config (rope, window, eps...), computed in the same
         # dtype (a bfloat16 producer's K/V cast to a float32 consumer, or back, is not exact)
