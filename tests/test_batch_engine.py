@@ -170,6 +170,36 @@ def test_batched_answers_equal_one_row_per_forward(loaded):
     assert 2 * len(sizes[8]) < len(sizes[1])
 
 
+def test_the_engine_runs_an_iterations_prefill_and_decode_rows_in_one_forward(loaded):
+    """The pool forward pads nothing: a prefill chunk and the decode rows of the same iteration are
+    one forward (one pass over the weights), their answers those of one row per forward; a padding
+    runner (the HF reference) keeps them apart."""
+    vocab = loaded.info.vocab_size
+    specs = [(ids(n, 300 + n, vocab), new) for n, new in ((8, 30), (5, 30), (200, 6), (90, 6))]
+    answers, kinds = {}, {}
+    for name, runner, max_batch in (("alone", PoolRunner, 1), ("pool", PoolRunner, 8), ("hf", Runner, 8)):
+        pool = pool_for(loaded)
+        engine = BatchEngine(loaded, pool, max_batch=max_batch, prefill_chunk=32, max_batch_tokens=64, runner=runner)
+        seen: list[list[int]] = []
+        forward = engine.runner.forward
+
+        def recording(rows, *args, _seen=seen, _forward=forward, **kw):
+            _seen.append([len(r.ids) for r in rows])
+            return _forward(rows, *args, **kw)
+
+        engine.runner.forward = recording  # type: ignore[method-assign]
+        try:
+            answers[name] = run_tasks(engine, specs, pool)
+            assert pool.free_blocks == pool.num_blocks
+        finally:
+            engine.shutdown()
+        kinds[name] = seen
+    mixed = [rows for rows in kinds["pool"] if max(rows) > 1 and min(rows) == 1]
+    assert mixed, kinds["pool"]  # the short prompts decode while the long ones prefill, in the same forwards
+    assert len(kinds["pool"]) < len(kinds["hf"])  # fewer forwards for the same work
+    assert answers["pool"] == answers["alone"] == answers["hf"]
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "checkpoints/qa-tuned"])
 def test_the_pool_forward_answers_as_the_hf_runner(name):
     """The engine's greedy answers, chunked prefill and batched decode, with the default runner

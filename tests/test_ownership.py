@@ -21,6 +21,7 @@ import threading
 import pytest
 
 from consumer.engine.batch import BatchEngine, Finished, Task, split_gather
+from consumer.engine.decoding import Sampler, Sampling
 from consumer.engine.hf_reference import Runner
 from consumer.engine.kv_pool import KVPool
 from consumer.engine.prefix_cache import PrefixCache
@@ -43,15 +44,13 @@ def pool_for(loaded, tokens: int = 1024, block: int = 16) -> KVPool:
 
 def test_a_release_during_a_multi_group_step_waits_for_the_task_to_leave(loaded):
     pool = pool_for(loaded)
-    engine = BatchEngine(loaded, pool, max_batch=8)
+    engine = BatchEngine(loaded, pool, max_batch=8, runner=Runner)  # a padding runner: pack() splits prefill rows
     try:
         # pack() puts a 64-token chunk and one 1-token row in the first forward, the other 1-token
         # row in a second forward of the same iteration
         seqs = [pool.allocate(80) for _ in range(3)]
         outcomes: list[list] = [[], [], []]
-        tasks = [
-            Task(seq, [5 + i] * n, sink=outcomes[i].append) for i, (seq, n) in enumerate(zip(seqs, (64, 1, 1)))
-        ]
+        tasks = [Task(seq, [5 + i] * n, sink=outcomes[i].append) for i, (seq, n) in enumerate(zip(seqs, (64, 1, 1)))]
         late = tasks[2]
         forward = engine.runner.forward
         calls = []
@@ -99,6 +98,57 @@ def cached(cache: PrefixCache, pool: KVPool, root: str, ctx: list[int]):
     assert seq is not None
     cache.insert(chunks.chain(root, ctx, cache.chunk_tokens), seq)
     return seq
+
+
+def test_a_release_during_a_prefill_then_decode_step_waits_for_the_task_to_leave(loaded):
+    """The engine's own runner pads nothing, so an iteration has two forwards only when its prefill
+    and decode rows together exceed max_batch: a release asked during the first still waits."""
+    pool = pool_for(loaded)
+    engine = BatchEngine(loaded, pool, max_batch=2)
+    try:
+        seqs = [pool.allocate(80) for _ in range(3)]
+        outcomes: list[list] = [[], [], []]
+        sampling = Sampler(Sampling(), loaded.device)
+        # two decoding rows (their prompt done) and one 64-token prefill: 3 rows > max_batch 2
+        decoding = [Task(seqs[i], [5 + i] * 4, outcomes[i].append, sampling, 40) for i in (0, 1)]
+        forward = engine.runner.forward
+        calls: list[list[int]] = []
+        released: list = []
+        late = decoding[1]
+
+        def record(rows):
+            logits = forward(rows)
+            calls.append([len(r.ids) for r in rows])
+            if len(calls) > 1 and len(rows[0].ids) == 64 and not released:  # the prefill forward of a two-forward step
+                engine.cancel(late)
+                released.append(engine.release(late.seq))
+            return logits
+
+        engine.runner.forward = record  # type: ignore[method-assign]
+        for task in decoding:
+            engine.add(task)
+        for _ in range(200):
+            if all(t.generated > 0 for t in decoding):
+                break
+            threading.Event().wait(0.01)
+        engine.add(Task(seqs[2], [7] * 64, outcomes[2].append))
+        for _ in range(300):
+            if released and released[0].done():
+                break
+            threading.Event().wait(0.02)
+        assert released and released[0].done()
+        assert [64] in calls  # the prefill alone, the decode rows in the forward after it
+        assert late not in engine.tasks
+        for i in (0, 2):
+            for _ in range(300):
+                if outcomes[i] and isinstance(outcomes[i][-1], Finished):
+                    break
+                threading.Event().wait(0.02)
+            engine.release(seqs[i]).result(10)
+        assert pool.free_blocks == pool.num_blocks
+        assert float(pool.k.abs().max()) == 0.0 and float(pool.v.abs().max()) == 0.0
+    finally:
+        engine.shutdown()
 
 
 def test_make_room_evicts_only_what_frees_blocks_least_value_first(loaded):
@@ -187,8 +237,9 @@ def test_the_gather_scratch_stays_under_its_bound_and_shrinks(loaded):
 
 
 def ask(context: str, mode: str = "raw"):
-    return dict(context=prompt(context), question=prompt(" Which layers?"), max_new_tokens=4,
-                transfer=common_pb2.CodecSpec(name=mode))
+    return dict(
+        context=prompt(context), question=prompt(" Which layers?"), max_new_tokens=4, transfer=common_pb2.CodecSpec(name=mode)
+    )
 
 
 async def test_a_producer_swapped_behind_one_address_is_keyed_by_its_own_header(tmp_path):
@@ -202,8 +253,7 @@ async def test_a_producer_swapped_behind_one_address_is_keyed_by_its_own_header(
         seen = consumer._producer_digest()
         port = int(pair.producer.address.rsplit(":", 1)[1])
         await pair.producer.stop()
-        swapped = ProducerServer(ProducerConfig(port=port, model=str(tmp_path), dtype="float32", device="cpu",
-                                                drain_grace_s=0.5))
+        swapped = ProducerServer(ProducerConfig(port=port, model=str(tmp_path), dtype="float32", device="cpu", drain_grace_s=0.5))
         await swapped.start()
         await swapped.load()
         try:
@@ -233,8 +283,17 @@ def test_auto_counts_raw_exact_only_in_the_consumers_dtype(loaded):
     codecs = codec_lib.create_codecs(loaded, artifacts=[])
     digest = loaded.info.weight_digest
     for dtype, exact in (("float32", True), ("bfloat16", False)):
-        chooser = Chooser(loaded, codecs, TransferPlanner(), ProducerMemory(), lambda c, ids, tenant="": 0,
-                          lambda: digest, lambda: True, lambda dtype=dtype: dtype, lambda: loaded.info.identity)
+        chooser = Chooser(
+            loaded,
+            codecs,
+            TransferPlanner(),
+            ProducerMemory(),
+            lambda c, ids, tenant="": 0,
+            lambda: digest,
+            lambda: True,
+            lambda dtype=dtype: dtype,
+            lambda: loaded.info.identity,
+        )
         modes = {c.mode for c in chooser.candidates() if c.loss == 0.0}
         assert ("raw" in modes) is exact, (dtype, modes)
 

@@ -15,10 +15,14 @@ An iteration:
   2. prefill: requests with tokens still to prefill (a local context prefill or a question),
      oldest first, each taking at most `prefill_chunk` tokens, together at most
      `max_batch_tokens` and `max_batch` rows (chunked prefill: a long local prefill never stops
-     the batch, it takes one chunk per iteration), in as few forwards as keep the padding of
-     ragged rows under 2x (`pack`);
-  3. one decode forward: requests with a sampled token to feed, up to `max_batch` rows, taken
-     round-robin when there are more.
+     the batch, it takes one chunk per iteration);
+  3. decode: requests with a sampled token to feed, up to `max_batch` rows, taken round-robin
+     when there are more.
+On the engine's runner (consumer.engine.pool_forward: flat rows, nothing padded) the prefill chunks
+and the decode rows of an iteration are one forward when they fit in `max_batch` rows (one pass
+over the weights per iteration); else the prefill rows are one forward and the decode rows
+another. A padding runner (the Hugging Face reference, tests) packs the prefill rows into as few
+forwards as keep the padding of ragged rows under 2x (`pack`), then runs one decode forward.
 A prefill task may keep the logits of its last positions (`keep_logits`; only their argmax ids
 with `keep_argmax`, only the nucleus a sampler draws from with `keep_nucleus`): verified
 decoding's one forward over question + drafted tokens (consumer.exact.verify) is such a prefill row,
@@ -389,7 +393,17 @@ class BatchEngine(concurrent.futures.Executor):
                 take = min(len(task.pending), self.prefill_chunk, budget)
                 prefill.append((task, take))
                 budget -= take
-        for group in pack(prefill):
+        flat = getattr(self.runner, "flat", False)  # rows side by side, nothing padded (the pool forward)
+        if flat and prefill:
+            decode = self._decode_rows()
+            if len(prefill) + len(decode) <= self.max_batch:
+                # one forward: every prefill chunk beside every decode row (one pass over the weights
+                # per iteration, as vLLM's mixed batches); a row that ends its prefill here decodes next
+                self._forward(prefill + [(t, 1) for t in decode])
+                self._run_jobs()
+                self._settle_releases()
+                return
+        for group in ([prefill] if prefill else []) if flat else pack(prefill):
             group = [(task, take) for task, take in group if not task.leaving]  # cancelled meanwhile
             for part in split_gather(group, self.pool.block_tokens, self.runner.scratch_limit_blocks):
                 self._forward(part)
@@ -397,13 +411,18 @@ class BatchEngine(concurrent.futures.Executor):
             # releases of sequences no task in the batch uses (their task left at an earlier
             # boundary): safe between forwards; a cancelled task's still wait for the boundary
             self._settle_releases()
+        decode = self._decode_rows()
+        for part in split_gather([(t, 1) for t in decode], self.pool.block_tokens, self.runner.scratch_limit_blocks):
+            self._forward(part)
+
+    def _decode_rows(self) -> list[Task]:
+        """Requests with a sampled token to feed, at most max_batch, round-robin when there are more."""
         decode = [t for t in self.tasks if t.decoding and t.pending and not t.leaving]
         if len(decode) > self.max_batch:
             start = self._rr % len(decode)
             decode = (decode[start:] + decode[:start])[: self.max_batch]
             self._rr += self.max_batch
-        for part in split_gather([(t, 1) for t in decode], self.pool.block_tokens, self.runner.scratch_limit_blocks):
-            self._forward(part)
+        return decode
 
     @staticmethod
     def _scored(task: Task, take: int) -> int:

@@ -79,6 +79,7 @@ class Runner:
         self.lm_head: Any = loaded.model.get_output_embeddings()
         self._scratch = self._buffers(0)
         self.scratch_limit_blocks = scratch_limit_blocks(pool)  # a forward never gathers more (consumer.engine.batch)
+        self.flat = False  # rows padded to the longest: prefill rows packed by length, decode rows apart
         self._recent_peak = 0  # the most blocks a forward needed since the last shrink check
         self._since_check = 0
 

@@ -183,6 +183,7 @@ class PoolRunner:
             raise ValueError("pool: the pool forward reads a head-major pool (KVPool(head_major=True))")
         self.groups = g.num_heads // g.num_kv_heads
         self.scratch_limit_blocks = sys.maxsize  # no rectangle is gathered: batches need no split
+        self.flat = True  # rows side by side, no padding: any mix of prefill and decode rows is one forward
         self.gathered_rows = 0  # rows whose blocks were not one run (read through a gather)
         # decode rows (one new token) through the paged kernel, all at once per layer; None: per-row SDPA
         # decode_skip: why auto kept per-row SDPA (paged_attention.runs reports it), or ""
