@@ -11,7 +11,7 @@ PROTOS  := $(wildcard protos/scd/v1/*.proto)
 PB_GEN  := $(PB_OUT)/scd/v1/.generated
 COMPOSE := .venv-compose/bin/docker-compose
 
-.PHONY: all install kernel real-model real-artifacts proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft bench-peer bench-breakdown kvpress-check compose-config compose-smoke vllm-structs clean
+.PHONY: all install kernel real-model real-artifacts proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft bench-peer bench-breakdown bench-prefill-budget kvpress-check compose-config compose-smoke vllm-structs clean
 
 all: test
 
@@ -124,6 +124,12 @@ kvpress-check: $(PB_GEN) $(REAL_MODEL) $(KVPRESS_VENV)/.installed
 PEER_ARGS ?=
 bench-peer: $(PB_GEN) $(REAL_MODEL) vllm-structs
 	$(PYTHON) -m bench.peer.vs_vllm $(PEER_ARGS)
+
+# The engine's prefill token budget per iteration, settings side by side (services per setting, interleaved):
+# TTFT at 2k, 32 streams' tokens/s, running streams' longest gap while a 2k prompt arrives -> the
+# per-device defaults in consumer/engine/prefill_budget.py. Minutes; the machine should be otherwise idle.
+bench-prefill-budget: $(PB_GEN) $(REAL_MODEL)
+	$(PYTHON) -m bench.serving.prefill_budget $(PEER_ARGS)
 
 # The peer benchmark's workloads split by layer: our forward alone, the batch engine, the services.
 bench-breakdown: $(PB_GEN) $(REAL_MODEL)

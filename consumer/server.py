@@ -19,7 +19,7 @@ from consumer.api.openai_api import OpenAIServer
 from consumer.api.servicer import SERVICE_NAME, ConsumerServicer
 from consumer.auto import defaults
 from consumer.auto.probe import BackgroundProbe
-from consumer.engine import paged_attention
+from consumer.engine import paged_attention, prefill_budget
 from consumer.engine.batch import BatchEngine
 from consumer.engine.kv_admission import KVAdmission
 from consumer.engine.kv_pool import KVPool, default_pool_bytes
@@ -122,16 +122,18 @@ class ConsumerServer:
             "packed": cfg.packed_weights,
             "fused_ops": cfg.fused_ops,
         }
+        chunk, total = prefill_budget.resolve(cfg.prefill_chunk, cfg.max_batch_tokens, loaded.device.type)
+        log.info("consumer.prefill_budget", prefill_chunk=chunk, max_batch_tokens=total, device=loaded.device.type)
         if not cfg.engine_process:
             runner = functools.partial(PoolRunner, **forward)
-            return BatchEngine(loaded, pool, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens, runner=runner)
+            return BatchEngine(loaded, pool, cfg.max_batch, chunk, total, runner=runner)
         loop = asyncio.get_running_loop()
 
         def exited(why: str) -> None:  # the engine process's reader thread
             loop.call_soon_threadsafe(self._engine_exited, why)
 
         threads = torch.get_num_threads()  # as this process resolved it (shared.torch_threads.intra_op_threads)
-        args = (loaded, pool, cfg.model, threads, cfg.max_batch, cfg.prefill_chunk, cfg.max_batch_tokens)
+        args = (loaded, pool, cfg.model, threads, cfg.max_batch, chunk, total)
         return await asyncio.to_thread(EngineProcess, *args, on_exit=exited, forward=forward)
 
     def _kv_memory(self, pool: KVPool, batch: BatchEngine | EngineProcess) -> tuple[PrefixCache | None, KVAdmission]:

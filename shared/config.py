@@ -231,8 +231,8 @@ class ConsumerConfig(ServerConfig):
     kv_pool_bytes: int = 0  # KV pool size; 0: max_batch requests of 2048 tokens or two of the largest allowed, capped by memory
     kv_block_tokens: int = 16  # tokens per KV pool block
     max_queue: int = 64  # requests waiting for KV memory; more get RESOURCE_EXHAUSTED
-    prefill_chunk: int = 512  # tokens one request prefills per engine iteration (chunked prefill)
-    max_batch_tokens: int = 2048  # prefill tokens per engine iteration, all requests together
+    prefill_chunk: int = 0  # tokens one request prefills per engine iteration (chunked prefill); 0: the device's default (consumer.engine.prefill_budget)
+    max_batch_tokens: int = 0  # prefill tokens per engine iteration, all requests together; 0: the device's default
     stream_interval: int = 1  # tokens per streamed message after the first (1: each alone; as vLLM's --stream-interval)
     verify_draft_bytes: int = 32 << 20  # verified decoding: sampled drafts a request keeps, bytes (consumer.engine.speculative)
     engine_process: bool = False  # the engine's forwards in a child process, the KV pool in shared memory
@@ -267,9 +267,12 @@ class ConsumerConfig(ServerConfig):
             raise ValueError("producer_check_interval_s: must be > 0")
         if self.probe_idle_s < 0:
             raise ValueError(f"probe_idle_s: {self.probe_idle_s} must be >= 0 (0: off)")
-        for name in ("max_batch", "kv_block_tokens", "prefill_chunk", "max_batch_tokens", "stream_interval"):
+        for name in ("max_batch", "kv_block_tokens", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
+        for name in ("prefill_chunk", "max_batch_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: {getattr(self, name)} must be >= 0 (0: the device's default)")
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention: {self.decode_attention!r} not in {DECODE_ATTENTION}")
         if self.prefill_attention not in PREFILL_ATTENTION:

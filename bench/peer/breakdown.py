@@ -3,7 +3,7 @@ benchmark's workloads (bench.peer.vs_vllm), layer by layer, on the same prompts,
 
 Three layers, each a superset of the one before:
 - `forward`: the engine's own forward (consumer.engine.pool_forward.PoolRunner) in this process,
-  no scheduler: each prompt (context + question) prefilled in the engine's 512-token chunks, then
+  no scheduler: each prompt (context + question) prefilled in the engine's default chunks (CHUNK), then
   one decode forward per new token over every stream at once, fed the tokens the services
   generated (teacher-forced: the same number of steps, whatever the sampler would pick);
 - `engine`: the batch engine (consumer.engine.batch.BatchEngine) on its thread in this process:
@@ -37,6 +37,7 @@ import torch
 from bench.harness import services
 from bench.harness.provenance import host_fields, weights_of
 from bench.peer import workloads
+from consumer.engine import prefill_budget
 from consumer.engine.batch import BatchEngine, Task
 from consumer.engine.decoding import Sampler, Sampling
 from consumer.engine.kv_pool import KVPool
@@ -47,7 +48,7 @@ from shared.models import load_model, resolve_path
 
 ROOT = services.ROOT
 OUT = ROOT / "bench/results/peer_breakdown.jsonl"
-CHUNK = 512  # the consumer's default prefill_chunk (shared.config)
+CHUNK, BUDGET = prefill_budget.resolve(0, 0, "cpu")  # the consumer's defaults on this device
 LAYERS = ("forward", "engine", "services")
 
 
@@ -87,7 +88,7 @@ def _forwards(loaded, prompts: list[list[int]], fed: list[list[int]]) -> float:
 def engine_only(loaded, prompts: list[list[int]], new: list[int], stop: list[int]) -> float:
     """Wall s of the batch engine generating greedily, every prompt added at once."""
     pool = _pool(loaded, prompts, new)
-    engine = BatchEngine(loaded, pool, max_batch=max(32, len(prompts)), prefill_chunk=CHUNK)
+    engine = BatchEngine(loaded, pool, max_batch=max(32, len(prompts)), prefill_chunk=CHUNK, max_batch_tokens=BUDGET)
     done, left, lock = threading.Event(), [len(prompts)], threading.Lock()
 
     def sink(item) -> None:
