@@ -30,15 +30,24 @@ from shared.models import load_model
 BT = 16
 
 
-@pytest.fixture(scope="module")
-def prefill():
+VARIANTS = ("avx512bf16", "amx")
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def prefill(request):
+    """Each variant of the kernel this CPU runs (the AMX one where it has AMX-BF16), called as
+    prefill_attention.prefill_attention calls the chosen one."""
     reason = prefill_attention.cpu_reason()
     if reason:
         pytest.skip(f"the prefill kernel does not run here: {reason}")
     if paged_attention.compiler() is None:
         pytest.skip("no C++ compiler ($CXX or c++ on PATH): the engine runs per-row SDPA")
     assert prefill_attention.kernel() is not None, f"the CPU runs it and a compiler is here, yet: {prefill_attention.which()}"
-    return prefill_attention.prefill_attention
+    variants = prefill_attention.variants()
+    if request.param not in variants:
+        pytest.skip(f"the {request.param} variant does not run here: {prefill_attention.amx_off()}")
+    fn = variants[request.param]
+    return lambda q, k, v, table, start, bt: fn(q.contiguous(), k, v, table, start, bt, q.shape[-1] ** -0.5)
 
 
 def random_case(n: int, start: int, groups: int, hd: int, seed: int, bt: int = BT):
@@ -153,9 +162,8 @@ def test_hostile_inputs_raise_a_clear_error(prefill, name, change, error, words)
     q, k, v, table, _ = random_case(40, 20, 3, 64, seed=9)
     args = {"q": q, "k": k, "v": v, "table": table, "start": 20, "block_tokens": BT}
     change(args)
-    fn = prefill_attention.kernel()
     with pytest.raises(error) as raised:
-        fn(args["q"], args["k"], args["v"], args["table"], args["start"], args["block_tokens"], 0.125)
+        prefill(args["q"], args["k"], args["v"], args["table"], args["start"], args["block_tokens"])
     assert words in str(raised.value) and "prefill_attention" in str(raised.value), str(raised.value)
 
 
@@ -202,9 +210,11 @@ def test_the_runner_says_what_its_prefill_rows_run(prefill):
     """auto: the kernel on a bfloat16 pool (SDPA where the CPU has AMX-BF16, saying so); SDPA on
     float32 saying why; "kernel" where it cannot serve the pool fails at construction; "sdpa" asked for."""
     amx = prefill_attention.amx_reason()
+    chosen = "kernel amx" if not prefill_attention.amx_off() else "kernel avx512bf16"
+    assert prefill_attention.which() == chosen
     for dtype, mode, runs in (
-        ("bfloat16", "auto", f"sdpa: {amx}" if amx else "kernel avx512bf16"),
-        ("bfloat16", "kernel", "kernel avx512bf16"),
+        ("bfloat16", "auto", f"sdpa: {amx}" if amx else chosen),
+        ("bfloat16", "kernel", chosen),
         ("float32", "auto", "sdpa: the kernel is bfloat16-only, the pool is float32"),
         ("bfloat16", "sdpa", "sdpa: prefill_attention='sdpa'"),
     ):
@@ -218,6 +228,29 @@ def test_the_runner_says_what_its_prefill_rows_run(prefill):
         PoolRunner(loaded, pool, prefill_attention="kernel")
     with pytest.raises(ValueError, match="prefill_attention: 'flash' is not one of"):
         PoolRunner(loaded, pool, prefill_attention="flash")
+
+
+def test_without_amx_the_kernel_runs_its_avx512_bf16_path_and_auto_says_why():
+    """SCD_PREFILL_AMX=0, or ONEDNN_MAX_CPU_ISA below AMX (as an operator lowers oneDNN): the kernel
+    runs its VDPBF16PS path. With AMX turned off for the kernel alone, on a CPU with AMX-BF16, auto
+    keeps SDPA (on AMX tiles, faster than that path), saying why; with oneDNN lowered, SDPA is off
+    AMX too and auto takes the kernel."""
+    if prefill_attention.cpu_reason():
+        pytest.skip(f"the prefill kernel does not run here: {prefill_attention.cpu_reason()}")
+    code = (
+        "import torch; from consumer.engine import prefill_attention as p; print(p.which()); "
+        "print(p.resolve('auto', torch.device('cpu'), torch.bfloat16, 64)[1])"
+    )
+    amx_cpu = "amx_bf16" in (prefill_attention.compute_dtype.cpu_flags() or ())
+    for env in ({"SCD_PREFILL_AMX": "0"}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}):
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        which, auto = out.stdout.splitlines()[-2:]
+        assert which == "kernel avx512bf16", (env, which)
+        if amx_cpu and "SCD_PREFILL_AMX" in env:
+            assert auto.startswith("sdpa: auto: the CPU has AMX-BF16"), (env, auto)
+        else:
+            assert auto == "kernel avx512bf16", (env, auto)
 
 
 def test_a_lowered_cpu_capability_keeps_sdpa_and_says_why():

@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_heads": kv,
         "head_dim": hd,
         "threads": args.threads,
+        "kernel": prefill_attention.which(),  # its variant: "kernel amx" or "kernel avx512bf16"
         "code": services.code_version(),
         **host_fields(),
         "load_avg_1m": round(os.getloadavg()[0], 2),

@@ -5,7 +5,11 @@ flash kernel, which it replaces on those rows, computes bfloat16 attention with 
 kernel's VDPBF16PS does two bfloat16 products per float32 lane: 0.38x SDPA's attention time over a
 2048-token prefill in 512-token chunks on this host (the real pair's shapes, 2 threads: 1.48 -> 0.57 s
 over 30 layers, `python -m bench.micro.prefill_attention`, rows bench/results/prefill_attention.jsonl);
-the whole prefill forward went 2.95 -> 1.77 s (by hand).
+the whole prefill forward went 2.95 -> 1.77 s (by hand). That host had no AMX; on a CPU with AMX-BF16
+SDPA's flash kernel multiplies on AMX tiles and beats that path, so there the kernel runs its AMX
+variant (`amx_off()`): Q by K and the probabilities by V on AMX tiles, everything transposed so that
+the online softmax runs down columns (a vector's 16 lanes are 16 query rows: no horizontal
+reductions); `which()` says "kernel amx".
 
 Built like the decode kernel (consumer.engine.paged_attention: cpp_extension into
 `.cache/kernels/<name>/`, `make kernel`, loaded before SERVING), but only where it can run: torch's
@@ -20,6 +24,7 @@ import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -32,7 +37,17 @@ log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "prefill_attention.cpp"
 NAME = "scd_prefill_attention_avx512bf16"
-FLAGS = [*paged_attention.COMMON, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]
+FLAGS = [
+    *paged_attention.COMMON,
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512dq",
+    "-mavx512bf16",
+    "-mfma",
+    "-mamx-tile",
+    "-mamx-bf16",  # the AMX variant's intrinsics; it runs only where amx_supported() says so
+]
 MODES = PREFILL_ATTENTION  # auto: the kernel where it runs, kernel: it or fail start, sdpa: per-row SDPA
 HEAD_DIMS = (32, 64, 128)
 NOT_BUILT = f"sdpa: {NAME} not built"
@@ -50,20 +65,23 @@ def cpu_reason() -> str:
 
 
 def amx_reason() -> str:
-    """Why `auto` leaves the kernel aside on this CPU, or "": where the CPU has AMX-BF16 and torch
-    may use it, SDPA's bfloat16 flash kernel multiplies on AMX tiles and beats the kernel's VDPBF16PS
-    (an Intel Xeon with AMX, 2 threads: 2048 tokens in 512-token chunks, SDPA 709 ms, kernel 1417 ms
-    over 30 layers; the 512-token forward 326 vs 391 ms)."""
+    """Why `auto` leaves the kernel aside on this CPU, or "": where the CPU has AMX-BF16 and torch may
+    use it, SDPA's bfloat16 flash kernel multiplies on AMX tiles and beats the kernel's VDPBF16PS path
+    (an Intel Xeon with AMX, 2 threads: 2048 tokens in 512-token chunks, SDPA 709 ms, VDPBF16PS 1417 ms
+    over 30 layers), so auto takes the kernel there only with its AMX variant (`amx_off()` empty:
+    0.75x SDPA's time on a 2048-token chunk, 0.47x on a 512-token chunk after 1536, bench.micro.prefill_attention)."""
     flags = compute_dtype.cpu_flags() or frozenset()
     lowered = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
     if "amx_bf16" in flags and (not lowered or "AMX" in lowered or lowered == "ALL"):
-        return "auto: the CPU has AMX-BF16, where SDPA's bfloat16 path measured faster than the kernel"
+        off = amx_off()
+        if off:
+            return f"auto: the CPU has AMX-BF16, where SDPA's bfloat16 path beats the kernel without AMX ({off})"
     return ""
 
 
 @functools.cache
-def _loaded() -> tuple[Callable | None, str]:
-    """(the extension's prefill_attention, "kernel avx512bf16") or (None, "sdpa: why"); built once per process."""
+def _module() -> tuple[Any | None, str]:
+    """(the built extension, "") or (None, "sdpa: why"); built once per process."""
     if os.environ.get("SCD_PREFILL_KERNEL", "1") == "0":
         return None, "sdpa: SCD_PREFILL_KERNEL=0"
     reason = cpu_reason()
@@ -76,6 +94,46 @@ def _loaded() -> tuple[Callable | None, str]:
         return None, f"{NOT_BUILT} ({paged_attention.cause(error)})"
     if not module.supported():  # the extension's own CPUID check agrees with /proc/cpuinfo, or nothing runs
         return None, "sdpa: the CPU reports no AVX-512 BF16 (cpuid)"
+    return module, ""
+
+
+def amx_off() -> str:
+    """Why the kernel's AMX variant is not used here, or "": it needs AMX-BF16 (and the kernel allowed
+    its tiles), and follows ONEDNN_MAX_CPU_ISA where an operator lowered the instruction set below AMX
+    (as oneDNN does); SCD_PREFILL_AMX=0 turns it off."""
+    if os.environ.get("SCD_PREFILL_AMX", "1") == "0":
+        return "SCD_PREFILL_AMX=0"
+    flags = compute_dtype.cpu_flags() or frozenset()
+    if "amx_bf16" not in flags:
+        return "the CPU has no AMX-BF16"
+    lowered = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if lowered and "AMX" not in lowered and lowered != "ALL":
+        return f"ONEDNN_MAX_CPU_ISA={lowered}"
+    module, why = _module()
+    if module is not None and not module.amx_supported():
+        return "the kernel may not use AMX tiles here (cpuid or arch_prctl refused)"
+    return why.removeprefix("sdpa: ")
+
+
+def variants() -> dict[str, Callable]:
+    """The kernel's variants that run on this CPU, by name ("avx512bf16", "amx"): tests check each."""
+    module, _ = _module()
+    if module is None:
+        return {}
+    out = {"avx512bf16": module.prefill_attention}
+    if not amx_off():
+        out["amx"] = module.prefill_attention_amx
+    return out
+
+
+@functools.cache
+def _loaded() -> tuple[Callable | None, str]:
+    """(the kernel's entry for this CPU, "kernel amx" / "kernel avx512bf16") or (None, "sdpa: why")."""
+    module, why = _module()
+    if module is None:
+        return None, why
+    if not amx_off():
+        return module.prefill_attention_amx, "kernel amx"
     return module.prefill_attention, "kernel avx512bf16"
 
 

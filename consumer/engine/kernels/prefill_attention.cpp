@@ -22,6 +22,14 @@
 // rows (R consecutive (position, head) pairs of one KV head) walks the key tiles up to its last
 // visible key, its scores, softmax state and output in registers. Every table entry and length is
 // checked before any read.
+//
+// The AMX variant (prefill_attention_amx, CPUs with AMX-BF16): the same packed K / V, the same
+// softmax and numbers, but each group of 16 query rows multiplies Q by a key tile's K and the
+// probabilities by its V on AMX tiles (TDPBF16PS: a 16 x 32 by 32 x 16 bfloat16 product accumulated
+// in float32 per instruction), the online softmax in AVX-512 between the two; the output is kept in
+// float32 beside the tiles and rescaled there.
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "vec_math.h"
@@ -191,7 +199,237 @@ void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64
   });
 }
 
-torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+
+// --- AMX ---------------------------------------------------------------------------------------
+
+constexpr int M = 16;  // query rows per group: one tile's columns
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0 A (K rows or V^T rows), 1 B (Q^T or P^T pairs), 2 / 3 scores of keys 0-15 / 16-31 (keys x
+// rows), 4 .. 7 output (dims x rows, 16 dims each): 16 rows of 64 bytes each
+inline void configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  _tile_loadconfig(&cfg);
+}
+
+// Everything transposed, so that the softmax runs down columns: the 16 query rows of a group are a
+// vector's 16 lanes. Scores S^T [32 keys x 16 rows] = K [32 x HD] by Q^T; the maximum, exp and sums
+// are vertical (no horizontal reductions); the weighted values O^T [HD x 16 rows] = V^T by P^T.
+// kr: one KV head's keys row-major [keys, HD] (zero past L); vt: its values in tiles of 32 keys,
+// vt[(tile * HD + d) * 16 + u] = (v[2u][d], v[2u + 1][d]) of the tile's keys.
+template <int HD>
+void group_amx(const uint16_t* q, const uint16_t* kr, const uint32_t* vt, uint16_t* out, const Shape& s, int64_t j,
+               int64_t first) {
+  constexpr int P = HD / 2;
+  const int64_t rows = s.n * s.g;
+  alignas(64) uint32_t qt[P][M];  // Q^T pairs: qt[p][r] = (q[r][2p], q[r][2p + 1])
+  alignas(64) int32_t lim[M];     // the last key each row sees; -1: no row here
+  int64_t top = -1;
+  for (int r = 0; r < M; ++r) {
+    const int64_t f = first + r;
+    if (f >= rows) {
+      lim[r] = -1;
+      for (int p = 0; p < P; ++p) qt[p][r] = 0;
+      continue;
+    }
+    const int64_t pos = f / s.g, head = j * s.g + f % s.g;
+    const uint32_t* qr = reinterpret_cast<const uint32_t*>(q + (pos * s.H + head) * HD);
+    for (int p = 0; p < P; ++p) qt[p][r] = qr[p];
+    lim[r] = static_cast<int32_t>(s.start + pos);
+    top = std::max<int64_t>(top, lim[r]);
+  }
+  const __m512i limv = _mm512_load_si512(lim);
+  alignas(64) float acc[HD][M];
+  std::memset(acc, 0, sizeof(acc));
+  alignas(64) float st[TILE][M];
+  alignas(64) float ot[16][M];
+  alignas(64) uint32_t pt[TILE / 2][M];
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 scale = _mm512_set1_ps(s.scale);
+  // bfloat16 lanes 0..15 (p of key 2u) and 16..31 (key 2u + 1) -> pairs per row
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  // HD <= 64: the output's HD / 16 tiles stay in tile registers 4.. across the key tiles, and the
+  // running maximum moves only when a row's scores pass it by more than LAZY (then the output is
+  // stored, rescaled and reloaded): weights up to e^LAZY, far inside float32 and bfloat16's range.
+  // HD = 128 has no tiles to spare: its output is stored and rescaled every key tile.
+  constexpr bool resident = HD <= 64;
+  constexpr float LAZY = 8.f;
+  auto store_out = [&]() {
+    if constexpr (resident) {
+      _tile_stored(4, &acc[0][0], 64);
+      _tile_stored(5, &acc[16][0], 64);
+      if constexpr (HD == 64) {
+        _tile_stored(6, &acc[32][0], 64);
+        _tile_stored(7, &acc[48][0], 64);
+      }
+    }
+  };
+  auto load_out = [&]() {
+    if constexpr (resident) {
+      _tile_loadd(4, &acc[0][0], 64);
+      _tile_loadd(5, &acc[16][0], 64);
+      if constexpr (HD == 64) {
+        _tile_loadd(6, &acc[32][0], 64);
+        _tile_loadd(7, &acc[48][0], 64);
+      }
+    }
+  };
+  load_out();  // zeros
+  __m512 m = ninf, l = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 <= top; t0 += TILE) {
+    // S^T: keys t0 .. t0 + 15 and t0 + 16 .. t0 + 31 by Q^T, 32 dims per product
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int d = 0; d < HD / 32; ++d) {
+      _tile_loadd(1, &qt[d * 16][0], 64);
+      _tile_loadd(0, kr + t0 * HD + d * 32, HD * 2);
+      _tile_dpbf16ps(2, 0, 1);
+      _tile_loadd(0, kr + (t0 + 16) * HD + d * 32, HD * 2);
+      _tile_dpbf16ps(3, 0, 1);
+    }
+    _tile_stored(2, &st[0][0], 64);
+    _tile_stored(3, &st[16][0], 64);
+    __mmask16 in[TILE];
+    __m512 tmax = ninf;
+    for (int i = 0; i < TILE; ++i) {
+      in[i] = _mm512_cmpge_epi32_mask(limv, _mm512_set1_epi32(static_cast<int>(t0 + i)));
+      const __m512 x = _mm512_mask_mul_ps(ninf, in[i], _mm512_load_ps(st[i]), scale);
+      _mm512_store_ps(st[i], x);
+      tmax = _mm512_max_ps(tmax, x);
+    }
+    // rows whose maximum moves: all of them where the output is not resident, else only those
+    // passed by more than LAZY (and those with no maximum yet)
+    const __mmask16 moves = resident ? _mm512_cmp_ps_mask(tmax, _mm512_add_ps(m, _mm512_set1_ps(LAZY)), _CMP_GT_OQ)
+                                     : __mmask16(0xffff);
+    __m512 alpha = _mm512_set1_ps(1.f);
+    if (moves) {
+      const __m512 m_new = _mm512_mask_max_ps(m, moves, m, tmax);
+      const __mmask16 was = _mm512_cmp_ps_mask(m, ninf, _CMP_NEQ_OQ);  // rows with a maximum before
+      alpha = _mm512_mask_mov_ps(alpha, moves & was, exp512(_mm512_sub_ps(m, m_new)));
+      alpha = _mm512_mask_mov_ps(alpha, moves & ~was, _mm512_setzero_ps());  // nothing summed yet: 0 stays 0
+      m = m_new;
+      l = _mm512_mul_ps(l, alpha);
+      if constexpr (resident) {
+        store_out();
+        for (int d = 0; d < HD; ++d) _mm512_store_ps(acc[d], _mm512_mul_ps(_mm512_load_ps(acc[d]), alpha));
+        load_out();
+      }
+    }
+    // rows with no key yet (or no row): keep -inf, subtract 0 so nothing is NaN; their weights are 0
+    const __mmask16 live = _mm512_cmp_ps_mask(m, ninf, _CMP_NEQ_OQ);
+    const __m512 base = _mm512_maskz_mov_ps(live, m);
+    for (int u = 0; u < TILE / 2; ++u) {
+      const __m512 p0 = _mm512_maskz_mov_ps(in[2 * u], exp512(_mm512_sub_ps(_mm512_load_ps(st[2 * u]), base)));
+      const __m512 p1 = _mm512_maskz_mov_ps(in[2 * u + 1], exp512(_mm512_sub_ps(_mm512_load_ps(st[2 * u + 1]), base)));
+      l = _mm512_add_ps(l, _mm512_add_ps(p0, p1));
+      const __m512i pair = _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
+      _mm512_store_si512(pt[u], pair);
+    }
+    // O^T += V^T [16 dims x 32 keys] by P^T, 16 dims at a time
+    _tile_loadd(1, &pt[0][0], 64);
+    const uint32_t* vtile = vt + (t0 / TILE) * HD * 16;
+    if constexpr (resident) {
+      _tile_loadd(0, vtile, 64);
+      _tile_dpbf16ps(4, 0, 1);
+      _tile_loadd(0, vtile + 16 * 16, 64);
+      _tile_dpbf16ps(5, 0, 1);
+      if constexpr (HD == 64) {
+        _tile_loadd(0, vtile + 2 * 16 * 16, 64);
+        _tile_dpbf16ps(6, 0, 1);
+        _tile_loadd(0, vtile + 3 * 16 * 16, 64);
+        _tile_dpbf16ps(7, 0, 1);
+      }
+    } else {
+      for (int c = 0; c < HD / 16; ++c) {  // the running sum rescaled by alpha
+        _tile_zero(4);
+        _tile_loadd(0, vtile + c * 16 * 16, 64);
+        _tile_dpbf16ps(4, 0, 1);
+        _tile_stored(4, &ot[0][0], 64);
+        for (int d = 0; d < 16; ++d)
+          _mm512_store_ps(acc[c * 16 + d], _mm512_fmadd_ps(_mm512_load_ps(acc[c * 16 + d]), alpha, _mm512_load_ps(ot[d])));
+      }
+    }
+  }
+  store_out();
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
+  for (int d = 0; d < HD; ++d) _mm512_store_ps(acc[d], _mm512_mul_ps(_mm512_load_ps(acc[d]), inv));
+  const __m512i down = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(M));
+  for (int r = 0; r < M; ++r) {
+    if (lim[r] < 0) continue;
+    const int64_t f = first + r, pos = f / s.g, head = j * s.g + f % s.g;
+    uint16_t* o = out + (pos * s.H + head) * HD;
+    for (int c = 0; c < HD / 16; ++c) {
+      const __m512 x = _mm512_i32gather_ps(down, &acc[c * 16][r], 4);  // acc[c * 16 + i][r], i = 0..15
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c * 16), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+    }
+  }
+}
+
+// one KV head's keys row-major and values transposed in 32-key tiles, zero past L (see group_amx)
+template <int HD>
+void pack_amx(const uint16_t* k, const uint16_t* v, const int64_t* table, const Shape& s, int64_t j, uint16_t* kr,
+              uint32_t* vt) {
+  auto row = [&](const uint16_t* base, int64_t t) {
+    return base + (j * s.slots + table[t / s.block_tokens] * s.block_tokens + t % s.block_tokens) * HD;
+  };
+  const int64_t keys = s.tiles * TILE;
+  for (int64_t t = 0; t < keys; ++t) {
+    if (t < s.L) std::memcpy(kr + t * HD, row(k, t), HD * 2);
+    else std::memset(kr + t * HD, 0, HD * 2);
+  }
+  for (int64_t tile = 0; tile < s.tiles; ++tile) {
+    uint32_t* out = vt + tile * HD * 16;
+    for (int u = 0; u < 16; ++u) {
+      const int64_t t = tile * TILE + 2 * u;
+      const uint16_t* a = t < s.L ? row(v, t) : nullptr;
+      const uint16_t* b = t + 1 < s.L ? row(v, t + 1) : nullptr;
+      for (int d = 0; d < HD; ++d)
+        out[d * 16 + u] = static_cast<uint32_t>(a ? a[d] : 0) | (static_cast<uint32_t>(b ? b[d] : 0) << 16);
+    }
+  }
+}
+
+template <int HD>
+void attend_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* table, uint16_t* out,
+                const Shape& s) {
+  const int64_t keys = s.tiles * TILE;
+  std::vector<uint16_t> kr(s.n_kv * keys * HD);
+  std::vector<uint32_t> vt(s.n_kv * keys / 2 * HD);
+  at::parallel_for(0, s.n_kv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j)
+      pack_amx<HD>(k, v, table, s, j, kr.data() + j * keys * HD, vt.data() + j * keys / 2 * HD);
+  });
+  const int64_t groups = (s.n * s.g + M - 1) / M;
+  at::parallel_for(0, s.n_kv * groups, 1, [&](int64_t begin, int64_t end) {
+    configure();  // tile state is per thread
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t j = item % s.n_kv, i = item / s.n_kv;
+      const int64_t gi = i % 2 == 0 ? i / 2 : groups - 1 - i / 2;
+      group_amx<HD>(q, kr.data() + j * keys * HD, vt.data() + j * keys / 2 * HD, out, s, j, gi * M);
+    }
+    _tile_release();
+  });
+}
+
+// AMX-BF16 on this CPU and the kernel allowed to use its tiles (Linux: once per process)
+bool amx_supported() {
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("amx-tile")) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+torch::Tensor run(bool use_amx, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 const torch::Tensor& table, int64_t start, int64_t block_tokens, double scale) {
   TORCH_CHECK_VALUE(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && table.device().is_cpu(),
                     "prefill_attention: q, k, v, table must be CPU tensors");
@@ -234,10 +472,25 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
   auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  if (hd == 32) attend<32, 4>(qp, kp, vp, tab, op, s);
+  if (use_amx) {
+    TORCH_CHECK(amx_supported(), "prefill_attention_amx: this CPU (or this process) cannot use AMX-BF16 tiles");
+    if (hd == 32) attend_amx<32>(qp, kp, vp, tab, op, s);
+    else if (hd == 64) attend_amx<64>(qp, kp, vp, tab, op, s);
+    else attend_amx<128>(qp, kp, vp, tab, op, s);
+  } else if (hd == 32) attend<32, 4>(qp, kp, vp, tab, op, s);
   else if (hd == 64) attend<64, 4>(qp, kp, vp, tab, op, s);
   else attend<128, 2>(qp, kp, vp, tab, op, s);
   return out;
+}
+
+torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                const torch::Tensor& table, int64_t start, int64_t block_tokens, double scale) {
+  return run(false, q, k, v, table, start, block_tokens, scale);
+}
+
+torch::Tensor prefill_attention_amx(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                    const torch::Tensor& table, int64_t start, int64_t block_tokens, double scale) {
+  return run(true, q, k, v, table, start, block_tokens, scale);
 }
 
 bool supported() { return __builtin_cpu_supports("avx512bf16"); }
@@ -247,4 +500,6 @@ bool supported() { return __builtin_cpu_supports("avx512bf16"); }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, "paged causal prefill attention, bfloat16, AVX-512 BF16 (CPU)");
   m.def("supported", &supported, "whether this CPU runs AVX-512 BF16 instructions");
+  m.def("prefill_attention_amx", &prefill_attention_amx, "the same on AMX-BF16 tiles (CPU)");
+  m.def("amx_supported", &amx_supported, "whether this CPU has AMX-BF16 and this process may use its tiles");
 }
