@@ -71,6 +71,9 @@ async def test_raw_and_oracle_match_local_model(arch: str, dtype: str):
                 assert stats.bytes_received == stats.raw_kv_bytes == local.info.kv_bytes(len(ctx_ids))
             else:
                 assert stats.bytes_received == 0
+                # the context's own prefill rode in the question's engine task, timed apart from it
+                assert stats.local_prefill_ms > 0 and stats.rebuild_ms == stats.local_prefill_ms
+                assert stats.ttft_ms >= stats.local_prefill_ms + stats.question_prefill_ms
     if dtype == "float32":
         full = local.model.generate(torch.tensor([ctx_ids + q_ids]), max_new_tokens=NEW, do_sample=False)
         # one prefill of context + question: other shapes, other kernels than the two-step reference

@@ -92,6 +92,10 @@ class Task:
     # (consumer.engine.speculative.Nucleus, in `nuclei`): what sampled acceptance reads, not [vocab] rows
     keep_nucleus: Sampler | None = None
     nuclei: list[Nucleus] = field(default_factory=list)
+    # called on the engine thread after each forward that fed some of its prompt, with how many prompt
+    # tokens are still to feed (the pipeline times a context prefilled in the question's task); the
+    # engine process does not relay it
+    on_fed: Callable[[int], None] | None = None
 
     @property
     def decoding(self) -> bool:
@@ -446,6 +450,8 @@ class BatchEngine(concurrent.futures.Executor):
             if kept is not None and not self._keep(task, kept):
                 continue
             del task.pending[:take]
+            if task.on_fed is not None and not task.decoding:
+                task.on_fed(len(task.pending))
             if task.pending:
                 continue  # more prefill chunks to come: no sampling yet
             if task.sampler is None:

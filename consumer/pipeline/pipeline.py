@@ -142,6 +142,17 @@ class RequestPipeline:
         result.rebuild_ms += took
         result.local_prefill_ms += took
 
+    def _context_from(self, job: GenerateJob, result: GenerateResult, seq: SequenceKV, start: int) -> int:
+        """Oracle's context: the tokens [start, T) are fed by the question's own task, ahead of the
+        question (one engine task: no wait between the two, and a chunk may hold the context's end and
+        the question); checked and counted here as _local_prefill does."""
+        left(job, "context prefill")
+        if start < seq.shared_blocks * self.engine.pool.block_tokens:
+            raise DataLoss("the cached prefix this request shares cannot be replaced by a local prefill")
+        seq.length = start
+        result.local_tokens += len(job.context_ids) - start
+        return start
+
     def _replaced_by_local(self, job: GenerateJob, result: GenerateResult, exc: ServiceError) -> bool:
         """Whether LOCAL_PREFILL turns this transfer failure into the consumer's own prefill (and
         record it)."""
@@ -158,12 +169,12 @@ class RequestPipeline:
 
     async def _cache(
         self, job: GenerateJob, result: GenerateResult, seq: SequenceKV, cached: int, partial: tuple[int, str] | None
-    ) -> None:
+    ) -> int | None:
         """The context's KV into seq; its first `cached` tokens are there already (prefix cache);
-        `partial`: ask the producer only for the tokens after them."""
-        if job.codec is None:
-            await self._local_prefill(job, result, seq, cached)
-            return
+        `partial`: ask the producer only for the tokens after them. Oracle's context is left to the
+        question's task: the first token it leaves to feed, else None."""
+        if job.codec is None:  # oracle: the context's own prefill rides in the question's task (_answer)
+            return self._context_from(job, result, seq, cached)
         if cached == len(job.context_ids):  # the same context rebuilt the same way before: no transfer
             return
         try:
@@ -187,7 +198,7 @@ class RequestPipeline:
         seq, exact, partial = await self._admit(job, result, refs, reuse=True, verify=verify)
         try:
             try:
-                await self._cache(job, result, seq, result.prefix_reused_tokens, partial)
+                deferred = await self._cache(job, result, seq, result.prefix_reused_tokens, partial)
             except ServiceError as exc:
                 if partial is None or isinstance(exc, Cancelled) or job.deadline - time.monotonic() <= 0:
                     raise
@@ -196,7 +207,7 @@ class RequestPipeline:
                 self._release(seq, exact)
                 result.bytes_received = 0
                 seq, exact, partial = await self._admit(job, result, refs, reuse=False, verify=verify)
-                await self._cache(job, result, seq, 0, None)
+                deferred = await self._cache(job, result, seq, 0, None)
             if job.repair is not None and job.audit != AUDIT_REPAIR:  # under AUDIT_REPAIR: only when flagged
                 await self._repair(job, result, seq)
             if exact is not None and (result.codec == ORACLE_MODE or result.audit_decision.endswith("prefilled locally")):
@@ -206,8 +217,10 @@ class RequestPipeline:
             answer: AsyncGenerator[TokenOut | Commit | GenerateResult, None]
             via: GenerateJob | None = None  # verify: the exact cache's transfer, when one is faster
             if exact is None:
-                answer = self._answer(job, result, seq)
+                answer = self._answer(job, result, seq, deferred)
             else:
+                if deferred is not None:  # never for oracle (it has no exact cache); the context first, then
+                    await self._local_prefill(job, result, seq, deferred)
                 start = await self._exact_start(job, exact)
                 via = self.exact_transfer(job) if start == 0 and self.source is not None else None
                 fill = functools.partial(self._exact_by_transfer, job, via, result) if via is not None else None
@@ -395,7 +408,7 @@ class RequestPipeline:
                 self.engine.pool.release(seq)
 
     async def _answer(
-        self, job: GenerateJob, result: GenerateResult, seq: SequenceKV
+        self, job: GenerateJob, result: GenerateResult, seq: SequenceKV, start: int | None = None
     ) -> AsyncGenerator[TokenOut | GenerateResult, None]:
         """Question prefill and decode in the engine's batches (consumer.request.decode); a cache whose
         logits are not finite fails the request (DataLoss) or, under LOCAL_PREFILL, is replaced by
@@ -404,13 +417,29 @@ class RequestPipeline:
         context_len = len(job.context_ids) - seq.dropped  # stored: a kept sequence runs on at its logical length
         first_at: list[float] = []
         while True:
-            seq.length = context_len
+            seq.length = context_len if start is None else start
+            ahead = [] if start is None else list(job.context_ids[start:])
             sampler = Sampler(job.sampling, self.loaded.device)
-            task = Task(seq, list(job.question_ids), lambda _: None, sampler, job.max_new_tokens, job.stop_ids)
+            task = Task(seq, ahead + list(job.question_ids), lambda _: None, sampler, job.max_new_tokens, job.stop_ids)
             submitted = time.perf_counter()
+            context_done: list[float] = []
+            if ahead:
+                question = len(job.question_ids)
 
-            def first(at: float, submitted: float = submitted) -> None:
+                def fed(pending: int, done: list[float] = context_done, question: int = question) -> None:  # engine thread
+                    if pending <= question and not done:
+                        done.append(time.perf_counter())
+
+                task.on_fed = fed
+
+            def first(
+                at: float, submitted: float = submitted, done: list[float] = context_done, ahead: bool = bool(ahead)
+            ) -> None:
                 first_at.append(at)
+                if ahead:  # the context's own prefill until its last token was fed (all of it where not relayed)
+                    context_end = done[0] if done else at
+                    result.local_prefill_ms = result.rebuild_ms = (context_end - submitted) * 1e3
+                    submitted = context_end
                 result.question_prefill_ms = (at - submitted) * 1e3
                 result.ttft_ms = (at - job.received_at) * 1e3
 
