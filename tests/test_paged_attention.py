@@ -36,14 +36,35 @@ TOLERANCE = {
 }
 
 
-@pytest.fixture(scope="module")
-def decode():
-    """The built kernel: skipped without a C++ compiler; with one, a failed build fails the test."""
+class Variant:
+    """One entry of the kernel: `plain` (every build), `amx` (bfloat16 rows on AMX-BF16 tiles, where
+    the CPU has them), called as paged_attention.decode_attention calls the chosen one."""
+
+    def __init__(self, name: str, fn):
+        self.name, self.fn = name, fn
+
+    def __call__(self, q, k, v, tables, lengths, block_tokens):
+        return self.fn(q.contiguous(), k, v, tables, lengths, block_tokens, q.shape[-1] ** -0.5)
+
+    def tolerance(self, dtype: torch.dtype, v: torch.Tensor) -> dict:
+        """TOLERANCE; the AMX items round the probabilities to bfloat16 for P by V (as SDPA's bfloat16
+        flash kernel does): up to 2**-9 of each weight, so of the output's scale, beside the output's rounding."""
+        if self.name == "amx" and dtype == torch.bfloat16:
+            return {"atol": 2**-8 * float(v.float().nan_to_num(0).abs().max()), "rtol": 2**-8}
+        return TOLERANCE[dtype]
+
+
+@pytest.fixture(scope="module", params=["plain", "amx"])
+def decode(request):
+    """The built kernel's entries: skipped without a C++ compiler; with one, a failed build fails the test."""
     if paged_attention.compiler() is None:
         pytest.skip("no C++ compiler ($CXX or c++ on PATH): the engine runs per-row SDPA, the kernel cannot be built")
     fn = paged_attention.kernel()
     assert fn is not None, f"a C++ compiler is here but the kernel did not build: {paged_attention.which()}"
-    return paged_attention.decode_attention
+    variants = paged_attention.variants()
+    if request.param not in variants:
+        pytest.skip(f"the {request.param} entry does not run here: {paged_attention.amx_off()}")
+    return Variant(request.param, variants[request.param])
 
 
 def random_case(batch: int, groups: int, hd: int, dtype: torch.dtype, seed: int):
@@ -98,7 +119,7 @@ def test_the_kernel_equals_float32_sdpa_over_the_same_keys(decode, batch, groups
     got = decode(q, k, v, tables, lengths, BT)
     assert got.dtype == dtype and got.shape == q.shape
     assert torch.isfinite(got).all(), "a NaN slot was read: past a row's length or through the null block"
-    torch.testing.assert_close(got.float(), sdpa_reference(q, k, v, tables, lengths), **TOLERANCE[dtype])
+    torch.testing.assert_close(got.float(), sdpa_reference(q, k, v, tables, lengths), **decode.tolerance(dtype, v))
 
 
 @pytest.mark.numeric
@@ -106,7 +127,8 @@ def test_the_build_matches_the_cpus_instruction_set(decode):
     """The variant loaded is the one torch's capability names (avx2 under make test-lowered-isa)."""
     capability = torch.backends.cpu.get_cpu_capability()
     want = {"AVX512": "avx512", "AVX2": "avx2"}.get(capability, "base")
-    assert paged_attention.which() == f"kernel {want}"
+    amx = "" if paged_attention.amx_off() else " amx"  # the AVX-512 build's AMX items, where the CPU has AMX-BF16
+    assert paged_attention.which() == f"kernel {want}{amx}"
 
 
 def test_table_entries_past_a_rows_length_are_never_read(decode):
@@ -216,7 +238,7 @@ def test_auto_keeps_per_row_sdpa_where_it_measured_faster():
 
     if paged_attention.kernel() is None:
         pytest.skip(f"no kernel here: {paged_attention.which()}")
-    vector = paged_attention.which() == "kernel avx512"  # head_dim 32, one query head per KV head: vectorized
+    vector = paged_attention.which().startswith("kernel avx512")  # head_dim 32, one query head per KV head: vectorized
     for dtype, mode, takes in (("float32", "auto", vector), ("bfloat16", "auto", True), ("float32", "kernel", True)):
         loaded = load_model("checkpoints/qa-tuned", dtype, "cpu")
         assert loaded.info.head_dim == 32
@@ -254,4 +276,4 @@ def test_any_block_size_reads_the_same_keys(decode, bt, dtype):
         flat = (tables[b, : used[b]][:, None] * bt + torch.arange(bt)).reshape(-1)[:n]
         folded = q[b].float().view(1, n_kv, groups, hd)
         want.append(F.scaled_dot_product_attention(folded, k[:, flat].float()[None], v[:, flat].float()[None]).reshape(-1, hd))
-    torch.testing.assert_close(got.float(), torch.stack(want), **TOLERANCE[dtype])
+    torch.testing.assert_close(got.float(), torch.stack(want), **decode.tolerance(dtype, v))

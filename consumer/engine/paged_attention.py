@@ -31,6 +31,7 @@ from typing import Any
 import structlog
 import torch
 
+from shared import compute_dtype
 from shared.config import DECODE_ATTENTION
 
 log = structlog.get_logger(__name__)
@@ -111,17 +112,58 @@ def cause(error: Exception) -> str:
 
 
 @functools.cache
-def _loaded() -> tuple[Callable | None, str]:
-    """(the extension's decode_attention, "kernel avx512") or (None, "sdpa: why"); built once per process."""
+def _module() -> tuple[Any | None, str]:
+    """(the built extension, its name) or (None, "sdpa: why"); built once per process."""
     if os.environ.get("SCD_DECODE_KERNEL", "1") == "0":
         return None, "sdpa: SCD_DECODE_KERNEL=0"
     name, flags = _flags()
     try:
-        fn = build(name, SOURCE, flags).decode_attention
+        return build(name, SOURCE, flags), name
     except Exception as error:  # no compiler, no ninja, a failed build: the engine keeps per-row SDPA
         log.warning("decode_attention.unavailable", error=str(error)[-2000:], fallback="per-row SDPA")
         return None, f"sdpa: {name} not built ({cause(error)})"
-    return fn, f"kernel {name.rsplit('_', 1)[-1]}"
+
+
+def amx_off() -> str:
+    """Why the AVX-512 build's AMX items (bfloat16 rows on AMX-BF16 tiles: block_tokens a multiple of
+    16, head_dim 32 or 64) are not used here, or "": SCD_DECODE_AMX=0, no AMX-BF16, ONEDNN_MAX_CPU_ISA
+    lowered below AMX (as oneDNN follows it), or the kernel may not use the tiles (cpuid, arch_prctl)."""
+    if os.environ.get("SCD_DECODE_AMX", "1") == "0":
+        return "SCD_DECODE_AMX=0"
+    flags = compute_dtype.cpu_flags() or frozenset()
+    if "amx_bf16" not in flags:
+        return "the CPU has no AMX-BF16"
+    lowered = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if lowered and "AMX" not in lowered and lowered != "ALL":
+        return f"ONEDNN_MAX_CPU_ISA={lowered}"
+    module, name = _module()
+    if module is None:
+        return name.removeprefix("sdpa: ")
+    if not hasattr(module, "amx_supported") or not module.amx_supported():
+        return f"{name} cannot use AMX tiles here"
+    return ""
+
+
+def variants() -> dict[str, Callable]:
+    """The kernel's entries that run here, by name ("plain", and "amx" where the AMX items may run)."""
+    module, _ = _module()
+    if module is None:
+        return {}
+    out = {"plain": module.decode_attention}
+    if not amx_off():
+        out["amx"] = module.decode_attention_amx
+    return out
+
+
+@functools.cache
+def _loaded() -> tuple[Callable | None, str]:
+    """(the extension's entry, "kernel avx512" / "kernel avx512 amx" / ...) or (None, "sdpa: why")."""
+    module, name = _module()
+    if module is None:
+        return None, name
+    if not amx_off():
+        return module.decode_attention_amx, f"kernel {name.rsplit('_', 1)[-1]} amx"
+    return module.decode_attention, f"kernel {name.rsplit('_', 1)[-1]}"
 
 
 # the AVX-512 build's vectorized path serves these (others: its portable per-key loop)
@@ -147,7 +189,7 @@ def kernel() -> Callable | None:
 
 
 def which() -> str:
-    """What decode rows on the CPU run here: "kernel avx512" / "kernel avx2" / "kernel base", or
+    """What decode rows on the CPU run here: "kernel avx512" (" amx" where its AMX items run) / "kernel avx2" / "kernel base", or
     "sdpa: why" (builds the kernel if not yet built)."""
     return _loaded()[1]
 

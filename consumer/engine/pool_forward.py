@@ -111,7 +111,7 @@ AUTO_MIN_FLOAT32_HEAD_DIM = 64
 def auto_skips(dtype: torch.dtype, head_dim: int, groups: int = 1) -> str:
     """Why `auto` keeps per-row SDPA for a pool of this dtype, head size and GQA group, or ""."""
     if dtype == torch.float32 and head_dim < AUTO_MIN_FLOAT32_HEAD_DIM:
-        if paged_attention.which() == "kernel avx512" and paged_attention.vectorized(head_dim, groups):
+        if paged_attention.which().startswith("kernel avx512") and paged_attention.vectorized(head_dim, groups):
             return ""
         return f"auto: float32 with head_dim {head_dim} < {AUTO_MIN_FLOAT32_HEAD_DIM} (per-row SDPA measured faster)"
     return ""

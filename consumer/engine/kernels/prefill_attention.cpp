@@ -215,6 +215,9 @@ struct alignas(64) TileConfig {
 inline void configure() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  // the intrinsic's asm does not tell the compiler it reads cfg: without this barrier GCC 12 drops the
+  // stores above as dead (a config of palette 1 and no tiles: the first tile load is an illegal instruction)
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
