@@ -124,18 +124,28 @@ def _module() -> tuple[Any | None, str]:
         return None, f"sdpa: {name} not built ({cause(error)})"
 
 
-def amx_off() -> str:
-    """Why the AVX-512 build's AMX items (bfloat16 rows on AMX-BF16 tiles: block_tokens a multiple of
-    16, head_dim 32 or 64) are not used here, or "": SCD_DECODE_AMX=0, no AMX-BF16, ONEDNN_MAX_CPU_ISA
-    lowered below AMX (as oneDNN follows it), or the kernel may not use the tiles (cpuid, arch_prctl)."""
-    if os.environ.get("SCD_DECODE_AMX", "1") == "0":
-        return "SCD_DECODE_AMX=0"
+def amx_env_off(switch: str) -> str:
+    """Why a kernel's AMX path is off by the environment or the CPU, or "": `switch`=0 turns it off, the
+    CPU must have AMX-BF16, and ONEDNN_MAX_CPU_ISA lowered below AMX (as oneDNN follows it) turns it off.
+    Shared by the decode and the prefill kernels."""
+    if os.environ.get(switch, "1") == "0":
+        return f"{switch}=0"
     flags = compute_dtype.cpu_flags() or frozenset()
     if "amx_bf16" not in flags:
         return "the CPU has no AMX-BF16"
     lowered = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
     if lowered and "AMX" not in lowered and lowered != "ALL":
         return f"ONEDNN_MAX_CPU_ISA={lowered}"
+    return ""
+
+
+def amx_off() -> str:
+    """Why the AVX-512 build's AMX items (bfloat16 rows on AMX-BF16 tiles: block_tokens a multiple of
+    16, head_dim 32 or 64) are not used here, or "": amx_env_off("SCD_DECODE_AMX"), or the kernel may
+    not use the tiles (cpuid, arch_prctl)."""
+    off = amx_env_off("SCD_DECODE_AMX")
+    if off:
+        return off
     module, name = _module()
     if module is None:
         return name.removeprefix("sdpa: ")

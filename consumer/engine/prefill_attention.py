@@ -98,17 +98,11 @@ def _module() -> tuple[Any | None, str]:
 
 
 def amx_off() -> str:
-    """Why the kernel's AMX variant is not used here, or "": it needs AMX-BF16 (and the kernel allowed
-    its tiles), and follows ONEDNN_MAX_CPU_ISA where an operator lowered the instruction set below AMX
-    (as oneDNN does); SCD_PREFILL_AMX=0 turns it off."""
-    if os.environ.get("SCD_PREFILL_AMX", "1") == "0":
-        return "SCD_PREFILL_AMX=0"
-    flags = compute_dtype.cpu_flags() or frozenset()
-    if "amx_bf16" not in flags:
-        return "the CPU has no AMX-BF16"
-    lowered = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    if lowered and "AMX" not in lowered and lowered != "ALL":
-        return f"ONEDNN_MAX_CPU_ISA={lowered}"
+    """Why the kernel's AMX variant is not used here, or "": paged_attention.amx_env_off("SCD_PREFILL_AMX")
+    (AMX-BF16 needed, ONEDNN_MAX_CPU_ISA followed), or the kernel may not use the tiles."""
+    off = paged_attention.amx_env_off("SCD_PREFILL_AMX")
+    if off:
+        return off
     module, why = _module()
     if module is not None and not module.amx_supported():
         return "the kernel may not use AMX tiles here (cpuid or arch_prctl refused)"
