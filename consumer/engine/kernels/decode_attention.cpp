@@ -251,8 +251,14 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512bw,avx512f,avx512vl,av
   const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32(16));
   const __m512 sv = _mm512_set1_ps(scale);
+  const int64_t ahead = 4 * 16;  // keys: prefetch distance (the blocks lie anywhere: no hardware stream across them)
   for (int64_t t0 = 0; t0 < L; t0 += 16) {
     const uint16_t* krow = kh + (table[t0 / block_tokens] * block_tokens + t0 % block_tokens) * HD;
+    if (t0 + ahead < L) {
+      const char* next = reinterpret_cast<const char*>(
+          kh + (table[(t0 + ahead) / block_tokens] * block_tokens + (t0 + ahead) % block_tokens) * HD);
+      for (int line = 0; line < 16 * HD * 2; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+    }
     _tile_zero(6);
     _tile_loadd(0, krow, HD * 2);
     _tile_dpbf16ps(6, 0, 1);
@@ -300,18 +306,24 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512bw,avx512f,avx512vl,av
     _tile_zero(4);
     _tile_zero(5);
   }
+  // V's key pairs interleaved by 16-bit unpacks of two rows, 32 dims at a time: unpacklo / unpackhi
+  // take dims 0-3, 8-11, 16-19, 24-27 / 4-7, 12-15, 20-23, 28-31 of the 32, so O's columns come out in
+  // that order (`dim_of`), put back in order when the output is written
   alignas(64) uint32_t vb[C][16][16];
   for (int64_t t0 = 0; t0 < L; t0 += 32) {
+    for (int64_t t = t0 + ahead; t < std::min(L, t0 + ahead + 32); t += 16) {
+      const char* next = reinterpret_cast<const char*>(vh + (table[t / block_tokens] * block_tokens + t % block_tokens) * HD);
+      for (int line = 0; line < 16 * HD * 2; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+    }
     for (int u = 0; u < 16; ++u) {
       const int64_t t = t0 + 2 * u;
       const uint16_t* a = t < L ? vh + (table[t / block_tokens] * block_tokens + t % block_tokens) * HD : nullptr;
       const uint16_t* b = t + 1 < L ? vh + (table[(t + 1) / block_tokens] * block_tokens + (t + 1) % block_tokens) * HD : nullptr;
-      for (int c = 0; c < C; ++c) {
-        const __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c * 16)))
-                             : _mm512_setzero_si512();
-        const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + c * 16)))
-                             : _mm512_setzero_si512();
-        _mm512_store_si512(&vb[c][u][0], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      for (int d = 0; d < D; ++d) {
+        const __m512i x = a ? _mm512_loadu_si512(a + d * 32) : _mm512_setzero_si512();
+        const __m512i y = b ? _mm512_loadu_si512(b + d * 32) : _mm512_setzero_si512();
+        _mm512_store_si512(&vb[2 * d][u][0], _mm512_unpacklo_epi16(x, y));
+        _mm512_store_si512(&vb[2 * d + 1][u][0], _mm512_unpackhi_epi16(x, y));
       }
     }
     _tile_loadd(0, &s.probs[t0], Lp * 2);  // P: 16 rows (heads; rows >= g zero) x 32 keys
@@ -333,11 +345,19 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512bw,avx512f,avx512vl,av
     _tile_stored(4, &o[0][32], HD * 4);
     _tile_stored(5, &o[0][48], HD * 4);
   }
+  // column of O holding dim e: e = 32 d + 8 lane + 4 half + i  <-  column 16 (2 d + half) + 4 lane + i
+  alignas(64) int32_t column_of[HD];
+  for (int e = 0; e < HD; ++e) {
+    const int d = e / 32, lane = e % 32 / 8, half = e % 8 / 4, i = e % 4;
+    column_of[e] = 16 * (2 * d + half) + 4 * lane + i;
+  }
   for (int64_t h = 0; h < g; ++h) {
     const __m512 inv = _mm512_set1_ps(1.f / total[h]);
-    for (int c = 0; c < C; ++c)
+    for (int c = 0; c < C; ++c) {
+      const __m512 x = _mm512_i32gather_ps(_mm512_load_si512(&column_of[c * 16]), &o[h][0], 4);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(ob + h * HD + c * 16),
-                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(&o[h][c * 16]), inv))));
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(x, inv))));
+    }
   }
 }
 
