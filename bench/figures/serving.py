@@ -38,9 +38,22 @@ def transport(root: Path = ROOT) -> dict:
     def cell(value: float | None, fmt: str) -> str:
         return "-" if value is None else fmt.format(value)
 
-    meds = {c: {k: med(rs, k) for k in ("grpc_MBps", "consumer_MBps", "socket_MBps", "ratio", "consumer_ratio",
-                                        "producer_cpu_ms_per_MB", "consumer_cpu_ms_per_MB", "socket_cpu_ms_per_MB")}
-            for c, rs in cells.items()}
+    meds = {
+        c: {
+            k: med(rs, k)
+            for k in (
+                "grpc_MBps",
+                "consumer_MBps",
+                "socket_MBps",
+                "ratio",
+                "consumer_ratio",
+                "producer_cpu_ms_per_MB",
+                "consumer_cpu_ms_per_MB",
+                "socket_cpu_ms_per_MB",
+            )
+        }
+        for c, rs in cells.items()
+    }
     best = max(meds, key=lambda c: meds[c]["ratio"] or 0.0)
     for chunk, rs in sorted(cells.items()):
         m = meds[chunk]
@@ -76,9 +89,18 @@ def grpc_floor(root: Path = ROOT) -> dict:
     cells = cells_of(rows, "loop", "messages", "bytes", "concurrency")
     out: dict = {}
     for (loop, messages, size, conc), rs in sorted(cells.items(), key=lambda kv: (kv[0][2], kv[0][0])):
-        m = {k: statistics.median(r[k] for r in rs) if all(k in r for r in rs) else None
-             for k in ("calls_per_s", "server_cpu_ms_per_call", "client_cpu_ms_per_call", "total_cpu_ms_per_call",
-                       "MB_per_s", "socket_MBps", "ratio")}
+        m = {
+            k: statistics.median(r[k] for r in rs) if all(k in r for r in rs) else None
+            for k in (
+                "calls_per_s",
+                "server_cpu_ms_per_call",
+                "client_cpu_ms_per_call",
+                "total_cpu_ms_per_call",
+                "MB_per_s",
+                "socket_MBps",
+                "ratio",
+            )
+        }
         body = f"{size} B" if size < 2**20 else f"{size // 2**20} MiB"
         bulk = m["ratio"] is not None
         if bulk:
@@ -124,7 +146,9 @@ def request_floor(root: Path = ROOT) -> dict:
     per_mb = floor[f"uvloop|1x{1 << 20}|4"]["cpu_ms_per_MB"]
     step = engine_step(root)["cells"]["1|32"]["bare"]
     forward = 4 * step / 32
-    ttft_rows = [r for r in rows_of(root / "bench/results/ttft.jsonl") if r["model"] == "qa-base->qa-tuned" and r["ctx_tokens"] == 512]
+    ttft_rows = [
+        r for r in rows_of(root / "bench/results/ttft.jsonl") if r["model"] == "qa-base->qa-tuned" and r["ctx_tokens"] == 512
+    ]
     cfg = json.loads((root / "checkpoints/qa-tuned/config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     raw_bytes = cfg["num_hidden_layers"] * 2 * 512 * cfg["num_key_value_heads"] * head_dim * 4
@@ -223,8 +247,7 @@ def _load_run_text(r: dict, defaults: dict) -> str:
         f"{r['unexpected_errors']} unexpected errors, {r['wrong_answers']} wrong answers, RSS growth "
         f"{r['rss_growth_pct']}% between round 2 and the last, {r['slots_leaked']} slots in flight after settling, "
         f"counters {'balanced' if r['accounting_balanced'] else 'NOT balanced'} on both services; answered calls "
-        f"p50 {admitted[0]} ms, p95 {admitted[1]} ms (load {r['load_avg_1m']} on {r['cores']} cores)."
-        + _rss_trend_text(r)
+        f"p50 {admitted[0]} ms, p95 {admitted[1]} ms (load {r['load_avg_1m']} on {r['cores']} cores)." + _rss_trend_text(r)
     )
 
 
@@ -329,8 +352,16 @@ def _pairs(rows: list[dict]) -> dict[tuple, list[tuple[dict, dict]]]:
     pairs: dict[tuple, dict[tuple, dict]] = {}  # cell -> pair id -> {"one": row, "many": row, "line": int}
     legacy: dict[tuple, int] = {}  # cell -> sequence number of its open legacy pair
     for line, r in enumerate(rows):
-        cell = (r["model"], r["weights"], r["dtype"], r.get("torch_threads", 0), r.get("engine_process", False), r["mode"],
-                r["output"], r["concurrency"])
+        cell = (
+            r["model"],
+            r["weights"],
+            r["dtype"],
+            r.get("torch_threads", 0),
+            r.get("engine_process", False),
+            r["mode"],
+            r["output"],
+            r["concurrency"],
+        )
         if "run" in r:
             pid: tuple = (r["run"], r["rep"])
         else:  # a legacy cell's max-batch-1 row opens a pair, its batched row closes it
@@ -409,7 +440,10 @@ def throughput(root: Path = ROOT) -> dict:
             "ceiling": statistics.median(ceilings),
             "ceiling_max": max(ceilings),
             "identical": min(m["identical_to_batch1_rate"] for m in manys),
-            **{f"cpu_{name}": med(manys, f"{name}_cpu_ms_per_request") for name in ("consumer", "consumer_loop", "producer", "client")},
+            **{
+                f"cpu_{name}": med(manys, f"{name}_cpu_ms_per_request")
+                for name in ("consumer", "consumer_loop", "producer", "client")
+            },
             **{f"cpu_{name}_1": med(ones, f"{name}_cpu_ms_per_request") for name in ("consumer", "consumer_loop")},
             "req_per_s": med(manys, "requests_per_s"),
             "tok_per_s": med(manys, "output_tokens_per_s"),
@@ -523,10 +557,13 @@ def engine_forward(root: Path = ROOT) -> dict:
     prefills: dict[tuple, list[dict]] = {}
     for r in rows:
         host = r.get("cpu", "")  # rows before bench.harness.provenance.host_fields: ""
+        # rows naming the AMX kernels (decode_runs / prefill_runs, from code 91da341) are cells of their own
         if r["bench"] == "engine_forward":
-            steps.setdefault((host, r["model"], r["dtype"], r["ctx_tokens"], r["batch"]), []).append(r)
+            model = r["model"] + (" (AMX decode)" if "amx" in r.get("decode_runs", "") else "")
+            steps.setdefault((host, model, r["dtype"], r["ctx_tokens"], r["batch"]), []).append(r)
         else:
-            prefills.setdefault((host, r["model"], r["dtype"], r["prefill"]), []).append(r)
+            model = r["model"] + (" (AMX prefill)" if "amx" in r.get("prefill_runs", "") else "")
+            prefills.setdefault((host, model, r["dtype"], r["prefill"]), []).append(r)
     table = [
         "| host | model | dtype | context | batch | ours (pool) ms | HF runner ms | bare HF ms | ours / runner | ours / bare | rounds | load |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -549,7 +586,12 @@ def engine_forward(root: Path = ROOT) -> dict:
             statistics.median(r[k] for r in rs) for k in ("pool_step_ms", "pool_plain_step_ms", "runner_step_ms", "bare_step_ms")
         )
         how = ", ".join(sorted({f"{r['decode_attention']}, {'packed' if r['packed_weights'] else 'plain'}" for r in rs}))
-        cells[f"kernel|{cell_host(host)}{model}|{dtype}|{ctx}|{batch}"] = {"ours": ours, "plain": plain, "ratio": ours / plain, "runner_ratio": ours / runner}
+        cells[f"kernel|{cell_host(host)}{model}|{dtype}|{ctx}|{batch}"] = {
+            "ours": ours,
+            "plain": plain,
+            "ratio": ours / plain,
+            "runner_ratio": ours / runner,
+        }
         loads = [r["load_avg_1m"] for r in rs] + [r["load_avg_1m_end"] for r in rs]
         kernel.append(
             f"| {host or 'not recorded'} | {model} | {dtype} | {ctx} | {batch} | {ours:.2f} ({how}) | {plain:.2f} | {runner:.2f} | {bare:.2f}"
@@ -557,7 +599,12 @@ def engine_forward(root: Path = ROOT) -> dict:
         )
     for (host, model, dtype, ctx, batch), rs in sorted(steps.items()):
         ours, runner, bare = (statistics.median(r[k] for r in rs) for k in ("pool_step_ms", "runner_step_ms", "bare_step_ms"))
-        cells[f"{cell_host(host)}{model}|{dtype}|{ctx}|{batch}"] = {"ours": ours, "runner": runner, "bare": bare, "ratio": ours / runner}
+        cells[f"{cell_host(host)}{model}|{dtype}|{ctx}|{batch}"] = {
+            "ours": ours,
+            "runner": runner,
+            "bare": bare,
+            "ratio": ours / runner,
+        }
         loads = [r["load_avg_1m"] for r in rs] + [r["load_avg_1m_end"] for r in rs]
         table.append(
             f"| {host or 'not recorded'} | {model} | {dtype} | {ctx} | {batch} | {ours:.2f} | {runner:.2f} | {bare:.2f} | {ours / runner:.2f}x | {ours / bare:.2f}x"
@@ -662,7 +709,10 @@ def _prefix_targets(rows: list[dict]) -> dict:
     against LRU's, per (model, workload, variant); the float32 rows' identical rate."""
 
     def find(model: str, workload: str, variant: str, eviction: str) -> dict | None:
-        return next((r for r in rows if (r["model"], r["workload"], r["variant"], r["eviction"]) == (model, workload, variant, eviction)), None)
+        return next(
+            (r for r in rows if (r["model"], r["workload"], r["variant"], r["eviction"]) == (model, workload, variant, eviction)),
+            None,
+        )
 
     out: dict = {"multi_turn": {}, "one_doc": {}}
     for model in sorted({r["model"] for r in rows}):
@@ -720,9 +770,17 @@ def adaptive(root: Path = ROOT) -> dict:
         best = min(fixed, key=lambda r: r["ttft_ms_median"])
         ratio = auto["ttft_ms_median"] / best["ttft_ms_median"]
         ratios.append(ratio)
-        by_model.setdefault(f"{auto['model']} ({auto['weights']}, {auto['dtype']}, {auto['ctx_tokens']} tokens)", []).append(ratio)
+        by_model.setdefault(f"{auto['model']} ({auto['weights']}, {auto['dtype']}, {auto['ctx_tokens']} tokens)", []).append(
+            ratio
+        )
         oracle = next((r for r in rs if r["mode"] == "oracle"), None)
-        f1 = "-" if auto["f1"] is None else f"{auto['f1']:.2f} / {oracle['f1']:.2f}" if oracle and oracle["f1"] is not None else f"{auto['f1']:.2f}"
+        f1 = (
+            "-"
+            if auto["f1"] is None
+            else f"{auto['f1']:.2f} / {oracle['f1']:.2f}"
+            if oracle and oracle["f1"] is not None
+            else f"{auto['f1']:.2f}"
+        )
         picked = ", ".join(f"{k} x{v}" for k, v in auto["chosen"].items())
         best_label = mode_label(best["mode"], ",".join(f"{k}={v}" for k, v in sorted(best["options"].items()) if k != "artifact"))
         loss = "-" if auto["loss"] is None else f"{auto['loss']:.4g}"

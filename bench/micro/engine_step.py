@@ -195,6 +195,7 @@ def _filled_pools(loaded, batch: int, ctx: int, steps: int):
 
 def compare(loaded, batch: int, ctx: int, steps: int) -> dict:
     """One interleaved round: pool step, runner step, bare step, repeated; medians in ms."""
+    from consumer.engine import paged_attention
     from consumer.engine.hf_reference import Runner
     from consumer.engine.pool_forward import PoolRunner
     from consumer.engine.rows import Row
@@ -232,6 +233,7 @@ def compare(loaded, batch: int, ctx: int, steps: int) -> dict:
         "pool_vs_plain": round(med["pool"] / med["plain"], 3),
         "pool_vs_bare": round(med["pool"] / med["bare"], 3),
         "decode_attention": "kernel" if new.decode_kernel is not None else "sdpa",
+        "decode_runs": paged_attention.runs(new),  # which kernel: "kernel avx512 amx", "kernel avx512", "sdpa: why"
         "packed_weights": new.packed is not None,
         "logits_max_diff": float(f"{diff:.3g}"),
         "logits_max_abs": float(f"{scale:.3g}"),
@@ -260,10 +262,12 @@ def compare_prefill(loaded, rows: list[tuple[int, int]], reps: int) -> dict:
     g = torch.Generator().manual_seed(0)
     tokens = [torch.randint(4, info.vocab_size, (start + n,), generator=g).tolist() for start, n in rows]
     times: dict[str, list[float]] = {"pool": [], "runner": []}
+    runs = ""
     for _ in range(reps):
         for name, runner_type, head_major in (("pool", PoolRunner, True), ("runner", Runner, False)):
             pool = KVPool(info, loaded.device, sum(s + n + 16 for s, n in rows) * info.kv_bytes(1) + (1 << 20), 16, head_major)
             runner = runner_type(loaded, pool)
+            runs = getattr(runner, "prefill_runs", runs)
             seqs = [pool.allocate(start + n) for start, n in rows]
             with torch.inference_mode():
                 for seq, (start, _), ids in zip(seqs, rows, tokens):
@@ -280,6 +284,7 @@ def compare_prefill(loaded, rows: list[tuple[int, int]], reps: int) -> dict:
         "pool_prefill_ms": round(med["pool"], 3),
         "runner_prefill_ms": round(med["runner"], 3),
         "pool_vs_runner": round(med["pool"] / med["runner"], 3),
+        "prefill_runs": runs,  # our prefill rows: "kernel amx", "kernel avx512bf16" or "sdpa: why"
     }
 
 
