@@ -40,10 +40,18 @@ def peer_vllm(root: Path = RESULTS.parents[1]) -> dict:
         )
         ratios[f"{r['workload']}@{r['streams']}"] = r["ratio_ours_vs_vllm"]
     # the latest run's (rows are appended run after run; the table shows every run, its code named)
-    identical = next((r["identical_outputs"] for r in reversed(summaries) if (r["workload"], r["streams"]) == ("decode", 32)), 0.0)
+    identical = next(
+        (r["identical_outputs"] for r in reversed(summaries) if (r["workload"], r["streams"]) == ("decode", 32)), 0.0
+    )
     first = rows[-1]
+    ttft, decode32 = ratios.get("ttft@1", float("inf")), ratios.get("decode@32", 0.0)
+    verdict = (
+        f"TTFT at 2048 tokens {ttft:.2f}x vLLM's (target <= 1.0x: {'met' if ttft <= 1.0 else 'missed'}), "
+        f"tokens/s at 32 streams {decode32:.2f}x (target >= 1.0x: {'met' if decode32 >= 1.0 else 'missed'})"
+    )
     return {
         "table": "\n".join(lines),
+        "verdict": verdict,
         "ratios": ratios,
         "identical_32": identical,
         "model": first["model"],
@@ -101,4 +109,39 @@ def compile_step(root: Path = RESULTS.parents[1]) -> dict:
             f"| {r['piece']} | {r['tokens']} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} | {r['compiled_vs_eager']:.2f} | "
             f"{r['compile_s']:.1f} | {r['max_rel_diff']:.1g} | {r['torch_threads']} | {r['load_avg_1m']:.1f} |"
         )
-    return {"table": "\n".join(lines), "best": min(r["compiled_vs_eager"] for r in rows), "model": rows[0]["model"], "dtype": rows[0]["dtype"]}
+    return {
+        "table": "\n".join(lines),
+        "best": min(r["compiled_vs_eager"] for r in rows),
+        "model": rows[0]["model"],
+        "dtype": rows[0]["dtype"],
+    }
+
+
+BUDGET = "prefill_budget.jsonl"
+
+
+def prefill_budget(root: Path = RESULTS.parents[1]) -> dict:
+    """bench.serving.prefill_budget's summaries (`make bench-prefill-budget`): per run (its code) and
+    setting, TTFT at 2k, 32 streams' tokens/s and the running streams' longest gap while a 2k prompt
+    arrives, each with its ratio to the run's first setting."""
+    path = root / "bench/results" / BUDGET
+    if not path.exists():
+        return {"table": "(no rows yet: make bench-prefill-budget)", "code": "-"}
+    rows = [r for r in rows_of(path) if r["kind"] == "summary"]
+    cells: dict[tuple[str, int, int], dict] = {}
+    for r in rows:
+        cells.setdefault((r["code"], r["prefill_chunk"], r["max_batch_tokens"]), {"host": host(r), "runs": r["runs"]})[
+            r["workload"]
+        ] = r
+    lines = [
+        "| code | host | prefill_chunk : max_batch_tokens | TTFT at 2k (ms) | 32 streams (tokens/s) | longest gap while a 2k prompt arrives (ms) | its TTFT (ms) | runs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (code, chunk, total), c in cells.items():
+        t, d, s = c["ttft"], c["decode"], c["stall"]
+        lines.append(
+            f"| {code} | {c['host']} | {chunk} : {total} | {t['ttft_ms_median']:g} ({t['vs_first']:.2f}x) | "
+            f"{d['tokens_per_s_median']:g} ({d['vs_first']:.2f}x) | {s['max_gap_ms_median']:g} ({s['vs_first']:.2f}x) | "
+            f"{s['arrival_ttft_ms_median']:g} | {c['runs']} |"
+        )
+    return {"table": "\n".join(lines), "code": rows[-1]["code"], "model": rows[-1]["model"], "dtype": rows[-1]["dtype"]}
