@@ -176,16 +176,17 @@ class RequestPipeline:
         if job.codec is None:  # oracle: the context's own prefill rides in the question's task (_answer)
             return self._context_from(job, result, seq, cached)
         if cached == len(job.context_ids):  # the same context rebuilt the same way before: no transfer
-            return
+            return None
         try:
             decoder = await self.transfer.pull(job, result, seq, partial)
         except ServiceError as exc:
             if partial is not None or not self._replaced_by_local(job, result, exc):
                 raise  # a partial transfer's failure: run() retries the whole context first
             await self._local_prefill(job, result, seq)
-            return
+            return None
         if job.audit != AUDIT_OFF:
             await self.audits.apply(job, result, seq, decoder)
+        return None
 
     async def run(self, job: GenerateJob) -> AsyncGenerator[TokenOut | Commit | GenerateResult, None]:
         result = GenerateResult(job.request_id, job.mode, dict(job.options), len(job.context_ids), len(job.question_ids))
