@@ -129,7 +129,7 @@ bench-peer: $(PB_GEN) $(REAL_MODEL) vllm-structs
 # TTFT at 2k, 32 streams' tokens/s, running streams' longest gap while a 2k prompt arrives -> the
 # per-device defaults in consumer/engine/prefill_budget.py. Minutes; the machine should be otherwise idle.
 bench-prefill-budget: $(PB_GEN) $(REAL_MODEL)
-	$(PYTHON) -m bench.serving.prefill_budget $(PEER_ARGS)
+	$(PYTHON) -m bench.peer.prefill_budget $(PEER_ARGS)
 
 # The peer benchmark's workloads split by layer: our forward alone, the batch engine, the services.
 bench-breakdown: $(PB_GEN) $(REAL_MODEL)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.serving.prefill_budget import parse_settings
+from bench.peer.prefill_budget import parse_settings
 from consumer.engine import prefill_budget
 from shared.config import ConsumerConfig
 

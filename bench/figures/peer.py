@@ -121,7 +121,7 @@ BUDGET = "prefill_budget.jsonl"
 
 
 def prefill_budget(root: Path = RESULTS.parents[1]) -> dict:
-    """bench.serving.prefill_budget's summaries (`make bench-prefill-budget`): per run (its code) and
+    """bench.peer.prefill_budget's summaries (`make bench-prefill-budget`): per run (its code) and
     setting, TTFT at 2k, 32 streams' tokens/s and the running streams' longest gap while a 2k prompt
     arrives, each with its ratio to the run's first setting."""
     path = root / "bench/results" / BUDGET

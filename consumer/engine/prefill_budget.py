@@ -8,7 +8,7 @@ pair, the rows at code 4979f9a): 4096 : 4096 against 512 : 2048 gives TTFT at 2k
 and 1.06x the tokens/s of 32 streams, and the running streams' longest gap while a 2k prompt
 arrives 2.4x (400 against 167 ms); a 4k prompt holds them for its whole forward. An operator who
 needs short gaps more than TTFT lowers `--prefill-chunk` (512: the old default). The defaults are chosen from
-`python -m bench.serving.prefill_budget` rows (bench/results/prefill_budget.jsonl: TTFT at 2k tokens,
+`python -m bench.peer.prefill_budget` rows (bench/results/prefill_budget.jsonl: TTFT at 2k tokens,
 32 streams' tokens/s and the longest gap of running streams while a 2k prompt arrives, settings side
 by side on one host); docs/results.md "The prefill budget" shows them. CUDA's were not measured (no
 device lent when they were chosen): vLLM's OpenAI server defaults for a large GPU stand in.

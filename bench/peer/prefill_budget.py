@@ -1,4 +1,4 @@
-"""`python -m bench.serving.prefill_budget` (`make bench-prefill-budget`): the engine's prefill token
+"""`python -m bench.peer.prefill_budget` (`make bench-prefill-budget`): the engine's prefill token
 budget per iteration, measured on this device, settings side by side.
 
 A setting is `prefill_chunk:max_batch_tokens` (the consumer's --prefill-chunk, tokens one request
