@@ -9,8 +9,6 @@
 // lengths [B] int64 (keys each row attends over, its new token's included). Out [B, H, hd] in q's
 // dtype. Scores, softmax and the weighted sum in float32, as SDPA's CPU kernels accumulate.
 // Every table entry and length a row uses is checked against the pool before anything is read.
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -191,33 +189,11 @@ Item<double> item_for<double>(int64_t, int64_t) { return nullptr; }
 // Used where block_tokens is a multiple of 16 (a block's keys in whole tiles) and HD is 32 or 64.
 namespace amx {
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+// tiles (amx_tiles::configure): pass 1: 0 K rows, 1 / 2 Q^T's chunks, 6 scores; pass 3: 0 P rows,
+// 1 V's key pairs, 2 .. 5 the output
 
-__attribute__((target("amx-tile"))) inline void configure() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  // the intrinsic's asm does not tell the compiler it reads cfg: without this barrier GCC 12 drops the
-  // stores above as dead (a config of palette 1 and no tiles: the first tile load is an illegal instruction)
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
-}
-
-__attribute__((target("amx-tile"))) inline void release() { _tile_release(); }
-
-bool supported() {
-  static const bool ok = [] {
-    if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("amx-tile") ||
-        !__builtin_cpu_supports("avx512bf16"))
-      return false;
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-}
+// AMX-BF16 usable here, and AVX-512 BF16 for the conversions around it
+bool supported() { return amx_tiles::permitted() && __builtin_cpu_supports("avx512bf16"); }
 
 struct Scratch {
   std::vector<float> scores;     // [16][Lp]
@@ -345,16 +321,14 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512bw,avx512f,avx512vl,av
     _tile_stored(4, &o[0][32], HD * 4);
     _tile_stored(5, &o[0][48], HD * 4);
   }
-  // column of O holding dim e: e = 32 d + 8 lane + 4 half + i  <-  column 16 (2 d + half) + 4 lane + i
-  alignas(64) int32_t column_of[HD];
-  for (int e = 0; e < HD; ++e) {
-    const int d = e / 32, lane = e % 32 / 8, half = e % 8 / 4, i = e % 4;
-    column_of[e] = 16 * (2 * d + half) + 4 * lane + i;
-  }
+  // column of O holding dim e = 32 d + 8 lane + 4 half + i: 16 (2 d + half) + 4 lane + i; dims 16 c ..
+  // 16 c + 15 read from `first_half` (+ 8 for odd c) + 32 (c / 2)
+  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   for (int64_t h = 0; h < g; ++h) {
     const __m512 inv = _mm512_set1_ps(1.f / total[h]);
     for (int c = 0; c < C; ++c) {
-      const __m512 x = _mm512_i32gather_ps(_mm512_load_si512(&column_of[c * 16]), &o[h][0], 4);
+      const __m512i columns = _mm512_add_epi32(first_half, _mm512_set1_epi32(32 * (c / 2) + 8 * (c % 2)));
+      const __m512 x = _mm512_i32gather_ps(columns, &o[h][0], 4);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(ob + h * HD + c * 16),
                           reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(x, inv))));
     }
@@ -372,7 +346,7 @@ void decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64
   const int64_t g = H / n_kv;
   at::parallel_for(0, B * n_kv, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
-    configure();  // tile state is per thread
+    amx_tiles::configure();  // tile state is per thread
     for (int64_t it = begin; it < end; ++it) {
       const int64_t b = it / n_kv, j = it % n_kv;
       const uint16_t* qb = q + (b * H + j * g) * hd;
@@ -382,7 +356,7 @@ void decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64
       else
         item<64>(qb, g, k + j * slots * hd, v + j * slots * hd, tables + b * max_blocks, lengths[b], block_tokens, scale, ob, scratch);
     }
-    release();
+    amx_tiles::release();
   });
 }
 

@@ -28,8 +28,6 @@
 // probabilities by its V on AMX tiles (TDPBF16PS: a 16 x 32 by 32 x 16 bfloat16 product accumulated
 // in float32 per instruction), the online softmax in AVX-512 between the two; the output is kept in
 // float32 beside the tiles and rescaled there.
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "vec_math.h"
@@ -204,22 +202,8 @@ void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64
 
 constexpr int M = 16;  // query rows per group: one tile's columns
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// tiles 0 A (K rows or V^T rows), 1 B (Q^T or P^T pairs), 2 / 3 scores of keys 0-15 / 16-31 (keys x
-// rows), 4 .. 7 output (dims x rows, 16 dims each): 16 rows of 64 bytes each
-inline void configure() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  // the intrinsic's asm does not tell the compiler it reads cfg: without this barrier GCC 12 drops the
-  // stores above as dead (a config of palette 1 and no tiles: the first tile load is an illegal instruction)
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
-}
+// tiles (amx_tiles::configure: 16 rows of 64 bytes each): 0 A (K rows or V^T rows), 1 B (Q^T or P^T
+// pairs), 2 / 3 scores of keys 0-15 / 16-31 (keys x rows), 4 .. 7 output (dims x rows, 16 dims each)
 
 // Everything transposed, so that the softmax runs down columns: the 16 query rows of a group are a
 // vector's 16 lanes. Scores S^T [32 keys x 16 rows] = K [32 x HD] by Q^T; the maximum, exp and sums
@@ -412,25 +396,18 @@ void attend_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, const i
   });
   const int64_t groups = (s.n * s.g + M - 1) / M;
   at::parallel_for(0, s.n_kv * groups, 1, [&](int64_t begin, int64_t end) {
-    configure();  // tile state is per thread
+    amx_tiles::configure();  // tile state is per thread
     for (int64_t item = begin; item < end; ++item) {
       const int64_t j = item % s.n_kv, i = item / s.n_kv;
       const int64_t gi = i % 2 == 0 ? i / 2 : groups - 1 - i / 2;
       group_amx<HD>(q, kr.data() + j * keys * HD, vt.data() + j * keys / 2 * HD, out, s, j, gi * M);
     }
-    _tile_release();
+    amx_tiles::release();
   });
 }
 
-// AMX-BF16 on this CPU and the kernel allowed to use its tiles (Linux: once per process)
-bool amx_supported() {
-  static const bool ok = [] {
-    if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("amx-tile")) return false;
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-}
+// AMX-BF16 on this CPU and the kernel allowed to use its tiles
+bool amx_supported() { return amx_tiles::permitted(); }
 
 torch::Tensor run(bool use_amx, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 const torch::Tensor& table, int64_t start, int64_t block_tokens, double scale) {

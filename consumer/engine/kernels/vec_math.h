@@ -1,10 +1,12 @@
-// Vector math the CPU attention kernels share (decode_attention.cpp, prefill_attention.cpp).
-// Builds fold this file's digest into their flags (consumer/engine/paged_attention.py), so an edit here
-// rebuilds them.
+// Vector math and AMX tile setup the CPU attention kernels share (decode_attention.cpp,
+// prefill_attention.cpp). Builds fold this file's digest into their flags
+// (consumer/engine/paged_attention.py), so an edit here rebuilds them.
 #pragma once
 
 #ifdef __AVX512F__
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 // e^x for 16 lanes: 2^n * p(r), r = x - n ln 2, a degree-6 polynomial (relative error ~2e-7); x
 // clamped below at -104 (e^-104 is below float32's smallest normal: the result flushes to ~0)
@@ -24,4 +26,39 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
+
+// AMX tiles, as both kernels use them: 8 tiles of 16 rows x 64 bytes. The functions carry their own
+// target attributes, so a build without AMX flags (the decode kernel's AVX-512 build) runs them only
+// where `amx_tiles::permitted()` says so.
+namespace amx_tiles {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// the calling thread's tile configuration (tile state is per thread)
+__attribute__((target("amx-tile"))) inline void configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  // the intrinsic's asm does not tell the compiler it reads cfg: without this barrier GCC 12 drops the
+  // stores above as dead (a config of palette 1 and no tiles: the first tile load is an illegal instruction)
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+__attribute__((target("amx-tile"))) inline void release() { _tile_release(); }
+
+// AMX-BF16 on this CPU and this process allowed to use its tiles (Linux: asked once per process)
+inline bool permitted() {
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("amx-tile")) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+}  // namespace amx_tiles
 #endif
