@@ -42,6 +42,19 @@ def pool_for(loaded, tokens: int = 1024, block: int = 16) -> KVPool:
     return KVPool(loaded.info, loaded.device, tokens * loaded.info.kv_bytes(1), block)
 
 
+def others_finish_and_every_block_is_back_zero(engine, pool, seqs, outcomes, which, polls: int) -> None:
+    """The tasks `which` finish (up to `polls` waits of 20 ms) and their sequences go back; then every
+    block is free and zero: nothing wrote into a block after it was freed."""
+    for i in which:
+        for _ in range(polls):
+            if outcomes[i] and isinstance(outcomes[i][-1], Finished):
+                break
+            threading.Event().wait(0.02)
+        engine.release(seqs[i]).result(10)
+    assert pool.free_blocks == pool.num_blocks
+    assert float(pool.k.abs().max()) == 0.0 and float(pool.v.abs().max()) == 0.0
+
+
 def test_a_release_during_a_multi_group_step_waits_for_the_task_to_leave(loaded):
     pool = pool_for(loaded)
     engine = BatchEngine(loaded, pool, max_batch=8, runner=Runner)  # a padding runner: pack() splits prefill rows
@@ -79,15 +92,7 @@ def test_a_release_during_a_multi_group_step_waits_for_the_task_to_leave(loaded)
         assert released_ok
         assert calls[0] == 2  # the 64-token row and one 1-token row shared the first forward
         assert late not in engine.tasks
-        for i in (0, 1):  # the others finish and go back too
-            for _ in range(200):
-                if outcomes[i] and isinstance(outcomes[i][-1], Finished):
-                    break
-                threading.Event().wait(0.02)
-            engine.release(seqs[i]).result(10)
-        assert pool.free_blocks == pool.num_blocks
-        # every block is back and zero: nothing wrote into a block after it was freed
-        assert float(pool.k.abs().max()) == 0.0 and float(pool.v.abs().max()) == 0.0
+        others_finish_and_every_block_is_back_zero(engine, pool, seqs, outcomes, (0, 1), polls=200)
     finally:
         engine.shutdown()
 
@@ -139,14 +144,7 @@ def test_a_release_during_a_prefill_then_decode_step_waits_for_the_task_to_leave
         assert released and released[0].done()
         assert [64] in calls  # the prefill alone, the decode rows in the forward after it
         assert late not in engine.tasks
-        for i in (0, 2):
-            for _ in range(300):
-                if outcomes[i] and isinstance(outcomes[i][-1], Finished):
-                    break
-                threading.Event().wait(0.02)
-            engine.release(seqs[i]).result(10)
-        assert pool.free_blocks == pool.num_blocks
-        assert float(pool.k.abs().max()) == 0.0 and float(pool.v.abs().max()) == 0.0
+        others_finish_and_every_block_is_back_zero(engine, pool, seqs, outcomes, (0, 2), polls=300)
     finally:
         engine.shutdown()
 

@@ -35,7 +35,6 @@ import time
 import torch
 
 from bench.harness import services
-from bench.harness.provenance import host_fields, weights_of
 from bench.peer import workloads
 from consumer.engine import prefill_budget
 from consumer.engine.batch import BatchEngine, Task
@@ -140,14 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     tok = AutoTokenizer.from_pretrained(str(resolve_path(args.model)))
     stop = [tasks.end_id(tok)]
     loaded = load_model(args.model, args.dtype, "cpu")
-    common = {
-        "model": args.model,
-        "weights": weights_of(args.model),
-        "dtype": args.dtype,
-        "torch_threads": args.threads,
-        "code": services.code_version(),
-        **host_fields(),
-    }
+    common = workloads.row_fields(args)
     ours, consumer_args = workloads.service_args(args, max(32, *workloads.streams(args)))
     log_dir = ROOT / "bench/runs/peer_breakdown"
     log_dir.mkdir(parents=True, exist_ok=True)

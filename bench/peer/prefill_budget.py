@@ -31,7 +31,6 @@ import statistics
 import time
 
 from bench.harness import services
-from bench.harness.provenance import host_fields, weights_of
 from bench.peer import workloads
 from consumer.api.client import ConsumerClient, prompt
 from real import tasks
@@ -105,14 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     tok = AutoTokenizer.from_pretrained(str(resolve_path(args.model)))
     stop = [tasks.end_id(tok)]
     decode_streams = max(workloads.streams(args))
-    common = {
-        "model": args.model,
-        "weights": weights_of(args.model),
-        "dtype": args.dtype,
-        "torch_threads": args.threads,
-        "code": services.code_version(),
-        **host_fields(),
-    }
+    common = workloads.row_fields(args)
     ours, consumer_args = workloads.service_args(args, max(32, decode_streams, args.stall_streams + 1))
     log_dir = ROOT / "bench/runs/prefill_budget"
     samples: list[dict] = []

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TextIO
 
 from bench.harness import services
+from bench.harness.provenance import host_fields, weights_of
 from consumer.api.client import ConsumerClient, prompt
 from real import tasks
 
@@ -31,6 +32,19 @@ def add_args(parser: argparse.ArgumentParser, out: Path, threads_help: str) -> N
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", type=Path, default=out)
+
+
+def row_fields(args: argparse.Namespace) -> dict:
+    """What every row of a run of this project's services alone says it ran on: the model, its
+    weights and dtype, the torch threads, the code and the host."""
+    return {
+        "model": args.model,
+        "weights": weights_of(args.model),
+        "dtype": args.dtype,
+        "torch_threads": args.threads,
+        "code": services.code_version(),
+        **host_fields(),
+    }
 
 
 def streams(args: argparse.Namespace) -> list[int]:

@@ -125,15 +125,10 @@ class RequestPipeline:
     async def _local_prefill(self, job: GenerateJob, result: GenerateResult, seq: SequenceKV, start: int = 0) -> None:
         """The consumer's own prefill of context tokens [start, T) into seq (tokens before start:
         a cached prefix of the consumer's own KV), in chunks inside the engine's batches."""
-        left(job, "context prefill")
-        if start < seq.shared_blocks * self.engine.pool.block_tokens:
-            # a cached prefix rebuilt by a codec cannot be overwritten in place (other requests share it)
-            raise DataLoss("the cached prefix this request shares cannot be replaced by a local prefill")
-        seq.length = start  # a failed or flagged transfer's layers are overwritten
+        self._context_from(job, result, seq, start)
         if start == len(job.context_ids):
             return  # the whole context was cached
         started = time.perf_counter()
-        result.local_tokens += len(job.context_ids) - start
         task = Task(seq, list(job.context_ids[start:]), sink=lambda _: None)
         async with contextlib.aclosing(engine_task(self.engine, job, task)) as events:
             async for _ in events:
@@ -143,13 +138,15 @@ class RequestPipeline:
         result.local_prefill_ms += took
 
     def _context_from(self, job: GenerateJob, result: GenerateResult, seq: SequenceKV, start: int) -> int:
-        """Oracle's context: the tokens [start, T) are fed by the question's own task, ahead of the
-        question (one engine task: no wait between the two, and a chunk may hold the context's end and
-        the question); checked and counted here as _local_prefill does."""
+        """The consumer's own prefill of context tokens [start, T) about to be fed (by _local_prefill,
+        or for oracle by the question's own task, ahead of the question: one engine task, no wait
+        between the two, and a chunk may hold the context's end and the question): the deadline and
+        the shared prefix checked, seq cut back to `start`, the tokens counted; `start`."""
         left(job, "context prefill")
         if start < seq.shared_blocks * self.engine.pool.block_tokens:
+            # a cached prefix rebuilt by a codec cannot be overwritten in place (other requests share it)
             raise DataLoss("the cached prefix this request shares cannot be replaced by a local prefill")
-        seq.length = start
+        seq.length = start  # a failed or flagged transfer's layers are overwritten
         result.local_tokens += len(job.context_ids) - start
         return start
 
