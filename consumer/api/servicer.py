@@ -179,7 +179,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
 
     def elementwise_ops(self) -> str:
         """What the forward's norms, residual adds, SiLU * up and RoPE run (PoolRunner.fused_runs):
-        "fused avx512", or "eager: why"."""
+        "fused avx512 bf16", "fused avx512", or "eager: why"."""
         runner = self._runner()
         return getattr(runner, "fused_runs", f"eager: {type(runner).__name__} has no fused ops")
 

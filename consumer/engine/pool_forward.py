@@ -194,7 +194,7 @@ class PoolRunner:
         # None: per-row SDPA. prefill_runs: what they run ("kernel avx512bf16" or "sdpa: why")
         self.prefill_kernel, self.prefill_runs = resolve_prefill(prefill_attention, pool.device, pool.dtype, pool.info.head_dim)
         # the elementwise steps (norms, residual adds, SiLU * up, RoPE) fused where the extension runs;
-        # fused_runs: "fused avx512" or "eager: why"
+        # fused_runs: "fused avx512[ bf16]" or "eager: why"
         self.ops, self.fused_runs = resolve_fused(fused_ops, pool.device, pool.dtype)
         # the projections' weights prepacked for oneDNN (CPU; None elsewhere or with packed=False)
         self.packed = own.Packed.of(self.model) if packed else None

@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -217,7 +218,7 @@ void group_amx(const uint16_t* q, const uint16_t* kr, const uint32_t* vt, uint16
   const int64_t rows = s.n * s.g;
   alignas(64) uint32_t qt[P][M];  // Q^T pairs: qt[p][r] = (q[r][2p], q[r][2p + 1])
   alignas(64) int32_t lim[M];     // the last key each row sees; -1: no row here
-  int64_t top = -1;
+  int64_t top = -1, low = std::numeric_limits<int64_t>::max();  // the last key any row sees; the least that every row sees
   for (int r = 0; r < M; ++r) {
     const int64_t f = first + r;
     if (f >= rows) {
@@ -230,6 +231,7 @@ void group_amx(const uint16_t* q, const uint16_t* kr, const uint32_t* vt, uint16
     for (int p = 0; p < P; ++p) qt[p][r] = qr[p];
     lim[r] = static_cast<int32_t>(s.start + pos);
     top = std::max<int64_t>(top, lim[r]);
+    low = std::min<int64_t>(low, lim[r]);
   }
   const __m512i limv = _mm512_load_si512(lim);
   alignas(64) float acc[HD][M];
@@ -238,16 +240,19 @@ void group_amx(const uint16_t* q, const uint16_t* kr, const uint32_t* vt, uint16
   alignas(64) float ot[16][M];
   alignas(64) uint32_t pt[TILE / 2][M];
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512 scale = _mm512_set1_ps(s.scale);
+  // the softmax in base 2: e^(x - m) = 2^(x log2(e) - m log2(e)); the maximum, the lazy margin and
+  // the rescale factors are kept in base-2 units, and the scale's log2(e) rides in the one multiply
+  // (a fused multiply-subtract) each score takes anyway
+  const __m512 scale2 = _mm512_set1_ps(s.scale * 1.44269504088896341f);
   // bfloat16 lanes 0..15 (p of key 2u) and 16..31 (key 2u + 1) -> pairs per row
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   // HD <= 64: the output's HD / 16 tiles stay in tile registers 4.. across the key tiles, and the
   // running maximum moves only when a row's scores pass it by more than LAZY (then the output is
-  // stored, rescaled and reloaded): weights up to e^LAZY, far inside float32 and bfloat16's range.
+  // stored, rescaled and reloaded): weights up to 2^LAZY, far inside float32 and bfloat16's range.
   // HD = 128 has no tiles to spare: its output is stored and rescaled every key tile.
   constexpr bool resident = HD <= 64;
-  constexpr float LAZY = 8.f;
+  constexpr float LAZY = 11.f;
   auto store_out = [&]() {
     if constexpr (resident) {
       _tile_stored(4, &acc[0][0], 64);
@@ -283,14 +288,22 @@ void group_amx(const uint16_t* q, const uint16_t* kr, const uint32_t* vt, uint16
     }
     _tile_stored(2, &st[0][0], 64);
     _tile_stored(3, &st[16][0], 64);
+    // the raw scores' maximum over the keys each row sees (the scale is positive: scaling after
+    // the maximum is the same), in base-2 units
+    // A tile every row sees whole (below the diagonal: most of them) needs no masks; rows past the
+    // group's end (lim -1) then weigh their zero scores, never stored.
+    const bool full = t0 + TILE - 1 <= low;
     __mmask16 in[TILE];
     __m512 tmax = ninf;
-    for (int i = 0; i < TILE; ++i) {
-      in[i] = _mm512_cmpge_epi32_mask(limv, _mm512_set1_epi32(static_cast<int>(t0 + i)));
-      const __m512 x = _mm512_mask_mul_ps(ninf, in[i], _mm512_load_ps(st[i]), scale);
-      _mm512_store_ps(st[i], x);
-      tmax = _mm512_max_ps(tmax, x);
+    if (full) {
+      for (int i = 0; i < TILE; ++i) tmax = _mm512_max_ps(tmax, _mm512_load_ps(st[i]));
+    } else {
+      for (int i = 0; i < TILE; ++i) {
+        in[i] = _mm512_cmpge_epi32_mask(limv, _mm512_set1_epi32(static_cast<int>(t0 + i)));
+        tmax = _mm512_mask_max_ps(tmax, in[i], tmax, _mm512_load_ps(st[i]));
+      }
     }
+    tmax = _mm512_mul_ps(tmax, scale2);  // -inf stays -inf
     // rows whose maximum moves: all of them where the output is not resident, else only those
     // passed by more than LAZY (and those with no maximum yet)
     const __mmask16 moves = resident ? _mm512_cmp_ps_mask(tmax, _mm512_add_ps(m, _mm512_set1_ps(LAZY)), _CMP_GT_OQ)
@@ -299,7 +312,7 @@ void group_amx(const uint16_t* q, const uint16_t* kr, const uint32_t* vt, uint16
     if (moves) {
       const __m512 m_new = _mm512_mask_max_ps(m, moves, m, tmax);
       const __mmask16 was = _mm512_cmp_ps_mask(m, ninf, _CMP_NEQ_OQ);  // rows with a maximum before
-      alpha = _mm512_mask_mov_ps(alpha, moves & was, exp512(_mm512_sub_ps(m, m_new)));
+      alpha = _mm512_mask_mov_ps(alpha, moves & was, exp2_512(_mm512_sub_ps(m, m_new)));
       alpha = _mm512_mask_mov_ps(alpha, moves & ~was, _mm512_setzero_ps());  // nothing summed yet: 0 stays 0
       m = m_new;
       l = _mm512_mul_ps(l, alpha);
@@ -309,16 +322,25 @@ void group_amx(const uint16_t* q, const uint16_t* kr, const uint32_t* vt, uint16
         load_out();
       }
     }
-    // rows with no key yet (or no row): keep -inf, subtract 0 so nothing is NaN; their weights are 0
+    // rows with no key yet (or no row): keep -inf, subtract 0 so nothing is NaN; their weights are 0.
+    // Scores are finite (keys past L are zeros), so every exponent is; masked lanes' weights are 0.
     const __mmask16 live = _mm512_cmp_ps_mask(m, ninf, _CMP_NEQ_OQ);
     const __m512 base = _mm512_maskz_mov_ps(live, m);
-    for (int u = 0; u < TILE / 2; ++u) {
-      const __m512 p0 = _mm512_maskz_mov_ps(in[2 * u], exp512(_mm512_sub_ps(_mm512_load_ps(st[2 * u]), base)));
-      const __m512 p1 = _mm512_maskz_mov_ps(in[2 * u + 1], exp512(_mm512_sub_ps(_mm512_load_ps(st[2 * u + 1]), base)));
-      l = _mm512_add_ps(l, _mm512_add_ps(p0, p1));
-      const __m512i pair = _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
-      _mm512_store_si512(pt[u], pair);
-    }
+    auto weigh = [&](auto masked) {
+      for (int u = 0; u < TILE / 2; ++u) {
+        __m512 p0 = exp2_512(_mm512_fmsub_ps(_mm512_load_ps(st[2 * u]), scale2, base));
+        __m512 p1 = exp2_512(_mm512_fmsub_ps(_mm512_load_ps(st[2 * u + 1]), scale2, base));
+        if constexpr (decltype(masked)::value) {
+          p0 = _mm512_maskz_mov_ps(in[2 * u], p0);
+          p1 = _mm512_maskz_mov_ps(in[2 * u + 1], p1);
+        }
+        l = _mm512_add_ps(l, _mm512_add_ps(p0, p1));
+        const __m512i pair = _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
+        _mm512_store_si512(pt[u], pair);
+      }
+    };
+    if (full) weigh(std::false_type{});
+    else weigh(std::true_type{});
     // O^T += V^T [16 dims x 32 keys] by P^T, 16 dims at a time
     _tile_loadd(1, &pt[0][0], 64);
     const uint32_t* vtile = vt + (t0 / TILE) * HD * 16;

@@ -27,6 +27,22 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 2^x for 16 lanes: 2^n * p(r), n = round(x), r = x - n in [-1/2, 1/2], p a degree-5 fit (relative
+// error < 3e-7, as exp512's); cheaper than exp512 where the caller folds log2(e) into a scale it
+// applies anyway. x must not be -inf or NaN (r would be NaN): callers mask such lanes; x below
+// about -150 gives 0.
+inline __m512 exp2_512(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3216948508e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6667540221e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5508338204e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022318176e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314693804e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // AMX tiles, as both kernels use them: 8 tiles of 16 rows x 64 bytes. The functions carry their own
 // target attributes, so a build without AMX flags (the decode kernel's AVX-512 build) runs them only
 // where `amx_tiles::permitted()` says so.
