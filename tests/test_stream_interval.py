@@ -34,3 +34,35 @@ async def test_tokens_after_the_first_go_out_in_fours_with_the_same_answer():
 def test_a_stream_interval_below_one_is_refused():
     with pytest.raises(ValueError, match="stream_interval: 0 must be >= 1"):
         ConsumerConfig(stream_interval=0).validate()
+
+
+def test_the_holder_posts_the_first_token_alone_then_bursts_of_n_and_flushes_before_the_end():
+    from consumer.engine.batch import Finished
+    from consumer.request.engine_stream import Holder
+
+    posted: list = []
+    holder = Holder(posted.append, 3)
+    for token in range(7):
+        holder(token)
+    assert posted == [0, 1, 2, 3, 4, 5, 6]  # 0 alone; 1-3, 4-6 in bursts of 3
+    holder(7)
+    assert posted[-1] == 6  # held: fewer than 3 since the last burst
+    end = Finished("length")
+    holder(end)
+    assert posted[-2:] == [7, end]  # what was held, then the end
+    error = RuntimeError("engine failed")
+    again = Holder(posted.append, 4)
+    for token in (10, 11, 12):
+        again(token)
+    again(error)
+    assert posted[-3:] == [11, 12, error]  # an error goes out after the tokens before it
+
+
+def test_the_holder_hands_over_what_it_holds_when_the_deadline_fires():
+    from consumer.request.engine_stream import Holder
+
+    posted: list = []
+    holder = Holder(posted.append, 8)
+    for token in range(5):
+        holder(token)
+    assert posted == [0] and holder.drain() == [1, 2, 3, 4] and holder.drain() == []

@@ -12,6 +12,8 @@ end token stops both engines):
 - `ttft`: one request of `--ttft-ctx` context tokens, one new token; the client's wall time.
 - `decode`: `streams` requests at once (`--streams`, default 1 and 32) of `--decode-ctx` context
   tokens and up to `--decode-tokens` new tokens; tokens/s = tokens generated / wall time of the batch.
+  Our answers stream token by token (`--stream-interval` 1, the consumer's default) or N tokens per
+  message after the first (`--stream-interval N`); vLLM's offline `LLM` returns whole answers.
 Every repetition runs each workload on both engines, the first engine alternating, each run after
 `--settle-s` idle seconds (an engine's OpenMP threads spin a while after its run: without the pause,
 the run right after the other engine's was up to 1.5x slower, either engine), on new prompts
@@ -138,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         "code": services.code_version(),
         **host_fields(),
         "settle_s": args.settle_s,
+        "stream_interval": args.stream_interval,
     }
     ours_args, consumer_args = workloads.service_args(args, max(streams))
     samples: list[dict] = []

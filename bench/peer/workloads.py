@@ -31,6 +31,12 @@ def add_args(parser: argparse.ArgumentParser, out: Path, threads_help: str) -> N
     parser.add_argument("--streams", default="1,32")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="the consumer's --stream-interval: tokens per message after the first (1: each alone)",
+    )
     parser.add_argument("--out", type=Path, default=out)
 
 
@@ -42,6 +48,7 @@ def row_fields(args: argparse.Namespace) -> dict:
         "weights": weights_of(args.model),
         "dtype": args.dtype,
         "torch_threads": args.threads,
+        "stream_interval": args.stream_interval,
         "code": services.code_version(),
         **host_fields(),
     }
@@ -59,9 +66,11 @@ def cells(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
 def service_args(args: argparse.Namespace, max_batch: int) -> tuple[list[str], list[str]]:
     """The producer's and the consumer's flags: the model at the dtype and threads asked, prefix caches off,
     and no idle probe (the consumer's background transfer after 60 s idle, a 64- or 512-token prefill
-    on the producer: it ran while the other engine or the in-process layers were being timed)."""
+    on the producer: it ran while the other engine or the in-process layers were being timed), the
+    stream interval asked."""
     ours = ["--model", args.model, "--dtype", args.dtype, "--torch-threads", str(args.threads)]
-    return ours, [*ours, *services.NO_PREFIX_CACHE, "--max-batch", str(max_batch), "--probe-idle-s", "0"]
+    consumer = [*ours, *services.NO_PREFIX_CACHE, "--max-batch", str(max_batch), "--probe-idle-s", "0"]
+    return ours, [*consumer, "--stream-interval", str(args.stream_interval)]
 
 
 def prompts(tok, ctx: int, n: int, first: int) -> Prompts:
