@@ -14,10 +14,12 @@ end token stops both engines):
   tokens and up to `--decode-tokens` new tokens; tokens/s = tokens generated / wall time of the batch.
   Our answers stream token by token (`--stream-interval` 1, the consumer's default) or N tokens per
   message after the first (`--stream-interval N`); vLLM's offline `LLM` returns whole answers.
-Every repetition runs each workload on both engines, the first engine alternating, each run after
+With `--stream-interval 1,16` (a comma list) one consumer per value runs beside the others, each
+its own row and summary (`stream_interval`), all on the same prompts. Every repetition runs each
+workload on every engine, the first engine rotating, each run after
 `--settle-s` idle seconds (an engine's OpenMP threads spin a while after its run: without the pause,
 the run right after the other engine's was up to 1.5x slower, either engine), on new prompts
-(the same on both engines). `--warmup` repetitions are not recorded.
+(the same on every engine). `--warmup` repetitions are not recorded.
 
 One JSON line per sample (engine, workload, streams, rep, wall_s, tokens, load_avg_1m), then per
 workload a summary: the medians, ours / vLLM's ratio (TTFT: ours / vLLM; decode: tokens/s ours /
@@ -28,6 +30,7 @@ threads and both engines' versions. Default out: bench/results/peer_vllm.jsonl.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -88,9 +91,13 @@ class Peer:
         self.process.wait(60)
 
 
-def _summary(samples: list[dict], workload: str, streams: int) -> dict:
+def _summary(samples: list[dict], workload: str, streams: int, interval: int) -> dict:
+    """The medians of one workload: our consumer at stream interval `interval` against vLLM."""
     mine = [s for s in samples if s["workload"] == workload and s["streams"] == streams]
-    by = {e: [s for s in mine if s["engine"] == e] for e in ("scd-services", "vllm")}
+    by = {
+        "scd-services": [s for s in mine if s["engine"] == "scd-services" and s["stream_interval"] == interval],
+        "vllm": [s for s in mine if s["engine"] == "vllm"],
+    }
     if workload == "ttft":
         value = {e: statistics.median(s["wall_s"] * 1000 for s in v) for e, v in by.items()}
         key, ratio = "ttft_ms_median", value["scd-services"] / value["vllm"]
@@ -103,6 +110,7 @@ def _summary(samples: list[dict], workload: str, streams: int) -> dict:
         "kind": "summary",
         "workload": workload,
         "streams": streams,
+        "stream_interval": interval,
         "runs": len(by["vllm"]),
         f"ours_{key}": round(value["scd-services"], 2),
         f"vllm_{key}": round(value["vllm"], 2),
@@ -140,28 +148,36 @@ def main(argv: list[str] | None = None) -> None:
         "code": services.code_version(),
         **host_fields(),
         "settle_s": args.settle_s,
-        "stream_interval": args.stream_interval,
     }
-    ours_args, consumer_args = workloads.service_args(args, max(streams))
+    intervals = workloads.intervals(args)
     samples: list[dict] = []
-    with open(args.out, "a") as out, services.running(ours_args, consumer_args, log_dir) as (_, consumer):
+    with open(args.out, "a") as out, contextlib.ExitStack() as stack:
+        consumers = {}  # one producer and consumer per stream interval, all up for the whole run
+        for interval in intervals:
+            ours_args, consumer_args = workloads.service_args(args, max(streams), interval)
+            (log_dir / f"interval{interval}").mkdir(exist_ok=True)
+            consumers[interval] = stack.enter_context(
+                services.running(ours_args, consumer_args, log_dir / f"interval{interval}")
+            )[1]
         emit = workloads.Rows(out, common).emit
         cells = workloads.cells(args)
         serial = 0
+        engines = [("vllm", 0), *(("scd-services", interval) for interval in intervals)]
         for rep in range(-args.warmup, args.runs):
             for workload, n, ctx, max_tokens in cells:
                 batch = workloads.prompts(tok, ctx, n, first=serial)
                 serial += n
-                engines = ["scd-services", "vllm"] if rep % 2 == 0 else ["vllm", "scd-services"]
-                for engine in engines:
+                turn = rep % len(engines)  # the first engine rotates
+                for engine, interval in engines[turn:] + engines[:turn]:
                     time.sleep(args.settle_s)  # after the other engine: its worker threads spin a while when done
                     if engine == "vllm":
                         wall, outputs = peer.generate([c + q for c, q in batch], max_tokens, stop)
                     else:
-                        wall, outputs = workloads.ours(consumer.address, batch, max_tokens, stop)
+                        wall, outputs = workloads.ours(consumers[interval].address, batch, max_tokens, stop)
                     row = {
                         "kind": "sample",
                         "engine": engine,
+                        "stream_interval": interval or None,
                         "workload": workload,
                         "streams": n,
                         "context_tokens": ctx,
@@ -173,8 +189,9 @@ def main(argv: list[str] | None = None) -> None:
                     if rep >= 0:
                         samples.append({**row, "outputs": outputs})
                         emit(row)
-        for workload, n, _, _ in cells:
-            emit(_summary(samples, workload, n))
+        for interval in intervals:
+            for workload, n, _, _ in cells:
+                emit(_summary(samples, workload, n, interval))
     peer.close()
 
 

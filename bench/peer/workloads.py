@@ -33,9 +33,9 @@ def add_args(parser: argparse.ArgumentParser, out: Path, threads_help: str) -> N
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument(
         "--stream-interval",
-        type=int,
-        default=1,
-        help="the consumer's --stream-interval: tokens per message after the first (1: each alone)",
+        default="1",
+        help="the consumer's --stream-interval: tokens per message after the first (1: each alone); "
+        "bench.peer.vs_vllm takes a comma list and runs a consumer per value side by side",
     )
     parser.add_argument("--out", type=Path, default=out)
 
@@ -48,10 +48,18 @@ def row_fields(args: argparse.Namespace) -> dict:
         "weights": weights_of(args.model),
         "dtype": args.dtype,
         "torch_threads": args.threads,
-        "stream_interval": args.stream_interval,
+        "stream_interval": intervals(args)[0],
         "code": services.code_version(),
         **host_fields(),
     }
+
+
+def intervals(args: argparse.Namespace) -> list[int]:
+    """The stream intervals asked (--stream-interval, a comma list), each >= 1."""
+    values = [int(s) for s in str(args.stream_interval).split(",")]
+    if not values or min(values) < 1:
+        raise SystemExit(f"--stream-interval: {args.stream_interval!r} must be integers >= 1")
+    return values
 
 
 def streams(args: argparse.Namespace) -> list[int]:
@@ -63,14 +71,14 @@ def cells(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
     return [("ttft", 1, args.ttft_ctx, 1)] + [("decode", n, args.decode_ctx, args.decode_tokens) for n in streams(args)]
 
 
-def service_args(args: argparse.Namespace, max_batch: int) -> tuple[list[str], list[str]]:
+def service_args(args: argparse.Namespace, max_batch: int, interval: int | None = None) -> tuple[list[str], list[str]]:
     """The producer's and the consumer's flags: the model at the dtype and threads asked, prefix caches off,
     and no idle probe (the consumer's background transfer after 60 s idle, a 64- or 512-token prefill
     on the producer: it ran while the other engine or the in-process layers were being timed), the
-    stream interval asked."""
+    stream interval asked (`interval`, else the first of --stream-interval)."""
     ours = ["--model", args.model, "--dtype", args.dtype, "--torch-threads", str(args.threads)]
     consumer = [*ours, *services.NO_PREFIX_CACHE, "--max-batch", str(max_batch), "--probe-idle-s", "0"]
-    return ours, [*consumer, "--stream-interval", str(args.stream_interval)]
+    return ours, [*consumer, "--stream-interval", str(interval or intervals(args)[0])]
 
 
 def prompts(tok, ctx: int, n: int, first: int) -> Prompts:
