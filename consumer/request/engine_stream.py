@@ -3,7 +3,9 @@ an answer. The engine's sink (called on its thread) feeds an asyncio queue; what
 the caller last took from it comes out as one list, so a loaded event loop sends fewer, fuller
 messages. The sinks of every task on one event loop post through one `Mailbox`: what the engine
 delivers in one burst (every row of a forward, or one message of the engine process) wakes the
-loop once, not once per request. Knows nothing about gRPC or codecs.
+loop once, not once per request. With a stream interval N > 1 a task's sink holds its tokens on the
+engine's side (`Holder`) and posts N at a time: the loop wakes once per N tokens. Knows nothing
+about gRPC or codecs.
 """
 
 from __future__ import annotations
