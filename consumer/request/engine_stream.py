@@ -138,6 +138,7 @@ async def engine_task(
             if error is not None and holder is not None:
                 batch += holder.drain()  # the deadline: what the engine made before it still goes out
             finished = bool(batch) and isinstance(batch[-1], Finished)
+            # the holder's bursts are posted item by item: the loop may wake mid-burst, so it holds too
             held += batch
             if held and not sent and interval > 1:  # the first token alone, however many are ready
                 yield held[:1]
