@@ -13,7 +13,7 @@ import os
 import signal
 from collections.abc import Awaitable, Callable
 
-from shared import logs, startup
+from shared import logs, startup, torch_threads
 from shared.config import ServerConfig
 from shared.torch_threads import intra_op_threads
 
@@ -44,6 +44,7 @@ def main(service: str, config_cls: type[ServerConfig], server_cls: type, argv: l
     cfg = _config(service, config_cls, argv)
     _tune_process(service, cfg)
     loaded, cfg = _checked_model(service, cfg)
+    torch_threads.pin(1)  # the event loop's thread forms no OpenMP team (shared.torch_threads)
     failed: list[str] = []
     run(functools.partial(_serve, service, cfg, server_cls, loaded, failed))
     if failed:
@@ -91,7 +92,8 @@ def _checked_model(service: str, cfg: ServerConfig):
     except startup.StartupError as exc:
         startup.fail(service, str(exc))
     try:
-        return startup.load_checked(service, cfg)
+        # on a thread that ends: its OpenMP team ends with it (shared.torch_threads)
+        return torch_threads.on_new_thread(startup.load_checked, service, cfg, name=f"{service}-load")
     except startup.StartupError as exc:
         startup.fail(service, str(exc))
     except Exception as exc:

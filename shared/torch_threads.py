@@ -1,8 +1,13 @@
-"""How many intra-op threads torch gets in a service, and why (set once, before any forward)."""
+"""How many intra-op threads torch gets in a service, and why (set once, before any forward), and
+which threads form an OpenMP team (one per process: see `pin`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def intra_op_threads(configured: int, device: str, env: Mapping[str, str]) -> tuple[int, str]:
@@ -24,3 +29,47 @@ def intra_op_threads(configured: int, device: str, env: Mapping[str, str]) -> tu
     if resolve_device(device).type == "cuda":
         return 1, "the model runs on CUDA: CPU-side ops are small, one thread each (--torch-threads N to change)"
     return 0, "the model runs on the CPU: torch's default, one thread per core"
+
+
+# One OpenMP team per process. libgomp (torch's OpenMP on Linux) lets a worker spin about 3 ms
+# between parallel regions only while the process holds no more OpenMP threads than CPUs; past
+# that it spins 100 times and sleeps, and each region starts with a futex wake. Every thread that
+# runs a parallel op keeps a team of its own until it exits: with the main thread's (the model's
+# load) beside the engine thread's on 2 cores, the engine's worker slept and woke ~270 times per
+# decode step (60k voluntary context switches per batch of 32 x 128 tokens; ~30 with one team).
+# So the model loads on a thread that ends (`on_new_thread`), the event loop's thread computes on
+# one thread (`pin(1)`: what it runs is small), and the engine's thread forms the one team.
+GRAIN = 32768  # torch's grain size: an elementwise op over more elements runs on the thread's team
+
+
+def on_new_thread(fn: Callable[..., T], *args: Any, name: str = "scd-once") -> T:
+    """fn(*args) on a thread of its own, its result or its exception; the thread, and the OpenMP
+    team its parallel ops formed, end with it."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append((True, fn(*args)))
+        except BaseException as exc:  # re-raised on the caller's thread
+            out.append((False, exc))
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
+def pin(threads: int) -> None:
+    """The calling thread computes on `threads` intra-op threads from now on, and the count torch
+    gives threads yet to compute stays as it was. torch copies its process-wide count into a thread
+    at the thread's first parallel op and `torch.set_num_threads` sets both: so this sets the count,
+    runs that first op here, and puts the process-wide count back from a passing thread."""
+    import torch
+
+    default = on_new_thread(torch.get_num_threads)  # a new thread reads the process-wide count
+    torch.set_num_threads(threads)
+    torch.zeros(2 * GRAIN).add_(1)  # this thread's first parallel op: torch's per-thread setup, now
+    on_new_thread(torch.set_num_threads, default)

@@ -43,6 +43,7 @@ from consumer.engine.kv_pool import KVPool
 from consumer.engine.pool_forward import PoolRunner
 from consumer.engine.rows import Row
 from real import tasks
+from shared import torch_threads
 from shared.models import load_model, resolve_path
 
 ROOT = services.ROOT
@@ -138,7 +139,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(str(resolve_path(args.model)))
     stop = [tasks.end_id(tok)]
-    loaded = load_model(args.model, args.dtype, "cpu")
+    # as in the consumer: the model loads on a thread that ends and this one computes on one, so
+    # each layer's thread forms the process's only OpenMP team (shared.torch_threads)
+    loaded = torch_threads.on_new_thread(load_model, args.model, args.dtype, "cpu")
+    torch_threads.pin(1)
     common = workloads.row_fields(args)
     ours, consumer_args = workloads.service_args(args, max(32, *workloads.streams(args)))
     log_dir = ROOT / "bench/runs/peer_breakdown"

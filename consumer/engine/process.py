@@ -53,7 +53,7 @@ from consumer.engine.decoding import Sampler, TokenLogprobs
 from consumer.engine.kv_pool import KVPool, SequenceKV
 from consumer.engine.pool_forward import PoolRunner
 from consumer.engine.speculative import DraftSampler, Nucleus
-from shared import liveness, logs
+from shared import liveness, logs, torch_threads
 from shared.errors import ServiceError, Unavailable
 from shared.models import LoadedModel, load_model, warm_up
 
@@ -178,9 +178,15 @@ def _child(spec: dict[str, Any], k: torch.Tensor, v: torch.Tensor, state: torch.
         spec["prefill_chunk"],
         spec["max_batch_tokens"],
         progress=SharedProgress("consumer-engine", state),
-        after_iteration=relay.flush,
         runner=functools.partial(PoolRunner, **spec["forward"]),
     )
+    try:
+        engine.submit(warm_up, loaded).result()  # on the engine's thread, at its threads
+    except Exception as exc:
+        engine.shutdown(wait=True)
+        conn.send(("failed", f"{type(exc).__name__}: {str(exc)[:500]}"))
+        return
+    engine.after_iteration = relay.flush  # from here on: the frontend's first message is "ready"
     conn.send(("ready",))
     try:
         while True:
@@ -201,16 +207,16 @@ def _child(spec: dict[str, Any], k: torch.Tensor, v: torch.Tensor, state: torch.
 
 
 def _load(spec: dict[str, Any], k: torch.Tensor, v: torch.Tensor) -> tuple[LoadedModel, KVPool]:
-    """Child: torch's threads, the model (the frontend's, checked by identity), the shared pool
-    attached, warmed up."""
+    """Child: torch's threads, the model (the frontend's, checked by identity; loaded on a thread
+    that ends, and this thread pinned to one: the engine's thread forms the process's one OpenMP
+    team, shared.torch_threads), the shared pool attached."""
     if spec["torch_threads"]:
         torch.set_num_threads(spec["torch_threads"])
-    loaded = load_model(spec["model"], spec["dtype"], spec["device"])
+    loaded = torch_threads.on_new_thread(load_model, spec["model"], spec["dtype"], spec["device"], name="consumer-load")
+    torch_threads.pin(1)
     if loaded.info.identity != spec["identity"]:  # weights at their precision, forward config, dtype
         raise RuntimeError(f"{spec['model']}: model differs from the frontend's (identity {loaded.info.identity[:16]})")
-    pool = KVPool.attach(loaded.info, k, v, spec["block_tokens"])
-    warm_up(loaded)
-    return loaded, pool
+    return loaded, KVPool.attach(loaded.info, k, v, spec["block_tokens"])
 
 
 def _task_of(msg: tuple, loaded: LoadedModel, pool: KVPool) -> tuple[int, Task]:
