@@ -43,6 +43,8 @@ def peer_vllm(root: Path = RESULTS.parents[1]) -> dict:
             f"| {r['code']} | {host(r)} | {r['workload']} | {r['streams']} | {ctx} | {interval(r)} | {ours:g} {unit} | {theirs:g} {unit} | {r['ratio_ours_vs_vllm']:.2f} | "
             f"{r['identical_outputs']:.0%} | {r['runs']} | {r['load_avg_1m_median']:.1f} |"
         )
+        if r.get("build", "head") != "head":  # a --baseline checkout's rows: in the table, not the verdict
+            continue
         # token by token under the plain key; another interval's under its own
         suffix = "" if interval(r) == 1 else f"/interval{interval(r)}"
         ratios[f"{r['workload']}@{r['streams']}{suffix}"] = r["ratio_ours_vs_vllm"]
@@ -71,6 +73,36 @@ def peer_vllm(root: Path = RESULTS.parents[1]) -> dict:
         "vllm": first["vllm"],
         "threads": first["threads_per_engine"],
         "code": first["code"],
+    }
+
+
+AB = "peer_vllm_ab.jsonl"
+
+
+def peer_ab(root: Path = RESULTS.parents[1]) -> dict:
+    """A before / after run (`bench.peer.vs_vllm --baseline DIR`): per decode / TTFT cell, both
+    builds' medians and ratios to vLLM's in that run, the per-rep tokens/s at 32 streams, and the
+    host's state (vLLM's own 32-stream rate)."""
+    path = root / "bench/results" / AB
+    if not path.exists():
+        return {"text": "(no before / after run yet)"}
+    rows = rows_of(path)
+    summary = {(r["build"], r["workload"], r["streams"]): r for r in rows if r["kind"] == "summary"}
+    samples = [r for r in rows if r["kind"] == "sample" and (r["workload"], r["streams"]) == ("decode", 32)]
+    per_rep = {b: [round(s["tokens"] / s["wall_s"], 1) for s in samples if s.get("build") == b] for b in ("head", "baseline")}
+    peer = [round(s["tokens"] / s["wall_s"], 1) for s in samples if s["engine"] == "vllm"]
+    head, base = summary["head", "decode", 32], summary["baseline", "decode", 32]
+    cells = []
+    for workload, streams in (("ttft", 1), ("decode", 1), ("decode", 32)):
+        h, b = summary["head", workload, streams], summary["baseline", workload, streams]
+        cells.append(f"{workload} at {streams} stream(s) {b['ratio_ours_vs_vllm']:.2f}x -> {h['ratio_ours_vs_vllm']:.2f}x vLLM's")
+    return {
+        "text": (
+            f"code {base['code']} (before) and {head['code']} (after), {head['runs']} reps: " + "; ".join(cells)
+            + f". At 32 streams after / before {head['ours_tokens_per_s_median'] / base['ours_tokens_per_s_median']:.2f}x"
+            f" in medians ({head['ours_tokens_per_s_median']:g} against {base['ours_tokens_per_s_median']:g} tokens/s;"
+            f" per rep after {per_rep['head']}, before {per_rep['baseline']}); vLLM's own rate in that run {min(peer):g}-{max(peer):g} tokens/s"
+        ),
     }
 
 

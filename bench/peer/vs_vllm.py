@@ -15,7 +15,10 @@ end token stops both engines):
   Our answers stream token by token (`--stream-interval` 1, the consumer's default) or N tokens per
   message after the first (`--stream-interval N`); vLLM's offline `LLM` returns whole answers.
 With `--stream-interval 1,16` (a comma list) one consumer per value runs beside the others, each
-its own row and summary (`stream_interval`), all on the same prompts. Every repetition runs each
+its own row and summary (`stream_interval`), all on the same prompts. With `--baseline DIR` (a
+worktree of an earlier commit: `git worktree add DIR COMMIT`, `make proto` there) that checkout's
+producer and consumer run beside them too, at the first interval, run by this venv's python: its
+rows say `build: baseline` and its code (the before / after of a change, in one run). Every repetition runs each
 workload on every engine, the first engine rotating, each run after
 `--settle-s` idle seconds (an engine's OpenMP threads spin a while after its run: without the pause,
 the run right after the other engine's was up to 1.5x slower, either engine), on new prompts
@@ -91,11 +94,13 @@ class Peer:
         self.process.wait(60)
 
 
-def _summary(samples: list[dict], workload: str, streams: int, interval: int) -> dict:
-    """The medians of one workload: our consumer at stream interval `interval` against vLLM."""
+def _summary(samples: list[dict], workload: str, streams: int, interval: int, build: str = "head") -> dict:
+    """The medians of one workload: our consumer at stream interval `interval` (of this checkout,
+    or the --baseline one's) against vLLM."""
     mine = [s for s in samples if s["workload"] == workload and s["streams"] == streams]
+    ours = [s for s in mine if s["engine"] == "scd-services" and s["build"] == build]
     by = {
-        "scd-services": [s for s in mine if s["engine"] == "scd-services" and s["stream_interval"] == interval],
+        "scd-services": [s for s in ours if s["stream_interval"] == interval],
         "vllm": [s for s in mine if s["engine"] == "vllm"],
     }
     if workload == "ttft":
@@ -108,6 +113,8 @@ def _summary(samples: list[dict], workload: str, streams: int, interval: int) ->
     same = [x == y for a, b in pairs for x, y in zip(a, b)]
     return {
         "kind": "summary",
+        "build": build,
+        "code": by["scd-services"][0]["code"],
         "workload": workload,
         "streams": streams,
         "stream_interval": interval,
@@ -123,6 +130,12 @@ def _summary(samples: list[dict], workload: str, streams: int, interval: int) ->
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     workloads.add_args(parser, OUT, "cores for each engine")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout (a worktree of an earlier commit, its protos generated): its services run "
+        "beside this one's at the first stream interval, on the same prompts, rows marked build=baseline",
+    )
     parser.add_argument(
         "--settle-s",
         type=float,
@@ -152,32 +165,39 @@ def main(argv: list[str] | None = None) -> None:
     intervals = workloads.intervals(args)
     samples: list[dict] = []
     with open(args.out, "a") as out, contextlib.ExitStack() as stack:
-        consumers = {}  # one producer and consumer per stream interval, all up for the whole run
-        for interval in intervals:
+        # one producer and consumer per stream interval (and the baseline's), all up for the whole run
+        builds = {(interval, "head"): (ROOT, ()) for interval in intervals}
+        if args.baseline is not None:
+            builds[intervals[0], "baseline"] = (args.baseline, ("bash", "-c", f'cd {args.baseline} && exec "$0" "$@"'))
+        consumers, codes = {}, {}
+        for (interval, build), (root, prefix) in builds.items():
             ours_args, consumer_args = workloads.service_args(args, max(streams), interval)
-            (log_dir / f"interval{interval}").mkdir(exist_ok=True)
-            consumers[interval] = stack.enter_context(
-                services.running(ours_args, consumer_args, log_dir / f"interval{interval}")
+            logs = log_dir / f"{build}-interval{interval}"
+            consumers[interval, build] = stack.enter_context(
+                services.running(ours_args, consumer_args, logs, producer_prefix=prefix, consumer_prefix=prefix)
             )[1]
+            codes[build] = services.code_version(root)
         emit = workloads.Rows(out, common).emit
         cells = workloads.cells(args)
         serial = 0
-        engines = [("vllm", 0), *(("scd-services", interval) for interval in intervals)]
+        engines = [("vllm", 0, None), *(("scd-services", interval, build) for interval, build in builds)]
         for rep in range(-args.warmup, args.runs):
             for workload, n, ctx, max_tokens in cells:
                 batch = workloads.prompts(tok, ctx, n, first=serial)
                 serial += n
                 turn = rep % len(engines)  # the first engine rotates
-                for engine, interval in engines[turn:] + engines[:turn]:
+                for engine, interval, build in engines[turn:] + engines[:turn]:
                     time.sleep(args.settle_s)  # after the other engine: its worker threads spin a while when done
                     if engine == "vllm":
                         wall, outputs = peer.generate([c + q for c, q in batch], max_tokens, stop)
                     else:
-                        wall, outputs = workloads.ours(consumers[interval].address, batch, max_tokens, stop)
+                        wall, outputs = workloads.ours(consumers[interval, build].address, batch, max_tokens, stop)
                     row = {
                         "kind": "sample",
                         "engine": engine,
                         "stream_interval": interval or None,
+                        "build": build,
+                        **({"code": codes[build]} if build else {}),
                         "workload": workload,
                         "streams": n,
                         "context_tokens": ctx,
@@ -189,9 +209,10 @@ def main(argv: list[str] | None = None) -> None:
                     if rep >= 0:
                         samples.append({**row, "outputs": outputs})
                         emit(row)
-        for interval in intervals:
+        # the baseline's summaries first: the figures read the head's ratios from the last ones
+        for interval, build in sorted(builds, key=lambda key: key[1] == "head"):
             for workload, n, _, _ in cells:
-                emit(_summary(samples, workload, n, interval))
+                emit(_summary(samples, workload, n, interval, build))
     peer.close()
 
 
