@@ -36,7 +36,8 @@ def intra_op_threads(configured: int, device: str, env: Mapping[str, str]) -> tu
 # that it spins 100 times and sleeps, and each region starts with a futex wake. Every thread that
 # runs a parallel op keeps a team of its own until it exits: with the main thread's (the model's
 # load) beside the engine thread's on 2 cores, the engine's worker slept and woke ~270 times per
-# decode step (60k voluntary context switches per batch of 32 x 128 tokens; ~30 with one team).
+# decode step (60k voluntary context switches per batch of 32 x 128 tokens; with one team ~30 in one
+# process, ~250 through the services).
 # So the model loads on a thread that ends (`on_new_thread`), the event loop's thread computes on
 # one thread (`pin(1)`: what it runs is small), and the engine's thread forms the one team.
 GRAIN = 32768  # torch's grain size: an elementwise op over more elements runs on the thread's team

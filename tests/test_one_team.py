@@ -18,10 +18,6 @@ from consumer.api.client import ConsumerClient, prompt
 from shared import torch_threads
 
 
-def _on_thread(fn):
-    return torch_threads.on_new_thread(fn)
-
-
 def test_on_new_thread_returns_the_result_and_raises_the_error_on_the_caller():
     assert torch_threads.on_new_thread(lambda a, b: a + b, 2, 3) == 5
     names = []
@@ -32,7 +28,7 @@ def test_on_new_thread_returns_the_result_and_raises_the_error_on_the_caller():
 
 
 def test_a_pinned_thread_keeps_its_count_and_others_keep_the_process_count():
-    before = _on_thread(torch.get_num_threads)
+    before = torch_threads.on_new_thread(torch.get_num_threads)
     seen: dict[str, int] = {}
     pinned, changed = threading.Event(), threading.Event()
 
@@ -48,7 +44,7 @@ def test_a_pinned_thread_keeps_its_count_and_others_keep_the_process_count():
     thread.start()
     try:
         assert pinned.wait(30)
-        seen["a new thread after the pin"] = _on_thread(torch.get_num_threads)
+        seen["a new thread after the pin"] = torch_threads.on_new_thread(torch.get_num_threads)
         main = torch.get_num_threads()
         torch.set_num_threads(1)  # the process-wide count changes (this thread's too)
         changed.set()
