@@ -25,7 +25,6 @@ Knows nothing about gRPC, models or codecs.
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import json
 import os
@@ -39,7 +38,7 @@ from safetensors.torch import load as load_bytes
 from safetensors.torch import save_file
 
 from producer.chunk_store import ChunkEntry, Index, Slot
-from shared import logs
+from shared import logs, torch_threads
 
 log = logs.get("producer.disk_tier")
 FORMAT = "scd.chunk.v1"
@@ -78,7 +77,7 @@ class DiskTier:
         self.queued_bytes = 0  # tensor bytes of the writes waiting for (or running on) the writer thread
         self.write_skipped = 0  # writes not queued: queued_bytes would have passed queue_bytes
         self._lock = threading.Lock()
-        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="producer-disk")
+        self._writer = torch_threads.pinned_pool(1, "producer-disk")  # beside the forward: no team of its own
         self._pending: set[str] = set()
         self._scan()
 

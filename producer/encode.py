@@ -18,18 +18,18 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from shared import liveness
+from shared import liveness, torch_threads
 
 
 class EncodePool:
     """The encode threads (`threads` of them) and the heartbeat they keep."""
 
     def __init__(self, threads: int, device: torch.device | None = None):
-        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="producer-encode")
+        # one intra-op thread each: the compute thread's team is the process's one (shared.torch_threads)
+        self.executor = torch_threads.pinned_pool(threads, "producer-encode")
         self.progress = liveness.Progress("producer-encode")
         self._streams: dict[int, torch.cuda.Stream] = {}  # one side stream per encode thread
         self._streams_lock = threading.Lock()

@@ -36,6 +36,7 @@ from shared import (
     security,
     startup,
     tenants,
+    torch_threads,
     wire_bytes,
 )
 from shared import codecs as codec_lib
@@ -50,6 +51,7 @@ from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
 from shared.scd.artifact import discover
 
 log = logs.get("producer")
+COMPUTE_THREAD = "producer-fwd"  # the forward's thread at the OS level (15 bytes at most)
 SERVICE_NAME = producer_pb2.DESCRIPTOR.services_by_name["ProducerService"].full_name
 
 
@@ -379,7 +381,13 @@ class ProducerServer:
     def __init__(self, config: ProducerConfig):
         self.config = config
         self.server = grpc_server.Server([SERVICE_NAME], config)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="producer-compute")
+        # the forward's thread (its OpenMP workers take its OS name: per-thread CPU in /proc, top -H)
+        self.executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="producer-compute",
+            initializer=torch_threads.name_os_thread,
+            initargs=(COMPUTE_THREAD,),
+        )
         self.servicer = ProducerServicer(config, self.executor)
         self.servicer.metrics = self.server.metrics
         self.server.watch(

@@ -106,6 +106,8 @@ async def _serve(service: str, cfg: ServerConfig, server_cls: type, loaded, fail
 
     if heap_trace.install(service, asyncio.get_running_loop()):
         logs.get(service).warning("startup.heap_trace", directory=os.environ[heap_trace.ENV], note="diagnostic: slow")
+    # asyncio.to_thread's pool (store reads, plans, kernel builds) forms no OpenMP team (shared.torch_threads)
+    asyncio.get_running_loop().set_default_executor(torch_threads.pinned_pool(None, f"{service}-io"))
     server = server_cls(cfg)
     try:
         await server.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -38,8 +39,10 @@ def intra_op_threads(configured: int, device: str, env: Mapping[str, str]) -> tu
 # load) beside the engine thread's on 2 cores, the engine's worker slept and woke ~270 times per
 # decode step (60k voluntary context switches per batch of 32 x 128 tokens; with one team ~30 in one
 # process, ~250 through the services).
-# So the model loads on a thread that ends (`on_new_thread`), the event loop's thread computes on
-# one thread (`pin(1)`: what it runs is small), and the engine's thread forms the one team.
+# So the model loads on a thread that ends (`on_new_thread`), the event loop's thread and every pool
+# beside the forward (the producer's encode threads, the loop's default executor) compute on one
+# thread each (`pin(1)`, `pinned_pool`: what they run is small or runs beside the forward), and the
+# thread that runs the forward (the consumer's engine, the producer's compute thread) forms the one team.
 GRAIN = 32768  # torch's grain size: an elementwise op over more elements runs on the thread's team
 
 
@@ -74,3 +77,20 @@ def pin(threads: int) -> None:
     torch.set_num_threads(threads)
     torch.zeros(2 * GRAIN).add_(1)  # this thread's first parallel op: torch's per-thread setup, now
     on_new_thread(torch.set_num_threads, default)
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread its name at the OS level too (Linux: 15 bytes; elsewhere nothing)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def pinned_pool(max_workers: int | None, thread_name_prefix: str) -> ThreadPoolExecutor:
+    """A thread pool whose threads compute on one intra-op thread each (`pin(1)` as each starts):
+    work beside the forward forms no OpenMP team of its own."""
+    return ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=thread_name_prefix, initializer=pin, initargs=(1,))

@@ -27,7 +27,7 @@ def test_raw_stacks_into_stages_by_their_innermost_named_frame():
 
 
 def test_thread_cpu_and_the_engine_threads_os_name():
-    from consumer.engine.batch import name_os_thread
+    from shared.torch_threads import name_os_thread
 
     names: dict[int, str] = {}
 

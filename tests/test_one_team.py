@@ -2,7 +2,9 @@
 process-wide count becomes, pinning leaves the count of threads yet to compute alone, and in a
 running consumer the engine's OpenMP worker spins between parallel regions instead of sleeping
 (libgomp stops spinning once a process holds more OpenMP threads than CPUs: the main thread's team
-from loading the model beside the engine's made it sleep and wake ~270 times a decode step)."""
+from loading the model beside the engine's made it sleep and wake ~270 times a decode step); in a
+running producer the forward's worker does the same over a cold prefill (the encode thread beside
+the forward computed with a team of its own)."""
 
 from __future__ import annotations
 
@@ -95,3 +97,31 @@ def test_the_consumer_engine_workers_spin_between_regions(tmp_path, where):
     # ~30 layers x ~9 parallel regions per decode step: a worker that slept after each would
     # switch hundreds of times per token
     assert slept / made < 30, f"the engine's threads slept {slept} times over {made} tokens"
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: teams of one thread, nothing to spin")
+def test_the_producer_forward_workers_spin_between_regions(tmp_path):
+    """A real producer at as many torch threads as cores: over cold prefills its forward's threads
+    (the compute thread and its OpenMP workers, which take its OS name) go to sleep a few times per
+    layer at most, not once per parallel region: the encode threads beside the forward, the disk
+    writer and the event loop's default pool compute on one thread each and form no team."""
+    threads = str(min(os.cpu_count() or 2, 4))
+    flags = ["--model", "smollm2-135m", "--dtype", "bfloat16", "--torch-threads", threads]
+    consumer_flags = [*flags, "--probe-idle-s", "0", *services.NO_PREFIX_CACHE]
+    with services.running(flags, consumer_flags, log_dir=tmp_path) as (producer, consumer):
+
+        async def ask(serial: int) -> int:
+            async with ConsumerClient(consumer.address) as client:
+                context = prompt(f"Log {serial}: " + " ".join(f"entry {serial}-{i} ok;" for i in range(120)))
+                answer = await client.generate(mode="raw", context=context, question=prompt(" Which?"), max_new_tokens=1)
+                return len(answer.ids)
+
+        asyncio.run(ask(0))  # the producer's first cold prefill after warm-up: the team formed
+        before = _voluntary_switches(producer.process.pid, "producer-fwd")
+        made = sum(asyncio.run(ask(serial)) for serial in range(1, 4))
+        slept = _voluntary_switches(producer.process.pid, "producer-fwd") - before
+    assert made == 3
+    layers = 30
+    # a worker that slept after each parallel region switched ~75 times per layer (6,700 over these 3
+    # prefills, the encode thread's team beside the compute thread's); with one team ~3.6 a layer
+    assert slept / (3 * layers) < 20, f"the producer's forward threads slept {slept} times over 3 prefills"

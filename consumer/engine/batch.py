@@ -55,7 +55,7 @@ from consumer.engine.kv_pool import KVPool, SequenceKV
 from consumer.engine.pool_forward import PoolRunner
 from consumer.engine.rows import Row
 from consumer.engine.speculative import Nucleus
-from shared import liveness, logs
+from shared import liveness, logs, torch_threads
 from shared.errors import DataLoss
 from shared.finite import rows_finite
 from shared.models import LoadedModel
@@ -164,17 +164,6 @@ def split_gather(rows: list[tuple[Task, int]], block_tokens: int, limit: int) ->
         else:
             groups.append([row])
     return groups
-
-
-def name_os_thread(name: str) -> None:
-    """Give the calling thread its name at the OS level too (Linux: 15 bytes; elsewhere nothing)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
 
 
 # The model runner: our own forward with attention over the pool in place (consumer.engine.pool_forward).
@@ -302,7 +291,7 @@ class BatchEngine(concurrent.futures.Executor):
     # --- the engine thread -----------------------------------------------------------------------
 
     def _loop(self) -> None:
-        name_os_thread(self._thread.name)  # per-thread CPU (/proc, top -H, bench.harness.cpu_stages) names it
+        torch_threads.name_os_thread(self._thread.name)  # per-thread CPU (/proc, top -H, bench.harness.cpu_stages) names it
         while True:
             with self._cv:
                 while not (self._stopping or self.jobs or self._incoming or self._runnable() or self._reclaim_due()):
