@@ -241,3 +241,15 @@ def test_smoke_loopback_run(tmp_path):
     assert 0 < raw["efficiency"] <= report.EFFICIENCY_LIMIT and raw["link_mbit"] > 10
     assert raw["ttft_lower_bound_ms"] <= raw["ttft_ms_median"] * report.EFFICIENCY_LIMIT
     print(f"smoke run took {elapsed:.1f}s")
+
+
+def test_checkout_prefix_runs_the_command_in_that_checkout(tmp_path):
+    """--baseline DIR: a service of another checkout starts in DIR (its `python -m` imports DIR's code),
+    whatever the path's spaces or quotes."""
+    from bench.harness import services
+
+    odd = tmp_path / "a 'baseline' dir"
+    odd.mkdir()
+    out = subprocess.run([*services.checkout_prefix(odd), sys.executable, "-c", "import os; print(os.getcwd())"],
+                         capture_output=True, text=True, check=True, timeout=60)  # fmt: skip
+    assert out.stdout.strip() == str(odd)

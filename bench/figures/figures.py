@@ -38,6 +38,7 @@ from bench.figures.serving import (
     prefix,
     request_floor,
     throughput,
+    throughput_ab,
     transport,
 )
 from bench.figures.verify import verify
@@ -330,6 +331,7 @@ def figures(root: Path = ROOT) -> dict:
         "contract": contract(root),
         "audit": audit(root),
         "throughput": throughput(root),
+        "throughput_ab": throughput_ab(root),
         "engine_step": engine_step(root),
         "engine_forward": engine_forward(root),
         "kv_check": kv_check(root),

@@ -501,6 +501,42 @@ def throughput(root: Path = ROOT) -> dict:
     }
 
 
+def throughput_ab(root: Path = ROOT) -> dict:
+    """The latest before / after run (`bench.serving.throughput --baseline DIR`, rows in
+    throughput_ab.jsonl): bench.figures.ab's table of this build's batched consumer against the
+    baseline's, per cell and metric (medians over the run's repetitions), each build's code, and the
+    share of requests each batched consumer answered as this build's max-batch-1 one did."""
+    from bench.figures import ab
+
+    path = root / "bench/results/throughput_ab.jsonl"
+    if not path.exists():
+        return {"table": "(no before / after run yet)", **dict.fromkeys(
+            ("before_code", "after_code", "reps", "short_request_cpu", "identical_before", "identical_after"), "-")}
+    rows = rows_of(path)
+    latest = [r for r in rows if r["run"] == rows[-1]["run"]]
+    before = [r for r in latest if r["build"] == "baseline"]
+    after = [r for r in latest if r["build"] == "head" and r["max_batch"] > 1]
+    total = {}
+    for mode in sorted({r["mode"] for r in latest}):
+        for build, rs in (("before", before), ("after", after)):
+            cell = [ab.value(r, ab.TOTAL_CPU) for r in rs if (r["mode"], r["output"], r["concurrency"]) == (mode, "answer", 32)]
+            total[mode, build] = statistics.median(cell) if cell else None
+    short = "; ".join(
+        f"{mode} {total[mode, 'before']:.1f} -> {total[mode, 'after']:.1f} ms ({total[mode, 'after'] / total[mode, 'before']:.2f}x)"
+        for mode in sorted({m for m, _ in total}) if total[mode, "before"] and total[mode, "after"]
+    )
+    identical = {b: min(r["identical_to_batch1_rate"] for r in rs) for b, rs in (("before", before), ("after", after))}
+    return {
+        "table": ab.table(before, after),
+        "before_code": before[0]["code"],
+        "after_code": after[0]["code"],
+        "reps": len({r["rep"] for r in after}),
+        "short_request_cpu": short,
+        "identical_before": f"{identical['before']:.0%}",
+        "identical_after": f"{identical['after']:.0%}",
+    }
+
+
 def engine_step(root: Path = ROOT) -> dict:
     """bench.micro.engine_step's rows: per (torch threads, batch) the median over rounds of the engine's
     decode step, the bare model's, and the block gather's share of the engine's. Rows without a

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -36,6 +37,12 @@ def code_version(root: Path = ROOT) -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return commit + ("+dirty" if dirty else "")
+
+
+def checkout_prefix(root: Path) -> tuple[str, ...]:
+    """The command prefix that runs a service from another checkout (a worktree of an earlier
+    commit, its protos generated): `python -m NAME` there imports that checkout's code."""
+    return ("bash", "-c", f'cd {shlex.quote(str(root))} && exec "$0" "$@"')
 
 
 def free_port() -> int:

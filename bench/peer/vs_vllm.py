@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -169,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         # one producer and consumer per stream interval (and the baseline's), all up for the whole run
         builds = {(interval, "head"): (ROOT, ()) for interval in intervals}
         if args.baseline is not None:
-            builds[intervals[0], "baseline"] = (args.baseline, ("bash", "-c", f'cd {shlex.quote(str(args.baseline))} && exec "$0" "$@"'))
+            builds[intervals[0], "baseline"] = (args.baseline, services.checkout_prefix(args.baseline))
         consumers, codes = {}, {}
         for (interval, build), (root, prefix) in builds.items():
             ours_args, consumer_args = workloads.service_args(args, max(streams), interval)

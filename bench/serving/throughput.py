@@ -16,6 +16,12 @@ TTFT-heavy; random-weight models stop at 8 tokens) and `long` (64 tokens, no sto
 `both` runs four consumers, a max-batch-1 and a batched one in one process and split, all
 interleaved cell by cell, so the split is compared side by side with the single process.
 
+`--baseline DIR` (a worktree of an earlier commit, its protos generated) runs that checkout's producer
+and batched consumer(s) beside this one's, interleaved cell by cell on the same requests: the before
+/ after of a change in one run. Its rows say `build: baseline` and its code, and its
+`identical_to_batch1_rate` compares it with this checkout's max-batch-1 consumer (the same answers
+as before the change). Such a run's rows go to throughput_ab.jsonl, not throughput.jsonl.
+
 `--repeat N` runs each cell's pair N times, alternating which consumer goes first; every run is a
 row pair with the invocation's `run` id and its `rep`, and the figures quote the median over the
 repetitions of the latest run of a cell, with their range.
@@ -265,36 +271,40 @@ async def describe_pool(address: str) -> int:
 
 def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, requests: int | None, out, log_dir: Path,
               torch_threads: int = 0, repeat: int = 1, engine_process: str = "off", log_level: str = "INFO",
-              stages: str = "auto") -> list[dict]:
+              stages: str = "auto", baseline: Path | None = None) -> list[dict]:
     from shared.models import load_model
 
     n_distinct = 16
     examples, stop_id = requests_for(model, n_distinct)
-    code = services.code_version()  # what every row of this run measured
+    codes = {"head": services.code_version()}  # what every row of this run measured
+    builds = {"head": ()}
+    if baseline is not None:
+        codes["baseline"], builds["baseline"] = services.code_version(baseline), services.checkout_prefix(baseline)
     run_id = time.strftime("%Y%m%dT%H%M%S")  # the rows of one invocation (repetitions of a cell share it)
     limit = str(max(*concurrencies, WARM_CONCURRENCY) * 2)  # the warm-up pass runs WARM_CONCURRENCY streams
     common = ["--model", "{m}", "--dtype", model.dtype, "--max-inflight", limit, "--log-level", log_level,
               "--torch-threads", str(torch_threads)]
     if model.artifact:
         common += ["--artifacts", model.artifact]
-    pport = services.free_port()
-    producer = services.spawn("producer", ["--port", str(pport), *[a.replace("{m}", model.producer) for a in common]],
-                              f"127.0.0.1:{pport}", log_dir)
-    consumers = {}
+    producers: dict[str, services.Service] = {}
+    consumers: dict[tuple[str, bool, int], services.Service] = {}  # (build, split, max batch)
     rows = []
     try:
-        services.wait_healthy(producer, 300)
         splits = {"off": (False,), "on": (True,), "both": (False, True)}[engine_process]
-        for split in splits:
-            for mb in (1, max_batch):
-                cport = services.free_port()
-                # the prefix cache off: the cells repeat 16 contexts, and this measures the engine and the transfer
-                args = ["--port", str(cport), "--producer", f"127.0.0.1:{pport}", "--max-batch", str(mb),
-                        *services.NO_PREFIX_CACHE, *[a.replace("{m}", model.consumer) for a in common],
-                        *(["--engine-process"] if split else [])]
-                name = f"max-batch-{mb}" + ("-engine-process" if split else "")
-                consumers[(split, mb)] = services.spawn("consumer", args, f"127.0.0.1:{cport}", log_dir / name)
-        for service in consumers.values():
+        for build, prefix in builds.items():
+            pport = services.free_port()
+            producers[build] = services.spawn("producer", ["--port", str(pport), *[a.replace("{m}", model.producer) for a in common]],
+                                              f"127.0.0.1:{pport}", log_dir / build, prefix)
+            for split in splits:
+                for mb in (1, max_batch) if build == "head" else (max_batch,):
+                    cport = services.free_port()
+                    # the prefix cache off: the cells repeat 16 contexts, and this measures the engine and the transfer
+                    args = ["--port", str(cport), "--producer", f"127.0.0.1:{pport}", "--max-batch", str(mb),
+                            *services.NO_PREFIX_CACHE, *[a.replace("{m}", model.consumer) for a in common],
+                            *(["--engine-process"] if split else [])]
+                    name = f"{build}-max-batch-{mb}" + ("-engine-process" if split else "")
+                    consumers[(build, split, mb)] = services.spawn("consumer", args, f"127.0.0.1:{cport}", log_dir / name, prefix)
+        for service in [*producers.values(), *consumers.values()]:
             services.wait_healthy(service, 300)
         reference = load_model(model.consumer, model.dtype, "auto")
         sample = stages == "on" or (stages == "auto" and cpu_stages.py_spy() is not None)
@@ -316,10 +326,10 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
                         ceiling = forward_ceiling(reference, concurrency, ctx)
                         by_batch = {}
                         order = list(consumers.items())
-                        for (split, mb), service in order[::-1] if rep % 2 else order:  # alternate which runs first
-                            pid = service.process.pid
+                        for (build, split, mb), service in order[::-1] if rep % 2 else order:  # alternate which runs first
+                            pid, producer = service.process.pid, producers[build]
                             cell = f"{run_id}-{model.name.replace('>', '')}-{mode}-{output}-c{concurrency}-mb{mb}-r{rep}"
-                            cell += "-ep" if split else ""
+                            cell += ("-ep" if split else "") + ("-baseline" if build == "baseline" else "")
                             raw = Path(out.name).parent / "cpu_stages" / f"{cell}.raw"  # the stacks, kept to read
                             profile = cpu_stages.Sampler(pid, raw) if sample else None
                             threads_before = cpu_stages.thread_cpu_s(pid)
@@ -334,7 +344,7 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
                             split_cols = consumer_split(pid, threads_before, used, len(results), profile)
                             used["client"] = own_cpu_s() - client_before
                             total_ms = (used["producer"] + used["consumer"] + used["client"]) * 1e3 / len(results)
-                            by_batch[(split, mb)] = results
+                            by_batch[(build, split, mb)] = results
                             tokens = sum(len(r["ids"]) for r in results)
                             row = {
                                 "bench": "throughput", "model": model.name, "weights": model.weights, "dtype": model.dtype,
@@ -352,7 +362,7 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
                                 "forward_ceiling_threads": torch_threads_now(),
                                 "max_inflight": int(limit), "ctx_tokens": model.ctx_tokens, "torch_threads": torch_threads,
                                 "engine_process": split,
-                                "code": code, "run": run_id, "rep": rep,
+                                "build": build, "code": codes[build], "run": run_id, "rep": rep,
                                 "load_avg_1m": round(os.getloadavg()[0], 2),
                                 # CPU per request: where a closed loop's time goes (2 cores shared by all)
                                 **{f"{k}_cpu_ms_per_request": round(v * 1e3 / len(results), 2) for k, v in used.items()},
@@ -364,32 +374,33 @@ def run_model(model: Model, modes, outputs, concurrencies, max_batch: int, reque
                             rows.append(row)
                         ceiling = max(ceiling, forward_ceiling(reference, concurrency, ctx))
                         rates = {}
-                        for split in splits:  # each batched consumer against the max-batch-1 one of its own kind
-                            pairs = list(zip(by_batch[(split, 1)], by_batch[(split, max_batch)]))
-                            rates[split] = round(sum(a["ids"] == b["ids"] for a, b in pairs) / len(reqs), 4)
+                        # each batched consumer (the baseline's too) against this build's max-batch-1 one of its kind
+                        for build, split, mb in consumers:
+                            pairs = list(zip(by_batch[("head", split, 1)], by_batch[(build, split, mb)]))
+                            rates[build, split, mb] = round(sum(a["ids"] == b["ids"] for a, b in pairs) / len(reqs), 4)
                             diffs = [i for i, (a, b) in enumerate(pairs) if a["ids"] != b["ids"]]
                             if diffs:
-                                print(f"# {mode}/{output}/c{concurrency}{' engine-process' if split else ''}: requests differing"
-                                      f" from max-batch 1: {diffs}", file=sys.stderr)
+                                print(f"# {mode}/{output}/c{concurrency}{' engine-process' if split else ''} {build} max-batch {mb}:"
+                                      f" requests differing from max-batch 1: {diffs}", file=sys.stderr)
                         for row in rows[-len(consumers):]:
-                            row["identical_to_batch1_rate"] = rates[row["engine_process"]]
+                            row["identical_to_batch1_rate"] = rates[row["build"], row["engine_process"], row["max_batch"]]
                             row["forward_ceiling_tokens_per_s"] = round(ceiling, 1)
                             print(json.dumps(row), flush=True)
                             out.write(json.dumps(row) + "\n")
                             out.flush()
     finally:
-        for service in consumers.values():
+        for service in [*consumers.values(), *producers.values()]:
             services.stop(service)
-        services.stop(producer)
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    head = "| model | mode | output | conc | max_batch | req/s | tok/s | ceiling tok/s | TTFT p50 | TTFT p95 | identical |"
-    lines = [head, "|" + "---|" * 11]
+    head = "| model | build | mode | output | conc | max_batch | req/s | tok/s | ceiling tok/s | TTFT p50 | TTFT p95 | identical |"
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         lines.append(
-            f"| {r['model']} ({r['weights']}, {r['dtype']}) | {r['mode']} | {r['output']} | {r['concurrency']} | {r['max_batch']} |"
+            f"| {r['model']} ({r['weights']}, {r['dtype']}) | {r['build']} {r['code']} | {r['mode']} | {r['output']} | {r['concurrency']}"
+            f" | {r['max_batch']} |"
             f" {r['requests_per_s']} | {r['output_tokens_per_s']} | {r['forward_ceiling_tokens_per_s']} |"
             f" {r['ttft_p50_ms']} | {r['ttft_p95_ms']} | {r['identical_to_batch1_rate']} |"
         )
@@ -439,6 +450,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-process", choices=("off", "on", "both"), default="off",
                         help="the consumers' --engine-process (the engine in a child process; rows say engine_process);"
                         " both: a max-batch-1 and a batched consumer of each kind, all interleaved cell by cell")
+    parser.add_argument("--baseline", type=Path,
+                        help="another checkout (a worktree of an earlier commit, its protos generated): its producer and"
+                        " batched consumer run beside this one's, rows marked build=baseline, into throughput_ab.jsonl")
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.modes, args.concurrency, args.max_batch = "qa", "raw,scd", "1,32", 32
@@ -450,13 +464,15 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.torch_threads)  # the forward ceiling under the services' thread count
     builders = {"qa": qa_model, "qwen05b": qwen05b_model}
     rows = []
-    with open(out_dir / "throughput.jsonl", "a") as out, tempfile.TemporaryDirectory() as logs:
+    name = "throughput_ab.jsonl" if args.baseline else "throughput.jsonl"  # a before / after run keeps to its own file
+    with open(out_dir / name, "a") as out, tempfile.TemporaryDirectory() as logs:
         for name in args.models.split(","):
             rows += run_model(builders[name](), args.modes.split(","), args.outputs.split(","),
                               [int(c) for c in args.concurrency.split(",")], args.max_batch, args.requests, out, Path(logs),
-                              args.torch_threads, args.repeat, args.engine_process, args.log_level, args.stages)
+                              args.torch_threads, args.repeat, args.engine_process, args.log_level, args.stages,
+                              args.baseline)
     print(table(rows))
-    if rows:
+    if rows and not args.baseline:
         plot(rows, out_dir / "throughput.png")
 
 
