@@ -511,7 +511,8 @@ def throughput_ab(root: Path = ROOT) -> dict:
     path = root / "bench/results/throughput_ab.jsonl"
     if not path.exists():
         return {"table": "(no before / after run yet)", **dict.fromkeys(
-            ("before_code", "after_code", "reps", "short_request_cpu", "identical_before", "identical_after"), "-")}
+            ("before_code", "after_code", "reps", "short_request_cpu", "identical_before", "identical_after", "long_cpu",
+             "long_tok"), "-")}
     rows = rows_of(path)
     latest = [r for r in rows if r["run"] == rows[-1]["run"]]
     before = [r for r in latest if r["build"] == "baseline"]
@@ -526,6 +527,13 @@ def throughput_ab(root: Path = ROOT) -> dict:
         for mode in sorted({m for m, _ in total}) if total[mode, "before"] and total[mode, "after"]
     )
     identical = {b: min(r["identical_to_batch1_rate"] for r in rs) for b, rs in (("before", before), ("after", after))}
+    ratios: dict[str, list[float]] = {"cpu": [], "tok": []}  # after / before of the `long` cells' medians
+    for key in sorted({ab.cell(r) for r in after if r["output"] == "long"}):
+        for name, metric in (("cpu", ab.TOTAL_CPU), ("tok", "output_tokens_per_s")):
+            b = [ab.value(r, metric) for r in before if ab.cell(r)[:4] == key[:4]]
+            a = [ab.value(r, metric) for r in after if ab.cell(r) == key]
+            if b and a:
+                ratios[name].append(statistics.median(a) / statistics.median(b))
     return {
         "table": ab.table(before, after),
         "before_code": before[0]["code"],
@@ -534,6 +542,8 @@ def throughput_ab(root: Path = ROOT) -> dict:
         "short_request_cpu": short,
         "identical_before": f"{identical['before']:.0%}",
         "identical_after": f"{identical['after']:.0%}",
+        "long_cpu": span(ratios["cpu"], "{:.2f}x") if ratios["cpu"] else "-",
+        "long_tok": span(ratios["tok"], "{:.2f}x") if ratios["tok"] else "-",
     }
 
 
