@@ -32,7 +32,7 @@ def peer_vllm(root: Path = RESULTS.parents[1]) -> dict:
         "| code | host | workload | streams | context tokens | our stream interval | ours | vLLM | ours / vLLM | identical outputs | runs | load (1 min) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    ratios = {}
+    ratios, codes = {}, {}
     for r in summaries:
         ctx = next(s["context_tokens"] for s in rows if s["kind"] == "sample" and s["workload"] == r["workload"])
         if r["workload"] == "ttft":
@@ -48,6 +48,7 @@ def peer_vllm(root: Path = RESULTS.parents[1]) -> dict:
         # token by token under the plain key; another interval's under its own
         suffix = "" if interval(r) == 1 else f"/interval{interval(r)}"
         ratios[f"{r['workload']}@{r['streams']}{suffix}"] = r["ratio_ours_vs_vllm"]
+        codes[f"{r['workload']}@{r['streams']}{suffix}"] = r["code"]
     # the latest run's (rows are appended run after run; the table shows every run, its code named)
     identical = next(
         (r["identical_outputs"] for r in reversed(summaries) if (r["workload"], r["streams"]) == ("decode", 32)), 0.0
@@ -58,13 +59,15 @@ def peer_vllm(root: Path = RESULTS.parents[1]) -> dict:
         f"TTFT at 2048 tokens {ttft:.2f}x vLLM's (target <= 1.0x: {'met' if ttft <= 1.0 else 'missed'}), "
         f"tokens/s at 32 streams {decode32:.2f}x streaming every token (target >= 1.0x: {'met' if decode32 >= 1.0 else 'missed'})"
     )
-    grouped = sorted(k for k in ratios if k.startswith("decode@32/interval"))
+    # another interval's ratio only where it was measured at the latest run's code
+    grouped = sorted(k for k in ratios if k.startswith("decode@32/interval") and codes[k] == first["code"])
     for key in grouped:
         n, value = key.split("interval")[1], ratios[key]
         verdict += f", {value:.2f}x with {n} tokens per message after the first ({'met' if value >= 1.0 else 'missed'})"
     return {
         "table": "\n".join(lines),
         "verdict": verdict,
+        "latest_spread": _spread(rows),
         "ratios": ratios,
         "identical_32": identical,
         "model": first["model"],
@@ -74,6 +77,27 @@ def peer_vllm(root: Path = RESULTS.parents[1]) -> dict:
         "threads": first["threads_per_engine"],
         "code": first["code"],
     }
+
+
+def _spread(rows: list[dict]) -> str:
+    """The latest run's reps at 32 streams, token by token: our tokens/s over vLLM's rep by rep, and
+    vLLM's own rate (the host's state: a slowed host shows in it)."""
+    latest: list[dict] = []
+    for r in reversed(rows):  # the samples just before the last block of summaries
+        if r["kind"] == "summary":
+            if latest:
+                break
+            continue
+        latest.append(r)
+    cell = [r for r in latest if (r["workload"], r["streams"]) == ("decode", 32) and r.get("build") != "baseline"]
+    rate = {(r["engine"], r["rep"]): r["tokens"] / r["wall_s"] for r in cell if r["engine"] == "vllm" or interval(r) == 1}
+    reps = sorted(rep for engine, rep in rate if engine == "vllm" and ("scd-services", rep) in rate)
+    if not reps:
+        return "no samples"
+    ratios = [rate["scd-services", rep] / rate["vllm", rep] for rep in reps]
+    peer = [rate["vllm", rep] for rep in reps]
+    return (f"rep by rep at 32 streams {min(ratios):.2f}-{max(ratios):.2f}x vLLM's ({len(reps)} reps), vLLM's own rate"
+            f" {min(peer):.0f}-{max(peer):.0f} tokens/s")
 
 
 AB = "peer_vllm_ab.jsonl"
