@@ -68,6 +68,7 @@ def peer_vllm(root: Path = RESULTS.parents[1]) -> dict:
         "table": "\n".join(lines),
         "verdict": verdict,
         "latest_spread": _spread(rows),
+        "host_state": _host_state(summaries),
         "ratios": ratios,
         "identical_32": identical,
         "model": first["model"],
@@ -77,6 +78,19 @@ def peer_vllm(root: Path = RESULTS.parents[1]) -> dict:
         "threads": first["threads_per_engine"],
         "code": first["code"],
     }
+
+
+def _host_state(summaries: list[dict]) -> str:
+    """How fast the host ran in the latest run, read from vLLM's own 32-stream rate against its best
+    run in these rows (the same model and threads): the rows cannot tell otherwise."""
+    peer = [r for r in summaries if (r["workload"], r["streams"]) == ("decode", 32) and r.get("build") != "baseline"]
+    if not peer:
+        return "no run yet"
+    latest = peer[-1]
+    same = [r["vllm_tokens_per_s_median"] for r in peer if (r["model"], r["threads_per_engine"]) == (latest["model"], latest["threads_per_engine"])]
+    share = latest["vllm_tokens_per_s_median"] / max(same)
+    slowed = "a slowed host" if share < 0.8 else "a host at about its best speed"
+    return f"{slowed}: vLLM's 32-stream rate {share:.0%} of its best run in these rows"
 
 
 def _spread(rows: list[dict]) -> str:
