@@ -40,7 +40,7 @@ def intra_op_threads(configured: int, device: str, env: Mapping[str, str]) -> tu
 # decode step (60k voluntary context switches per batch of 32 x 128 tokens; with one team ~30 in one
 # process, ~250 through the services).
 # So the model loads on a thread that ends (`on_new_thread`), the event loop's thread and every pool
-# beside the forward (the producer's encode threads, the loop's default executor) compute on one
+# beside the forward (the producer's encode threads and disk writer, the loop's default executor) compute on one
 # thread each (`pin(1)`, `pinned_pool`: what they run is small or runs beside the forward), and the
 # thread that runs the forward (the consumer's engine, the producer's compute thread) forms the one team.
 GRAIN = 32768  # torch's grain size: an elementwise op over more elements runs on the thread's team

@@ -464,8 +464,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.torch_threads)  # the forward ceiling under the services' thread count
     builders = {"qa": qa_model, "qwen05b": qwen05b_model}
     rows = []
-    name = "throughput_ab.jsonl" if args.baseline else "throughput.jsonl"  # a before / after run keeps to its own file
-    with open(out_dir / name, "a") as out, tempfile.TemporaryDirectory() as logs:
+    rows_file = "throughput_ab.jsonl" if args.baseline else "throughput.jsonl"  # a before / after run keeps to its own file
+    with open(out_dir / rows_file, "a") as out, tempfile.TemporaryDirectory() as logs:
         for name in args.models.split(","):
             rows += run_model(builders[name](), args.modes.split(","), args.outputs.split(","),
                               [int(c) for c in args.concurrency.split(",")], args.max_batch, args.requests, out, Path(logs),
