@@ -283,7 +283,10 @@ async def test_abandoned_and_cancelled_streams_among_good_ones_return_every_bloc
 
 async def test_a_stale_link_estimate_is_probed():
     long = dict(context=prompt(CONTEXT * 4), question=prompt(QUESTION), max_new_tokens=4)
-    async with running_pair("tiny-llama", consumer_kw={"prefix_cache_bytes": 0}) as pair:
+    # background probes off: this is the user request's probe. With them on, a link probe (due once
+    # auto serves locally over a stale estimate, checked every 0.5 s) measured the link between the
+    # picks below on a slow host, and the third pick had nothing stale left to probe
+    async with running_pair("tiny-llama", consumer_kw={"prefix_cache_bytes": 0, "probe_idle_s": 0}) as pair:
         await pair.generate(transfer=common_pb2.CodecSpec(name="oracle"), **long)
         _, _, stats = await pair.generate(transfer=AUTO, **long)  # cold start: a remote candidate, the link measured
         assert stats.auto.reason.startswith("cold start") and stats.bytes_received >= 16 * 1024
