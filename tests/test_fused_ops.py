@@ -1,10 +1,15 @@
 """The engine forward's fused elementwise ops (consumer.engine.fused_ops) against shared.model's eager
 ones: float32 within float tolerance, bfloat16 within one unit in the last place (the reductions'
 order differs) and almost everywhere equal; rows independent of the rows beside them; strided RoPE
-input; NaN propagates; bad input refused by name. Skipped where the extension does not run (torch's
-CPU capability below AVX512, as `make test-lowered-isa` runs)."""
+input; NaN propagates; bad input refused by name. Run on the build for torch's CPU capability (the
+AVX-512 one, or the AVX2 one as on an AVX2-only CPU and under `make test-lowered-isa`); skipped where
+neither runs."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -132,3 +137,20 @@ def test_the_runner_says_what_its_elementwise_steps_run_and_both_pick_the_same_t
     assert clear.sum() >= 20
     assert torch.equal(logits[True].argmax(-1)[clear], logits[False].argmax(-1)[clear])
     assert (logits[True] - logits[False]).abs().max() < (1.0 if dtype == "bfloat16" else 1e-3)
+
+
+@pytest.mark.parametrize(("capability", "want"), [
+    ("avx2", "fused avx2"),
+    ("default", "eager: torch's CPU capability is DEFAULT, the fused ops need AVX512 or AVX2"),
+])  # fmt: skip
+def test_the_build_follows_torchs_cpu_capability(capability, want):
+    """An AVX2-only CPU (as ATEN_CPU_CAPABILITY=avx2 makes of an AVX-512 one) runs the 8-lane build;
+    below AVX2 the eager ops, saying why. Where the CPU itself lacks AVX2 torch ignores the request."""
+    code = "import torch; from consumer.engine import fused_ops; print(torch.backends.cpu.get_cpu_capability()); print(fused_ops.which())"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    got_capability, which = out.stdout.splitlines()[-2:]
+    if got_capability != capability.upper():
+        pytest.skip(f"this CPU runs torch at {got_capability}, not {capability}")
+    assert which == want

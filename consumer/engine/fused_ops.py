@@ -1,15 +1,16 @@
 """The engine forward's elementwise steps fused into one pass each on the CPU: RMSNorm, the residual
-add with the next RMSNorm, SiLU(gate) * up and RoPE (consumer/engine/kernels/fused_ops.cpp, AVX-512).
-Eager torch runs each as several kernels (a bfloat16 RMSNorm: a cast, the norm's five, a cast, a
-multiply), each with its own dispatch; at a decode step's 32 rows that dispatch is most of their
-cost, at a 512-token chunk the extra passes over memory are. Same roundings as transformers' eager
-modules (bfloat16 results rounded per op); the reductions' order differs, so a bfloat16 value may
-differ by one unit in the last place: the tests hold the engine to the reference by tolerance and
+add with the next RMSNorm, SiLU(gate) * up and RoPE (consumer/engine/kernels/fused_ops.cpp, AVX-512
+or AVX2 + FMA). Eager torch runs each as several kernels (a bfloat16 RMSNorm: a cast, the norm's five,
+a cast, a multiply), each with its own dispatch; at a decode step's 32 rows that dispatch is most of
+their cost, at a 512-token chunk the extra passes over memory are. Same roundings as transformers'
+eager modules (bfloat16 results rounded per op); the reductions' order differs, so a bfloat16 value
+may differ by one unit in the last place: the tests hold the engine to the reference by tolerance and
 greedy margins, as they do for every kernel.
 
-Built like the attention kernels (consumer.engine.paged_attention.build, `make kernel`) where torch's
-CPU capability is AVX512 (with AVX-512 BF16 where the CPU has it: bfloat16 rounding in one
-instruction, "fused avx512 bf16"); elsewhere, for other dtypes or devices and with SCD_FUSED_OPS=0, the
+Built like the attention kernels (consumer.engine.paged_attention.build, `make kernel`) for torch's
+CPU capability: AVX512 (with AVX-512 BF16 where the CPU has it: bfloat16 rounding in one
+instruction, "fused avx512 bf16") or AVX2 (8 lanes, "fused avx2": AMD and Intel CPUs without AVX-512,
+and ATEN_CPU_CAPABILITY=avx2); elsewhere, for other dtypes or devices and with SCD_FUSED_OPS=0, the
 forward runs shared.model's eager ops, and `which()` says why. Knows nothing about layers or caches.
 """
 
@@ -32,6 +33,8 @@ log = structlog.get_logger(__name__)
 SOURCE = Path(__file__).with_name("kernels") / "fused_ops.cpp"
 NAME = "scd_fused_ops_avx512"
 FLAGS = [*paged_attention.COMMON, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+# CPUs without AVX-512 (torch's capability AVX2): 8 lanes, the same steps and roundings
+NAME_AVX2, FLAGS_AVX2 = "scd_fused_ops_avx2", [*paged_attention.COMMON, "-mavx2", "-mfma", "-mf16c"]
 # CPUs with AVX-512 BF16: a build of its own that rounds to bfloat16 with the conversion instruction
 # (same results, 0.7-0.75x the time of each step at a 2k-token chunk)
 NAME_BF16, FLAGS_BF16 = f"{NAME}bf16", [*FLAGS, "-mavx512bf16"]
@@ -72,26 +75,29 @@ def _loaded() -> tuple[Fused | None, str]:
     if os.environ.get("SCD_FUSED_OPS", "1") == "0":
         return None, "eager: SCD_FUSED_OPS=0"
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability != "AVX512":
-        return None, f"eager: torch's CPU capability is {capability}, the fused ops need AVX512"
-    bf16 = "avx512_bf16" in (compute_dtype.cpu_flags() or frozenset())
-    name, flags = (NAME_BF16, FLAGS_BF16) if bf16 else (NAME, FLAGS)
+    if capability == "AVX512":
+        bf16 = "avx512_bf16" in (compute_dtype.cpu_flags() or frozenset())
+        name, flags, runs = (NAME_BF16, FLAGS_BF16, "fused avx512 bf16") if bf16 else (NAME, FLAGS, "fused avx512")
+    elif capability == "AVX2":
+        name, flags, runs = NAME_AVX2, FLAGS_AVX2, "fused avx2"
+    else:
+        return None, f"eager: torch's CPU capability is {capability}, the fused ops need AVX512 or AVX2"
     try:
         module = paged_attention.build(name, SOURCE, flags)
     except Exception as error:  # no compiler, a failed build: the forward keeps the eager ops
         log.warning("fused_ops.unavailable", error=str(error)[-2000:], fallback="eager ops")
         return None, f"{NOT_BUILT} ({name}: {paged_attention.cause(error)})"
-    return Fused(module), "fused avx512 bf16" if bf16 else "fused avx512"
+    return Fused(module), runs
 
 
 def which() -> str:
-    """What the forward's elementwise steps run here: "fused avx512 bf16", "fused avx512", or "eager: why"
+    """What the forward's elementwise steps run here: "fused avx512 bf16", "fused avx512", "fused avx2" or "eager: why"
     (builds it if not built)."""
     return _loaded()[1]
 
 
 def resolve(enabled: bool, device: torch.device, dtype: torch.dtype) -> tuple[Ops, str]:
-    """(the ops for a runner's forward, what they are: "fused avx512[ bf16]" or "eager: why")."""
+    """(the ops for a runner's forward, what they are: "fused avx512[ bf16]", "fused avx2" or "eager: why")."""
     if not enabled:
         return EAGER, "eager: --fused-ops false"
     if device.type != "cpu":

@@ -1,4 +1,5 @@
-// The engine forward's elementwise steps fused, one pass each (AVX-512; built by consumer/engine/fused_ops.py):
+// The engine forward's elementwise steps fused, one pass each (AVX-512, or AVX2 + FMA; built by
+// consumer/engine/fused_ops.py):
 //   rms_norm      out = w * norm(x)                       (transformers' RMSNorm: float32 statistics)
 //   add_rms_norm  h' = h + d; out = w * norm(h')          (the residual add and the next norm)
 //   silu_mul      out = silu(gate) * up                   (gate_up = [gate | up] per row)
@@ -20,13 +21,31 @@ namespace {
 
 using bf16 = uint16_t;
 
-inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load(const bf16* p, __mmask16 m) {
+// One vector layer, so the steps below are written once: 16 float32 lanes on AVX-512, 8 on AVX2 + FMA.
+// A load or store of a row's last, partial vector (`tail(left)` lanes) reads and writes only the
+// row's own elements.
+#ifdef __AVX512F__
+using vec = __m512;
+using lanes = __mmask16;
+constexpr int64_t W = 16;
+inline lanes tail(int64_t left) { return left >= W ? lanes(0xffff) : lanes((1u << left) - 1); }
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset(float x) { return _mm512_set1_ps(x); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+inline vec vexp(vec x) { return exp512(x); }
+
+inline vec load(const float* p, lanes m) { return _mm512_maskz_loadu_ps(m, p); }
+inline vec load(const bf16* p, lanes m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
 // v rounded to bfloat16 (nearest even; NaN -> torch's 0x7fc0), as float32 bits (low half zero)
-inline __m512i bf16_bits(__m512 v) {
+inline __m512i bf16_bits(vec v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
@@ -39,36 +58,95 @@ inline __m512i bf16_bits(__m512 v) {
 // nearest even as bf16_bits (a NaN stays a NaN); the bit arithmetic is ~7 instructions a vector, a
 // quarter of these steps' time at a prefill chunk's width.
 #ifdef __AVX512BF16__
-inline __m256i to_bf16(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
+inline __m256i to_bf16(vec v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
 #else
-inline __m256i to_bf16(__m512 v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)); }
+inline __m256i to_bf16(vec v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)); }
 #endif
-inline __m512 rnd(__m512 v, const float*) { return v; }
-inline __m512 rnd(__m512 v, const bf16*) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
+inline vec rnd(vec v, const float*) { return v; }
+inline vec rnd(vec v, const bf16*) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16)); }
+
+inline void store(float* p, vec v, lanes m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store(bf16* p, vec v, lanes m) { _mm256_mask_storeu_epi16(p, m, to_bf16(v)); }
+#else  // AVX2 + FMA: no masked 16-bit loads or stores, so a partial vector goes through a small buffer
+using vec = __m256;
+using lanes = int64_t;  // how many of the vector's lanes are the row's
+constexpr int64_t W = 8;
+inline lanes tail(int64_t left) { return left >= W ? W : left; }
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset(float x) { return _mm256_set1_ps(x); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline vec vexp(vec x) { return exp256(x); }
+
+template <typename T>
+inline const T* part(const T* p, lanes m, T* buf) {  // p, or its first m elements then zeros in buf
+  if (m == W) return p;
+  for (int64_t i = 0; i < W; ++i) buf[i] = i < m ? p[i] : T(0);
+  return buf;
+}
+inline vec load(const float* p, lanes m) {
+  alignas(32) float buf[W];
+  return _mm256_loadu_ps(part(p, m, buf));
+}
+inline vec load(const bf16* p, lanes m) {
+  alignas(16) bf16 buf[W];
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(part(p, m, buf)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-inline void store(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store(bf16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, to_bf16(v)); }
+// v rounded to bfloat16 (nearest even; NaN -> torch's 0x7fc0), as float32 bits (low half zero)
+inline __m256i bf16_bits(vec v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))),
+                                     _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_castps_si256(
+      _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), nan));
+}
+inline vec rnd(vec v, const float*) { return v; }
+inline vec rnd(vec v, const bf16*) { return _mm256_castsi256_ps(bf16_bits(v)); }
 
-inline __mmask16 tail(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1); }
+inline void store(float* p, vec v, lanes m) {
+  if (m == W) return _mm256_storeu_ps(p, v);
+  alignas(32) float buf[W];
+  _mm256_store_ps(buf, v);
+  for (int64_t i = 0; i < m; ++i) p[i] = buf[i];
+}
+inline void store(bf16* p, vec v, lanes m) {
+  const __m256i s = _mm256_srli_epi32(bf16_bits(v), 16);  // each lane's bfloat16 in its low half
+  const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  if (m == W) return _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+  alignas(16) bf16 buf[W];
+  _mm_store_si128(reinterpret_cast<__m128i*>(buf), h);
+  for (int64_t i = 0; i < m; ++i) p[i] = buf[i];
+}
+#endif
 
 // grain: rows per task, about 16k elements (a decode step's 32 rows of 576 run on one thread)
 inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
 
 template <typename T>
 void norm_row(const T* x, const T* w, T* out, int64_t d, float eps) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < d; i += 16) {
-    const __m512 v = load(x + i, tail(d - i));
-    acc = _mm512_fmadd_ps(v, v, acc);
+  vec acc = vzero();
+  for (int64_t i = 0; i < d; i += W) {
+    const vec v = load(x + i, tail(d - i));
+    acc = vfma(v, v, acc);
   }
-  const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(d) + eps);
-  const __m512 s = _mm512_set1_ps(inv);
-  for (int64_t i = 0; i < d; i += 16) {
-    const __mmask16 m = tail(d - i);
-    const __m512 y = rnd(_mm512_mul_ps(load(x + i, m), s), x);  // normalized, in the input's dtype
-    store(out + i, rnd(_mm512_mul_ps(load(w + i, m), y), x), m);
+  const float inv = 1.f / std::sqrt(vsum(acc) / static_cast<float>(d) + eps);
+  const vec s = vset(inv);
+  for (int64_t i = 0; i < d; i += W) {
+    const lanes m = tail(d - i);
+    const vec y = rnd(vmul(load(x + i, m), s), x);  // normalized, in the input's dtype
+    store(out + i, rnd(vmul(load(w + i, m), y), x), m);
   }
 }
 
@@ -94,9 +172,9 @@ void add_rms_norm_impl(const at::Tensor& h, const at::Tensor& delta, const at::T
   T* po = reinterpret_cast<T*>(out.data_ptr());
   at::parallel_for(0, rows, grain(d), [&](int64_t a, int64_t b) {
     for (int64_t r = a; r < b; ++r) {
-      for (int64_t i = 0; i < d; i += 16) {
-        const __mmask16 m = tail(d - i);
-        store(ps + r * d + i, rnd(_mm512_add_ps(load(ph + r * d + i, m), load(pd + r * d + i, m)), ph), m);
+      for (int64_t i = 0; i < d; i += W) {
+        const lanes m = tail(d - i);
+        store(ps + r * d + i, rnd(vadd(load(ph + r * d + i, m), load(pd + r * d + i, m)), ph), m);
       }
       norm_row(ps + r * d, pw, po + r * d, d, static_cast<float>(eps));
     }
@@ -108,16 +186,16 @@ void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
   const int64_t rows = gu.size(0), n = gu.size(1) / 2;
   const T* pg = reinterpret_cast<const T*>(gu.data_ptr());
   T* po = reinterpret_cast<T*>(out.data_ptr());
-  const __m512 one = _mm512_set1_ps(1.f);
+  const vec one = vset(1.f);
   at::parallel_for(0, rows, grain(2 * n), [&](int64_t a, int64_t b) {
     for (int64_t r = a; r < b; ++r) {
       const T* g = pg + r * 2 * n;
-      for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = tail(n - i);
-        const __m512 x = load(g + i, m);
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        const __m512 s = rnd(_mm512_div_ps(x, _mm512_add_ps(one, e)), g);  // silu(gate) in the dtype
-        store(po + r * n + i, rnd(_mm512_mul_ps(s, load(g + n + i, m)), g), m);
+      for (int64_t i = 0; i < n; i += W) {
+        const lanes m = tail(n - i);
+        const vec x = load(g + i, m);
+        const vec e = vexp(vsub(vzero(), x));
+        const vec s = rnd(vdiv(x, vadd(one, e)), g);  // silu(gate) in the dtype
+        store(po + r * n + i, rnd(vmul(s, load(g + n + i, m)), g), m);
       }
     }
   });
@@ -138,14 +216,12 @@ void rope_impl(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
       for (int64_t h = 0; h < heads; ++h) {
         const T* v = px + t * stride + h * hd;
         T* o = po + (t * heads + h) * hd;
-        for (int64_t i = 0; i < half; i += 16) {
-          const __mmask16 m = tail(half - i);
-          const __m512 x1 = load(v + i, m), x2 = load(v + half + i, m);
+        for (int64_t i = 0; i < half; i += W) {
+          const lanes m = tail(half - i);
+          const vec x1 = load(v + i, m), x2 = load(v + half + i, m);
           // first half: x1 * cos - x2 * sin; second: x2 * cos + x1 * sin (rotate_half = [-x2, x1])
-          const __m512 lo = _mm512_add_ps(rnd(_mm512_mul_ps(x1, load(c + i, m)), v),
-                                          rnd(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), load(s + i, m)), v));
-          const __m512 hi = _mm512_add_ps(rnd(_mm512_mul_ps(x2, load(c + half + i, m)), v),
-                                          rnd(_mm512_mul_ps(x1, load(s + half + i, m)), v));
+          const vec lo = vadd(rnd(vmul(x1, load(c + i, m)), v), rnd(vmul(vsub(vzero(), x2), load(s + i, m)), v));
+          const vec hi = vadd(rnd(vmul(x2, load(c + half + i, m)), v), rnd(vmul(x1, load(s + half + i, m)), v));
           store(o + i, rnd(lo, v), m);
           store(o + half + i, rnd(hi, v), m);
         }

@@ -1,5 +1,5 @@
-// Vector math and AMX tile setup the CPU attention kernels share (decode_attention.cpp,
-// prefill_attention.cpp). Builds fold this file's digest into their flags
+// Vector math and AMX tile setup the CPU kernels share (decode_attention.cpp, prefill_attention.cpp,
+// fused_ops.cpp). Builds fold this file's digest into their flags
 // (consumer/engine/paged_attention.py), so an edit here rebuilds them.
 #pragma once
 
@@ -77,4 +77,33 @@ inline bool permitted() {
 }
 
 }  // namespace amx_tiles
+#endif
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+// e^x for 8 lanes, exp512's polynomial and clamp below; AVX2 has no scalef, so 2^n is two exponent
+// fields, 2^(n/2) and 2^(n - n/2), each a normal float32 over n's whole range: the product flushes
+// to 0 below e^-104 and reaches infinity above float32's largest (x clamped at 89, past that point)
+inline __m256 exp256(__m256 x) {
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.f)), _mm256_set1_ps(89.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, ln2_hi, x);
+  r = _mm256_fnmadd_ps(n, ln2_lo, r);
+  __m256 p = _mm256_set1_ps(1.f / 720.f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i ni = _mm256_cvtps_epi32(n);  // in [-150, 128]
+  const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);  // each in [-75, 64]
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
 #endif
