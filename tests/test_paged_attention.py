@@ -112,7 +112,7 @@ def sdpa_reference(q, k, v, tables, lengths) -> torch.Tensor:
 @pytest.mark.numeric
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("hd", [32, 64, 128])
-@pytest.mark.parametrize("groups", [1, 3, 4, 8])  # 8: past the AVX-512 build's vectorized path (its portable loop)
+@pytest.mark.parametrize("groups", [1, 3, 4, 8])  # 8: past the vectorized paths (the portable loop)
 @pytest.mark.parametrize("batch", [1, 33])
 def test_the_kernel_equals_float32_sdpa_over_the_same_keys(decode, batch, groups, hd, dtype):
     q, k, v, tables, lengths = random_case(batch, groups, hd, dtype, seed=batch * 100 + groups * 10 + hd)
@@ -230,7 +230,7 @@ def test_the_engine_answers_with_the_kernel_as_with_sdpa(decode, name):
 def test_auto_keeps_per_row_sdpa_where_it_measured_faster():
     """auto: float32 pools with head_dim < 64 keep per-row SDPA where the kernel runs its portable
     loop (the QA pair's rows: it was 0.97-1.13x the per-row step there), saying so and that the
-    kernel is built; the AVX-512 build's vectorized path takes them; bfloat16 on the same model and
+    kernel is built; the AVX-512 and AVX2 builds' vectorized paths take them; bfloat16 on the same model and
     an explicit "kernel" take the kernel."""
     from consumer.engine.kv_pool import KVPool
     from consumer.engine.pool_forward import PoolRunner
@@ -238,7 +238,7 @@ def test_auto_keeps_per_row_sdpa_where_it_measured_faster():
 
     if paged_attention.kernel() is None:
         pytest.skip(f"no kernel here: {paged_attention.which()}")
-    vector = paged_attention.which().startswith("kernel avx512")  # head_dim 32, one query head per KV head: vectorized
+    vector = paged_attention.which().startswith(("kernel avx512", "kernel avx2"))  # head_dim 32, one query head per KV head: vectorized
     for dtype, mode, takes in (("float32", "auto", vector), ("bfloat16", "auto", True), ("float32", "kernel", True)):
         loaded = load_model("checkpoints/qa-tuned", dtype, "cpu")
         assert loaded.info.head_dim == 32
@@ -256,7 +256,7 @@ def test_auto_keeps_per_row_sdpa_where_it_measured_faster():
 @pytest.mark.parametrize("bt", [1, 5, 48])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_any_block_size_reads_the_same_keys(decode, bt, dtype):
-    """Blocks of 1, 5 and 48 tokens (the vectorized path's 16-key tiles straddle them), rows' blocks
+    """Blocks of 1, 5 and 48 tokens (the vectorized paths' 16- and 8-key tiles straddle them), rows' blocks
     out of order: the same answer as float32 SDPA over the keys gathered."""
     g = torch.Generator().manual_seed(bt)
     n_kv, hd, groups, lengths = 2, 64, 3, [1, 17, 70, 33]

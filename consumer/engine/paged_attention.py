@@ -176,14 +176,14 @@ def _loaded() -> tuple[Callable | None, str]:
     return module.decode_attention, f"kernel {name.rsplit('_', 1)[-1]}"
 
 
-# the AVX-512 build's vectorized path serves these (others: its portable per-key loop)
+# the AVX-512 and AVX2 builds' vectorized paths serve these (others: the portable per-key loop)
 VECTOR_HEAD_DIMS = (32, 64, 128)
 VECTOR_MAX_GROUPS = 4
 
 
 def vectorized(head_dim: int, groups: int) -> bool:
-    """Whether the AVX-512 build runs its vectorized path for this head size and GQA group (query
-    heads per KV head): float32, bfloat16 and float16, head_dim 32 / 64 / 128, groups 1-4."""
+    """Whether the AVX-512 and AVX2 builds run their vectorized path for this head size and GQA group
+    (query heads per KV head): float32, bfloat16 and float16, head_dim 32 / 64 / 128, groups 1-4."""
     return head_dim in VECTOR_HEAD_DIMS and 1 <= groups <= VECTOR_MAX_GROUPS
 
 

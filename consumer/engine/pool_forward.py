@@ -103,15 +103,16 @@ def _attend_row(view: _RowView, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 # auto keeps per-row SDPA for float32 pools with heads this small where the kernel runs its portable
 # per-key loop: there its dot products are too short to beat SDPA's float32 path (engine_forward rows at
 # 103e3b3, the QA pair, head_dim 32: 0.97-1.13x the per-row step in float32, slower in 5 of 6 cells).
-# The AVX-512 build's vectorized path (head_dim 32 / 64 / 128, up to 4 query heads per KV head) is
-# faster there too (0.78-0.93x per-row SDPA, QA pair fp32, batch 1-32, hand run at 2 threads)
+# The vectorized paths (head_dim 32 / 64 / 128, up to 4 query heads per KV head) are faster there too:
+# the AVX-512 build's 0.78-0.93x per-row SDPA, the AVX2 build's 0.54-0.9x (QA pair fp32, batch 1-32 at
+# 512 tokens, hand runs at 2 threads; the AVX2 one on an AMD EPYC without AVX-512)
 AUTO_MIN_FLOAT32_HEAD_DIM = 64
 
 
 def auto_skips(dtype: torch.dtype, head_dim: int, groups: int = 1) -> str:
     """Why `auto` keeps per-row SDPA for a pool of this dtype, head size and GQA group, or ""."""
     if dtype == torch.float32 and head_dim < AUTO_MIN_FLOAT32_HEAD_DIM:
-        if paged_attention.which().startswith("kernel avx512") and paged_attention.vectorized(head_dim, groups):
+        if paged_attention.which().startswith(("kernel avx512", "kernel avx2")) and paged_attention.vectorized(head_dim, groups):
             return ""
         return f"auto: float32 with head_dim {head_dim} < {AUTO_MIN_FLOAT32_HEAD_DIM} (per-row SDPA measured faster)"
     return ""

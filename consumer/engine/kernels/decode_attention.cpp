@@ -37,6 +37,17 @@ inline float exp_sum(float* s, int64_t L) {
     total = _mm512_add_ps(total, e);
   }
   sum = _mm512_reduce_add_ps(total);
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 m = _mm256_set1_ps(top);
+  __m256 total = _mm256_setzero_ps();
+  for (; t + 8 <= L; t += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+    _mm256_storeu_ps(s + t, e);
+    total = _mm256_add_ps(total, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, total);
+  for (int i = 0; i < 8; ++i) sum += lanes[i];
 #endif
   for (; t < L; ++t) {
     s[t] = std::exp(s[t] - top);
@@ -166,6 +177,112 @@ Item<T> item_for(int64_t g, int64_t hd) {
     case 32: return item_for_g<T, 2>(g);
     case 64: return item_for_g<T, 4>(g);
     case 128: return item_for_g<T, 8>(g);
+    default: return nullptr;
+  }
+}
+template <>
+Item<double> item_for<double>(int64_t, int64_t) { return nullptr; }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The AVX2 build's vectorized item: decode_item above at 8 lanes (CPUs without AVX-512), the same
+// steps and float32 arithmetic; a row of keys is hd / 8 vectors.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void store8(c10::BFloat16* p, __m256 x) {  // round to nearest even, as c10::BFloat16's conversion
+  alignas(32) float f[8];
+  _mm256_store_ps(f, x);
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<c10::BFloat16>(f[i]);
+}
+inline void store8(c10::Half* p, __m256 x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// the 8 lane sums of v[0..7] as one vector: lane i = sum of v[i]'s lanes (two rounds of pairwise
+// adds, then the two 128-bit halves added)
+inline __m256 hsum8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // v0..v3 per half
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));  // v4..v7 per half
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+template <typename T, int G, int C>
+void decode_item(const T* qb, const T* kh, const T* vh, const int64_t* table, int64_t L, int64_t block_tokens,
+                 float scale, T* ob, std::vector<float>& scores) {
+  constexpr int HD = 8 * C;
+  __m256 qv[G][C];
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int h = 0; h < G; ++h)
+    for (int c = 0; c < C; ++c) qv[h][c] = _mm256_mul_ps(load8(qb + h * HD + c * 8), sv);
+  const int64_t Lp = (L + 7) / 8 * 8;
+  if (static_cast<int64_t>(scores.size()) < G * Lp) scores.resize(G * Lp);
+  float* sc = scores.data();
+  alignas(32) float tile[8][HD];
+  int64_t block = 0, offset = 0;  // where key t0 lies: table[block], offset
+  for (int64_t t0 = 0; t0 < L; t0 += 8) {
+    const int n = static_cast<int>(std::min<int64_t>(8, L - t0));
+    for (int i = 0; i < n; ++i) {  // the keys' rows, converted once for every head
+      const T* kt = kh + (table[block] * block_tokens + offset) * HD;
+      for (int c = 0; c < C; ++c) _mm256_store_ps(tile[i] + c * 8, load8(kt + c * 8));
+      if (++offset == block_tokens) offset = 0, ++block;
+    }
+    for (int h = 0; h < G; ++h) {
+      __m256 dots[8];
+      for (int i = 0; i < 8; ++i) {
+        if (i >= n) {
+          dots[i] = _mm256_setzero_ps();
+          continue;
+        }
+        __m256 a = _mm256_mul_ps(qv[h][0], _mm256_load_ps(tile[i]));
+        for (int c = 1; c < C; ++c) a = _mm256_fmadd_ps(qv[h][c], _mm256_load_ps(tile[i] + c * 8), a);
+        dots[i] = a;
+      }
+      _mm256_storeu_ps(sc + h * Lp + t0, hsum8(dots));
+    }
+  }
+  float total[G];
+  for (int h = 0; h < G; ++h) total[h] = exp_sum(sc + h * Lp, L);
+  __m256 acc[G][C];
+  for (int h = 0; h < G; ++h)
+    for (int c = 0; c < C; ++c) acc[h][c] = _mm256_setzero_ps();
+  block = 0, offset = 0;
+  for (int64_t t = 0; t < L; ++t) {
+    const T* vt = vh + (table[block] * block_tokens + offset) * HD;
+    if (++offset == block_tokens) offset = 0, ++block;
+    for (int c = 0; c < C; ++c) {
+      const __m256 vv = load8(vt + c * 8);
+      for (int h = 0; h < G; ++h) acc[h][c] = _mm256_fmadd_ps(_mm256_set1_ps(sc[h * Lp + t]), vv, acc[h][c]);
+    }
+  }
+  for (int h = 0; h < G; ++h) {
+    const __m256 inv = _mm256_set1_ps(1.f / total[h]);
+    for (int c = 0; c < C; ++c) store8(ob + h * HD + c * 8, _mm256_mul_ps(acc[h][c], inv));
+  }
+}
+
+template <typename T>
+using Item = void (*)(const T*, const T*, const T*, const int64_t*, int64_t, int64_t, float, T*, std::vector<float>&);
+
+template <typename T, int C>
+Item<T> item_for_g(int64_t g) {
+  switch (g) {
+    case 1: return decode_item<T, 1, C>;
+    case 2: return decode_item<T, 2, C>;
+    case 3: return decode_item<T, 3, C>;
+    case 4: return decode_item<T, 4, C>;
+    default: return nullptr;
+  }
+}
+
+template <typename T>
+Item<T> item_for(int64_t g, int64_t hd) {
+  switch (hd) {
+    case 32: return item_for_g<T, 4>(g);
+    case 64: return item_for_g<T, 8>(g);
+    case 128: return item_for_g<T, 16>(g);
     default: return nullptr;
   }
 }
@@ -367,7 +484,7 @@ template <typename T>
 void decode(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* lengths, T* out,
             int64_t B, int64_t H, int64_t n_kv, int64_t hd, int64_t slots, int64_t max_blocks,
             int64_t block_tokens, float scale) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   if (const Item<T> item = item_for<T>(H / n_kv, hd)) {
     const int64_t g = H / n_kv;
     at::parallel_for(0, B * n_kv, 1, [&](int64_t begin, int64_t end) {
