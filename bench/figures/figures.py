@@ -19,7 +19,7 @@ from bench.figures import projection
 from bench.figures.gpu import gpu
 from bench.figures.keep import keep
 from bench.figures.keep_paired import keep_paired
-from bench.figures.peer import compile_step, peer_ab, peer_breakdown, peer_vllm, prefill_budget
+from bench.figures.peer import compile_step, peer_ab, peer_breakdown, peer_hosts, peer_vllm, prefill_budget
 from bench.figures.real_pair import real_pair
 from bench.figures.rows import RESULTS, ROOT, artifact_meta, em_f1, rows_of, span, span_words  # noqa: F401 (RESULTS: re-exported)
 from bench.figures.serving import (
@@ -345,6 +345,7 @@ def figures(root: Path = ROOT) -> dict:
         "rv": real.get("verify", {}).get("by_schedule", {}),
         "peer": peer_vllm(root),
         "peer_ab": peer_ab(root),
+        "peer_hosts": peer_hosts(root),
         "breakdown": peer_breakdown(root),
         "budget": prefill_budget(root),
         "compile_step": compile_step(root),

@@ -114,6 +114,41 @@ def _spread(rows: list[dict]) -> str:
             f" {min(peer):.0f}-{max(peer):.0f} tokens/s")
 
 
+HOSTS = "peer_vllm_hosts.jsonl"
+
+
+def peer_hosts(root: Path = RESULTS.parents[1]) -> dict:
+    """`bench.peer.vs_vllm --out bench/results/peer_vllm_hosts.jsonl`: runs on hosts other than the one
+    whose series peer_vllm.jsonl holds (another CPU, another dtype), one table row per summary, each
+    naming its host, dtype and code, and per host and dtype the latest run's three ratios."""
+    path = root / "bench/results" / HOSTS
+    if not path.exists():
+        return {"table": "(no runs on other hosts yet)", "latest": "none"}
+    rows = rows_of(path)
+    summaries = [r for r in rows if r["kind"] == "summary" and r.get("build", "head") == "head"]
+    lines = [
+        "| code | host | dtype | workload | streams | ours | vLLM | ours / vLLM | identical outputs | runs | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    latest: dict[tuple[str, str], dict[str, str]] = {}
+    for r in summaries:
+        unit = "ms TTFT" if r["workload"] == "ttft" else "tokens/s"
+        kind = "ttft_ms" if r["workload"] == "ttft" else "tokens_per_s"
+        lines.append(
+            f"| {r['code']} | {host(r)} | {r['dtype']} | {r['workload']} | {r['streams']} | {r[f'ours_{kind}_median']:g} {unit} | "
+            f"{r[f'vllm_{kind}_median']:g} {unit} | {r['ratio_ours_vs_vllm']:.2f} | {r['identical_outputs']:.0%} | {r['runs']} | "
+            f"{r['load_avg_1m_median']:.1f} |"
+        )
+        cell = "our TTFT at 2048 tokens" if r["workload"] == "ttft" else f"our tokens/s at {r['streams']} stream(s)"
+        group = latest.setdefault((host(r), r["dtype"]), {})
+        group[cell] = f"{r['ratio_ours_vs_vllm']:.2f}x vLLM's"
+        group["run"] = f"code {r['code']}, {r['runs']} runs"
+    text = "; ".join(
+        f"{h}, {d} ({cells.pop('run')}): " + ", ".join(f"{c} {v}" for c, v in cells.items()) for (h, d), cells in latest.items()
+    )
+    return {"table": "\n".join(lines), "latest": text}
+
+
 AB = "peer_vllm_ab.jsonl"
 
 
