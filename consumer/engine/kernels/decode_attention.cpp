@@ -66,25 +66,34 @@ inline float to_f32(c10::BFloat16 x) {
 }
 inline float to_f32(c10::Half x) { return static_cast<float>(x); }
 
+// The vector layer the vectorized item is written against: W float32 lanes (16 on AVX-512, 8 on
+// AVX2 + FMA), a row's values loaded as float32 (exact for every dtype here) and stored back in it.
 #ifdef __AVX512F__
-// 16 values of a row as float32 lanes (exact for every dtype here)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
+using vec = __m512;
+constexpr int W = 16;
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vload(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-inline void store16(c10::BFloat16* p, __m512 x) {  // round to nearest even, as c10::BFloat16's conversion
-  for (int i = 0; i < 16; ++i) p[i] = static_cast<c10::BFloat16>(x[i]);
+inline vec vload(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline void vstore(float* p, vec x) { _mm512_storeu_ps(p, x); }
+inline void vstore(c10::BFloat16* p, vec x) {  // round to nearest even, as c10::BFloat16's conversion
+  for (int i = 0; i < W; ++i) p[i] = static_cast<c10::BFloat16>(x[i]);
 }
-inline void store16(c10::Half* p, __m512 x) {
+inline void vstore(c10::Half* p, vec x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
+inline vec vtile(const float* p) { return _mm512_load_ps(p); }  // an aligned float32 tile row
+inline void vtile(float* p, vec x) { _mm512_store_ps(p, x); }
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset(float x) { return _mm512_set1_ps(x); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 
 // the 16 lane sums of v[0..15] as one vector: lane i = sum of v[i]'s lanes (a transposing reduction:
 // 45 shuffles and adds for 16 dot products, where one horizontal sum each would take ~10 apiece)
-inline __m512 hsum16(const __m512* v) {
+inline vec hsum(const vec* v) {
   __m512 w[8], x[4];
   for (int i = 0; i < 8; ++i)  // per 128-bit block: lanes 0, 2 hold v[2i]'s partials, 1, 3 v[2i + 1]'s
     w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
@@ -96,63 +105,95 @@ inline __m512 hsum16(const __m512* v) {
   const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+using vec = __m256;
+constexpr int W = 8;
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vload(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline vec vload(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void vstore(float* p, vec x) { _mm256_storeu_ps(p, x); }
+inline void vstore(c10::BFloat16* p, vec x) {  // round to nearest even, as c10::BFloat16's conversion
+  for (int i = 0; i < W; ++i) p[i] = static_cast<c10::BFloat16>(x[i]);
+}
+inline void vstore(c10::Half* p, vec x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline vec vtile(const float* p) { return _mm256_load_ps(p); }
+inline void vtile(float* p, vec x) { _mm256_store_ps(p, x); }
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset(float x) { return _mm256_set1_ps(x); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 
-// One decode row and KV head with G query heads of head_dim 16 * C, vectorized: scores 16 keys at a
+// the 8 lane sums of v[0..7] as one vector: lane i = sum of v[i]'s lanes (two rounds of pairwise
+// adds, then the two 128-bit halves added)
+inline vec hsum(const vec* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // v0..v3 per half
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));  // v4..v7 per half
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// One decode row and KV head with G query heads of head_dim W * C, vectorized: scores W keys at a
 // time (each key's row converted once into a float32 tile), softmax with a vector exp, the weighted
 // sum in registers. Same numbers as the portable loop up to float32 summation order.
 template <typename T, int G, int C>
 void decode_item(const T* qb, const T* kh, const T* vh, const int64_t* table, int64_t L, int64_t block_tokens,
                  float scale, T* ob, std::vector<float>& scores) {
-  constexpr int HD = 16 * C;
-  __m512 qv[G][C];
-  const __m512 sv = _mm512_set1_ps(scale);
+  constexpr int HD = W * C;
+  vec qv[G][C];
+  const vec sv = vset(scale);
   for (int h = 0; h < G; ++h)
-    for (int c = 0; c < C; ++c) qv[h][c] = _mm512_mul_ps(load16(qb + h * HD + c * 16), sv);
-  const int64_t Lp = (L + 15) / 16 * 16;
+    for (int c = 0; c < C; ++c) qv[h][c] = vmul(vload(qb + h * HD + c * W), sv);
+  const int64_t Lp = (L + W - 1) / W * W;
   if (static_cast<int64_t>(scores.size()) < G * Lp) scores.resize(G * Lp);
   float* sc = scores.data();
-  alignas(64) float tile[16][HD];
+  alignas(64) float tile[W][HD];
   int64_t block = 0, offset = 0;  // where key t0 lies: table[block], offset
-  for (int64_t t0 = 0; t0 < L; t0 += 16) {
-    const int n = static_cast<int>(std::min<int64_t>(16, L - t0));
+  for (int64_t t0 = 0; t0 < L; t0 += W) {
+    const int n = static_cast<int>(std::min<int64_t>(W, L - t0));
     for (int i = 0; i < n; ++i) {  // the keys' rows, converted once for every head
       const T* kt = kh + (table[block] * block_tokens + offset) * HD;
-      for (int c = 0; c < C; ++c) _mm512_store_ps(tile[i] + c * 16, load16(kt + c * 16));
+      for (int c = 0; c < C; ++c) vtile(tile[i] + c * W, vload(kt + c * W));
       if (++offset == block_tokens) offset = 0, ++block;
     }
     for (int h = 0; h < G; ++h) {
-      __m512 dots[16];
-      for (int i = 0; i < 16; ++i) {
+      vec dots[W];
+      for (int i = 0; i < W; ++i) {
         if (i >= n) {
-          dots[i] = _mm512_setzero_ps();
+          dots[i] = vzero();
           continue;
         }
-        __m512 a = _mm512_mul_ps(qv[h][0], _mm512_load_ps(tile[i]));
-        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[h][c], _mm512_load_ps(tile[i] + c * 16), a);
+        vec a = vmul(qv[h][0], vtile(tile[i]));
+        for (int c = 1; c < C; ++c) a = vfma(qv[h][c], vtile(tile[i] + c * W), a);
         dots[i] = a;
       }
-      _mm512_storeu_ps(sc + h * Lp + t0, hsum16(dots));
+      vstore(sc + h * Lp + t0, hsum(dots));
     }
   }
   float total[G];
   for (int h = 0; h < G; ++h) total[h] = exp_sum(sc + h * Lp, L);
-  __m512 acc[G][C];
+  vec acc[G][C];
   for (int h = 0; h < G; ++h)
-    for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[h][c] = vzero();
   block = 0, offset = 0;
   for (int64_t t = 0; t < L; ++t) {
     const T* vt = vh + (table[block] * block_tokens + offset) * HD;
     if (++offset == block_tokens) offset = 0, ++block;
-    __m512 vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = load16(vt + c * 16);
+    vec vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = vload(vt + c * W);
     for (int h = 0; h < G; ++h) {
-      const __m512 p = _mm512_set1_ps(sc[h * Lp + t]);
-      for (int c = 0; c < C; ++c) acc[h][c] = _mm512_fmadd_ps(p, vv[c], acc[h][c]);
+      const vec p = vset(sc[h * Lp + t]);
+      for (int c = 0; c < C; ++c) acc[h][c] = vfma(p, vv[c], acc[h][c]);
     }
   }
   for (int h = 0; h < G; ++h) {
-    const __m512 inv = _mm512_set1_ps(1.f / total[h]);
-    for (int c = 0; c < C; ++c) store16(ob + h * HD + c * 16, _mm512_mul_ps(acc[h][c], inv));
+    const vec inv = vset(1.f / total[h]);
+    for (int c = 0; c < C; ++c) vstore(ob + h * HD + c * W, vmul(acc[h][c], inv));
   }
 }
 
@@ -174,115 +215,9 @@ Item<T> item_for_g(int64_t g) {
 template <typename T>
 Item<T> item_for(int64_t g, int64_t hd) {
   switch (hd) {
-    case 32: return item_for_g<T, 2>(g);
-    case 64: return item_for_g<T, 4>(g);
-    case 128: return item_for_g<T, 8>(g);
-    default: return nullptr;
-  }
-}
-template <>
-Item<double> item_for<double>(int64_t, int64_t) { return nullptr; }
-#elif defined(__AVX2__) && defined(__FMA__)
-// The AVX2 build's vectorized item: decode_item above at 8 lanes (CPUs without AVX-512), the same
-// steps and float32 arithmetic; a row of keys is hd / 8 vectors.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
-inline void store8(c10::BFloat16* p, __m256 x) {  // round to nearest even, as c10::BFloat16's conversion
-  alignas(32) float f[8];
-  _mm256_store_ps(f, x);
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<c10::BFloat16>(f[i]);
-}
-inline void store8(c10::Half* p, __m256 x) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-
-// the 8 lane sums of v[0..7] as one vector: lane i = sum of v[i]'s lanes (two rounds of pairwise
-// adds, then the two 128-bit halves added)
-inline __m256 hsum8(const __m256* v) {
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // v0..v3 per half
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));  // v4..v7 per half
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
-template <typename T, int G, int C>
-void decode_item(const T* qb, const T* kh, const T* vh, const int64_t* table, int64_t L, int64_t block_tokens,
-                 float scale, T* ob, std::vector<float>& scores) {
-  constexpr int HD = 8 * C;
-  __m256 qv[G][C];
-  const __m256 sv = _mm256_set1_ps(scale);
-  for (int h = 0; h < G; ++h)
-    for (int c = 0; c < C; ++c) qv[h][c] = _mm256_mul_ps(load8(qb + h * HD + c * 8), sv);
-  const int64_t Lp = (L + 7) / 8 * 8;
-  if (static_cast<int64_t>(scores.size()) < G * Lp) scores.resize(G * Lp);
-  float* sc = scores.data();
-  alignas(32) float tile[8][HD];
-  int64_t block = 0, offset = 0;  // where key t0 lies: table[block], offset
-  for (int64_t t0 = 0; t0 < L; t0 += 8) {
-    const int n = static_cast<int>(std::min<int64_t>(8, L - t0));
-    for (int i = 0; i < n; ++i) {  // the keys' rows, converted once for every head
-      const T* kt = kh + (table[block] * block_tokens + offset) * HD;
-      for (int c = 0; c < C; ++c) _mm256_store_ps(tile[i] + c * 8, load8(kt + c * 8));
-      if (++offset == block_tokens) offset = 0, ++block;
-    }
-    for (int h = 0; h < G; ++h) {
-      __m256 dots[8];
-      for (int i = 0; i < 8; ++i) {
-        if (i >= n) {
-          dots[i] = _mm256_setzero_ps();
-          continue;
-        }
-        __m256 a = _mm256_mul_ps(qv[h][0], _mm256_load_ps(tile[i]));
-        for (int c = 1; c < C; ++c) a = _mm256_fmadd_ps(qv[h][c], _mm256_load_ps(tile[i] + c * 8), a);
-        dots[i] = a;
-      }
-      _mm256_storeu_ps(sc + h * Lp + t0, hsum8(dots));
-    }
-  }
-  float total[G];
-  for (int h = 0; h < G; ++h) total[h] = exp_sum(sc + h * Lp, L);
-  __m256 acc[G][C];
-  for (int h = 0; h < G; ++h)
-    for (int c = 0; c < C; ++c) acc[h][c] = _mm256_setzero_ps();
-  block = 0, offset = 0;
-  for (int64_t t = 0; t < L; ++t) {
-    const T* vt = vh + (table[block] * block_tokens + offset) * HD;
-    if (++offset == block_tokens) offset = 0, ++block;
-    for (int c = 0; c < C; ++c) {
-      const __m256 vv = load8(vt + c * 8);
-      for (int h = 0; h < G; ++h) acc[h][c] = _mm256_fmadd_ps(_mm256_set1_ps(sc[h * Lp + t]), vv, acc[h][c]);
-    }
-  }
-  for (int h = 0; h < G; ++h) {
-    const __m256 inv = _mm256_set1_ps(1.f / total[h]);
-    for (int c = 0; c < C; ++c) store8(ob + h * HD + c * 8, _mm256_mul_ps(acc[h][c], inv));
-  }
-}
-
-template <typename T>
-using Item = void (*)(const T*, const T*, const T*, const int64_t*, int64_t, int64_t, float, T*, std::vector<float>&);
-
-template <typename T, int C>
-Item<T> item_for_g(int64_t g) {
-  switch (g) {
-    case 1: return decode_item<T, 1, C>;
-    case 2: return decode_item<T, 2, C>;
-    case 3: return decode_item<T, 3, C>;
-    case 4: return decode_item<T, 4, C>;
-    default: return nullptr;
-  }
-}
-
-template <typename T>
-Item<T> item_for(int64_t g, int64_t hd) {
-  switch (hd) {
-    case 32: return item_for_g<T, 4>(g);
-    case 64: return item_for_g<T, 8>(g);
-    case 128: return item_for_g<T, 16>(g);
+    case 32: return item_for_g<T, 32 / W>(g);
+    case 64: return item_for_g<T, 64 / W>(g);
+    case 128: return item_for_g<T, 128 / W>(g);
     default: return nullptr;
   }
 }
