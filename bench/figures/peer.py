@@ -16,6 +16,13 @@ def host(row: dict) -> str:
     return f"{row['cpu']} ({row['cpu_bf16']})" if "cpu" in row else "not recorded"
 
 
+def medians(summary: dict) -> tuple[float, float, str]:
+    """A summary row's (our median, vLLM's median, unit): TTFT in ms, or decode tokens/s."""
+    if summary["workload"] == "ttft":
+        return summary["ours_ttft_ms_median"], summary["vllm_ttft_ms_median"], "ms TTFT"
+    return summary["ours_tokens_per_s_median"], summary["vllm_tokens_per_s_median"], "tokens/s"
+
+
 def interval(row: dict) -> int:
     """The consumer's stream interval in a row (rows before the column: 1, the default then)."""
     return int(row.get("stream_interval", 1))
@@ -35,10 +42,7 @@ def peer_vllm(root: Path = RESULTS.parents[1]) -> dict:
     ratios, codes = {}, {}
     for r in summaries:
         ctx = next(s["context_tokens"] for s in rows if s["kind"] == "sample" and s["workload"] == r["workload"])
-        if r["workload"] == "ttft":
-            ours, theirs, unit = r["ours_ttft_ms_median"], r["vllm_ttft_ms_median"], "ms TTFT"
-        else:
-            ours, theirs, unit = r["ours_tokens_per_s_median"], r["vllm_tokens_per_s_median"], "tokens/s"
+        ours, theirs, unit = medians(r)
         lines.append(
             f"| {r['code']} | {host(r)} | {r['workload']} | {r['streams']} | {ctx} | {interval(r)} | {ours:g} {unit} | {theirs:g} {unit} | {r['ratio_ours_vs_vllm']:.2f} | "
             f"{r['identical_outputs']:.0%} | {r['runs']} | {r['load_avg_1m_median']:.1f} |"
@@ -132,12 +136,10 @@ def peer_hosts(root: Path = RESULTS.parents[1]) -> dict:
     ]
     latest: dict[tuple[str, str], dict[str, str]] = {}
     for r in summaries:
-        unit = "ms TTFT" if r["workload"] == "ttft" else "tokens/s"
-        kind = "ttft_ms" if r["workload"] == "ttft" else "tokens_per_s"
+        ours, theirs, unit = medians(r)
         lines.append(
-            f"| {r['code']} | {host(r)} | {r['dtype']} | {r['workload']} | {r['streams']} | {r[f'ours_{kind}_median']:g} {unit} | "
-            f"{r[f'vllm_{kind}_median']:g} {unit} | {r['ratio_ours_vs_vllm']:.2f} | {r['identical_outputs']:.0%} | {r['runs']} | "
-            f"{r['load_avg_1m_median']:.1f} |"
+            f"| {r['code']} | {host(r)} | {r['dtype']} | {r['workload']} | {r['streams']} | {ours:g} {unit} | {theirs:g} {unit} | "
+            f"{r['ratio_ours_vs_vllm']:.2f} | {r['identical_outputs']:.0%} | {r['runs']} | {r['load_avg_1m_median']:.1f} |"
         )
         cell = "our TTFT at 2048 tokens" if r["workload"] == "ttft" else f"our tokens/s at {r['streams']} stream(s)"
         group = latest.setdefault((host(r), r["dtype"]), {})
