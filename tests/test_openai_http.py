@@ -98,6 +98,25 @@ async def test_a_body_that_cannot_be_decoded_is_400_naming_body(pair):
     assert status.endswith(b" 400 Bad Request") and body["error"]["param"] == "body"
 
 
+@pytest.mark.parametrize(
+    "path, data, param",
+    [
+        ("/v1/completions", '{"prompt": "a \\ud800 b", "max_tokens": 2}', "prompt"),
+        ("/v1/completions", b'{"prompt": "a \xed\xa0\x80", "max_tokens": 2}', "prompt"),  # json.loads passes surrogates
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content"),
+        ("/v1/completions", '{"prompt": "hi", "stop": ["ok", "\\ud83d"], "max_tokens": 2}', "stop[1]"),
+    ],
+)
+async def test_a_lone_surrogate_is_400_naming_its_field(pair, path, data, param):
+    got, body, _ = await call(pair, "POST", path, data)
+    assert got == 400 and body["error"]["param"] == param and "lone surrogate" in body["error"]["message"], body
+
+
+async def test_escaped_text_that_is_unicode_is_served(pair):
+    got, body, _ = await call(pair, "POST", "/v1/completions", '{"prompt": "caf\\u00e9 \\ud83d\\ude00", "max_tokens": 2}')
+    assert got == 200, body
+
+
 async def test_a_request_id_that_is_not_printable_ascii_is_400_naming_it(pair):
     sent = b'{"prompt": "hi there", "max_tokens": 2}'
     status, body = await raw_request(pair, POST + b"x-request-id: \xff\xfe\r\nContent-Length: %d\r\n\r\n" % len(sent), sent)
@@ -110,7 +129,7 @@ values = st.recursive(
         st.booleans(),
         st.integers(-(1 << 70), 1 << 70),
         st.floats(allow_nan=True, allow_infinity=True),
-        st.text(max_size=12),
+        st.text(st.characters(exclude_categories=()), max_size=12),  # lone surrogates too
         st.sampled_from(["text", "none", "auto", "user", "assistant", "verified", "raw", "oracle", "stop"]),
     ),
     lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),

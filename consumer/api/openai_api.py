@@ -325,6 +325,7 @@ class OpenAIServer:
         if not isinstance(body, dict):
             raise InvalidArgument("body: must be a JSON object")
         schema.check_depth(body)
+        schema.check_unicode(body, raw)
         return body
 
     async def _prompt(self, body: dict[str, Any], chat: bool) -> tuple[list[int], str]:

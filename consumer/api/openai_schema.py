@@ -36,6 +36,7 @@ COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default max_tokens of /v1/completions (c
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default temperature (gRPC's is 0, greedy)
 SEED_BITS = 63  # an unseeded request's fresh seed: within int64 and uint64 both
 _CONTAINERS = {dict, list}  # what JSON nests
+_TEXTUAL = {dict, list, str}  # what may hold text
 _PARAM = re.compile(r"^([A-Za-z_][\w.\[\]']*):")
 # the GenerateRequest fields the job builder's errors name, as this API calls them
 OPENAI_FIELDS = {
@@ -134,6 +135,36 @@ def check_depth(body: Any, limit: int = MAX_DEPTH) -> None:
         children = list(value.values()) if isinstance(value, dict) else value
         if _CONTAINERS & set(map(type, children)):  # in C: a long list of token ids costs no Python loop
             stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+
+
+def check_unicode(body: Any, raw: bytes) -> None:
+    """InvalidArgument naming the first key or string of `body` that is not Unicode text: JSON's
+    `\\ud800` escapes (and json.loads' surrogatepass of raw bytes ED A0 80..) give lone surrogates,
+    which no tokenizer takes. `raw` is the body's bytes: without an escape or an ED byte there is none."""
+    if b"\\u" not in raw and b"\xed" not in raw:
+        return
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, dict):
+            items = [(k, v, f"{path}.{k}" if path else str(k)) for k, v in value.items()]
+            for key, _, where in items:
+                _unicode(key, f"{where} (the key)")
+            stack.extend((v, where) for _, v, where in reversed(items))
+        elif isinstance(value, list):
+            if _TEXTUAL & set(map(type, value)):  # in C: a list of token ids costs no Python loop
+                stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(value))))
+        elif isinstance(value, str):
+            _unicode(value, path)
+
+
+def _unicode(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(
+            f"{where}: not Unicode text (a lone surrogate {text[exc.start]!a} at character {exc.start})"
+        ) from None
 
 
 class BadField(InvalidArgument):
