@@ -105,6 +105,7 @@ async def test_a_body_that_cannot_be_decoded_is_400_naming_body(pair):
         ("/v1/completions", b'{"prompt": "a \xed\xa0\x80", "max_tokens": 2}', "prompt"),  # json.loads passes surrogates
         ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content"),
         ("/v1/completions", '{"prompt": "hi", "stop": ["ok", "\\ud83d"], "max_tokens": 2}', "stop[1]"),
+        ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "x\\ud800": 1}', None),  # a key: named in the message
     ],
 )
 async def test_a_lone_surrogate_is_400_naming_its_field(pair, path, data, param):
