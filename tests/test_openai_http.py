@@ -3,7 +3,8 @@ every non-2xx answer on /v1/ is OpenAI's error JSON (unknown route, wrong method
 limit, a header over the parser's limit, a malformed request, JSON nested 100,000 deep); random
 and malformed bodies never get a 5xx; the served model name everywhere instead of a path; HTTP
 requests in the gRPC metric families; the bearer scheme in any case and the `auth.rejected`
-warning; /health and /ready by the gRPC health rule."""
+warning; /health and /ready by the gRPC health rule; slow bodies bounded (429 past --max-inflight
+being read, 408 at the deadline); a lone surrogate anywhere is 400 naming its field."""
 
 from __future__ import annotations
 
@@ -91,6 +92,29 @@ async def test_a_header_over_the_limit_and_a_malformed_request_are_openai_errors
 
 
 POST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+
+
+async def test_bodies_being_read_are_bounded_and_a_stalled_one_times_out():
+    """Before admission counts them, at most --max-inflight requests read their bodies: many slow
+    senders hold bounded memory (the rest get 429 at once), and a body that stalls gets 408 at the
+    default deadline, freeing its place."""
+    kw = {"http_port": 0, "max_inflight": 2, "default_timeout_s": 1.5, "max_new_tokens": 4}
+    async with running_pair("tiny-llama", consumer_kw=kw) as pair:
+        stalled = []
+        for _ in range(2):
+            reader, writer = await asyncio.open_connection("127.0.0.1", pair.consumer.http_port)
+            writer.write(POST + b"Content-Length: 100\r\n\r\n" + b'{"prompt": "hi"')  # the rest never comes
+            await writer.drain()
+            stalled.append((reader, writer))
+        await asyncio.sleep(0.3)  # both are being read
+        got, body, _ = await call(pair, "POST", "/v1/completions", '{"prompt": "hi there", "max_tokens": 2}')
+        assert got == 429 and body["error"]["param"] == "body" and "limit max_inflight 2" in body["error"]["message"], body
+        for reader, writer in stalled:
+            raw = await asyncio.wait_for(reader.read(4096), 10)  # (aiohttp then drops what else comes, 10 s at most)
+            writer.close()
+            assert raw.startswith(b"HTTP/1.1 408") and b"body: not received within 1.5 s" in raw, raw[:300]
+        got, body, _ = await call(pair, "POST", "/v1/completions", '{"prompt": "hi there", "max_tokens": 2}')
+        assert got == 200, body
 
 
 async def test_a_body_that_cannot_be_decoded_is_400_naming_body(pair):

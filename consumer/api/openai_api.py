@@ -7,7 +7,10 @@ which run through the servicer's `generate_items`: the same admission (--max-inf
 builder (limits, auto) and pipeline as gRPC Generate, in the same process and on the same engine;
 the items become OpenAI's objects (consumer.api.openai_reply). Every non-2xx answer is OpenAI's error
 JSON ({"error": {message, type, param, code}}), aiohttp's own too (unknown route 404, method 405,
-body over the limit 413, a header over its limit 431, a malformed request 400). Each request is
+body over the limit 413, a header over its limit 431, a malformed request 400). Before admission
+counts a request, `Intake` bounds those reading or tokenizing their bodies (--max-inflight at once,
+more 429; a body not in within the default deadline 408), so slow or large bodies hold bounded
+memory. Each request is
 counted and timed in the gRPC families (scd_rpc_total{method="POST /v1/completions", code="200"});
 a refused token is the `auth.rejected` warning. The same bearer token and TLS as the gRPC port
 (--token/--token-file, --tls-cert/--tls-key, --tls-client-ca); the probes need no token.
@@ -16,6 +19,7 @@ aiohttp: asyncio-native, so it shares the gRPC server's event loop with no threa
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import secrets
@@ -34,7 +38,7 @@ from consumer.api.openai_reply import Reply
 from consumer.request.job import GenerateResult, TokenOut
 from shared import health_service, logs, rpc_errors, security
 from shared.config import ConsumerConfig
-from shared.errors import InvalidArgument, ServiceError, Unavailable
+from shared.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable
 from shared.models import LoadedModel
 
 log = logs.get("openai_api")
@@ -57,6 +61,7 @@ TYPES = {
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     431: "invalid_request_error",
     429: "rate_limit_error",
@@ -81,6 +86,32 @@ class PayloadTooLarge(ServiceError):
     code = "PAYLOAD_TOO_LARGE"  # no gRPC status: HTTP only (413)
 
 
+class RequestTimeout(ServiceError):
+    code = "REQUEST_TIMEOUT"  # no gRPC status: HTTP only (408)
+
+
+class Intake:
+    """The requests between their headers and admission (their body read, parsed, tokenized): at
+    most `limit` at once, each body in within `timeout_s`. Admission counts a request only from
+    there, so without this many slow or large bodies (each up to the body limit) would hold memory
+    without bound; with it they hold at most `limit` bodies."""
+
+    def __init__(self, limit: int, timeout_s: float):
+        self.limit, self.timeout_s, self.open = limit, timeout_s, 0
+
+    @contextlib.contextmanager
+    def slot(self):
+        if self.open >= self.limit:
+            raise ResourceExhausted(
+                f"body: {self.open} requests are being read at once (limit max_inflight {self.limit}); retry later"
+            )
+        self.open += 1
+        try:
+            yield
+        finally:
+            self.open -= 1
+
+
 def _error(status: int, message: str, param: str | None, code: str | None) -> dict[str, Any]:
     return {"error": {"message": message, "type": TYPES.get(status, "server_error"), "param": param, "code": code}}
 
@@ -93,7 +124,7 @@ def error_body(exc: Exception, request_id: str = "") -> tuple[int, dict[str, Any
         return exc.status, _error(exc.status, f"{reason}", None, exc.reason.lower().replace(" ", "_"))
     if not isinstance(exc, ServiceError):
         return 500, _error(500, f"internal error (request_id={request_id})", None, "internal")
-    status = 413 if isinstance(exc, PayloadTooLarge) else STATUS.get(exc.code, 500)
+    status = {PayloadTooLarge: 413, RequestTimeout: 408}.get(type(exc)) or STATUS.get(exc.code, 500)
     param, message = schema.param_of(rpc_errors.public_text(str(exc)[:2000]))
     if isinstance(exc, schema.BadField):
         param = exc.param
@@ -175,6 +206,7 @@ class OpenAIServer:
         self.rejections = security.Rejections()
         self.started = int(time.time())
         self.max_body = 2 * config.max_text_bytes + (64 << 10)  # a prompt's text, JSON-escaped, and the other fields
+        self.intake = Intake(config.max_inflight, config.default_timeout_s)
         self.app = web.Application(middlewares=[self._middleware], client_max_size=self.max_body)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/v1/models/{model:.+}", self.model_card)
@@ -311,7 +343,9 @@ class OpenAIServer:
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), self.intake.timeout_s)
+        except TimeoutError:
+            raise RequestTimeout(f"body: not received within {self.intake.timeout_s:g} s (the default deadline)") from None
         except web.HTTPRequestEntityTooLarge:
             raise PayloadTooLarge(f"body: > limit {self.max_body} bytes (2 x max_text_bytes + 64 KiB)") from None
         except (web.RequestPayloadError, http_exceptions.HttpProcessingError) as exc:  # bad chunks, a bad Content-Encoding
@@ -349,13 +383,14 @@ class OpenAIServer:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         received = time.perf_counter()
-        body = await self._body(request)
-        params = schema.read_params(body, self.config, chat)
-        loaded = self._loaded()
-        self._check_model(body.get("model"))
-        with self.servicer.admission.slot():  # full or draining: refused now (429, 503), before tokenizing
-            pass
-        ids, text = await self._prompt(body, chat)
+        with self.intake.slot():  # up to admission: the body, its fields and its tokens
+            body = await self._body(request)
+            params = schema.read_params(body, self.config, chat)
+            loaded = self._loaded()
+            self._check_model(body.get("model"))
+            with self.servicer.admission.slot():  # full or draining: refused now (429, 503), before tokenizing
+                pass
+            ids, text = await self._prompt(body, chat)
         context, question = schema.split_prompt(ids, self.config, "messages" if chat else "prompt")
         rid = request[REQUEST_ID]
         seed = params.seed if params.seed is not None else secrets.randbits(schema.SEED_BITS)
