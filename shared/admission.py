@@ -12,10 +12,11 @@ from shared.errors import ResourceExhausted, Unavailable
 
 class Admission:
     """A limit on calls in flight, released on every path (a context manager around the whole
-    handler), and closed while draining. `inflight` is what is running now."""
+    handler), and closed while draining. `inflight` is what is running now; `counted` names it in
+    a refusal's message."""
 
-    def __init__(self, limit_name: str, limit: int):
-        self.limit_name, self.limit = limit_name, limit
+    def __init__(self, limit_name: str, limit: int, counted: str = "calls in flight"):
+        self.limit_name, self.limit, self.counted = limit_name, limit, counted
         self.inflight = 0
         self.rejected = {"limit": 0, "draining": 0}  # refusals by reason (shared.metrics reads them)
         self.draining = False
@@ -29,7 +30,7 @@ class Admission:
             raise Unavailable("server is draining; retry on another replica")
         if self.inflight >= self.limit:
             self.rejected["limit"] += 1
-            raise ResourceExhausted(f"calls in flight: {self.inflight} >= {self.limit_name} {self.limit}")
+            raise ResourceExhausted(f"{self.counted}: {self.inflight} >= {self.limit_name} {self.limit}")
         self.inflight += 1
         self.idle.clear()
         try:

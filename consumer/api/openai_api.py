@@ -8,9 +8,9 @@ builder (limits, auto) and pipeline as gRPC Generate, in the same process and on
 the items become OpenAI's objects (consumer.api.openai_reply). Every non-2xx answer is OpenAI's error
 JSON ({"error": {message, type, param, code}}), aiohttp's own too (unknown route 404, method 405,
 body over the limit 413, a header over its limit 431, a malformed request 400). Before admission
-counts a request, `Intake` bounds those reading or tokenizing their bodies (--max-inflight at once,
-more 429; a body not in within the default deadline 408), so slow or large bodies hold bounded
-memory. Each request is
+counts a request, a second Admission (`intake`) bounds those reading or tokenizing their bodies
+(--max-inflight at once, more 429; a body not in within the default deadline 408), so slow or large
+bodies hold bounded memory. Each request is
 counted and timed in the gRPC families (scd_rpc_total{method="POST /v1/completions", code="200"});
 a refused token is the `auth.rejected` warning. The same bearer token and TLS as the gRPC port
 (--token/--token-file, --tls-cert/--tls-key, --tls-client-ca); the probes need no token.
@@ -36,9 +36,9 @@ from consumer.api import openai_chat
 from consumer.api import openai_schema as schema
 from consumer.api.openai_reply import Reply
 from consumer.request.job import GenerateResult, TokenOut
-from shared import health_service, logs, rpc_errors, security
+from shared import admission, health_service, logs, rpc_errors, security
 from shared.config import ConsumerConfig
-from shared.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable
+from shared.errors import InvalidArgument, ServiceError, Unavailable
 from shared.models import LoadedModel
 
 log = logs.get("openai_api")
@@ -88,28 +88,6 @@ class PayloadTooLarge(ServiceError):
 
 class RequestTimeout(ServiceError):
     code = "REQUEST_TIMEOUT"  # no gRPC status: HTTP only (408)
-
-
-class Intake:
-    """The requests between their headers and admission (their body read, parsed, tokenized): at
-    most `limit` at once, each body in within `timeout_s`. Admission counts a request only from
-    there, so without this many slow or large bodies (each up to the body limit) would hold memory
-    without bound; with it they hold at most `limit` bodies."""
-
-    def __init__(self, limit: int, timeout_s: float):
-        self.limit, self.timeout_s, self.open = limit, timeout_s, 0
-
-    @contextlib.contextmanager
-    def slot(self):
-        if self.open >= self.limit:
-            raise ResourceExhausted(
-                f"body: {self.open} requests are being read at once (limit max_inflight {self.limit}); retry later"
-            )
-        self.open += 1
-        try:
-            yield
-        finally:
-            self.open -= 1
 
 
 def _error(status: int, message: str, param: str | None, code: str | None) -> dict[str, Any]:
@@ -206,7 +184,10 @@ class OpenAIServer:
         self.rejections = security.Rejections()
         self.started = int(time.time())
         self.max_body = 2 * config.max_text_bytes + (64 << 10)  # a prompt's text, JSON-escaped, and the other fields
-        self.intake = Intake(config.max_inflight, config.default_timeout_s)
+        # the requests between their headers and admission (their body read, parsed, tokenized):
+        # admission counts a request only from there, so without this many slow or large bodies
+        # (each up to max_body) would hold memory without bound
+        self.intake = admission.Admission("max_inflight", config.max_inflight, "body: requests being read at once")
         self.app = web.Application(middlewares=[self._middleware], client_max_size=self.max_body)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/v1/models/{model:.+}", self.model_card)
@@ -343,9 +324,11 @@ class OpenAIServer:
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         try:
-            raw = await asyncio.wait_for(request.read(), self.intake.timeout_s)
+            raw = await asyncio.wait_for(request.read(), self.config.default_timeout_s)
         except TimeoutError:
-            raise RequestTimeout(f"body: not received within {self.intake.timeout_s:g} s (the default deadline)") from None
+            raise RequestTimeout(
+                f"body: not received within {self.config.default_timeout_s:g} s (the default deadline)"
+            ) from None
         except web.HTTPRequestEntityTooLarge:
             raise PayloadTooLarge(f"body: > limit {self.max_body} bytes (2 x max_text_bytes + 64 KiB)") from None
         except (web.RequestPayloadError, http_exceptions.HttpProcessingError) as exc:  # bad chunks, a bad Content-Encoding
