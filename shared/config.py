@@ -78,6 +78,9 @@ class ServerConfig:
     dtype: str = "auto"  # auto (bfloat16 where the device computes it natively, else float32; shared.compute_dtype), float32, bfloat16 or float16
     device: str = "auto"  # auto (cuda:0 when present, else cpu), cpu, cuda or cuda:N
     max_context_tokens: int = 8192  # longest context a request may carry, in tokens
+    # what the API port holds before a handler runs (shared.grpc_server): grpc-core reads a call's whole
+    # request message before admission sees it, so that memory is at most max_calls x the request limit
+    max_calls: int = 0  # gRPC calls of every method in progress on the API port at once; past it RESOURCE_EXHAUSTED before the request is read; 0: max_inflight + 64
     drain_grace_s: float = 30.0  # SIGTERM: admitted calls get this long to finish; new ones get UNAVAILABLE
     log_level: str = "INFO"  # DEBUG, INFO, WARNING, ERROR: JSON log lines on stderr
     artifacts: str = ""  # comma-separated SCD artifact files or directories
@@ -111,6 +114,20 @@ class ServerConfig:
     def artifact_paths(self) -> list[str]:
         return [p for p in self.artifacts.split(",") if p]
 
+    @property
+    def calls_limit(self) -> int:
+        """The API port's cap on calls in progress (`max_calls`, or the service's admission limit
+        plus room for Describe, health watches and the refusals that name a limit of their own)."""
+        return self.max_calls or getattr(self, "max_inflight", 64) + 64
+
+    @property
+    def request_bytes_limit(self) -> int:
+        """The largest request message the API port takes (grpc.max_receive_message_length): twice
+        what the longest allowed context's ids take (a uint32 is at most 5 bytes), so that a request
+        a little over max_context_tokens still arrives and is refused naming its field, plus 64 KiB
+        for the other fields."""
+        return 2 * 5 * self.max_context_tokens + (64 << 10)
+
     def validate(self) -> None:
         if self.trace not in TRACE_MODES:
             raise ValueError(f"trace: {self.trace!r} not in {', '.join(TRACE_MODES)}")
@@ -120,6 +137,8 @@ class ServerConfig:
             raise ValueError(f"port: {self.port} not in 0..65535")
         if self.max_context_tokens < 1:
             raise ValueError("max_context_tokens: must be >= 1")
+        if self.max_calls < 0:
+            raise ValueError(f"max_calls: {self.max_calls} must be >= 0 (0: max_inflight + 64)")
         if self.drain_grace_s < 0:
             raise ValueError("drain_grace_s: must be >= 0")
         for name in ("health_port", "metrics_port"):
@@ -244,6 +263,13 @@ class ConsumerConfig(ServerConfig):
     prefix_cache_bytes: int = -1  # KV pool bytes the prefix cache may keep; -1: half the pool, 0: off
     http_port: int = -1  # OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models; consumer.api.openai_api); -1 off, 0 any free port
     served_model_name: str = ""  # the model's one public name (/v1/models, Describe, logs, metrics); empty: --model's basename
+
+    @property
+    def request_bytes_limit(self) -> int:
+        """A GenerateRequest: two texts of max_text_bytes, or the context's and question's ids (texts
+        a little over max_text_bytes still arrive, to be refused naming their field)."""
+        ids = 5 * (self.max_context_tokens + self.max_question_tokens)
+        return 2 * max(self.max_text_bytes, ids) + (64 << 10)
 
     def validate(self) -> None:
         super().validate()

@@ -50,6 +50,13 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+HEALTH_REQUEST_BYTES = 64 << 10  # a health check names a service
+
+
+def server_options(max_request_bytes: int) -> list[tuple[str, int]]:
+    """SERVER_OPTIONS with the receive limit set to the largest request the port serves: grpc-core
+    holds a call's request until it is whole, before any handler (and admission) sees it."""
+    return [(k, max_request_bytes if k == "grpc.max_receive_message_length" else v) for k, v in SERVER_OPTIONS]
 
 
 TRACE_FLUSH_S = 5.0  # how long a drain waits for queued spans to reach the collector
@@ -77,7 +84,13 @@ class Server:
         if token:
             interceptors.append(security.BearerTokenAuth(token))
         self.auth = "token" if token else "none"
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        # Bounded before admission: calls in progress (each held request <= request_bytes_limit);
+        # past max_calls grpc answers RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!" unread.
+        self.server = grpc.aio.server(
+            options=server_options(config.request_bytes_limit),
+            interceptors=interceptors,
+            maximum_concurrent_rpcs=config.calls_limit,
+        )
         self.health = HealthServicer(self.why_not_serving)
         self.health_reasons: dict[str, Callable[[], str]] = {}  # other health services: why one is not SERVING
         self._draining = False
@@ -97,7 +110,7 @@ class Server:
         self.health_server: grpc.aio.Server | None = None
         self.health_port = -1
         if config.health_port >= 0:
-            self.health_server = grpc.aio.server(options=GRPC_OPTIONS)
+            self.health_server = grpc.aio.server(options=server_options(HEALTH_REQUEST_BYTES), maximum_concurrent_rpcs=256)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
             self.health_port = self.health_server.add_insecure_port(f"{config.host}:{config.health_port}")
         self.metrics_port = -1

@@ -1,12 +1,21 @@
-"""`python -m bench.serving.slow_bodies`: the consumer's resident memory while many HTTP clients send
-bodies slowly (each sends all but the last bytes of a ~2 MB body, then nothing until it hangs up).
+"""`python -m bench.serving.slow_bodies`: the consumer's resident memory while many clients send
+requests slowly (each sends all but the last bytes of a large request, then nothing until it hangs up).
 
-Before a request is admitted, the HTTP port reads at most --max-inflight bodies at once and refuses
-the rest with 429 (consumer/api/openai_api.py, `intake`), so RSS should level off as the number of
-senders grows rather than rise with it. The producer and consumer run as real processes (the QA
-pair by default); each round opens `--senders` connections at once, holds them `--hold-s` seconds,
-and samples the consumer's RSS (with its children) during the hold and after the round. One JSON line
-per round: senders, peak and after RSS in MB, how many got 429, the load average, the code.
+- `--api http` (default): ~2 MB bodies to the OpenAI port. Before a request is admitted, that port
+  reads at most --max-inflight bodies at once and refuses the rest with 429
+  (consumer/api/openai_api.py, `intake`).
+- `--api grpc`: GenerateRequest messages of `--message-bytes` (default ~2 MB, under the port's
+  receive limit) to the gRPC port over raw HTTP/2, `--streams` calls per connection
+  (bench.harness.slow_grpc). grpc-core holds a message until it is whole, before any handler runs;
+  the bound there is the server's cap on calls in progress and its receive limit
+  (shared.grpc_server, --max-calls).
+
+Either way RSS should level off as the number of senders grows rather than rise with it. The
+producer and consumer run as real processes (the QA pair by default); each round opens `--senders`
+connections at once, holds them `--hold-s` seconds, and samples the consumer's RSS (with its
+children) during the hold and after the round. One JSON line per round: senders, calls, peak and
+after RSS in MB, how many calls were refused while held (HTTP: 429; gRPC: any status), the load
+average, the code.
 """
 
 from __future__ import annotations
@@ -19,9 +28,11 @@ import resource
 import tempfile
 from pathlib import Path
 
-from bench.harness import rss_trend, services
+from bench.harness import rss_trend, services, slow_grpc
 
 BODY_BYTES = 2_000_000
+GRPC_MESSAGE_BYTES = 2_000_000  # under the consumer's default request limit (ConsumerConfig.request_bytes_limit)
+GRPC_PATH = "/scd.v1.ConsumerService/Generate"
 
 
 async def _sender(port: int, body: bytes, hold_s: float) -> bool:
@@ -40,21 +51,33 @@ async def _sender(port: int, body: bytes, hold_s: float) -> bool:
         writer.close()
 
 
-async def _round(port: int, pid: int, senders: int, hold_s: float) -> dict:
-    ids = b"12345," * ((BODY_BYTES - 40) // 6)
-    body = b'{"prompt": [' + ids + b'1], "max_tokens": 2}'
-    tasks = [asyncio.create_task(_sender(port, body, hold_s)) for _ in range(senders)]
+async def _round(port: int, pid: int, senders: int, hold_s: float, api: str, streams: int, size: int) -> dict:
+    if api == "grpc":
+        calls = slow_grpc.stalled_calls(port, GRPC_PATH, streams, size, hold_s)
+        tasks = [asyncio.create_task(calls) for _ in range(senders)]
+    else:
+        ids = b"12345," * ((BODY_BYTES - 40) // 6)
+        body = b'{"prompt": [' + ids + b'1], "max_tokens": 2}'
+        tasks = [asyncio.create_task(_sender(port, body, hold_s)) for _ in range(senders)]
     peak = 0
     while not all(t.done() for t in tasks):
         peak = max(peak, rss_trend.rss_kib(pid))
         await asyncio.sleep(0.5)
-    refused = sum(1 for t in tasks if t.exception() is None and t.result())
+    # HTTP: a sender answered 429; gRPC: a call the server ended while it was held
+    refused = sum(
+        sum(s is not None for s in t.result()) if api == "grpc" else int(t.result()) for t in tasks if t.exception() is None
+    )
+    failed = sum(1 for t in tasks if t.exception() is not None)
     await asyncio.sleep(2.0)
     return {
+        "api": api,
         "senders": senders,
+        "calls": senders * (streams if api == "grpc" else 1),
+        "message_bytes": size if api == "grpc" else BODY_BYTES,
+        "sender_errors": failed,
         "rss_peak_mb": peak // 1024,
         "rss_after_mb": rss_trend.rss_kib(pid) // 1024,
-        "refused_429": refused,
+        "refused": refused,
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
 
@@ -65,6 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--producer-model", default="checkpoints/qa-base")
     parser.add_argument("--senders", default="200,400,1000,1000,1000,2000", help="senders per round, a comma list")
     parser.add_argument("--hold-s", type=float, default=12.0)
+    parser.add_argument("--api", choices=("http", "grpc"), default="http")
+    parser.add_argument("--streams", type=int, default=1, help="--api grpc: calls per HTTP/2 connection")
+    parser.add_argument("--message-bytes", type=int, default=GRPC_MESSAGE_BYTES, help="--api grpc: each call's request size")
     args = parser.parse_args(argv)
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # this client's sockets (the consumer inherits it)
@@ -88,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
         for i, n in enumerate(int(s) for s in args.senders.split(",")):
-            row = asyncio.run(_round(port, pid, n, args.hold_s))
+            target = port if args.api == "http" else int(consumer.address.rsplit(":", 1)[1])
+            row = asyncio.run(_round(target, pid, n, args.hold_s, args.api, args.streams, args.message_bytes))
             print(json.dumps({"round": i, **row, "code": services.code_version()}), flush=True)
 
 
