@@ -20,10 +20,11 @@ Wire (vLLM's `vllm/distributed/kv_events.py`, ZmqEventPublisher; re-implemented 
   not thin arrays: vLLM 0.23.0 and earlier);
 - the first batch after every start (sequence 0) is `[AllBlocksCleared]`, so a router that held
   this endpoint's blocks from before a restart drops them;
-- replay (`--kv-events-replay-endpoint`, a ROUTER socket, always bound): a request
-  `[identity, b"", start_seq (8 bytes big-endian)]` is answered with one
-  `[identity, b"", seq, payload]` per buffered batch whose seq >= start_seq, then
-  `[identity, b"", -1 (8 bytes, signed), b""]`; the buffer keeps the last `buffer_steps` batches.
+- replay (`--kv-events-replay-endpoint`, a ROUTER socket, always bound; shared.kv_events_replay): a
+  request `[identity, b"", start_seq (8 bytes big-endian)]` is answered with one
+  `[identity, b"", seq, payload]` per buffered batch whose seq >= start_seq (up to the newest when
+  it asked), then `[identity, b"", -1 (8 bytes, signed), b""]`, at the pace the reader takes them;
+  the buffer keeps the last `buffer_steps` batches.
 
 Block hashes (vLLM's `hash_block_tokens` and `init_none_hash`, vllm/v1/core/kv_cache_utils.py): a
 context's token ids in blocks of `block_size` (vLLM's default 16) tokens, only full blocks;
@@ -69,6 +70,8 @@ from typing import Any
 import msgspec
 import zmq
 
+from shared.kv_events_replay import ReplayServer
+
 log = logging.getLogger(__name__)
 
 HASH_ALGOS = ("sha256_cbor", "sha256")
@@ -76,7 +79,6 @@ HASH_ALGOS = ("sha256_cbor", "sha256")
 # whose own structs decode it
 LAYOUTS = {"vllm-0.24": False, "vllm-0.23": True}
 DEFAULT_LAYOUT = "vllm-0.24"
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 U64 = (1 << 64) - 1
 
 
@@ -309,13 +311,12 @@ class KVEventPublisher:
         self.dropped = 0  # hook records the full queue refused
         self.batches = 0  # batches published
         self.events = 0  # events published
-        self.replays = 0  # replay requests answered
         self._seq = itertools.count()
         self._ctx: zmq.Context = zmq.Context.instance()
         self.pub = self._ctx.socket(zmq.PUB)
         self.pub.set_hwm(hwm)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.replay: zmq.Socket | None = None
+        self.replay: ReplayServer | None = None
         try:
             if _binds(endpoint):
                 self.pub.bind(endpoint)
@@ -324,10 +325,8 @@ class KVEventPublisher:
             self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
             self.replay_endpoint = ""
             if replay_endpoint:
-                self.replay = self._ctx.socket(zmq.ROUTER)
-                self.replay.setsockopt(zmq.LINGER, 0)
-                self.replay.bind(replay_endpoint)
-                self.replay_endpoint = self.replay.getsockopt_string(zmq.LAST_ENDPOINT)
+                self.replay = ReplayServer(self._ctx, replay_endpoint)
+                self.replay_endpoint = self.replay.endpoint
         except zmq.ZMQError as e:
             self._close_sockets()
             raise ValueError(f"kv events: cannot open {endpoint!r} / {replay_endpoint!r}: {e}") from e
@@ -390,14 +389,13 @@ class KVEventPublisher:
         while self._running or not self.queue.empty():
             if self.replay is not None:
                 try:
-                    while self.replay.poll(0):
-                        self._answer_replay()
+                    self.replay.turn(self.buffer)  # a few requests and sends: never holds up publishing
                 except zmq.ZMQError as e:
                     if not self._running:
                         break
                     log.warning("kv events replay: %s", e)
             try:
-                first = self.queue.get(timeout=0.02)
+                first = self.queue.get(timeout=0.001 if self.replay is not None and self.replay.busy else 0.02)
             except queue.Empty:
                 continue
             if first is None:
@@ -432,20 +430,6 @@ class KVEventPublisher:
         self.batches += 1
         self.events += len(events)
 
-    def _answer_replay(self) -> None:
-        assert self.replay is not None
-        frames = self.replay.recv_multipart()
-        if len(frames) != 3:
-            log.warning("kv events: a replay request of %d frames ignored", len(frames))
-            return
-        client, _, start = frames
-        first = int.from_bytes(start, "big")
-        for seq, payload in list(self.buffer):
-            if seq >= first:
-                self.replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self.replay.send_multipart((client, b"", END_SEQ, b""))
-        self.replays += 1
-
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every queued record is published (tests); False on timeout."""
         deadline = time.monotonic() + timeout_s
@@ -466,7 +450,13 @@ class KVEventPublisher:
         self._thread.join(timeout=2.0)
         self._close_sockets()
 
+    @property
+    def replays(self) -> int:
+        """Replay answers sent to their end."""
+        return self.replay.replays if self.replay is not None else 0
+
     def _close_sockets(self) -> None:
-        for sock in (self.pub, self.replay):
-            if sock is not None and not sock.closed:
-                sock.close(linger=0)
+        if not self.pub.closed:
+            self.pub.close(linger=0)
+        if self.replay is not None:
+            self.replay.close()

