@@ -13,14 +13,13 @@ import contextlib
 import inspect
 import time
 from collections.abc import Callable, Iterable
-from wsgiref.simple_server import WSGIServer
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from shared import core_log
+from shared import core_log, metrics_http
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 2))  # 1 KiB .. 8 GiB
@@ -95,7 +94,7 @@ class Metrics:
         self.contract = Counter(
             "scd_stream_contract_violations", "calls ended with a stream-contract status, by code", ["method", "code"], registry=r
         )
-        self.http: WSGIServer | None = None
+        self.http: metrics_http.BoundedServer | None = None
         self.registry.register(_Callback(_handshake_failures))
         if service.endswith("ConsumerService"):
             self._consumer_families()
@@ -184,8 +183,9 @@ class Metrics:
 
     # -- exposition --------------------------------------------------------------------------
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        """Start the HTTP endpoint (a daemon thread); returns the bound port (port 0: any free)."""
-        self.http, _ = start_http_server(port, addr=host, registry=self.registry)
+        """Start the HTTP endpoint (a daemon thread, shared.metrics_http); returns the bound port
+        (port 0: any free)."""
+        self.http = metrics_http.serve(self.registry, port, host)
         return self.http.server_port
 
     def stop(self) -> None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import threading
+import time
 import urllib.request
 
 import grpc
@@ -13,7 +16,7 @@ import pytest
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared import logs
+from shared import logs, metrics_http
 from shared.metrics import Metrics
 from shared.pb import common_pb2, consumer_pb2, producer_pb2
 from tests.conftest import prompt, running_pair
@@ -36,7 +39,9 @@ def value(samples, name: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 async def pair():
-    async with running_pair("tiny-llama", producer_kw=dict(metrics_port=0), consumer_kw=dict(metrics_port=0, prefix_cache_bytes=0)) as pair:
+    async with running_pair(
+        "tiny-llama", producer_kw=dict(metrics_port=0), consumer_kw=dict(metrics_port=0, prefix_cache_bytes=0)
+    ) as pair:
         yield pair
 
 
@@ -117,9 +122,7 @@ def test_contract_codes_from_the_interceptor_record():
     metrics.record("Generate", "DATA_LOSS", 0.01)
     metrics.record("Generate", "OK", 0.01)
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in metrics.registry.collect() for s in f.samples}
-    assert (
-        value(samples, "scd_stream_contract_violations_total", method="Generate", code="DATA_LOSS") == 1
-    )
+    assert value(samples, "scd_stream_contract_violations_total", method="Generate", code="DATA_LOSS") == 1
 
 
 async def test_each_service_exports_its_own_families_without_created_series_or_health():
@@ -152,11 +155,40 @@ def test_audit_decisions_and_divergences_are_counted():
     metrics = Metrics("scd.v1.ConsumerService")
     from shared.metrics import GENERATE_STAGES
 
-    base = dict(codec="scd", bytes_received=100, raw_kv_bytes=1000, transfer_failure="",
-                **{f"{s}_ms": 1.0 for s in GENERATE_STAGES})
+    base = dict(
+        codec="scd", bytes_received=100, raw_kv_bytes=1000, transfer_failure="", **{f"{s}_ms": 1.0 for s in GENERATE_STAGES}
+    )
     for decision in ("ok", "diverged", "diverged: prefilled locally"):
         metrics.observe_generate(SimpleNamespace(audit_decision=decision, **base))
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in metrics.registry.collect() for s in f.samples}
     assert value(samples, "scd_audit_decisions_total", decision="diverged_prefilled") == 1
     assert value(samples, "scd_audit_divergences_total", mode="scd") == 2
     assert value(samples, "scd_compression_ratio_sum", mode="scd") == 30.0
+
+
+def test_the_metrics_port_bounds_what_idle_peers_hold(monkeypatch):
+    """40 connections that never finish a request hold at most MAX_CONNECTIONS threads (the rest
+    are closed unread), each only until its socket times out; a scrape then succeeds. Before
+    (prometheus_client's server: a thread per connection, no timeout): 5000 such peers held 1359
+    threads, 946 still there after they left (the script in shared/metrics_http.py's commit)."""
+    monkeypatch.setattr(metrics_http._Handler, "timeout", 2.0)
+    metrics = Metrics("test")
+    port = metrics.serve(0, "127.0.0.1")
+    before = threading.active_count()
+    peers = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
+    try:
+        for peer in peers:
+            peer.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # the headers never end
+        deadline = time.monotonic() + 5
+        while metrics.http.refused < 40 - metrics_http.MAX_CONNECTIONS and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert metrics.http.refused == 40 - metrics_http.MAX_CONNECTIONS
+        assert threading.active_count() - before <= metrics_http.MAX_CONNECTIONS
+        time.sleep(3.0)  # the held ones time out (no peer has to leave first)
+        assert threading.active_count() <= before
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            assert b"scd_" in reply.read() or reply.status == 200
+    finally:
+        for peer in peers:
+            peer.close()
+        metrics.stop()

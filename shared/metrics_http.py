@@ -1,0 +1,78 @@
+"""The HTTP server of the metrics port (`--metrics-port`): Prometheus' text exposition of one
+registry, with every peer's cost bounded.
+
+Owns: the server only (what it serves is shared.metrics'). prometheus_client's own
+`start_http_server` starts a thread per connection with no timeout, so a peer that opens
+connections and never finishes a request held one thread each, for as long as it liked. Here a
+connection's socket reads and writes time out after TIMEOUT_S, and at most MAX_CONNECTIONS are
+served at once; one more is closed at once, unread (a scraper retries at its next interval).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+from socketserver import ThreadingMixIn
+from typing import Any, cast
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import make_wsgi_app
+from prometheus_client.registry import CollectorRegistry
+
+MAX_CONNECTIONS = 16
+TIMEOUT_S = 10.0
+
+
+class _Handler(WSGIRequestHandler):
+    timeout = TIMEOUT_S  # the connection's socket timeout (StreamRequestHandler.setup)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not logged."""
+
+
+class BoundedServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # never joined at close (ThreadingMixIn keeps non-daemon threads to join)
+    request_queue_size = 64  # the listen backlog (socketserver's 5 made connects wait for SYN retries)
+    refused = 0  # connections closed unread: MAX_CONNECTIONS were being served
+
+    def __init__(self, *args: Any, **kw: Any):
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kw)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()  # no thread took it
+            raise
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A peer that timed out or left is not an error of ours (socketserver prints a traceback)."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+def serve(registry: CollectorRegistry, port: int, host: str) -> BoundedServer:
+    """The metrics endpoint on host:port (port 0: any free), served from a daemon thread."""
+    server_class = type("Server", (BoundedServer,), {"address_family": _family(host, port)})
+    server = cast(
+        BoundedServer, make_server(host, port, make_wsgi_app(registry), server_class=server_class, handler_class=_Handler)
+    )
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server
+
+
+def _family(host: str, port: int) -> socket.AddressFamily:
+    """IPv6 where the host is an IPv6 address (as prometheus_client's server chooses)."""
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
