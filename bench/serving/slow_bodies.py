@@ -9,13 +9,15 @@ requests slowly (each sends all but the last bytes of a large request, then noth
   (bench.harness.slow_grpc). grpc-core holds a message until it is whole, before any handler runs;
   the bound there is the server's cap on calls in progress and its receive limit
   (shared.grpc_server, --max-calls).
+- `--api metrics`: connections to the metrics port that send a request line and a header, never
+  the end of the headers (shared.metrics_http: at most 16 served at once, 10 s socket timeout).
 
 Either way RSS should level off as the number of senders grows rather than rise with it. The
 producer and consumer run as real processes (the QA pair by default); each round opens `--senders`
 connections at once, holds them `--hold-s` seconds, and samples the consumer's RSS (with its
 children) during the hold and after the round. One JSON line per round: senders, calls, peak and
-after RSS in MB, how many calls were refused while held (HTTP: 429; gRPC: any status), the load
-average, the code.
+after RSS in MB and thread count, how many calls were refused while held (HTTP: 429; gRPC: any
+status; metrics: closed by the server), the load average, the code.
 """
 
 from __future__ import annotations
@@ -51,17 +53,38 @@ async def _sender(port: int, body: bytes, hold_s: float) -> bool:
         writer.close()
 
 
+async def _idle_scrape(port: int, hold_s: float) -> bool:
+    """A metrics connection whose headers never end; True when the server closed it while held."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        await writer.drain()
+        try:
+            return await asyncio.wait_for(reader.read(64), hold_s) == b""
+        except (TimeoutError, ConnectionError):
+            return False
+    finally:
+        writer.close()
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
 async def _round(port: int, pid: int, senders: int, hold_s: float, api: str, streams: int, size: int) -> dict:
-    if api == "grpc":
+    if api == "metrics":
+        tasks = [asyncio.create_task(_idle_scrape(port, hold_s)) for _ in range(senders)]
+    elif api == "grpc":
         calls = slow_grpc.stalled_calls(port, GRPC_PATH, streams, size, hold_s)
         tasks = [asyncio.create_task(calls) for _ in range(senders)]
     else:
         ids = b"12345," * ((BODY_BYTES - 40) // 6)
         body = b'{"prompt": [' + ids + b'1], "max_tokens": 2}'
         tasks = [asyncio.create_task(_sender(port, body, hold_s)) for _ in range(senders)]
-    peak = 0
+    peak = threads = 0
     while not all(t.done() for t in tasks):
-        peak = max(peak, rss_trend.rss_kib(pid))
+        peak, threads = max(peak, rss_trend.rss_kib(pid)), max(threads, _threads(pid))
         await asyncio.sleep(0.5)
     # HTTP: a sender answered 429; gRPC: a call the server ended while it was held
     refused = sum(
@@ -73,10 +96,12 @@ async def _round(port: int, pid: int, senders: int, hold_s: float, api: str, str
         "api": api,
         "senders": senders,
         "calls": senders * (streams if api == "grpc" else 1),
-        "message_bytes": size if api == "grpc" else BODY_BYTES,
+        "message_bytes": {"grpc": size, "http": BODY_BYTES}.get(api, 0),
         "sender_errors": failed,
         "rss_peak_mb": peak // 1024,
         "rss_after_mb": rss_trend.rss_kib(pid) // 1024,
+        "threads_peak": threads,
+        "threads_after": _threads(pid),
         "refused": refused,
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
@@ -88,14 +113,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--producer-model", default="checkpoints/qa-base")
     parser.add_argument("--senders", default="200,400,1000,1000,1000,2000", help="senders per round, a comma list")
     parser.add_argument("--hold-s", type=float, default=12.0)
-    parser.add_argument("--api", choices=("http", "grpc"), default="http")
+    parser.add_argument("--api", choices=("http", "grpc", "metrics"), default="http")
     parser.add_argument("--streams", type=int, default=1, help="--api grpc: calls per HTTP/2 connection")
     parser.add_argument("--message-bytes", type=int, default=GRPC_MESSAGE_BYTES, help="--api grpc: each call's request size")
     args = parser.parse_args(argv)
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # this client's sockets (the consumer inherits it)
-    consumer_args = ["--model", args.model, "--torch-threads", "1", "--http-port", str(services.free_port())]
-    port = int(consumer_args[-1])
+    ports = {"http": services.free_port(), "metrics": services.free_port()}
+    consumer_args = ["--model", args.model, "--torch-threads", "1", "--http-port", str(ports["http"])]
+    consumer_args += ["--metrics-port", str(ports["metrics"])]
     with (
         tempfile.TemporaryDirectory() as logs,
         services.running(["--model", args.producer_model, "--torch-threads", "1"], consumer_args, Path(logs)) as (_, consumer),
@@ -107,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
                     "round": -1,
                     "senders": 0,
                     "rss_after_mb": rss_trend.rss_kib(pid) // 1024,
+                    "threads_after": _threads(pid),
                     "code": services.code_version(),
                     "open_files_limit": hard,
                 }
@@ -114,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
         for i, n in enumerate(int(s) for s in args.senders.split(",")):
-            target = port if args.api == "http" else int(consumer.address.rsplit(":", 1)[1])
+            target = ports[args.api] if args.api in ports else int(consumer.address.rsplit(":", 1)[1])
             row = asyncio.run(_round(target, pid, n, args.hold_s, args.api, args.streams, args.message_bytes))
             print(json.dumps({"round": i, **row, "code": services.code_version()}), flush=True)
 
