@@ -76,8 +76,7 @@ async def _round(port: int, pid: int, senders: int, hold_s: float, api: str, str
     if api == "metrics":
         tasks = [asyncio.create_task(_idle_scrape(port, hold_s)) for _ in range(senders)]
     elif api == "grpc":
-        calls = slow_grpc.stalled_calls(port, GRPC_PATH, streams, size, hold_s)
-        tasks = [asyncio.create_task(calls) for _ in range(senders)]
+        tasks = [asyncio.create_task(slow_grpc.stalled_calls(port, GRPC_PATH, streams, size, hold_s)) for _ in range(senders)]
     else:
         ids = b"12345," * ((BODY_BYTES - 40) // 6)
         body = b'{"prompt": [' + ids + b'1], "max_tokens": 2}'
@@ -90,14 +89,15 @@ async def _round(port: int, pid: int, senders: int, hold_s: float, api: str, str
     refused = sum(
         sum(s is not None for s in t.result()) if api == "grpc" else int(t.result()) for t in tasks if t.exception() is None
     )
-    failed = sum(1 for t in tasks if t.exception() is not None)
+    errors = [repr(t.exception())[:200] for t in tasks if t.exception() is not None]
     await asyncio.sleep(2.0)
     return {
         "api": api,
         "senders": senders,
         "calls": senders * (streams if api == "grpc" else 1),
         "message_bytes": {"grpc": size, "http": BODY_BYTES}.get(api, 0),
-        "sender_errors": failed,
+        "sender_errors": len(errors),
+        "first_error": errors[0] if errors else "",
         "rss_peak_mb": peak // 1024,
         "rss_after_mb": rss_trend.rss_kib(pid) // 1024,
         "threads_peak": threads,
