@@ -15,7 +15,7 @@ import pytest
 
 from bench.harness import slow_grpc
 from shared.config import ConsumerConfig, ProducerConfig
-from shared.pb import common_pb2, consumer_pb2, producer_pb2
+from shared.pb import common_pb2, consumer_pb2, producer_pb2, producer_pb2_grpc
 from tests import test_single_flight as single_flight
 
 PREFILL = "/scd.v1.ProducerService/Prefill"
@@ -112,3 +112,18 @@ def test_max_calls_defaults_to_the_admission_limit_plus_room():
     assert ConsumerConfig(max_inflight=64, max_calls=10).calls_limit == 10
     with pytest.raises(ValueError, match="max_calls"):
         ProducerConfig(max_calls=-1).validate()
+
+
+async def test_a_compressed_request_is_held_to_the_limit_once_decompressed():
+    """A gzip request of ~2 kB that inflates to 2 MB (a decompression bomb) is refused by its
+    decompressed size, not held."""
+    async with single_flight.producer() as (server, _):
+        async with grpc.aio.insecure_channel(server.address, compression=grpc.Compression.Gzip) as channel:
+            stub = producer_pb2_grpc.ProducerServiceStub(channel)
+            bomb = producer_pb2.PrefillRequest(token_ids=[1] * 2_000_000)
+            assert bomb.ByteSize() > 10 * server.config.request_bytes_limit
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await single_flight.read_all(stub.Prefill(bomb, timeout=10))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "Decompressed message larger than max" in refused.value.details()
+        assert server.servicer.admission.inflight == 0
