@@ -78,8 +78,9 @@ class ServerConfig:
     dtype: str = "auto"  # auto (bfloat16 where the device computes it natively, else float32; shared.compute_dtype), float32, bfloat16 or float16
     device: str = "auto"  # auto (cuda:0 when present, else cpu), cpu, cuda or cuda:N
     max_context_tokens: int = 8192  # longest context a request may carry, in tokens
-    # what the API port holds before a handler runs (shared.grpc_server): grpc-core reads a call's whole
+    # what an API port holds before a handler runs (shared.grpc_server): grpc-core reads a call's whole
     # request message before admission sees it, so that memory is at most max_calls x the request limit
+    max_connections: int = 2048  # connections each API port holds open at once (gRPC, HTTP); one more is closed
     max_calls: int = 0  # gRPC calls of every method in progress on the API port at once; past it RESOURCE_EXHAUSTED before the request is read; 0: max_inflight + 64
     drain_grace_s: float = 30.0  # SIGTERM: admitted calls get this long to finish; new ones get UNAVAILABLE
     log_level: str = "INFO"  # DEBUG, INFO, WARNING, ERROR: JSON log lines on stderr
@@ -139,6 +140,8 @@ class ServerConfig:
             raise ValueError("max_context_tokens: must be >= 1")
         if self.max_calls < 0:
             raise ValueError(f"max_calls: {self.max_calls} must be >= 0 (0: max_inflight + 64)")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections: {self.max_connections} must be >= 1")
         if self.drain_grace_s < 0:
             raise ValueError("drain_grace_s: must be >= 0")
         for name in ("health_port", "metrics_port"):

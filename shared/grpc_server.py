@@ -53,10 +53,16 @@ SERVER_OPTIONS = [
 HEALTH_REQUEST_BYTES = 64 << 10  # a health check names a service
 
 
-def server_options(max_request_bytes: int) -> list[tuple[str, int]]:
-    """SERVER_OPTIONS with the receive limit set to the largest request the port serves: grpc-core
-    holds a call's request until it is whole, before any handler (and admission) sees it."""
-    return [(k, max_request_bytes if k == "grpc.max_receive_message_length" else v) for k, v in SERVER_OPTIONS]
+HEALTH_CONNECTIONS = 64  # the health-only port: probes and a few watchers
+
+
+def server_options(max_request_bytes: int, max_connections: int) -> list[tuple[str, int]]:
+    """SERVER_OPTIONS with the receive limit set to the largest request the port serves (grpc-core
+    holds a call's request until it is whole, before any handler and admission see it) and a cap on
+    open connections (one more is closed before its handshake; each idle HTTP/2 connection holds
+    ~8 kB and a file descriptor)."""
+    options = [(k, max_request_bytes if k == "grpc.max_receive_message_length" else v) for k, v in SERVER_OPTIONS]
+    return [*options, ("grpc.max_allowed_incoming_connections", max_connections)]
 
 
 TRACE_FLUSH_S = 5.0  # how long a drain waits for queued spans to reach the collector
@@ -87,7 +93,7 @@ class Server:
         # Bounded before admission: calls in progress (each held request <= request_bytes_limit);
         # past max_calls grpc answers RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!" unread.
         self.server = grpc.aio.server(
-            options=server_options(config.request_bytes_limit),
+            options=server_options(config.request_bytes_limit, config.max_connections),
             interceptors=interceptors,
             maximum_concurrent_rpcs=config.calls_limit,
         )
@@ -110,7 +116,9 @@ class Server:
         self.health_server: grpc.aio.Server | None = None
         self.health_port = -1
         if config.health_port >= 0:
-            self.health_server = grpc.aio.server(options=server_options(HEALTH_REQUEST_BYTES), maximum_concurrent_rpcs=256)
+            self.health_server = grpc.aio.server(
+                options=server_options(HEALTH_REQUEST_BYTES, HEALTH_CONNECTIONS), maximum_concurrent_rpcs=256
+            )
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
             self.health_port = self.health_server.add_insecure_port(f"{config.host}:{config.health_port}")
         self.metrics_port = -1

@@ -3,7 +3,8 @@ request message before any handler (and so any admission count) sees it. Two bou
 memory at most max_calls x the request limit: the server's cap on calls in progress (past it,
 RESOURCE_EXHAUSTED before the request is read) and a receive limit sized from the service's own
 request limits. Before them a stalled 8 MiB message per call was held for every call a peer opened
-(bench.serving.slow_bodies --api grpc: 200 stalled calls, consumer RSS 530 -> 2233 MB)."""
+(bench.serving.slow_bodies --api grpc: 200 stalled calls, consumer RSS 530 -> 2233 MB). And the
+port holds at most --max-connections connections."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.harness import slow_grpc
 from shared.config import ConsumerConfig, ProducerConfig
@@ -127,3 +129,32 @@ async def test_a_compressed_request_is_held_to_the_limit_once_decompressed():
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "Decompressed message larger than max" in refused.value.details()
         assert server.servicer.admission.inflight == 0
+
+
+async def test_open_connections_past_max_connections_are_closed_and_come_back():
+    """--max-connections 3: two more raw connections are closed before any handshake, a call
+    while the port is full is UNAVAILABLE, and once the three leave calls are served."""
+    async with single_flight.producer(max_connections=3) as (server, _):
+        held = [await asyncio.open_connection("127.0.0.1", _port(server)) for _ in range(5)]
+        closed = []
+        for reader, _writer in held:
+            try:
+                closed.append(await asyncio.wait_for(reader.read(1), 1.0) == b"")
+            except TimeoutError:
+                closed.append(False)
+        assert sorted(closed) == [False] * 3 + [True] * 2, closed
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as full:
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            assert full.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        for _, writer in held:
+            writer.close()
+
+        async def served():
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                try:
+                    return await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+                except grpc.aio.AioRpcError:
+                    return None
+
+        assert (await _eventually(served)).status == health_pb2.HealthCheckResponse.SERVING

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
+from consumer.api import openai_api
 from consumer.api import openai_schema as schema
 from consumer.server import ConsumerServer
 from shared import rpc_errors, tiny
@@ -113,6 +114,33 @@ async def test_bodies_being_read_are_bounded_and_a_stalled_one_times_out():
             raw = await asyncio.wait_for(reader.read(4096), 10)  # (aiohttp then drops what else comes, 10 s at most)
             writer.close()
             assert raw.startswith(b"HTTP/1.1 408") and b"body: not received within 1.5 s" in raw, raw[:300]
+        got, body, _ = await call(pair, "POST", "/v1/completions", '{"prompt": "hi there", "max_tokens": 2}')
+        assert got == 200, body
+
+
+async def test_open_connections_are_bounded_and_a_silent_one_closes(monkeypatch):
+    """Past --max-connections a new connection gets a 503 naming the limit and is closed; one that
+    never finishes its first request's headers is closed at the keep-alive timeout (aiohttp's own
+    default held it an hour: 5000 such connections stayed open); then requests are served again."""
+    monkeypatch.setattr(openai_api, "KEEPALIVE_S", 1.5)
+    kw = {"http_port": 0, "max_connections": 3, "max_new_tokens": 4}
+    async with running_pair("tiny-llama", consumer_kw=kw) as pair:
+        held = []
+        for _ in range(3):
+            reader, writer = await asyncio.open_connection("127.0.0.1", pair.consumer.http_port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # the headers never end
+            await writer.drain()
+            held.append((reader, writer))
+        await asyncio.sleep(0.2)
+        reader, writer = await asyncio.open_connection("127.0.0.1", pair.consumer.http_port)
+        refused = await asyncio.wait_for(reader.read(), 5)  # to EOF: the server closed it
+        writer.close()
+        assert refused.startswith(b"HTTP/1.1 503"), refused[:200]
+        body = json.loads(refused.split(b"\r\n\r\n", 1)[1])
+        assert is_openai_error(body) and "open >= limit max_connections 3" in body["error"]["message"], body
+        for reader, writer in held:
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed at 1.5 s, no request ever came
+            writer.close()
         got, body, _ = await call(pair, "POST", "/v1/completions", '{"prompt": "hi there", "max_tokens": 2}')
         assert got == 200, body
 

@@ -11,12 +11,14 @@ requests slowly (each sends all but the last bytes of a large request, then noth
   (shared.grpc_server, --max-calls).
 - `--api metrics`: connections to the metrics port that send a request line and a header, never
   the end of the headers (shared.metrics_http: at most 16 served at once, 10 s socket timeout).
+- `--api headers`: the same to the OpenAI port (at most --max-connections open, the rest answered
+  503 and closed; one whose headers never end is closed at the 75 s keep-alive timeout).
 
 Either way RSS should level off as the number of senders grows rather than rise with it. The
 producer and consumer run as real processes (the QA pair by default); each round opens `--senders`
 connections at once, holds them `--hold-s` seconds, and samples the consumer's RSS (with its
 children) during the hold and after the round. One JSON line per round: senders, calls, peak and
-after RSS in MB and thread count, how many calls were refused while held (HTTP: 429; gRPC: any
+after RSS in MB and thread count, the consumer's open files at peak, how many calls were refused while held (HTTP: 429; gRPC: any
 status; metrics: closed by the server), the load average, the code.
 """
 
@@ -53,18 +55,24 @@ async def _sender(port: int, body: bytes, hold_s: float) -> bool:
         writer.close()
 
 
-async def _idle_scrape(port: int, hold_s: float) -> bool:
-    """A metrics connection whose headers never end; True when the server closed it while held."""
+async def _endless_headers(port: int, hold_s: float, line: bytes) -> bool:
+    """A connection whose request headers never end; True when the server closed it while held."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
-        writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        writer.write(line + b"\r\nHost: x\r\n")
         await writer.drain()
         try:
-            return await asyncio.wait_for(reader.read(64), hold_s) == b""
+            while await asyncio.wait_for(reader.read(4096), hold_s):  # a 503 first, then the close
+                pass
+            return True
         except (TimeoutError, ConnectionError):
             return False
     finally:
         writer.close()
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def _threads(pid: int) -> int:
@@ -73,17 +81,18 @@ def _threads(pid: int) -> int:
 
 
 async def _round(port: int, pid: int, senders: int, hold_s: float, api: str, streams: int, size: int) -> dict:
-    if api == "metrics":
-        tasks = [asyncio.create_task(_idle_scrape(port, hold_s)) for _ in range(senders)]
+    if api in ("metrics", "headers"):
+        line = b"GET /metrics HTTP/1.1" if api == "metrics" else b"POST /v1/completions HTTP/1.1"
+        tasks = [asyncio.create_task(_endless_headers(port, hold_s, line)) for _ in range(senders)]
     elif api == "grpc":
         tasks = [asyncio.create_task(slow_grpc.stalled_calls(port, GRPC_PATH, streams, size, hold_s)) for _ in range(senders)]
     else:
         ids = b"12345," * ((BODY_BYTES - 40) // 6)
         body = b'{"prompt": [' + ids + b'1], "max_tokens": 2}'
         tasks = [asyncio.create_task(_sender(port, body, hold_s)) for _ in range(senders)]
-    peak = threads = 0
+    peak = threads = fds = 0
     while not all(t.done() for t in tasks):
-        peak, threads = max(peak, rss_trend.rss_kib(pid)), max(threads, _threads(pid))
+        peak, threads, fds = max(peak, rss_trend.rss_kib(pid)), max(threads, _threads(pid)), max(fds, _fds(pid))
         await asyncio.sleep(0.5)
     # HTTP: a sender answered 429; gRPC: a call the server ended while it was held
     refused = sum(
@@ -102,6 +111,7 @@ async def _round(port: int, pid: int, senders: int, hold_s: float, api: str, str
         "rss_after_mb": rss_trend.rss_kib(pid) // 1024,
         "threads_peak": threads,
         "threads_after": _threads(pid),
+        "open_files_peak": fds,
         "refused": refused,
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
@@ -113,13 +123,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--producer-model", default="checkpoints/qa-base")
     parser.add_argument("--senders", default="200,400,1000,1000,1000,2000", help="senders per round, a comma list")
     parser.add_argument("--hold-s", type=float, default=12.0)
-    parser.add_argument("--api", choices=("http", "grpc", "metrics"), default="http")
+    parser.add_argument("--api", choices=("http", "grpc", "metrics", "headers"), default="http")
     parser.add_argument("--streams", type=int, default=1, help="--api grpc: calls per HTTP/2 connection")
     parser.add_argument("--message-bytes", type=int, default=GRPC_MESSAGE_BYTES, help="--api grpc: each call's request size")
     args = parser.parse_args(argv)
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # this client's sockets (the consumer inherits it)
     ports = {"http": services.free_port(), "metrics": services.free_port()}
+    ports["headers"] = ports["http"]
     consumer_args = ["--model", args.model, "--torch-threads", "1", "--http-port", str(ports["http"])]
     consumer_args += ["--metrics-port", str(ports["metrics"])]
     with (

@@ -27,7 +27,7 @@ import ssl
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import structlog
 from aiohttp import http_exceptions, web
@@ -72,6 +72,7 @@ PROBES = ("/health", "/ready")  # no token, no request metrics (as gRPC health)
 METHODS = ("GET", "POST", "HEAD", "PUT", "DELETE", "PATCH", "OPTIONS")  # the method label's values (else OTHER)
 # aiohttp's parser limits (its defaults): a longer request line or header, or more headers, is 431
 MAX_LINE_BYTES, MAX_HEADERS = 8190, 128
+KEEPALIVE_S = 75.0  # nginx's keepalive_timeout
 
 
 class NotFound(ServiceError):
@@ -129,6 +130,20 @@ class _JsonErrors(web.RequestHandler):
     """aiohttp's connection handler answering what fails before any route or middleware runs (a
     malformed request, a line or header over the parser's limits) in OpenAI's error JSON."""
 
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Past --max-connections open at once: a 503 naming the limit, then the connection closes
+        (each held connection costs a file descriptor and a few kB; the time one may take to send
+        its first request's headers is the keep-alive timeout)."""
+        super().connection_made(transport)
+        server = self._manager
+        if isinstance(server, _Server) and len(server.connections) > server.max_connections:
+            text = f"connections: {len(server.connections) - 1} open >= limit max_connections {server.max_connections}"
+            body = json.dumps(_error(503, text, None, "unavailable")).encode()
+            head = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            cast(asyncio.Transport, transport).write(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            self.force_close()
+            transport.close()
+
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None):
         if request.writer.output_size > 0:  # a response already begun (a client gone mid-stream): aiohttp drops it
             raise ConnectionError("a response was already sent: no error response")
@@ -150,6 +165,8 @@ class _JsonErrors(web.RequestHandler):
 
 
 class _Server(web.Server):
+    max_connections = 1 << 30  # OpenAIServer.start sets --max-connections
+
     def __call__(self) -> web.RequestHandler:
         return _JsonErrors(self, loop=self._loop, **self._kwargs)
 
@@ -200,8 +217,11 @@ class OpenAIServer:
 
     async def start(self) -> int:
         """Listen on --http-port (0: any free port); returns the bound port."""
-        self.runner = _Runner(self.app, handler_cancellation=True, access_log=None)
+        # keep-alive: an idle connection closes after it, and a new one must send its first
+        # request's headers within it (aiohttp's own default, 3630 s, let a slow sender hold one an hour)
+        self.runner = _Runner(self.app, handler_cancellation=True, access_log=None, keepalive_timeout=KEEPALIVE_S)
         await self.runner.setup()
+        cast(_Server, self.runner.server).max_connections = self.config.max_connections
         site = web.TCPSite(self.runner, self.config.host, self.config.http_port, ssl_context=ssl_context(self.config))
         await site.start()
         self.port = self.runner.addresses[0][1]
