@@ -51,8 +51,6 @@ SERVER_OPTIONS = [
     ("grpc.http2.max_ping_strikes", 0),
 ]
 HEALTH_REQUEST_BYTES = 64 << 10  # a health check names a service
-
-
 HEALTH_CONNECTIONS = 64  # the health-only port: probes and a few watchers
 
 
