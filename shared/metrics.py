@@ -289,7 +289,8 @@ class Metrics:
           vLLM counts its evictable cached blocks (a block a request shares with the cache counts
           as the cache's);
         - vllm:cache_config_info{block_size, num_gpu_blocks}: 1 (the pool's block size and count).
-        With KV events on: scd_kv_events_{batches,events,dropped} counters."""
+        With KV events on: scd_kv_events_{batches,events,dropped} counters, and with the replay port
+        scd_kv_events_replays{,_ignored,_abandoned}."""
 
         def families():
             waiting = kv_admission.queued
@@ -319,6 +320,18 @@ class Metrics:
                     ("scd_kv_events_events", "KV events published", events.events),
                     ("scd_kv_events_dropped", "KV event records dropped: the publisher queue was full", events.dropped),
                 )
+                if events.replay is not None:
+                    replay = events.replay
+                    yield from unlabelled(
+                        CounterMetricFamily,
+                        ("scd_kv_events_replays", "replay answers sent to their end (shared.kv_events_replay)", replay.replays),
+                        ("scd_kv_events_replays_ignored", "malformed replay requests ignored", replay.ignored),
+                        (
+                            "scd_kv_events_replays_abandoned",
+                            "replay answers dropped: the reader left or stopped reading",
+                            replay.abandoned,
+                        ),
+                    )
 
         self.registry.register(_Callback(families))
 

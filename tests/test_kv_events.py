@@ -482,6 +482,9 @@ async def test_a_context_s_blocks_are_stored_evicted_and_replayed(pair):
         assert [s for s, _ in replayed][: len(seqs) - 1] == seqs[1:]
         assert [b for _, b in replayed][: len(seqs) - 1] == [b for _, b in sub.seen[1:]]
         assert events.dropped == 0
+        counted = scrape(pair.consumer.server.metrics_port)
+        assert counted["scd_kv_events_replays_total"] == events.replays >= 1
+        assert counted["scd_kv_events_replays_ignored_total"] == counted["scd_kv_events_replays_abandoned_total"] == 0
     finally:
         sub.close()
 
@@ -510,7 +513,7 @@ def scrape(port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     out = {}
     for line in text.splitlines():
-        m = re.match(r"^(vllm:[a-z_]+)(\{[^}]*\})? (\S+)$", line)
+        m = re.match(r"^((?:vllm|scd):[a-z_]+|scd_[a-z_]+)(\{[^}]*\})? (\S+)$", line)
         if m:
             out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
     return out
