@@ -2,7 +2,8 @@
 
 Owns: the grpc.aio server with TLS / mTLS and bearer-token auth (shared.security), the metrics
 interceptor and endpoint (shared.metrics), the health service, optional server reflection (v1
-and v1alpha), an optional plaintext health-only port for kubelet probes; start, ready, drain
+and v1alpha), an optional plaintext health-only port for kubelet probes, what a port holds before
+any handler runs (connections, calls in progress, request size; `server_options`); start, ready, drain
 (refuse new calls, let the admitted ones finish for a grace period, stop). Owns no model or codec
 logic; errors -> status codes are shared.rpc_errors', the process around it shared.service_main.
 
