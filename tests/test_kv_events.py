@@ -30,6 +30,8 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shared import kv_events, kv_events_replay
 from tests.conftest import prompt, running_pair
@@ -388,6 +390,48 @@ async def test_a_replay_reader_that_starts_late_gets_every_batch_and_the_end():
         stop.set()
         thread.join()
         sock.close()
+        server.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.binary(max_size=80), min_size=1, max_size=4), max_size=6))
+def test_random_replay_requests_never_stop_a_well_formed_one(requests):
+    """Any frames a peer sends (counts, sizes, a start of any length; over 64 bytes disconnects it):
+    the replay port ignores and counts what is malformed, never fails, and a well-formed request
+    from another peer is answered with every batch and the end."""
+    buffer = deque(((i, b"batch %d" % i) for i in range(5)), maxlen=100)
+    server = kv_events_replay.ReplayServer(zmq.Context.instance(), "tcp://127.0.0.1:*")
+    ctx = zmq.Context.instance()
+    hostile, good = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        for sock in (hostile, good):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, 5000)
+            sock.connect(server.endpoint)
+        for frames in requests:
+            hostile.send_multipart(frames)
+        well_formed = sum(len(f) == 2 and f[0] == b"" and len(f[1]) == 8 for f in requests)
+        good.send_multipart([b"", (2).to_bytes(8, "big")])
+        got = []
+        deadline = time.monotonic() + 10
+        while not got or got[-1] != kv_events_replay.END_SEQ:
+            assert time.monotonic() < deadline, got
+            server.turn(buffer)
+            if good.poll(10):
+                _, seq, payload = good.recv_multipart()
+                got.append(seq)
+        assert got == [(2).to_bytes(8, "big"), (3).to_bytes(8, "big"), (4).to_bytes(8, "big"), kv_events_replay.END_SEQ]
+        malformed = len(requests) - well_formed
+        if all(len(frame) <= kv_events_replay.MAX_REQUEST_BYTES for f in requests for frame in f):
+            deadline = time.monotonic() + 5  # the other connection's requests may still be on their way
+            while server.ignored < malformed and time.monotonic() < deadline:
+                server.turn(buffer)
+                time.sleep(0.001)
+            assert server.ignored == malformed
+        assert server.ignored <= malformed  # over 64 bytes: disconnected, the rest of its frames lost
+    finally:
+        hostile.close()
+        good.close()
         server.close()
 
 
