@@ -139,7 +139,7 @@ async def test_open_connections_past_max_connections_are_closed_and_come_back():
         closed = []
         for reader, _writer in held:
             try:
-                closed.append(await asyncio.wait_for(reader.read(1), 1.0) == b"")
+                closed.append(await asyncio.wait_for(reader.read(1), 5.0) == b"")  # held: the server's SETTINGS
             except TimeoutError:
                 closed.append(False)
         assert sorted(closed) == [False] * 3 + [True] * 2, closed

@@ -131,7 +131,9 @@ async def test_open_connections_are_bounded_and_a_silent_one_closes(monkeypatch)
             writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # the headers never end
             await writer.drain()
             held.append((reader, writer))
-        await asyncio.sleep(0.2)
+        server = pair.consumer.http.runner.server
+        while len(server.connections) < 3:  # all three accepted before the fourth comes
+            await asyncio.sleep(0.01)
         reader, writer = await asyncio.open_connection("127.0.0.1", pair.consumer.http_port)
         refused = await asyncio.wait_for(reader.read(), 5)  # to EOF: the server closed it
         writer.close()
