@@ -51,7 +51,11 @@ class ReplayServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.bind(endpoint)
+        try:
+            self.sock.bind(endpoint)
+        except zmq.ZMQError:
+            self.sock.close(linger=0)
+            raise
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.max_replays = max_replays
         self.idle_s = idle_s
