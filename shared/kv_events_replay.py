@@ -90,28 +90,26 @@ class ReplayServer:
                 log.warning("kv events replay: malformed request (%d frames) ignored; %d so far", len(frames), self.ignored)
             return
         newest = buffer[-1][0] if buffer else -1
-        self.answers[frames[0]] = _Answer(
-            int.from_bytes(frames[2], "big"), newest, time.monotonic()
-        )  # a new ask replaces one under way
+        # a new ask replaces one under way
+        self.answers[frames[0]] = _Answer(int.from_bytes(frames[2], "big"), newest, time.monotonic())
 
     def _send(self, peer: bytes, answer: _Answer, buffer: deque[tuple[int, bytes]]) -> bool:
-        """Send what the peer's pipe takes now (at most SENDS_PER_TURN); True if anything went."""
+        """Send what the peer's pipe takes now (at most SENDS_PER_TURN batches, then the end once
+        every batch up to last_seq the buffer still holds went); True if anything went."""
         first = bisect.bisect_left(buffer, answer.next_seq, key=lambda batch: batch[0])  # seqs ascend
         sent = 0
         for seq, payload in itertools.islice(buffer, first, None):
-            if seq > answer.last_seq or sent == SENDS_PER_TURN:
+            if seq > answer.last_seq:
                 break
-            if not self._try(peer, (peer, b"", seq.to_bytes(8, "big"), payload)):
+            if sent == SENDS_PER_TURN or not self._try(peer, (peer, b"", seq.to_bytes(8, "big"), payload)):
                 return sent > 0
             answer.next_seq = seq + 1
             sent += 1
-        else:
-            answer.next_seq = max(answer.next_seq, answer.last_seq + 1)
-        if answer.next_seq > answer.last_seq and sent < SENDS_PER_TURN and self._try(peer, (peer, b"", END_SEQ, b"")):
-            del self.answers[peer]
-            self.replays += 1
-            return True
-        return sent > 0
+        if not self._try(peer, (peer, b"", END_SEQ, b"")):
+            return sent > 0
+        del self.answers[peer]
+        self.replays += 1
+        return True
 
     def _try(self, peer: bytes, frames: tuple) -> bool:
         """One message without blocking: False where the peer's pipe is full (try again next turn);

@@ -393,6 +393,37 @@ async def test_a_replay_reader_that_starts_late_gets_every_batch_and_the_end():
         server.close()
 
 
+def test_a_replay_whose_remaining_batches_were_evicted_still_ends():
+    """A reader that lagged past the buffer (its remaining batches evicted before they went) gets
+    what was sent, then the end, not an answer that waits until it is abandoned."""
+    server = kv_events_replay.ReplayServer(zmq.Context.instance(), "tcp://127.0.0.1:*")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    try:
+        sock.send_multipart([b"", bytes(8)])
+        older = deque(((i, b"x") for i in range(1000)), maxlen=1000)
+        deadline = time.monotonic() + 10
+        while not server.busy:  # the request taken and the first SENDS_PER_TURN batches sent
+            assert time.monotonic() < deadline
+            server.turn(older)
+            time.sleep(0.001)
+        newer = deque(((i, b"y") for i in range(2000, 3000)), maxlen=1000)  # 256..999 evicted meanwhile
+        for _ in range(10):
+            server.turn(newer)
+        seqs = []
+        while sock.poll(5000):
+            _, seq, _ = sock.recv_multipart()
+            seqs.append(int.from_bytes(seq, "big", signed=True))
+            if seqs[-1] == -1:
+                break
+        assert seqs == [*range(kv_events_replay.SENDS_PER_TURN), -1]
+        assert (server.replays, server.busy) == (1, False)
+    finally:
+        sock.close()
+        server.close()
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.lists(st.binary(max_size=80), min_size=1, max_size=4), max_size=6))
 def test_random_replay_requests_never_stop_a_well_formed_one(requests):
