@@ -53,6 +53,7 @@ SERVER_OPTIONS = [
 ]
 HEALTH_REQUEST_BYTES = 64 << 10  # a health check names a service
 HEALTH_CONNECTIONS = 64  # the health-only port: probes and a few watchers
+HEALTH_CALLS = 256  # its calls in progress (Check and Watch)
 
 
 def server_options(max_request_bytes: int, max_connections: int) -> list[tuple[str, int]]:
@@ -116,7 +117,7 @@ class Server:
         self.health_port = -1
         if config.health_port >= 0:
             self.health_server = grpc.aio.server(
-                options=server_options(HEALTH_REQUEST_BYTES, HEALTH_CONNECTIONS), maximum_concurrent_rpcs=256
+                options=server_options(HEALTH_REQUEST_BYTES, HEALTH_CONNECTIONS), maximum_concurrent_rpcs=HEALTH_CALLS
             )
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
             self.health_port = self.health_server.add_insecure_port(f"{config.host}:{config.health_port}")

@@ -314,16 +314,13 @@ class Metrics:
             info.add_metric([model_name, str(pool.block_tokens), str(pool.num_blocks), str(prefix is not None)], 1)
             yield info
             if events is not None:
-                yield from unlabelled(
-                    CounterMetricFamily,
+                counters = [
                     ("scd_kv_events_batches", "KV event batches published (shared.kv_events)", events.batches),
                     ("scd_kv_events_events", "KV events published", events.events),
                     ("scd_kv_events_dropped", "KV event records dropped: the publisher queue was full", events.dropped),
-                )
-                if events.replay is not None:
-                    replay = events.replay
-                    yield from unlabelled(
-                        CounterMetricFamily,
+                ]
+                if (replay := events.replay) is not None:
+                    counters += [
                         ("scd_kv_events_replays", "replay answers sent to their end (shared.kv_events_replay)", replay.replays),
                         ("scd_kv_events_replays_ignored", "malformed replay requests ignored", replay.ignored),
                         (
@@ -331,7 +328,8 @@ class Metrics:
                             "replay answers dropped: the reader left or stopped reading",
                             replay.abandoned,
                         ),
-                    )
+                    ]
+                yield from unlabelled(CounterMetricFamily, *counters)
 
         self.registry.register(_Callback(families))
 

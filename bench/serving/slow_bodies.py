@@ -18,8 +18,9 @@ Either way RSS should level off as the number of senders grows rather than rise 
 producer and consumer run as real processes (the QA pair by default); each round opens `--senders`
 connections at once, holds them `--hold-s` seconds, and samples the consumer's RSS (with its
 children) during the hold and after the round. One JSON line per round: senders, calls, peak and
-after RSS in MB and thread count, the consumer's open files at peak, how many calls were refused while held (HTTP: 429; gRPC: any
-status; metrics: closed by the server), the load average, the code.
+after RSS in MB and thread count, the consumer's open files at peak, how many calls were refused
+while held (HTTP: 429; gRPC: any status; metrics and headers: closed by the server), the load
+average, the code.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ async def _round(port: int, pid: int, senders: int, hold_s: float, api: str, str
     while not all(t.done() for t in tasks):
         peak, threads, fds = max(peak, rss_trend.rss_kib(pid)), max(threads, _threads(pid)), max(fds, _fds(pid))
         await asyncio.sleep(0.5)
-    # HTTP: a sender answered 429; gRPC: a call the server ended while it was held
+    # a call the server refused while it was held (gRPC: one count per call of a connection)
     refused = sum(
         sum(s is not None for s in t.result()) if api == "grpc" else int(t.result()) for t in tasks if t.exception() is None
     )
