@@ -274,6 +274,15 @@ class ConsumerConfig(ServerConfig):
         ids = 5 * (self.max_context_tokens + self.max_question_tokens)
         return 2 * max(self.max_text_bytes, ids) + (64 << 10)
 
+    @property
+    def http_body_limit(self) -> int:
+        """The largest body the HTTP port reads (aiohttp's client_max_size), by the gRPC port's
+        rule: twice a prompt of max_text_bytes (JSON-escaped) or of the context's and question's
+        token ids (at most 8 bytes each in JSON: six digits and ", "), plus 64 KiB for the other
+        fields; a prompt a little over its limit still arrives, to be refused naming its field."""
+        ids = 8 * (self.max_context_tokens + self.max_question_tokens)
+        return 2 * max(self.max_text_bytes, ids) + (64 << 10)
+
     def validate(self) -> None:
         super().validate()
         if self.max_question_tokens < 1 or self.max_new_tokens < 1:

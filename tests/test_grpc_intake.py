@@ -9,6 +9,7 @@ port holds at most --max-connections connections."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import grpc
@@ -107,6 +108,13 @@ def test_the_receive_limits_take_the_largest_allowed_requests(context_tokens):
         question=consumer_pb2.Prompt(token_ids=consumer_pb2.TokenIds(ids=[widest] * consumer.max_question_tokens)),
     )
     assert max(texts.ByteSize(), ids.ByteSize()) <= consumer.request_bytes_limit
+    # the HTTP port by the same rule: a prompt of token ids as JSON (six digits: any vocabulary
+    # under a million; wider ids are refused anyway) fits its body limit
+    body = json.dumps({"model": "m", "prompt": [999_999] * (context_tokens + consumer.max_question_tokens)})
+    assert len(body) <= consumer.http_body_limit
+    assert (
+        len(json.dumps({"prompt": "\u00e9" * consumer.max_text_bytes})) > consumer.http_body_limit > 2 * consumer.max_text_bytes
+    )
 
 
 def test_max_calls_defaults_to_the_admission_limit_plus_room():

@@ -135,7 +135,7 @@ async def test_models_lists_the_served_model(pair):
             "text",
         ),
         ("/v1/completions", {"prompt": "word " * 9000}, 400, "prompt", "limit max_context_tokens 8192"),
-        ("/v1/completions", {"prompt": "x" * (3 << 20)}, 413, "body", "2 x max_text_bytes"),
+        ("/v1/completions", {"prompt": "x" * (3 << 20)}, 413, "body", "--max-text-bytes"),
     ],
 )
 async def test_bad_input_is_an_openai_error_naming_the_field(pair, path, body, status, param, named):

@@ -200,7 +200,7 @@ class OpenAIServer:
         self.token = security.load_token(config.token, config.token_file)
         self.rejections = security.Rejections()
         self.started = int(time.time())
-        self.max_body = 2 * config.max_text_bytes + (64 << 10)  # a prompt's text, JSON-escaped, and the other fields
+        self.max_body = config.http_body_limit
         # the requests between their headers and admission (their body read, parsed, tokenized):
         # admission counts a request only from there, so without this many slow or large bodies
         # (each up to max_body) would hold memory without bound
@@ -350,7 +350,9 @@ class OpenAIServer:
                 f"body: not received within {self.config.default_timeout_s:g} s (the default deadline)"
             ) from None
         except web.HTTPRequestEntityTooLarge:
-            raise PayloadTooLarge(f"body: > limit {self.max_body} bytes (2 x max_text_bytes + 64 KiB)") from None
+            raise PayloadTooLarge(
+                f"body: > limit {self.max_body} bytes (--max-text-bytes and --max-context-tokens set it)"
+            ) from None
         except (web.RequestPayloadError, http_exceptions.HttpProcessingError) as exc:  # bad chunks, a bad Content-Encoding
             raise InvalidArgument(f"body: cannot be read ({type(exc).__name__})") from None
         try:
