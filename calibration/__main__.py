@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--predictor-steps", default="1500,2000", help="predictor training steps: kv-error stage, KL stage")
     p.add_argument("--predictor-mult", type=int, default=2, help="predictor MLP width / hidden size")
     p.add_argument("--predictor-depth", type=int, default=2, help="predictor decoder layers")
+    p.add_argument(
+        "--predictor-pool",
+        default="0",
+        help="N[,K]: train predictors on N examples captured once (K of them, default all, with C's cache for "
+        "the KL stage) instead of new examples every step (two forwards each); 0: the stream",
+    )
     p.add_argument("--predictor-kl-lr", type=float, default=5e-4, help="peak learning rate of the KL stage")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--out", required=True, type=Path, help="output .safetensors path")
@@ -57,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     consumer = producer if args.consumer == args.producer else load_model(args.consumer, args.dtype, "auto")
     corpus = corpus_lib.load(args.corpus, consumer.tokenizer, args.n, args.heldout, dict(args.corpus_arg))
     mse_steps, kl_steps = (int(x) for x in args.predictor_steps.split(","))
+    pool, _, kl_pool = args.predictor_pool.partition(",")
     train_cfg = TrainConfig(
         mse_steps=mse_steps,
         kl_steps=kl_steps,
@@ -64,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
         intermediate_mult=args.predictor_mult,
         depth=args.predictor_depth,
         kl_lr=args.predictor_kl_lr,
+        pool=int(pool),
+        kl_pool=int(kl_pool or 0),
     )
     layers_n = consumer.info.num_layers
     given = [".".join([t[:-1]] * layers_n) if t.endswith("*") else t for t in args.schedules.split(",") if t]

@@ -108,10 +108,14 @@ def distill(
             predictor_training.as_float32(producer),
             predictor_training.as_float32(consumer),
         )  # one fp32 copy for all layers
+        source: Iterator[TrainExample] | predictor_training.Pool = predictor_examples
+        if predictor_train.pool:  # captured once for every chosen layer
+            source = predictor_training.Pool(
+                train_p, train_c, predictor_examples, chosen, predictor_train.pool, predictor_train.kl_pool,
+                predictor_train.seed, log,
+            )  # fmt: skip
         for layer in chosen:
-            models[layer], reports[str(layer)] = predictor_training.train(
-                train_p, train_c, layer, predictor_examples, predictor_train, log
-            )
+            models[layer], reports[str(layer)] = predictor_training.train(train_p, train_c, layer, source, predictor_train, log)
         layer_moments = moments.collect(producer, consumer, corpus, total=len(corpus), window=window, predictors=models)
         tensors = moments.fit(layer_moments, consumer, same, ridge_rel, predicted=frozenset(models))
         for layer, model in models.items():

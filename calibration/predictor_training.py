@@ -7,6 +7,10 @@ the error that reaches the cache); stage 2 adds the end-to-end loss the schedule
 measures (calibration.kl): KL(C with its own cache || C with this layer rebuilt from the
 prediction) over the scored continuation tokens (answers to questions about the context),
 every other layer C's own.
+
+Examples come from a `Stream` (two full forwards per example per step: fine for the toy pairs) or
+a `Pool` (examples captured once, batches drawn from them: what makes a 30-layer pair trainable
+on a CPU, where those forwards cost seconds each).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ class TrainConfig:
     intermediate_mult: int = 2  # MLP width = mult * hidden
     depth: int = 2  # decoder layers in the predictor
     seed: int = 0
+    pool: int = 0  # 0: every step reads new examples from the stream; N: N examples captured once (a Pool)
+    kl_pool: int = 0  # of the pool's examples, how many keep C's own K/V for the KL stage (0: all)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -114,6 +120,76 @@ def _kl(
     return total / max(sum(r.shape[0] for r in refs), 1)
 
 
+@dataclass(frozen=True)
+class Sample:
+    """One training example as a layer's training step reads it."""
+
+    example: TrainExample
+    xp: torch.Tensor  # P's normalized input of the layer, [T, d] float32
+    xc: torch.Tensor  # C's, [T, d]
+    own_kv: list[tuple[torch.Tensor, torch.Tensor]] | None  # C's own K/V, every layer (None: not kept)
+
+
+class Stream:
+    """Every draw a new example from the stream, P and C run over it then (no memory held)."""
+
+    def __init__(self, producer: LoadedModel, consumer: LoadedModel, examples: Iterator[TrainExample]):
+        self.producer, self.consumer, self.examples = producer, consumer, examples
+
+    def draw(self, layer: int, stage: str) -> Sample:
+        ex = next(self.examples)
+        with torch.no_grad():
+            xp = moments.normed_inputs(self.producer, ex.context_ids)[layer].to(self.consumer.device)
+        xc, own_kv = consumer_pass(self.consumer, ex.context_ids, layer)
+        return Sample(ex, xp, xc, own_kv)
+
+
+class Pool:
+    """`size` examples from the stream, captured once for `layers` (P's and C's normalized inputs;
+    C's own K/V, every layer, for the first `kl_size`, which the KL stage draws from), then drawn
+    at random with a seeded generator. Memory: 2 x T x d floats per example and layer, plus C's
+    whole cache (2 x layers x n_kv x T x hd floats) per KL example."""
+
+    def __init__(
+        self,
+        producer: LoadedModel,
+        consumer: LoadedModel,
+        examples: Iterator[TrainExample],
+        layers: list[int],
+        size: int,
+        kl_size: int = 0,
+        seed: int = 0,
+        log: Callable[[str], None] = lambda m: None,
+    ):
+        if size < 1:
+            raise ValueError(f"pool: {size} examples; must be >= 1")
+        self.kl_size = min(kl_size or size, size)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.items: list[tuple[TrainExample, dict[int, torch.Tensor], dict[int, torch.Tensor], list | None]] = []
+        started = time.perf_counter()
+        for i in range(size):
+            ex = next(examples)
+            with torch.no_grad():
+                xps = moments.normed_inputs(producer, ex.context_ids)
+            xcs, cache = moments.normed_inputs_and_cache(consumer, ex.context_ids)
+            # copies with storage of their own, whatever the capture hands back (a LayerState's K/V are
+            # views of the fused projection's output, ~5x their size): the pool holds only what it uses
+            own_kv = (
+                [(k[0].clone(), v[0].clone()) for k, v in (kv.layer_kv(cache, j) for j in range(consumer.info.num_layers))]
+                if i < self.kl_size
+                else None
+            )
+            xp, xc = ({l: x[l].to(consumer.device, copy=True) for l in layers} for x in (xps, xcs))
+            self.items.append((ex, xp, xc, own_kv))
+            if (i + 1) % 32 == 0 or i + 1 == size:
+                log(f"predictor pool: {i + 1}/{size} examples captured in {time.perf_counter() - started:.0f}s")
+
+    def draw(self, layer: int, stage: str) -> Sample:
+        n = self.kl_size if stage == "kl" else len(self.items)
+        ex, xps, xcs, own_kv = self.items[int(torch.randint(n, (1,), generator=self.generator))]
+        return Sample(ex, xps[layer], xcs[layer], own_kv)
+
+
 def as_float32(loaded: LoadedModel) -> LoadedModel:
     """The model itself if fp32, else an fp32 copy of its (already rounded) weights: training
     runs in fp32 (bf16 matmuls are slow on CPU and their gradients noisy)."""
@@ -126,15 +202,17 @@ def train(
     producer: LoadedModel,
     consumer: LoadedModel,
     layer: int,
-    examples: Iterator[TrainExample],
+    examples: Iterator[TrainExample] | Pool,
     cfg: TrainConfig,
     log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
 ) -> tuple[LlamaModel, dict]:
-    """Fit layer `layer`'s predictor on examples drawn from `examples` (at least
-    batch * (mse_steps + kl_steps) of them). Returns (model in eval mode, report)."""
+    """Fit layer `layer`'s predictor on examples drawn from `examples`: a stream (at least
+    batch * (mse_steps + kl_steps) of them) or a Pool captured for this layer. Returns (model in
+    eval mode, report)."""
     torch.manual_seed(cfg.seed + layer)
     started = time.perf_counter()
     producer, consumer = as_float32(producer), as_float32(consumer)  # no copy when already fp32
+    source = examples if isinstance(examples, Pool) else Stream(producer, consumer, examples)
     config = model_config(consumer, cfg.intermediate_mult, cfg.depth)
     model = build(config)
     model.to(consumer.device)  # type: ignore[arg-type]  # in place; transformers' wrapped `to` is mistyped
@@ -152,14 +230,12 @@ def train(
             opt.zero_grad()
             err_sum = kl_sum = 0.0
             for _ in range(cfg.batch):
-                ex = next(examples)
-                with torch.no_grad():
-                    xp = moments.normed_inputs(producer, ex.context_ids)[layer].to(consumer.device)
-                xc, own_kv = consumer_pass(consumer, ex.context_ids, layer)
-                pred = predict(model, xp)
-                loss = err = _kv_error(consumer, layer, pred, xc)
+                sample = source.draw(layer, stage)
+                pred = predict(model, sample.xp)
+                loss = err = _kv_error(consumer, layer, pred, sample.xc)
                 if stage == "kl":
-                    kl = _kl(consumer, layer, pred, ex, own_kv)
+                    assert sample.own_kv is not None  # a Pool keeps C's K/V for the examples the KL stage draws
+                    kl = _kl(consumer, layer, pred, sample.example, sample.own_kv)
                     loss = err + cfg.kl_weight * kl
                     kl_sum += kl.item() / cfg.batch
                 (loss / cfg.batch).backward()
@@ -174,4 +250,6 @@ def train(
                 )
     model.eval().requires_grad_(False)
     report = {"config": config, "train": cfg.to_json(), "curve": curve, "wall_s": round(time.perf_counter() - started, 1)}
+    if isinstance(source, Pool):
+        report["pool"] = {"examples": len(source.items), "kl_examples": source.kl_size}
     return model, report

@@ -160,3 +160,29 @@ def test_predictor_training_is_deterministic_for_a_seed(pair):
     assert report_a["curve"] == report_b["curve"]
     sa, sb = predictor.to_tensors(LAYER, a), predictor.to_tensors(LAYER, b)
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_a_pool_reads_each_example_once_keeps_copies_and_trains_like_the_stream(pair):
+    """A Pool (the 30-layer pairs' way: two forwards per example once, not per step) takes exactly
+    `size` examples from the stream, holds tensors with storage of their own (a view of a larger
+    capture buffer would hold all of it for the whole training), gives the KL stage only the
+    examples whose cache it kept, and trains the predictor as the stream does."""
+    from calibration import moments
+
+    producer, consumer, _, _, _ = pair
+    examples = train_examples()
+    stream = iter(examples)
+    pool = predictor_training.Pool(producer, consumer, stream, [LAYER], size=6, kl_size=2, seed=0)
+    assert next(stream) is examples[6]
+    assert [own is not None for *_, own in pool.items] == [True, True, False, False, False, False]
+    for ex, xps, xcs, own in pool.items:
+        assert torch.equal(xps[LAYER], moments.normed_inputs(producer, ex.context_ids)[LAYER])
+        kept = [xps[LAYER], xcs[LAYER]] + [t for pair_kv in own or [] for t in pair_kv]
+        assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in kept)
+    assert {id(pool.draw(LAYER, "kl").example) for _ in range(40)} == {id(e) for e in examples[:2]}
+    assert {id(pool.draw(LAYER, "kv").example) for _ in range(200)} == {id(e) for e in examples[:6]}
+    _, report = predictor_training.train(producer, consumer, LAYER, pool, TRAIN, log=lambda m: None)
+    kv_stage = [c["kv_error"] for c in report["curve"] if c["stage"] == "kv"]
+    assert kv_stage[-1] < 0.6 * kv_stage[0] and report["pool"] == {"examples": 6, "kl_examples": 2}
+    with pytest.raises(ValueError, match="pool"):
+        predictor_training.Pool(producer, consumer, stream, [LAYER], size=0)
