@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="N[,K]: train predictors on N examples captured once (K of them, default all, with C's cache for "
         "the KL stage) instead of new examples every step (two forwards each); 0: the stream",
     )
+    p.add_argument("--predictor-lr", type=float, default=2e-3, help="peak learning rate of the kv-error stage")
     p.add_argument("--predictor-kl-lr", type=float, default=5e-4, help="peak learning rate of the KL stage")
+    p.add_argument("--predictor-clip", type=float, default=0.0, help="max gradient norm per predictor step (0: none)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--out", required=True, type=Path, help="output .safetensors path")
     return p
@@ -70,7 +72,9 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         intermediate_mult=args.predictor_mult,
         depth=args.predictor_depth,
+        lr=args.predictor_lr,
         kl_lr=args.predictor_kl_lr,
+        clip=args.predictor_clip,
         pool=int(pool),
         kl_pool=int(kl_pool or 0),
     )

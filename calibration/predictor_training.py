@@ -51,6 +51,7 @@ class TrainConfig:
     intermediate_mult: int = 2  # MLP width = mult * hidden
     depth: int = 2  # decoder layers in the predictor
     seed: int = 0
+    clip: float = 0.0  # max gradient norm per step (0: none); a 30-layer pair's width needs it at lr ~3e-4
     pool: int = 0  # 0: every step reads new examples from the stream; N: N examples captured once (a Pool)
     kl_pool: int = 0  # of the pool's examples, how many keep C's own K/V for the KL stage (0: all)
 
@@ -240,6 +241,8 @@ def train(
                     kl_sum += kl.item() / cfg.batch
                 (loss / cfg.batch).backward()
                 err_sum += err.item() / cfg.batch
+            if cfg.clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, cfg.clip)
             opt.step()
             sched.step()
             if step % 50 == 0 or step == steps - 1:
