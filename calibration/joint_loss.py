@@ -1,0 +1,87 @@
+"""Where a pair's loss sits when every layer is rebuilt at once: `python -m calibration.joint_loss`.
+
+The schedule search's sensitivities change one layer at a time (every other layer C's own). This
+measures the other direction on the same loss (calibration.search.LossEvaluator: KL of C's
+answers, nats per answer token): every layer rebuilt one way, `W` (P's K/V as they are: naive
+reuse) or `P` (Patch through the artifact's linear map, or its learned predictor where it has
+one), except the given layers, left C's own: what fixing those layers can buy at most. Plus the
+artifact's schedules on the same examples. One JSON line per row.
+
+    python -m calibration.joint_loss --artifact artifacts/smollm2-pc.safetensors \\
+        --corpus real.corpus:calibration_corpus --corpus-arg ctx=512 --corpus-arg heldout_split=validation \\
+        --n 0 --heldout 24 --own 23 --own 17,18,23,28 --schedules s7,s11
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from calibration import corpus as corpus_lib
+from calibration.search import LossEvaluator
+from shared.models import load_model
+from shared.scd.artifact import Artifact
+from shared.scd.schedule import Action, Schedule
+
+
+def rows(ev: LossEvaluator, layers: int, bases: list[str], owns: list[list[int]], schedules: list[Schedule]) -> list[dict]:
+    out = []
+    for base in bases:
+        action = Action.parse(base)
+        no_layer: list[int] = []
+        for own in [no_layer, *owns]:
+            actions = [None if layer in own else action for layer in range(layers)]
+            out.append({"rebuilt": f"{base} in every layer", "own": own, "loss": ev.loss(actions)})
+    for s in schedules:
+        out.append({"rebuilt": "schedule", "schedule": str(s), "own": [], "loss": ev.loss(s.actions)})
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m calibration.joint_loss", description=__doc__)
+    p.add_argument("--artifact", type=Path, required=True)
+    corpus_lib.add_arguments(p, n=0, heldout=24)
+    p.add_argument("--bases", default="W,P", help="actions every layer takes: W (P's K/V), P (Patch), Q4, R<rank>, ...")
+    p.add_argument("--own", action="append", default=[], help="comma-separated layers left C's own (repeatable)")
+    p.add_argument("--schedules", default="", help="the artifact's schedules to measure too (names or texts)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", type=Path, help="append the rows here too")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    art = Artifact.load(args.artifact)
+    producer = load_model(art.meta["producer"]["model_id"], "float32", "auto")
+    consumer = load_model(art.meta["consumer"]["model_id"], "float32", "auto")
+    art.check_model("producer", producer.info)
+    art.check_model("consumer", consumer.info)
+    corpus = corpus_lib.load(args.corpus, consumer.tokenizer, args.n, args.heldout, dict(args.corpus_arg))
+    ev = LossEvaluator(art, producer, consumer, corpus.heldout)
+    layers = consumer.info.num_layers
+    known = {e.name: e.schedule for e in art.schedules}
+    schedules = [Schedule.parse(known.get(s, s), layers) for s in args.schedules.split(",") if s]
+    owns = [[int(x) for x in o.split(",")] for o in args.own]
+    common = {
+        "artifact": art.artifact_id,
+        "predictor_layers": art.predictor_layers,
+        "heldout": corpus.name,
+        "examples": len(corpus.heldout),
+        "producer": producer.info.model_id,
+        "consumer": consumer.info.model_id,
+        "dtype": "float32",
+    }
+    for row in rows(ev, layers, args.bases.split(","), owns, schedules):
+        line = json.dumps({**common, **row})
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
+    print(f"{ev.evaluations} evaluations in {time.perf_counter() - started:.0f}s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

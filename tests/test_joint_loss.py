@@ -1,0 +1,31 @@
+"""calibration.joint_loss: every layer rebuilt one way, some left C's own, on the search's loss."""
+
+from __future__ import annotations
+
+from calibration.distill import distill
+from calibration.joint_loss import rows
+from calibration.search import LossEvaluator
+from shared.models import load_model
+from shared.scd.schedule import Action, Schedule
+from tests.conftest import perturbed_model
+from tests.test_scd import heldout, random_corpus
+
+
+def test_rows_rebuild_every_layer_but_the_ones_left_own(tmp_path):
+    perturbed_model("tiny-llama", seed=1, scale=0.05, save_to=tmp_path)
+    producer = load_model("tiny-llama", "float32", "cpu")
+    consumer = load_model(str(tmp_path), "float32", "cpu")
+    art = distill(producer, consumer, random_corpus(12, 96, 0), heldout(3, 1), corpus_name="random",
+                  schedules=["R8.P.R8.R8"], log=lambda m: None)  # fmt: skip
+    ev = LossEvaluator(art, producer, consumer, heldout(3, 2))
+    schedule = Schedule.parse("R8.P.R8.R8", 4)
+    got = rows(ev, 4, ["W", "P"], [[1], [0, 1, 2, 3]], [schedule])
+    assert [(r["rebuilt"], r["own"]) for r in got] == [
+        ("W in every layer", []), ("W in every layer", [1]), ("W in every layer", [0, 1, 2, 3]),
+        ("P in every layer", []), ("P in every layer", [1]), ("P in every layer", [0, 1, 2, 3]),
+        ("schedule", []),
+    ]  # fmt: skip
+    naive, one_own, all_own = (r["loss"] for r in got[:3])
+    assert naive > 0 and all_own == 0.0  # every layer C's own is the oracle itself
+    assert naive == ev.loss([Action("raw")] * 4) and one_own == ev.loss([Action("raw"), None, Action("raw"), Action("raw")])
+    assert got[-1]["loss"] == ev.loss(schedule.actions) and got[-1]["schedule"] == "R8.P.R8.R8"
