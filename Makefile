@@ -11,7 +11,7 @@ PROTOS  := $(wildcard protos/scd/v1/*.proto)
 PB_GEN  := $(PB_OUT)/scd/v1/.generated
 COMPOSE := .venv-compose/bin/docker-compose
 
-.PHONY: all install kernel real-model real-artifacts proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft bench-peer bench-breakdown bench-prefill-budget kvpress-check compose-config compose-smoke vllm-structs clean
+.PHONY: all install kernel real-model real-artifacts real-artifacts-pred proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft bench-peer bench-breakdown bench-prefill-budget kvpress-check compose-config compose-smoke vllm-structs clean
 
 all: test
 
@@ -223,6 +223,20 @@ real-artifacts: $(PB_GEN) $(REAL_MODEL)
 		--policies streaming,snapkv,distill --fractions 0.25,0.5,0.75 --codecs raw,scd:s7,scd:s11
 	$(PYTHON) -m calibration --producer smollm2-135m --consumer smollm2-135m $(REAL_CORPUS) \
 		--loss-target 0.01 --out artifacts/smollm2-pp.safetensors
+
+# The P -> C artifact with a learned predictor for its worst layer (auto:1 picks it by the linear
+# Patch's loss: layer 23), its linear maps fitted on 4x the corpus above, the predictor trained
+# from a pool of 128 captured examples, kv-error stage only (on this pair the KL stage over-fitted
+# its pool in a first try). No search: it measures the schedules s5, s7 and s11 of the artifact
+# above (its committed .json), so the two differ only in the maps and the predictor; the recompute
+# span is that artifact's. Then `python -m calibration.joint_loss` (docs/results.md).
+REAL_PRED_SCHEDULES = $(shell $(PY) -c "import json; a = json.load(open('artifacts/smollm2-pc.json')); print(','.join(s['schedule'] for s in a['schedules'] if s['name'] in ('s5', 's7', 's11')))")
+real-artifacts-pred: $(PB_GEN) $(REAL_MODEL)
+	$(PYTHON) -m calibration --producer smollm2-135m --consumer smollm2-135m-tuned \
+		--corpus real.corpus:calibration_corpus --corpus-arg ctx=512 --n 96 --heldout 8 --threads 1 \
+		--loss-target 0.02 --predictor-layers auto:1 --predictor-pool 128,1 --predictor-steps 400,0 \
+		--predictor-lr 3e-4 --predictor-clip 1.0 --schedules '$(REAL_PRED_SCHEDULES)' --recompute-span 13,21 \
+		--out artifacts/smollm2-pc-pred.safetensors
 
 # Does the consumer's cache audit catch SCD answers that diverge from its own prefill, on the
 # shifted sets of qa/shifted.py? One JSON line per set and a summary -> bench/results/audit.{jsonl,md}

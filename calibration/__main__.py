@@ -29,6 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-target", type=float, default=0.02)
     p.add_argument("--generations", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--recompute-span",
+        default="",
+        help="START,END: the recompute baseline's layers [START, END) as given (no profile; on 30 layers the "
+        "profile is most of a small calibration's time); default: profiled",
+    )
     p.add_argument("--window", type=int, default=1, help="tokens of producer state per code (heterogeneous pairs)")
     p.add_argument(
         "--schedules",
@@ -56,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--out", required=True, type=Path, help="output .safetensors path")
     return p
+
+
+def span(text: str) -> tuple[int, int] | None:
+    """'START,END' -> (START, END); '' -> None (profiled)."""
+    if not text:
+        return None
+    start, end = (int(x) for x in text.split(","))
+    return start, end
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         schedules=given,
         window=args.window,
+        recompute_span=span(args.recompute_span),
         predictor_layers=args.predictor_layers,
         predictor_examples=corpus.train_stream,
         predictor_train=train_cfg,

@@ -29,7 +29,11 @@ from shared.scd.artifact import Artifact
 from shared.scd.schedule import Action, Schedule
 
 
-def rows(ev: LossEvaluator, layers: int, bases: list[str], owns: list[list[int]], schedules: list[Schedule]) -> list[dict]:
+def rows(
+    ev: LossEvaluator, layers: int, bases: list[str], owns: list[list[int]], schedules: list[tuple[str, Schedule, float]]
+) -> list[dict]:
+    """Every base action in every layer, with no layer and then each of `owns` left C's own; then
+    each (name, schedule, bytes per token)."""
     out = []
     for base in bases:
         action = Action.parse(base)
@@ -37,8 +41,17 @@ def rows(ev: LossEvaluator, layers: int, bases: list[str], owns: list[list[int]]
         for own in [no_layer, *owns]:
             actions = [None if layer in own else action for layer in range(layers)]
             out.append({"rebuilt": f"{base} in every layer", "own": own, "loss": ev.loss(actions)})
-    for s in schedules:
-        out.append({"rebuilt": "schedule", "schedule": str(s), "own": [], "loss": ev.loss(s.actions)})
+    for name, s, size in schedules:
+        out.append(
+            {
+                "rebuilt": "schedule",
+                "name": name,
+                "schedule": str(s),
+                "bytes_per_token": size,
+                "own": [],
+                "loss": ev.loss(s.actions),
+            }
+        )
     return out
 
 
@@ -48,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     corpus_lib.add_arguments(p, n=0, heldout=24)
     p.add_argument("--bases", default="W,P", help="actions every layer takes: W (P's K/V), P (Patch), Q4, R<rank>, ...")
     p.add_argument("--own", action="append", default=[], help="comma-separated layers left C's own (repeatable)")
-    p.add_argument("--schedules", default="", help="the artifact's schedules to measure too (names or texts)")
+    p.add_argument("--schedules", default="", help="the artifact's schedules to measure too, by name (s0, s7, ...)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, help="append the rows here too")
     args = p.parse_args(argv)
@@ -62,8 +75,12 @@ def main(argv: list[str] | None = None) -> None:
     corpus = corpus_lib.load(args.corpus, consumer.tokenizer, args.n, args.heldout, dict(args.corpus_arg))
     ev = LossEvaluator(art, producer, consumer, corpus.heldout)
     layers = consumer.info.num_layers
-    known = {e.name: e.schedule for e in art.schedules}
-    schedules = [Schedule.parse(known.get(s, s), layers) for s in args.schedules.split(",") if s]
+    known = {e.name: e for e in art.schedules}
+    schedules = [
+        (known[s].name, Schedule.parse(known[s].schedule, layers), known[s].bytes_per_token)
+        for s in args.schedules.split(",")
+        if s
+    ]
     owns = [[int(x) for x in o.split(",")] for o in args.own]
     common = {
         "artifact": art.artifact_id,

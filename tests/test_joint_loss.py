@@ -19,7 +19,7 @@ def test_rows_rebuild_every_layer_but_the_ones_left_own(tmp_path):
                   schedules=["R8.P.R8.R8"], log=lambda m: None)  # fmt: skip
     ev = LossEvaluator(art, producer, consumer, heldout(3, 2))
     schedule = Schedule.parse("R8.P.R8.R8", 4)
-    got = rows(ev, 4, ["W", "P"], [[1], [0, 1, 2, 3]], [schedule])
+    got = rows(ev, 4, ["W", "P"], [[1], [0, 1, 2, 3]], [("s0", schedule, 123.0)])
     assert [(r["rebuilt"], r["own"]) for r in got] == [
         ("W in every layer", []), ("W in every layer", [1]), ("W in every layer", [0, 1, 2, 3]),
         ("P in every layer", []), ("P in every layer", [1]), ("P in every layer", [0, 1, 2, 3]),
@@ -29,3 +29,11 @@ def test_rows_rebuild_every_layer_but_the_ones_left_own(tmp_path):
     assert naive > 0 and all_own == 0.0  # every layer C's own is the oracle itself
     assert naive == ev.loss([Action("raw")] * 4) and one_own == ev.loss([Action("raw"), None, Action("raw"), Action("raw")])
     assert got[-1]["loss"] == ev.loss(schedule.actions) and got[-1]["schedule"] == "R8.P.R8.R8"
+    assert got[-1]["name"] == "s0" and got[-1]["bytes_per_token"] == 123.0
+
+
+def test_a_given_recompute_span_skips_the_profile():
+    from calibration.__main__ import build_parser, span
+
+    args = build_parser().parse_args(["--producer", "p", "--consumer", "c", "--corpus", "x", "--out", "o", "--recompute-span", "13,21"])
+    assert span(args.recompute_span) == (13, 21) and span("") is None
