@@ -17,6 +17,7 @@ from pathlib import Path
 
 from bench.figures import projection
 from bench.figures.gpu import gpu
+from bench.figures.joint_loss import joint_loss
 from bench.figures.keep import keep
 from bench.figures.keep_paired import keep_paired
 from bench.figures.peer import compile_step, peer_ab, peer_breakdown, peer_hosts, peer_vllm, prefill_budget
@@ -351,4 +352,5 @@ def figures(root: Path = ROOT) -> dict:
         "compile_step": compile_step(root),
         "keep": keep(root),
         "keep_paired": keep_paired(root),
+        "joint": joint_loss(root),
     }
