@@ -4,12 +4,13 @@ The schedule search's sensitivities change one layer at a time (every other laye
 measures the other direction on the same loss (calibration.search.LossEvaluator: KL of C's
 answers, nats per answer token): every layer rebuilt one way, `W` (P's K/V as they are: naive
 reuse) or `P` (Patch through the artifact's linear map, or its learned predictor where it has
-one), except the given layers, left C's own: what fixing those layers can buy at most. Plus the
-artifact's schedules on the same examples. One JSON line per row.
+one), except the given layers, left C's own: what fixing those layers can buy at most; the given
+layers alone rebuilt (`--only`: the search's sensitivity, on these examples); and the artifact's
+schedules. One JSON line per row.
 
     python -m calibration.joint_loss --artifact artifacts/smollm2-pc.safetensors \\
         --corpus real.corpus:calibration_corpus --corpus-arg ctx=512 --corpus-arg heldout_split=validation \\
-        --n 0 --heldout 24 --own 23 --own 17,18,23,28 --schedules s7,s11
+        --n 0 --heldout 24 --own 23 --own 17,18,23,28 --only 23 --schedules s7,s11
 """
 
 from __future__ import annotations
@@ -30,10 +31,16 @@ from shared.scd.schedule import Action, Schedule
 
 
 def rows(
-    ev: LossEvaluator, layers: int, bases: list[str], owns: list[list[int]], schedules: list[tuple[str, Schedule, float]]
+    ev: LossEvaluator,
+    layers: int,
+    bases: list[str],
+    owns: list[list[int]],
+    schedules: list[tuple[str, Schedule, float]],
+    onlys: tuple[list[int], ...] = (),
 ) -> list[dict]:
-    """Every base action in every layer, with no layer and then each of `owns` left C's own; then
-    each (name, schedule, bytes per token)."""
+    """Every base action in every layer, with no layer and then each of `owns` left C's own; each
+    base action only in each of `onlys` (every other layer C's own); then each (name, schedule,
+    bytes per token)."""
     out = []
     for base in bases:
         action = Action.parse(base)
@@ -41,6 +48,10 @@ def rows(
         for own in [no_layer, *owns]:
             actions = [None if layer in own else action for layer in range(layers)]
             out.append({"rebuilt": f"{base} in every layer", "own": own, "loss": ev.loss(actions)})
+        for only in onlys:
+            actions = [action if layer in only else None for layer in range(layers)]
+            own = [layer for layer in range(layers) if layer not in only]
+            out.append({"rebuilt": f"{base} only in {','.join(map(str, only))}", "own": own, "loss": ev.loss(actions)})
     for name, s, size in schedules:
         out.append(
             {
@@ -61,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     corpus_lib.add_arguments(p, n=0, heldout=24)
     p.add_argument("--bases", default="W,P", help="actions every layer takes: W (P's K/V), P (Patch), Q4, R<rank>, ...")
     p.add_argument("--own", action="append", default=[], help="comma-separated layers left C's own (repeatable)")
+    p.add_argument("--only", action="append", default=[], help="comma-separated layers the bases alone rebuild (repeatable)")
     p.add_argument("--schedules", default="", help="the artifact's schedules to measure too, by name (s0, s7, ...)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, help="append the rows here too")
@@ -82,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         if s
     ]
     owns = [[int(x) for x in o.split(",")] for o in args.own]
+    onlys = tuple([int(x) for x in o.split(",")] for o in args.only)
     common = {
         "artifact": art.artifact_id,
         "predictor_layers": art.predictor_layers,
@@ -91,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         "consumer": consumer.info.model_id,
         "dtype": "float32",
     }
-    for row in rows(ev, layers, args.bases.split(","), owns, schedules):
+    for row in rows(ev, layers, args.bases.split(","), owns, schedules, onlys):
         line = json.dumps({**common, **row})
         print(line, flush=True)
         if args.out:

@@ -19,12 +19,13 @@ def test_rows_rebuild_every_layer_but_the_ones_left_own(tmp_path):
                   schedules=["R8.P.R8.R8"], log=lambda m: None)  # fmt: skip
     ev = LossEvaluator(art, producer, consumer, heldout(3, 2))
     schedule = Schedule.parse("R8.P.R8.R8", 4)
-    got = rows(ev, 4, ["W", "P"], [[1], [0, 1, 2, 3]], [("s0", schedule, 123.0)])
+    got = rows(ev, 4, ["W", "P"], [[1], [0, 1, 2, 3]], [("s0", schedule, 123.0)], ([1],))
     assert [(r["rebuilt"], r["own"]) for r in got] == [
-        ("W in every layer", []), ("W in every layer", [1]), ("W in every layer", [0, 1, 2, 3]),
-        ("P in every layer", []), ("P in every layer", [1]), ("P in every layer", [0, 1, 2, 3]),
+        ("W in every layer", []), ("W in every layer", [1]), ("W in every layer", [0, 1, 2, 3]), ("W only in 1", [0, 2, 3]),
+        ("P in every layer", []), ("P in every layer", [1]), ("P in every layer", [0, 1, 2, 3]), ("P only in 1", [0, 2, 3]),
         ("schedule", []),
     ]  # fmt: skip
+    assert got[3]["loss"] == ev.loss([None, Action("raw"), None, None]) > 0
     naive, one_own, all_own = (r["loss"] for r in got[:3])
     assert naive > 0 and all_own == 0.0  # every layer C's own is the oracle itself
     assert naive == ev.loss([Action("raw")] * 4) and one_own == ev.loss([Action("raw"), None, Action("raw"), Action("raw")])

@@ -15,16 +15,24 @@ HEADER = (
 
 
 def key(r: dict) -> str:
-    """'W', 'W+23', 'P+17,18,23,28' (every layer one action, some C's own) or a schedule's name."""
+    """'W', 'W+23', 'P+17,18,23,28' (every layer one action, some C's own), 'P@23' (that action in
+    layer 23 only) or a schedule's name."""
     if r["rebuilt"] == "schedule":
         return r["name"]
-    base = r["rebuilt"].split()[0]
+    base, *rest = r["rebuilt"].split()
+    if rest[0] == "only":
+        return f"{base}@{rest[-1]}"
     return base + ("+" + ",".join(map(str, r["own"])) if r["own"] else "")
 
 
 def _line(r: dict, naive: float) -> str:
-    what = f"schedule `{r['name']}`" if r["rebuilt"] == "schedule" else f"`{r['rebuilt'].split()[0]}` in every layer"
-    own = ", ".join(map(str, r["own"])) or "-"
+    base, *rest = r["rebuilt"].split()
+    if r["rebuilt"] == "schedule":
+        what, own = f"schedule `{r['name']}`", "-"
+    elif rest[0] == "only":
+        what, own = f"`{base}` in layer {rest[-1]} only", "every other"
+    else:
+        what, own = f"`{base}` in every layer", ", ".join(map(str, r["own"])) or "-"
     size = f"{r['bytes_per_token']:g}" if r.get("bytes_per_token") is not None else "-"
     return f"| {what} | {own} | {size} | {r['loss']:.4f} | {r['loss'] / naive:.0%} |"
 
