@@ -101,9 +101,12 @@ def consumer_pass(
     """C over the context once: its normalized input of `layer` ([T, d], float32) and every
     layer's own (keys, values) ([n_kv, T, hd] each), on C's device."""
     normed, cache = moments.normed_inputs_and_cache(consumer, ids)
-    return normed[layer].to(consumer.device), [
-        (k[0], v[0]) for k, v in (kv.layer_kv(cache, i) for i in range(consumer.info.num_layers))
-    ]
+    return normed[layer].to(consumer.device), cache_kv(consumer, cache)
+
+
+def cache_kv(consumer: LoadedModel, cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's (keys, values) of a batch-1 cache, [n_kv, T, hd] each."""
+    return [(k[0], v[0]) for k, v in (kv.layer_kv(cache, i) for i in range(consumer.info.num_layers))]
 
 
 def _kl(
@@ -173,15 +176,10 @@ class Pool:
             with torch.no_grad():
                 xps = moments.normed_inputs(producer, ex.context_ids)
             xcs, cache = moments.normed_inputs_and_cache(consumer, ex.context_ids)
-            # copies with storage of their own, whatever the capture hands back (a LayerState's K/V are
-            # views of the fused projection's output, ~5x their size): the pool holds only what it uses
-            own_kv = (
-                [(k[0].clone(), v[0].clone()) for k, v in (kv.layer_kv(cache, j) for j in range(consumer.info.num_layers))]
-                if i < self.kl_size
-                else None
-            )
-            xp, xc = ({l: x[l].to(consumer.device, copy=True) for l in layers} for x in (xps, xcs))
-            self.items.append((ex, xp, xc, own_kv))
+            # the capture's normalized inputs and the cache's K/V have storage of their own (not views
+            # of a larger buffer, which the pool would then hold whole: the test checks)
+            xp, xc = ({l: x[l].to(consumer.device) for l in layers} for x in (xps, xcs))
+            self.items.append((ex, xp, xc, cache_kv(consumer, cache) if i < self.kl_size else None))
             if (i + 1) % 32 == 0 or i + 1 == size:
                 log(f"predictor pool: {i + 1}/{size} examples captured in {time.perf_counter() - started:.0f}s")
 

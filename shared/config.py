@@ -267,21 +267,23 @@ class ConsumerConfig(ServerConfig):
     http_port: int = -1  # OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models; consumer.api.openai_api); -1 off, 0 any free port
     served_model_name: str = ""  # the model's one public name (/v1/models, Describe, logs, metrics); empty: --model's basename
 
-    @property
-    def request_bytes_limit(self) -> int:
-        """A GenerateRequest: two texts of max_text_bytes, or the context's and question's ids (texts
-        a little over max_text_bytes still arrive, to be refused naming their field)."""
-        ids = 5 * (self.max_context_tokens + self.max_question_tokens)
+    def _prompt_bytes_limit(self, bytes_per_id: int) -> int:
+        """Twice the larger of a prompt's text (max_text_bytes) and the context's and question's ids
+        at bytes_per_id each, plus 64 KiB for the other fields: a prompt a little over its limit still
+        arrives, to be refused naming its field. The one rule of both API ports."""
+        ids = bytes_per_id * (self.max_context_tokens + self.max_question_tokens)
         return 2 * max(self.max_text_bytes, ids) + (64 << 10)
 
     @property
+    def request_bytes_limit(self) -> int:
+        """A GenerateRequest (grpc.max_receive_message_length): ids as protobuf varints, at most 5 bytes each."""
+        return self._prompt_bytes_limit(5)
+
+    @property
     def http_body_limit(self) -> int:
-        """The largest body the HTTP port reads (aiohttp's client_max_size), by the gRPC port's
-        rule: twice a prompt of max_text_bytes (JSON-escaped) or of the context's and question's
-        token ids (at most 8 bytes each in JSON: six digits and ", "), plus 64 KiB for the other
-        fields; a prompt a little over its limit still arrives, to be refused naming its field."""
-        ids = 8 * (self.max_context_tokens + self.max_question_tokens)
-        return 2 * max(self.max_text_bytes, ids) + (64 << 10)
+        """The largest body the HTTP port reads (aiohttp's client_max_size): ids in JSON, at most 8
+        bytes each (six digits and ", ")."""
+        return self._prompt_bytes_limit(8)
 
     def validate(self) -> None:
         super().validate()
