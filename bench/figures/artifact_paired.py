@@ -1,0 +1,86 @@
+"""Two artifacts' quality rows on the same examples: the task rows of two `real.quality` files (one
+per artifact), paired by example (seed, family, gold, context length), each of the new file's modes
+against a named mode of the reference file (`--map s1=s7` pairs `scd:s1` with `scd:s7`; equal names
+pair by default). Prints, per mode, the F1 gap to the new file's oracle and the paired difference
+new - reference with 95 % bootstrap intervals (qa.metrics.bootstrap_ci), and how many oracle answers
+agree between the two files (a check that both runs saw the same examples the same way).
+Measures nothing: `python -m bench.figures.artifact_paired NEW.jsonl REFERENCE.jsonl --map s1=s7,s2=s11`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from bench.figures.rows import rows_of
+from qa.metrics import bootstrap_ci
+
+Example = tuple[int, str, str, int]
+
+
+def by_example(path: Path) -> dict[Example, dict[str, dict]]:
+    """{example: {mode: task row}} of a quality file (summary lines skipped)."""
+    out: dict[Example, dict[str, dict]] = {}
+    for r in rows_of(path):
+        if r.get("kind") == "task":
+            out.setdefault((r["seed"], r["family"], r["gold"], r["context_tokens"]), {})[r["mode"]] = r
+    return out
+
+
+def _ref_mode(mode: str, mapping: dict[str, str]) -> str:
+    head, colon, schedule = mode.partition(":")
+    return f"{head}:{mapping.get(schedule, schedule)}" if colon else mapping.get(mode, mode)
+
+
+def paired(new: Path, reference: Path, mapping: dict[str, str]) -> list[dict]:
+    """One row per mode of `new` that has an oracle and a reference mode on the same examples: only
+    examples where the new file has every one of its modes (whole examples) count."""
+    mine, ref = by_example(new), by_example(reference)
+    modes = sorted({m for per in mine.values() for m in per})
+    whole = [e for e, per in mine.items() if set(per) == set(modes) and "oracle" in per]
+    out = []
+    for mode in modes:
+        other = _ref_mode(mode, mapping)
+        both = [e for e in whole if other in ref.get(e, {})]
+        if not both:
+            continue
+        a = [mine[e][mode]["f1"] for e in both]
+        gap = [mine[e]["oracle"]["f1"] - x for e, x in zip(both, a)]
+        diff = [x - ref[e][other]["f1"] for e, x in zip(both, a)]
+        agree = sum(mine[e]["oracle"]["prediction"] == ref[e].get("oracle", {}).get("prediction") for e in both)
+        out.append({
+            "mode": mode, "reference_mode": other, "n": len(both), "oracle_answers_agree": agree,
+            "f1": round(sum(a) / len(a), 4), "f1_gap": round(sum(gap) / len(gap), 4),
+            "f1_gap_ci95": [round(v, 4) for v in bootstrap_ci(gap)],
+            "new_minus_reference": round(sum(diff) / len(diff), 4),
+            "new_minus_reference_ci95": [round(v, 4) for v in bootstrap_ci(diff)],
+        })
+    return out
+
+
+def _mapping(text: str) -> dict[str, str]:
+    pairs = [p.split("=", 1) for p in text.split(",") if p]
+    if any(len(p) != 2 for p in pairs):
+        raise SystemExit(f"--map: expected NEW=REFERENCE[,...], got {text!r}")
+    return dict(pairs)  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("new", type=Path)
+    parser.add_argument("reference", type=Path)
+    parser.add_argument("--map", default="", help="NEW=REFERENCE schedule names, comma-separated (s1=s7,s2=s11)")
+    args = parser.parse_args(argv)
+    rows = paired(args.new, args.reference, _mapping(args.map))
+    print("| mode | reference | n | oracle answers agree | F1 gap (points) | 95% | new - reference | 95% |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        g, d = r["f1_gap_ci95"], r["new_minus_reference_ci95"]
+        print(f"| {r['mode']} | {r['reference_mode']} | {r['n']} | {r['oracle_answers_agree']} | {100 * r['f1_gap']:+.1f} | "
+              f"[{100 * g[0]:+.1f}, {100 * g[1]:+.1f}] | {100 * r['new_minus_reference']:+.1f} | [{100 * d[0]:+.1f}, {100 * d[1]:+.1f}] |")
+    for r in rows:
+        print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()
