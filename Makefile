@@ -11,7 +11,7 @@ PROTOS  := $(wildcard protos/scd/v1/*.proto)
 PB_GEN  := $(PB_OUT)/scd/v1/.generated
 COMPOSE := .venv-compose/bin/docker-compose
 
-.PHONY: all install kernel real-model real-artifacts real-artifacts-pred proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft bench-peer bench-breakdown bench-prefill-budget kvpress-check compose-config compose-smoke vllm-structs clean
+.PHONY: all install kernel real-model real-artifacts real-artifacts-pred real-artifacts-pred4 proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft bench-peer bench-breakdown bench-prefill-budget kvpress-check compose-config compose-smoke vllm-structs clean
 
 all: test
 
@@ -237,6 +237,19 @@ real-artifacts-pred: $(PB_GEN) $(REAL_MODEL)
 		--loss-target 0.02 --predictor-layers auto:1 --predictor-pool 128,1 --predictor-steps 400,0 \
 		--predictor-lr 3e-4 --predictor-clip 1.0 --schedules '$(REAL_PRED_SCHEDULES)' --recompute-span 13,21 \
 		--out artifacts/smollm2-pc-pred.safetensors
+
+# The same with predictors for the four layers that hold most of the P -> C loss (calibration.joint_loss
+# on the validation split: with C's own K/V in 17, 18, 23 and 28 naive reuse keeps 12 % of its loss),
+# and schedules that Patch them: s0-s2 are the main artifact's s5 / s7 / s11 as they are, s3 is s7
+# with layer 23 Patched, s4-s6 are s5 / s7 / s11 with all four Patched. About 70 min on one thread.
+PRED4_LAYERS := 17,18,23,28
+REAL_PRED4_SCHEDULES = $(shell $(PY) -c "import json; a = {s['name']: s['schedule'].split('.') for s in json.load(open('artifacts/smollm2-pc.json'))['schedules']}; p = lambda n, ls: '.'.join('P' if i in ls else x for i, x in enumerate(a[n])); four = ($(PRED4_LAYERS)); print(','.join([p(n, ()) for n in ('s5', 's7', 's11')] + [p('s7', (23,))] + [p(n, four) for n in ('s5', 's7', 's11')]))")
+real-artifacts-pred4: $(PB_GEN) $(REAL_MODEL)
+	$(PYTHON) -m calibration --producer smollm2-135m --consumer smollm2-135m-tuned \
+		--corpus real.corpus:calibration_corpus --corpus-arg ctx=512 --n 96 --heldout 8 --threads 1 \
+		--loss-target 0.02 --predictor-layers $(PRED4_LAYERS) --predictor-pool 128,1 --predictor-steps 400,0 \
+		--predictor-lr 3e-4 --predictor-clip 1.0 --schedules '$(REAL_PRED4_SCHEDULES)' --recompute-span 13,21 \
+		--out artifacts/smollm2-pc-pred4.safetensors
 
 # Does the consumer's cache audit catch SCD answers that diverge from its own prefill, on the
 # shifted sets of qa/shifted.py? One JSON line per set and a summary -> bench/results/audit.{jsonl,md}

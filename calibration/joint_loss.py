@@ -10,7 +10,7 @@ schedules. One JSON line per row.
 
     python -m calibration.joint_loss --artifact artifacts/smollm2-pc.safetensors \\
         --corpus real.corpus:calibration_corpus --corpus-arg ctx=512 --corpus-arg heldout_split=validation \\
-        --n 0 --heldout 24 --own 23 --own 17,18,23,28 --only 23 --schedules s7,s11
+        --n 0 --heldout 24 --own 23 --own 17,18,23,28 --only 23 --schedules s7,s11,R8.P8.R16...
 """
 
 from __future__ import annotations
@@ -66,6 +66,19 @@ def rows(
     return out
 
 
+def named_schedule(art: Artifact, text: str, layers: int) -> tuple[str, Schedule, float]:
+    """(name, schedule, bytes per token) of one of the artifact's schedules by name, or of a
+    schedule's text (its name then the artifact's schedule of that text, if any, else "given")."""
+    known = {e.name: e for e in art.schedules}
+    if text in known:
+        return known[text].name, Schedule.parse(known[text].schedule, layers), known[text].bytes_per_token
+    if "." not in text:
+        raise SystemExit(f"--schedules: {text!r} is neither one of the artifact's ({', '.join(known)}) nor a schedule's text")
+    s = Schedule.parse(text, layers)
+    name = next((e.name for e in art.schedules if e.schedule == str(s)), "given")
+    return name, s, s.bytes_per_token(art.geometry)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m calibration.joint_loss", description=__doc__)
     p.add_argument("--artifact", type=Path, required=True)
@@ -73,7 +86,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bases", default="W,P", help="actions every layer takes: W (P's K/V), P (Patch), Q4, R<rank>, ...")
     p.add_argument("--own", action="append", default=[], help="comma-separated layers left C's own (repeatable)")
     p.add_argument("--only", action="append", default=[], help="comma-separated layers the bases alone rebuild (repeatable)")
-    p.add_argument("--schedules", default="", help="the artifact's schedules to measure too, by name (s0, s7, ...)")
+    p.add_argument(
+        "--schedules",
+        default="",
+        help="schedules to measure too: the artifact's by name (s0, s7, ...) or any by text (R8.P8...), comma-separated",
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, help="append the rows here too")
     args = p.parse_args(argv)
@@ -87,12 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     corpus = corpus_lib.load(args.corpus, consumer.tokenizer, args.n, args.heldout, dict(args.corpus_arg))
     ev = LossEvaluator(art, producer, consumer, corpus.heldout)
     layers = consumer.info.num_layers
-    known = {e.name: e for e in art.schedules}
-    schedules = [
-        (known[s].name, Schedule.parse(known[s].schedule, layers), known[s].bytes_per_token)
-        for s in args.schedules.split(",")
-        if s
-    ]
+    schedules = [named_schedule(art, s, layers) for s in args.schedules.split(",") if s]
     owns = [[int(x) for x in o.split(",")] for o in args.own]
     onlys = tuple([int(x) for x in o.split(",")] for o in args.only)
     common = {

@@ -92,7 +92,7 @@ def action_lattice(g: Geometry, with_quant: bool) -> list[Action]:
         ranks.append(r)
         r *= 2
     ranks.append(g.kv_width)
-    lattice = [Action("reuse", r) for r in ranks] + [Action("patch"), Action("raw")]
+    lattice = [Action("reuse", r) for r in ranks] + [Action("patch", 8), Action("patch"), Action("raw")]
     if with_quant:
         lattice += [Action("quant", 4), Action("quant", 8)]
     return sorted(lattice, key=lambda a: bytes_per_token(a, g))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from calibration.distill import distill
-from calibration.joint_loss import rows
+import pytest
+
+from calibration.joint_loss import named_schedule, rows
 from calibration.search import LossEvaluator
 from shared.models import load_model
 from shared.scd.schedule import Action, Schedule
@@ -31,6 +33,13 @@ def test_rows_rebuild_every_layer_but_the_ones_left_own(tmp_path):
     assert naive == ev.loss([Action("raw")] * 4) and one_own == ev.loss([Action("raw"), None, Action("raw"), Action("raw")])
     assert got[-1]["loss"] == ev.loss(schedule.actions) and got[-1]["schedule"] == "R8.P.R8.R8"
     assert got[-1]["name"] == "s0" and got[-1]["bytes_per_token"] == 123.0
+    # schedules by the artifact's name or by text (named when the artifact has that text)
+    assert named_schedule(art, "s0", 4) == ("s0", schedule, art.schedules[0].bytes_per_token)
+    assert named_schedule(art, "R8.P.R8.R8", 4)[0] == "s0"
+    name, other, size = named_schedule(art, "R8.P8.R8.R8", 4)
+    assert (name, str(other), size) == ("given", "R8.P8.R8.R8", other.bytes_per_token(art.geometry))
+    with pytest.raises(SystemExit, match="neither"):
+        named_schedule(art, "s9", 4)
 
 
 def test_a_given_recompute_span_skips_the_profile():

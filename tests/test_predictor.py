@@ -107,11 +107,11 @@ def codec_reference(producer, consumer, art, schedule: str, ctx_ids, q_ids, n: i
 
 
 @pytest.mark.numeric
-async def test_services_serve_a_predictor_artifact_like_the_in_process_codec(pair):
+@pytest.mark.parametrize("schedule", ["R8.P.R8.R8", "R8.P8.R8.R8"])  # the predictor's input fp16, int8
+async def test_services_serve_a_predictor_artifact_like_the_in_process_codec(pair, schedule):
     producer, consumer, art, directory, consumer_path = pair
     tok = consumer.tokenizer
     ctx_ids, q_ids = tok(CONTEXT)["input_ids"], tok(QUESTION, add_special_tokens=False)["input_ids"]
-    schedule = "R8.P.R8.R8"
     expected, margins = codec_reference(producer, consumer, art, schedule, ctx_ids, q_ids, 12)
     async with running_pair("tiny-llama", consumer_model=str(consumer_path), producer_kw={"artifacts": str(directory)},
                             consumer_kw={"artifacts": str(directory)}) as services:

@@ -126,6 +126,30 @@ def test_byte_costs():
     assert bytes_per_token(Action("raw"), g) == 2 * 2 * 16 * 2 * 2 / 2 * 1 == 128  # 2*n_kv*hd elements * 2 bytes
     assert bytes_per_token(Action("reuse", 8), g) == 10
     assert bytes_per_token(Action("patch"), g) == 128
+    assert bytes_per_token(Action("patch", 8), g) == 64 + 2  # int8 codes + one fp16 scale per token
+
+
+def test_int8_patch_sends_what_its_schema_says_and_rebuilds_close_to_the_fp16_patch(homogeneous):
+    model, art = homogeneous
+    ids = random_corpus(1, 50, 9)[0]
+    states = states_of(model, ids)
+    p8 = Action.parse("P8")
+    assert (p8, str(p8), Schedule.parse("P8.P", 2).actions) == (Action("patch", 8), "P8", (p8, Action("patch")))
+    for layer in range(model.info.num_layers):
+        payloads = ops.encode_layer(art, layer, p8, states[layer])
+        schema = ops.layer_schema(p8, model, len(ids), torch.float32)
+        assert {n: (t.dtype, tuple(t.shape)) for n, t in payloads.items()} == {
+            n: (spec.dtype, tuple(spec.shape)) for n, spec in schema.items()
+        }
+        assert set(ops.token_layout(p8)) == set(payloads) and ops.per_token(p8)
+        wire = sum(t.numel() * t.element_size() for t in payloads.values()) / len(ids)
+        assert wire == bytes_per_token(p8, art.geometry)
+        k8, v8 = reconstruct(art, model, states, p8, layer, len(ids))
+        k16, v16 = reconstruct(art, model, states, Action("patch"), layer, len(ids))
+        # per-token int8 of the normalized input: a few per cent of each K/V's range, not more
+        assert (k8 - k16).abs().max() < 0.05 * k16.abs().max()
+        assert (v8 - v16).abs().max() < 0.05 * v16.abs().max()
+        assert (k8 - k16).abs().max() > 0  # it is quantized: not the fp16 payload under another name
 
 
 def test_batched_rebuild_equals_each_requests_own_and_a_bad_payload_fails_alone(homogeneous):

@@ -43,17 +43,17 @@ def predictors(predictor_config: dict, tokens: float, count: int) -> float:
 
 def scd_rebuild(config: dict, tokens: float, actions: list[str]) -> float:
     """The consumer's side of an SCD schedule: Reuse `R<r>` = codes [T, r] x basis [r, kv]
-    for K and V; Patch `P` = its own K and V projections of the predicted input; raw/quant: 0."""
+    for K and V; Patch `P` / `P8` = its own K and V projections of the predicted input; raw/quant: 0."""
     d, _, kv, _ = _dims(config)
     total = 0.0
     for action in actions:
         if action.startswith("R"):
             total += 2 * tokens * int(action[1:]) * 2 * kv
-        elif action == "P":
+        elif action in ("P", "P8"):
             total += 2 * tokens * d * 2 * kv
     return total
 
 
 def uses_predictor(action: str) -> bool:
     """Whether the producer runs the layer's predictor (if it has one) for this action."""
-    return action.startswith("R") or action == "P"
+    return action.startswith("R") or action in ("P", "P8")

@@ -56,9 +56,14 @@ def encode_layer(art: Artifact, layer: int, action: Action, state: LayerState, g
         codes, scale = int8_rows(z)
         return {"z": codes, "z_scale": scale}
     if action.kind == "patch":
-        if f"layer.{layer}.patch" not in art.tensors:  # P == C, or a learned predictor: the features are x̂
-            return {"x": features.to(torch.float16)}
-        return {"x": (x @ art.tensor(layer, "patch") + art.tensor(layer, "mu_c")).to(torch.float16)}  # [T, d]
+        if f"layer.{layer}.patch" in art.tensors:
+            predicted = x @ art.tensor(layer, "patch") + art.tensor(layer, "mu_c")  # [T, d]
+        else:  # P == C, or a learned predictor: the features are x̂
+            predicted = features
+        if action.param == 8:
+            codes, scale = int8_rows(predicted)
+            return {"x": codes, "x_scale": scale}
+        return {"x": predicted.to(torch.float16)}
     raise ValueError(action)
 
 
@@ -82,7 +87,8 @@ def decode_layer(
         keys, values = decode_quant(layer, payloads, shape, action.param, group_size, device)
         return keys.to(device, dtype), values.to(device, dtype)
     if action.kind == "patch":
-        return layers.kv_from_normed(consumer, layer, payloads["x"].to(device, dtype), pos)
+        x = from_int8_rows(payloads["x"], payloads["x_scale"]) if action.param == 8 else payloads["x"]
+        return layers.kv_from_normed(consumer, layer, x.to(device, dtype), pos)
     if action.kind in ("reuse", "reuse_fp16"):
         z = payloads["z"].float() if action.kind == "reuse_fp16" else from_int8_rows(payloads["z"], payloads["z_scale"])
         z = z.to(device)  # [T, r]
@@ -113,6 +119,8 @@ def layer_schema(action: Action, consumer: LoadedModel, num_tokens: int, kv_dtyp
         return {"z": PayloadSpec(torch.int8, (num_tokens, action.param)), "z_scale": PayloadSpec(torch.float16, (num_tokens,))}
     if action.kind == "reuse_fp16":
         return {"z": PayloadSpec(torch.float16, (num_tokens, action.param))}
+    if action.kind == "patch" and action.param == 8:
+        return {"x": PayloadSpec(torch.int8, (num_tokens, info.hidden_size)), "x_scale": PayloadSpec(torch.float16, (num_tokens,))}
     if action.kind == "patch":
         return {"x": PayloadSpec(torch.float16, (num_tokens, info.hidden_size))}
     raise ValueError(action)
@@ -130,7 +138,7 @@ def token_layout(action: Action, group_size: int = 32) -> dict[str, tuple[int, i
     if action.kind == "reuse_fp16":
         return {"z": (0, 1)}
     if action.kind == "patch":
-        return {"x": (0, 1)}  # [T, d]
+        return {"x": (0, 1), "x_scale": (0, 1)} if action.param == 8 else {"x": (0, 1)}  # [T, d], [T]
     raise ValueError(action)
 
 

@@ -1,7 +1,7 @@
 """Layer schedules: one transfer action per decoder layer, their text form and wire cost.
 
-Actions: `R<r>` REUSE at rank r (int8 codes), `F<r>` REUSE at rank r with fp16 codes, `P` PATCH,
-`W` RAW, `Q<b>` QUANT at b bits. A schedule's text
+Actions: `R<r>` REUSE at rank r (int8 codes), `F<r>` REUSE at rank r with fp16 codes, `P` PATCH
+(fp16 predicted input), `P8` PATCH with int8 codes (one fp16 scale per token), `W` RAW, `Q<b>` QUANT at b bits. A schedule's text
 form joins the layer actions with '.', e.g. "R16.R16.P.Q8". Knows nothing about tensors.
 """
 
@@ -12,16 +12,16 @@ from dataclasses import dataclass
 
 from shared.errors import InvalidArgument
 
-_ACTION = re.compile(r"^(R(\d+)|F(\d+)|P|W|Q(4|8))$")
+_ACTION = re.compile(r"^(R(\d+)|F(\d+)|P(8)?|W|Q(4|8))$")
 
 
 @dataclass(frozen=True, order=True)
 class Action:
     kind: str  # "reuse" | "reuse_fp16" | "patch" | "raw" | "quant"
-    param: int = 0  # rank for reuse, bits for quant
+    param: int = 0  # rank for reuse, bits for quant, 8 for an int8 patch (0: fp16)
 
     def __str__(self) -> str:
-        return {"reuse": f"R{self.param}", "reuse_fp16": f"F{self.param}", "patch": "P", "raw": "W", "quant": f"Q{self.param}"}[
+        return {"reuse": f"R{self.param}", "reuse_fp16": f"F{self.param}", "patch": "P8" if self.param == 8 else "P", "raw": "W", "quant": f"Q{self.param}"}[
             self.kind
         ]
 
@@ -29,14 +29,16 @@ class Action:
     def parse(text: str) -> Action:
         m = _ACTION.match(text)
         if not m:
-            raise InvalidArgument(f"schedule: action {text!r} is not one of R<rank>, F<rank>, P, W, Q4, Q8")
+            raise InvalidArgument(f"schedule: action {text!r} is not one of R<rank>, F<rank>, P, P8, W, Q4, Q8")
         if m.group(2):
             return Action("reuse", int(m.group(2)))
         if m.group(3):
             return Action("reuse_fp16", int(m.group(3)))
-        if m.group(4):
-            return Action("quant", int(m.group(4)))
-        return Action("patch") if text == "P" else Action("raw")
+        if m.group(5):
+            return Action("quant", int(m.group(5)))
+        if text.startswith("P"):
+            return Action("patch", 8 if m.group(4) else 0)
+        return Action("raw")
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,8 @@ def bytes_per_token(action: Action, g: Geometry) -> float:
         return action.param + 2  # int8 codes + one fp16 scale per token
     if action.kind == "reuse_fp16":
         return action.param * 2
-    if action.kind == "patch":
-        return g.hidden * 2  # fp16 predicted normalized input
+    if action.kind == "patch":  # the predicted normalized input: fp16, or int8 + one fp16 scale per token
+        return g.hidden + 2 if action.param == 8 else g.hidden * 2
     if action.kind == "quant":
         half = g.kv_width // 2
         codes = g.kv_width * action.param / 8
