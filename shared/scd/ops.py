@@ -120,7 +120,10 @@ def layer_schema(action: Action, consumer: LoadedModel, num_tokens: int, kv_dtyp
     if action.kind == "reuse_fp16":
         return {"z": PayloadSpec(torch.float16, (num_tokens, action.param))}
     if action.kind == "patch" and action.param == 8:
-        return {"x": PayloadSpec(torch.int8, (num_tokens, info.hidden_size)), "x_scale": PayloadSpec(torch.float16, (num_tokens,))}
+        return {
+            "x": PayloadSpec(torch.int8, (num_tokens, info.hidden_size)),
+            "x_scale": PayloadSpec(torch.float16, (num_tokens,)),
+        }
     if action.kind == "patch":
         return {"x": PayloadSpec(torch.float16, (num_tokens, info.hidden_size))}
     raise ValueError(action)

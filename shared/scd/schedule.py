@@ -21,9 +21,13 @@ class Action:
     param: int = 0  # rank for reuse, bits for quant, 8 for an int8 patch (0: fp16)
 
     def __str__(self) -> str:
-        return {"reuse": f"R{self.param}", "reuse_fp16": f"F{self.param}", "patch": "P8" if self.param == 8 else "P", "raw": "W", "quant": f"Q{self.param}"}[
-            self.kind
-        ]
+        return {
+            "reuse": f"R{self.param}",
+            "reuse_fp16": f"F{self.param}",
+            "patch": "P8" if self.param == 8 else "P",
+            "raw": "W",
+            "quant": f"Q{self.param}",
+        }[self.kind]
 
     @staticmethod
     def parse(text: str) -> Action:
