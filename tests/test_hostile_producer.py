@@ -42,6 +42,7 @@ def case(name: str, codec: str, status: grpc.StatusCode, text: str, options: dic
 
 
 DL, FP = grpc.StatusCode.DATA_LOSS, grpc.StatusCode.FAILED_PRECONDITION
+P8 = "P8.P8.P8.P8"  # every layer an int8 Patch
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +66,7 @@ async def world(tmp_path_factory):
         "scd": await record(producer.address, ids, "scd", {}, digest),
         "raw_half": await record(producer.address, ids[: len(ids) // 2], "raw"),
         "cheap_scd": await record(producer.address, ids, "scd", {"schedule": art.schedules[0].name}, digest),
+        "p8_scd": await record(producer.address, ids, "scd", {"schedule": P8}, digest),
     }
     yield {"rec": rec, "ids": ids, "path": path, "art": art, "producer": producer}
     await producer.stop(0)

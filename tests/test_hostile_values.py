@@ -21,7 +21,7 @@ from producer.server import ProducerServer
 from shared.config import ProducerConfig
 from tests import test_hostile_producer
 from tests.hostile import all_back, chunks, consumer_of, copy, poke, record, set_data
-from tests.test_hostile_producer import DL, ask, generate_fields, tokens
+from tests.test_hostile_producer import DL, P8, ask, generate_fields, tokens
 
 world = test_hostile_producer.world  # the real producer, its artifact and recordings (a module fixture: built again here)
 
@@ -157,6 +157,7 @@ async def test_every_codec_refuses_kv_past_the_limit(world, streams, consumer):
         ("scd", {}, "scd", lambda m: absurd(m, "k", 3e38, 0, layer=raw_layer), raw_layer),
         ("scd", {}, "scd", lambda m: fp16_max(m, ("x",), patch_layer), patch_layer),
         ("scd", cheap, "cheap_scd", lambda m: fp16_max(m, ("z_scale",)), LAYER),
+        ("scd", {"schedule": P8}, "p8_scd", lambda m: fp16_max(m, ("x_scale",)), LAYER),  # an int8 Patch's scales
         ("recompute", span, "recompute", lambda m: absurd(m, "k", 1e30, 0, layer=2), 2),
     ]
     for codec, options, key, mutate, layer in cases:
