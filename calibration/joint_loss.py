@@ -68,8 +68,12 @@ def rows(
 
 def named_schedule(art: Artifact, text: str, layers: int) -> tuple[str, Schedule, float]:
     """(name, schedule, bytes per token) of one of the artifact's schedules by name, or of a
-    schedule's text (its name then the artifact's schedule of that text, if any, else "given")."""
+    schedule's text, `LABEL=TEXT` or bare (named as the artifact's schedule of that text, if any,
+    else "given")."""
     known = {e.name: e for e in art.schedules}
+    label, eq, rest = text.partition("=")
+    if eq:
+        return label, *named_schedule(art, rest, layers)[1:]
     if text in known:
         return known[text].name, Schedule.parse(known[text].schedule, layers), known[text].bytes_per_token
     if "." not in text:
@@ -89,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--schedules",
         default="",
-        help="schedules to measure too: the artifact's by name (s0, s7, ...) or any by text (R8.P8...), comma-separated",
+        help="schedules to measure too, comma-separated: the artifact's by name (s0, s7, ...) or any by text (R8.P8..., "
+        "or LABEL=R8.P8... to name it)",
     )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, help="append the rows here too")

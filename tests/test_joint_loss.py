@@ -38,6 +38,7 @@ def test_rows_rebuild_every_layer_but_the_ones_left_own(tmp_path):
     assert named_schedule(art, "R8.P.R8.R8", 4)[0] == "s0"
     name, other, size = named_schedule(art, "R8.P8.R8.R8", 4)
     assert (name, str(other), size) == ("given", "R8.P8.R8.R8", other.bytes_per_token(art.geometry))
+    assert named_schedule(art, "cheap=R8.P8.R8.R8", 4) == ("cheap", other, size)
     with pytest.raises(SystemExit, match="neither"):
         named_schedule(art, "s9", 4)
 
