@@ -133,11 +133,7 @@ def distill(
     else:
         lattice = search.action_lattice(g, with_quant=True)
         front, report = search.search(ev, lattice, g, loss_target, generations=generations, seed=seed, log=log)
-    front = search.evenly_spaced(front, max_schedules)
-    meta["schedules"] = [
-        {"name": f"s{i}", "schedule": str(p.schedule), "loss": p.loss, "bytes_per_token": p.bytes_per_token}
-        for i, p in enumerate(front)
-    ]
+    meta["schedules"] = search.entries(search.evenly_spaced(front, max_schedules))
     meta["search"] = report
     # the recompute baseline's span, chosen by profiling on the same held-out set (DroidSpeak-style):
     # the default width's best span, and the best span of narrower widths (powers of two: cheaper

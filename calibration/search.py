@@ -115,6 +115,14 @@ def pareto(points: list[Point]) -> list[Point]:
     return front
 
 
+def entries(front: list[Point]) -> list[dict]:
+    """An artifact's schedule entries (its metadata's "schedules"): s0, s1, ... in front order."""
+    return [
+        {"name": f"s{i}", "schedule": str(p.schedule), "loss": p.loss, "bytes_per_token": p.bytes_per_token}
+        for i, p in enumerate(front)
+    ]
+
+
 def evenly_spaced(items: list, n: int) -> list:
     """At most n items: both ends and an even spread between (items kept in order)."""
     if len(items) <= n:
