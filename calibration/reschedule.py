@@ -7,7 +7,9 @@ pair with four predictors); the schedule search is the rest, and it changes when
 the same lattice and loss as `python -m calibration`) on the artifact's own held-out examples, which
 the same corpus flags rebuild (the corpus digest must match the artifact's), then the cache audit's
 thresholds for the new schedules, and writes a new artifact: the same tensors, new schedules, the
-search's report naming the artifact it came from. `--schedules` measures given texts instead.
+search's report naming the artifact it came from, and so a new id (the report is hashed with the
+fitted content: a schedule name such as s3 never means two schedules under one artifact id).
+`--schedules` measures given texts instead.
 
     python -m calibration.reschedule --artifact A.safetensors --corpus real.corpus:calibration_corpus \\
         --corpus-arg ctx=512 --n 96 --heldout 8 --loss-target 0.02 --out B.safetensors
