@@ -27,3 +27,9 @@ def test_pairs_by_example_maps_schedules_and_skips_partial_examples(tmp_path):
     assert s1["oracle_answers_agree"] == 1  # example 2's reference oracle answered otherwise
     assert rows["oracle"]["f1_gap"] == 0.0
     assert paired(new, ref, {}) == [rows["oracle"]]  # unmapped: no scd:s1 in the reference
+
+
+def test_schedules_pair_by_their_text():
+    from bench.figures.artifact_paired import by_text
+
+    assert by_text({"s0": "R2.R4", "s1": "R8.R8", "s2": "P8.P"}, {"s5": "R2.R4", "s7": "R8.R8"}) == {"s0": "s5", "s1": "s7"}

@@ -4,7 +4,11 @@ against a named mode of the reference file (`--map s1=s7` pairs `scd:s1` with `s
 pair by default). Prints, per mode, the F1 gap to the new file's oracle and the paired difference
 new - reference with 95 % bootstrap intervals (qa.metrics.bootstrap_ci), and how many oracle answers
 agree between the two files (a check that both runs saw the same examples the same way).
-Measures nothing: `python -m bench.figures.artifact_paired NEW.jsonl REFERENCE.jsonl --map s1=s7,s2=s11`."""
+Measures nothing: `python -m bench.figures.artifact_paired NEW.jsonl REFERENCE.jsonl --map s1=s7,s2=s11`.
+
+As a figure (`artifact_paired(root)`): every bench/results/real-pred/*.jsonl against the main P -> C
+file of its split and length (bench/results/real/pc-<split>-<tokens>.jsonl), schedules paired by
+their text through the two artifacts' committed .json files (artifacts/*.json, by id)."""
 
 from __future__ import annotations
 
@@ -58,6 +62,58 @@ def paired(new: Path, reference: Path, mapping: dict[str, str]) -> list[dict]:
     return out
 
 
+def schedule_names(root: Path) -> dict[str, dict[str, str]]:
+    """{artifact id: {schedule name: schedule text}} of every committed artifacts/*.json."""
+    out = {}
+    for path in sorted((root / "artifacts").glob("*.json")):
+        meta = json.loads(path.read_text())
+        if "artifact_id" in meta:
+            out[meta["artifact_id"]] = {e["name"]: e["schedule"] for e in meta.get("schedules", [])}
+    return out
+
+
+def by_text(new: dict[str, str], reference: dict[str, str]) -> dict[str, str]:
+    """New schedule name -> the reference artifact's name of the same schedule text."""
+    names = {text: name for name, text in reference.items()}
+    return {name: names[text] for name, text in new.items() if text in names}
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| mode | reference's mode | n | oracle answers agree | F1 gap to the oracle (points) | 95% | new - reference (points) | 95% |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["mode"] == "oracle":  # its gap is 0 by definition; its agreement is in every other row
+            continue
+        g, d = r["f1_gap_ci95"], r["new_minus_reference_ci95"]
+        lines.append(
+            f"| `{r['mode']}` | `{r['reference_mode']}` | {r['n']} | {r['oracle_answers_agree']} | {100 * r['f1_gap']:+.1f} | "
+            f"{100 * g[0]:+.1f}..{100 * g[1]:+.1f} | {100 * r['new_minus_reference']:+.1f} | {100 * d[0]:+.1f}..{100 * d[1]:+.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def artifact_paired(root: Path) -> dict:
+    """{file stem: {"table", "rows" by mode, "artifact", "reference_artifact", "reference"}} for
+    every bench/results/real-pred/*.jsonl."""
+    names, out = schedule_names(root), {}
+    for path in sorted((root / "bench/results/real-pred").glob("*.jsonl")):
+        first = next(r for r in rows_of(path) if r.get("kind") == "task")
+        reference = root / f"bench/results/real/pc-{first['split']}-{first['context_tokens']}.jsonl"
+        ref_first = next(r for r in rows_of(reference) if r.get("kind") == "task")
+        mapping = by_text(names.get(first["artifact"], {}), names.get(ref_first["artifact"], {}))
+        rows = paired(path, reference, mapping)
+        out[path.stem] = {
+            "table": table(rows),
+            "rows": {r["mode"]: r for r in rows},
+            "artifact": first["artifact"],
+            "reference_artifact": ref_first["artifact"],
+            "reference": str(reference.relative_to(root)),
+        }
+    return out
+
+
 def _mapping(text: str) -> dict[str, str]:
     pairs = [p.split("=", 1) for p in text.split(",") if p]
     if any(len(p) != 2 for p in pairs):
@@ -72,12 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--map", default="", help="NEW=REFERENCE schedule names, comma-separated (s1=s7,s2=s11)")
     args = parser.parse_args(argv)
     rows = paired(args.new, args.reference, _mapping(args.map))
-    print("| mode | reference | n | oracle answers agree | F1 gap (points) | 95% | new - reference | 95% |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        g, d = r["f1_gap_ci95"], r["new_minus_reference_ci95"]
-        print(f"| {r['mode']} | {r['reference_mode']} | {r['n']} | {r['oracle_answers_agree']} | {100 * r['f1_gap']:+.1f} | "
-              f"[{100 * g[0]:+.1f}, {100 * g[1]:+.1f}] | {100 * r['new_minus_reference']:+.1f} | [{100 * d[0]:+.1f}, {100 * d[1]:+.1f}] |")
+    print(table(rows))
     for r in rows:
         print(json.dumps(r))
 

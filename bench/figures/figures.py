@@ -17,6 +17,7 @@ from pathlib import Path
 
 from bench.figures import projection
 from bench.figures.gpu import gpu
+from bench.figures.artifact_paired import artifact_paired
 from bench.figures.joint_loss import joint_loss
 from bench.figures.keep import keep
 from bench.figures.keep_paired import keep_paired
@@ -353,4 +354,5 @@ def figures(root: Path = ROOT) -> dict:
         "keep": keep(root),
         "keep_paired": keep_paired(root),
         "joint": joint_loss(root),
+        "artifact_paired": artifact_paired(root),
     }
