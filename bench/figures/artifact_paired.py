@@ -52,13 +52,19 @@ def paired(new: Path, reference: Path, mapping: dict[str, str]) -> list[dict]:
         gap = [mine[e]["oracle"]["f1"] - x for e, x in zip(both, a)]
         diff = [x - ref[e][other]["f1"] for e, x in zip(both, a)]
         agree = sum(mine[e]["oracle"]["prediction"] == ref[e].get("oracle", {}).get("prediction") for e in both)
-        out.append({
-            "mode": mode, "reference_mode": other, "n": len(both), "oracle_answers_agree": agree,
-            "f1": round(sum(a) / len(a), 4), "f1_gap": round(sum(gap) / len(gap), 4),
-            "f1_gap_ci95": [round(v, 4) for v in bootstrap_ci(gap)],
-            "new_minus_reference": round(sum(diff) / len(diff), 4),
-            "new_minus_reference_ci95": [round(v, 4) for v in bootstrap_ci(diff)],
-        })
+        out.append(
+            {
+                "mode": mode,
+                "reference_mode": other,
+                "n": len(both),
+                "oracle_answers_agree": agree,
+                "f1": round(sum(a) / len(a), 4),
+                "f1_gap": round(sum(gap) / len(gap), 4),
+                "f1_gap_ci95": [round(v, 4) for v in bootstrap_ci(gap)],
+                "new_minus_reference": round(sum(diff) / len(diff), 4),
+                "new_minus_reference_ci95": [round(v, 4) for v in bootstrap_ci(diff)],
+            }
+        )
     return out
 
 
