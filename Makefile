@@ -11,7 +11,7 @@ PROTOS  := $(wildcard protos/scd/v1/*.proto)
 PB_GEN  := $(PB_OUT)/scd/v1/.generated
 COMPOSE := .venv-compose/bin/docker-compose
 
-.PHONY: all install kernel real-model real-artifacts real-artifacts-pred real-artifacts-pred4 proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft bench-peer bench-breakdown bench-prefill-budget kvpress-check compose-config compose-smoke vllm-structs clean
+.PHONY: all install kernel real-model real-artifacts real-artifacts-pred real-artifacts-pred4 real-artifacts-pred4-search proto lint test test-lowered-isa demo models deep-models eval-pair artifacts deep-artifacts artifact-candidates bench-quality bench-audit bench-ttft bench-peer bench-breakdown bench-prefill-budget kvpress-check compose-config compose-smoke vllm-structs clean
 
 all: test
 
@@ -250,6 +250,13 @@ real-artifacts-pred4: $(PB_GEN) $(REAL_MODEL)
 		--loss-target 0.02 --predictor-layers $(PRED4_LAYERS) --predictor-pool 128,1 --predictor-steps 400,0 \
 		--predictor-lr 3e-4 --predictor-clip 1.0 --schedules '$(REAL_PRED4_SCHEDULES)' --recompute-span 13,21 \
 		--out artifacts/smollm2-pc-pred4.safetensors
+
+# A search over that artifact's maps and predictors (calibration.reschedule: the lattice with P8, on its
+# own 8 held-out examples; about 30 min on one thread) -> artifacts/smollm2-pc-pred4s.safetensors.
+real-artifacts-pred4-search: $(PB_GEN) $(REAL_MODEL)
+	$(PYTHON) -m calibration.reschedule --artifact artifacts/smollm2-pc-pred4.safetensors \
+		--corpus real.corpus:calibration_corpus --corpus-arg ctx=512 --n 96 --heldout 8 --threads 1 \
+		--loss-target 0.02 --out artifacts/smollm2-pc-pred4s.safetensors
 
 # Does the consumer's cache audit catch SCD answers that diverge from its own prefill, on the
 # shifted sets of qa/shifted.py? One JSON line per set and a summary -> bench/results/audit.{jsonl,md}

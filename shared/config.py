@@ -110,6 +110,12 @@ class ServerConfig:
     kv_events_hash: str = "sha256_cbor"  # block hash: sha256_cbor (cross-language) | sha256 (vLLM's pickle default)
     kv_events_hash_seed: str = "0"  # vLLM's PYTHONHASHSEED: the first block's parent is hash(seed); routers must use the same
     kv_events_layout: str = "vllm-0.24"  # named for the vLLM that decodes it: vllm-0.24 (events as maps) | vllm-0.23 (arrays)
+    # what the publisher may hold (vLLM's KVEventsConfig names and defaults): messages queued per subscriber
+    # that does not read (ZMQ's send high-water mark; past it that subscriber misses messages), batches kept
+    # for replay, event records waiting for the publisher's thread (past it they are dropped and counted)
+    kv_events_hwm: int = 100_000  # messages queued per subscriber that does not read (ZMQ SNDHWM); >= 1
+    kv_events_buffer_steps: int = 10_000  # event batches kept for replay requests; >= 1
+    kv_events_max_queue: int = 100_000  # event records waiting for the publisher's thread (then dropped, counted); >= 1
 
     @property
     def artifact_paths(self) -> list[str]:
@@ -166,6 +172,9 @@ class ServerConfig:
                 f"kv_events_layout: {self.kv_events_layout!r} not in vllm-0.24 (events as maps, vLLM >= 0.24), "
                 "vllm-0.23 (events as arrays, vLLM <= 0.23)"
             )
+        for name in ("kv_events_hwm", "kv_events_buffer_steps", "kv_events_max_queue"):
+            if getattr(self, name) < 1:  # ZMQ reads a high-water mark of 0 as no limit at all
+                raise ValueError(f"{name}: {getattr(self, name)} must be >= 1 (it bounds the publisher's memory)")
         if self.kv_events_block_size < 1:
             raise ValueError(f"kv_events_block_size: {self.kv_events_block_size} must be >= 1")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:

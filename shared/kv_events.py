@@ -350,6 +350,9 @@ class KVEventPublisher:
             hash_algo=config.kv_events_hash,
             hash_seed=config.kv_events_hash_seed,
             layout=config.kv_events_layout,
+            hwm=config.kv_events_hwm,
+            buffer_steps=config.kv_events_buffer_steps,
+            max_queue=config.kv_events_max_queue,
         )
 
     # --- hooks: any thread, never block ----------------------------------------------------------

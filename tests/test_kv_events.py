@@ -636,3 +636,55 @@ async def test_model_server_protocol_gauges_on_the_metrics_port_under_load(pair)
             break
         await asyncio.sleep(0.05)
     assert {k: done[k] for k in settled} == settled  # only the prefix cache holds blocks now: counted as free
+
+
+N_SLOW = 400
+
+
+def test_the_publisher_s_bounds_are_flags_and_a_subscriber_that_never_reads_misses_messages_not_memory():
+    """--kv-events-hwm / -buffer-steps / -max-queue reach the socket, the replay buffer and the
+    queue (0 is refused: ZMQ reads a high-water mark of 0 as no limit). A subscriber that connects
+    and never reads holds at most the high-water mark's messages: publishing goes on (the PUB socket
+    drops for it) and a reading subscriber gets every batch."""
+    from shared.config import ConsumerConfig
+
+    with pytest.raises(ValueError, match="kv_events_hwm: 0 must be >= 1"):
+        ConsumerConfig(kv_events_endpoint="tcp://127.0.0.1:0", chunk_tokens=32, kv_events_hwm=0).validate()
+    config = ConsumerConfig(kv_events_endpoint="tcp://127.0.0.1:*", chunk_tokens=32, kv_events_hwm=4,
+                            kv_events_buffer_steps=7, kv_events_max_queue=9)  # fmt: skip
+    config.validate()
+    pub = kv_events.KVEventPublisher.from_config(config, "GPU")
+    assert pub is not None
+    ctx = zmq.Context.instance()
+    slow, reader = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB)
+    try:
+        assert pub.pub.getsockopt(zmq.SNDHWM) == 4 and pub.buffer.maxlen == 7 and pub.queue.maxsize == 9
+        for sock in (slow, reader):
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.setsockopt(zmq.RCVHWM, 1)
+            sock.setsockopt(zmq.RCVBUF, 4096)  # the kernel holds little for it either
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(pub.endpoint)
+        time.sleep(0.3)  # the subscriptions reach the publisher
+        got, tokens = 0, 16 * 512  # batches of 512 blocks, ~50 KB each: 20 MB in all, past what the kernel buffers
+        for i in range(N_SLOW):
+            pub.stored(f"c{i}", "", 0, [i, *range(1, tokens)])
+            assert pub.flush(10.0)  # never held up by the subscriber that does not read
+            while reader.poll(0):
+                reader.recv_multipart()
+                got += 1
+        while reader.poll(200):
+            reader.recv_multipart()
+            got += 1
+        assert pub.batches >= N_SLOW and got >= N_SLOW  # the reader got every batch (and the first, all cleared)
+        assert len(pub.buffer) == 7  # replay keeps the last buffer_steps batches
+        held = 0
+        while slow.poll(50):
+            slow.recv_multipart()
+            held += 1
+        print(f"held for the subscriber that did not read: {held} of {pub.batches} batches")
+        assert held < pub.batches // 2  # the rest were dropped for it, not kept
+    finally:
+        slow.close()
+        reader.close()
+        pub.close()
