@@ -37,10 +37,12 @@ def rows(
     owns: list[list[int]],
     schedules: list[tuple[str, Schedule, float]],
     onlys: tuple[list[int], ...] = (),
+    schedule_owns: bool = False,
 ) -> list[dict]:
     """Every base action in every layer, with no layer and then each of `owns` left C's own; each
     base action only in each of `onlys` (every other layer C's own); then each (name, schedule,
-    bytes per token)."""
+    bytes per token), and with `schedule_owns` each schedule with each of `owns` left C's own too
+    (where a schedule's loss sits)."""
     out = []
     for base in bases:
         action = Action.parse(base)
@@ -53,16 +55,18 @@ def rows(
             own = [layer for layer in range(layers) if layer not in only]
             out.append({"rebuilt": f"{base} only in {','.join(map(str, only))}", "own": own, "loss": ev.loss(actions)})
     for name, s, size in schedules:
-        out.append(
-            {
-                "rebuilt": "schedule",
-                "name": name,
-                "schedule": str(s),
-                "bytes_per_token": size,
-                "own": [],
-                "loss": ev.loss(s.actions),
-            }
-        )
+        for own in [[], *(owns if schedule_owns else [])]:
+            actions = [None if layer in own else a for layer, a in enumerate(s.actions)]
+            out.append(
+                {
+                    "rebuilt": "schedule",
+                    "name": name,
+                    "schedule": str(s),
+                    "bytes_per_token": size,
+                    "own": own,
+                    "loss": ev.loss(actions),
+                }
+            )
     return out
 
 
@@ -96,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         help="schedules to measure too, comma-separated: the artifact's by name (s0, s7, ...) or any by text (R8.P8..., "
         "or LABEL=R8.P8... to name it)",
     )
+    p.add_argument("--schedule-own", action="store_true", help="measure each schedule with each --own set C's own too")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, help="append the rows here too")
     args = p.parse_args(argv)
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         "consumer": consumer.info.model_id,
         "dtype": "float32",
     }
-    for row in rows(ev, layers, args.bases.split(","), owns, schedules, onlys):
+    for row in rows(ev, layers, args.bases.split(","), owns, schedules, onlys, args.schedule_own):
         line = json.dumps({**common, **row})
         print(line, flush=True)
         if args.out:

@@ -33,6 +33,9 @@ def test_rows_rebuild_every_layer_but_the_ones_left_own(tmp_path):
     assert naive == ev.loss([Action("raw")] * 4) and one_own == ev.loss([Action("raw"), None, Action("raw"), Action("raw")])
     assert got[-1]["loss"] == ev.loss(schedule.actions) and got[-1]["schedule"] == "R8.P.R8.R8"
     assert got[-1]["name"] == "s0" and got[-1]["bytes_per_token"] == 123.0
+    mine = rows(ev, 4, [], [[1]], [("s0", schedule, 123.0)], schedule_owns=True)  # where the schedule's loss sits
+    assert [(r["name"], r["own"]) for r in mine] == [("s0", []), ("s0", [1])]
+    assert mine[1]["loss"] == ev.loss([schedule.actions[0], None, *schedule.actions[2:]])
     # schedules by the artifact's name or by text (named when the artifact has that text)
     assert named_schedule(art, "s0", 4) == ("s0", schedule, art.schedules[0].bytes_per_token)
     assert named_schedule(art, "R8.P.R8.R8", 4)[0] == "s0"

@@ -16,9 +16,9 @@ HEADER = (
 
 def key(r: dict) -> str:
     """'W', 'W+23', 'P+17,18,23,28' (every layer one action, some C's own), 'P@23' (that action in
-    layer 23 only) or a schedule's name."""
+    layer 23 only), a schedule's name, or its name with layers C's own ('s1+23')."""
     if r["rebuilt"] == "schedule":
-        return r["name"]
+        return r["name"] + ("+" + ",".join(map(str, r["own"])) if r["own"] else "")
     base, *rest = r["rebuilt"].split()
     if rest[0] == "only":
         return f"{base}@{rest[-1]}"
@@ -28,7 +28,7 @@ def key(r: dict) -> str:
 def _line(r: dict, naive: float) -> str:
     base, *rest = r["rebuilt"].split()
     if r["rebuilt"] == "schedule":
-        what, own = f"schedule `{r['name']}`", "-"
+        what, own = f"schedule `{r['name']}`", ", ".join(map(str, r["own"])) or "-"
     elif rest[0] == "only":
         what, own = f"`{base}` in layer {rest[-1]} only", "every other"
     else:
