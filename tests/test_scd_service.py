@@ -151,16 +151,30 @@ async def test_concurrent_requests_rebuild_their_layers_in_one_call_and_answer_a
         answers = asyncio.gather(*(ask(q) for q in questions))
         # wait (up to 60 s: a loaded 2-core machine took more than 6 s) until every request's first
         # layer is queued; the batching assertion below means nothing if the gate opens before that
-        queued = 0
+        queued, queue = 0, []
         for _ in range(6000):
-            queued = sum(job.many is not None for job in list(engine.jobs))
+            queue = list(engine.jobs)
+            queued = len({id(job.item.decoder) for job in queue if job.many is not None})
             if queued >= len(questions):  # later layers may queue within one poll
                 break
             await asyncio.sleep(0.01)
         gate.set()
-        assert queued >= len(questions), f"only {queued} of {len(questions)} first layers queued before the gate opened"
+        assert queued >= len(questions), f"only {queued} of {len(questions)} requests' first layers queued before the gate opened"
         await asyncio.wrap_future(held)
         together = [ids for ids, _, _ in await answers]
         assert together == alone
-        # at least every request's first layer (R8) decoded in one batch
-        assert pipeline.batched_layers >= len(questions) and pipeline.rebuilt_layers == 8 * len(questions)
+        # the engine runs a contiguous run of queued rebuilds as one call (a plain job between two splits
+        # it): each run's first wave holds one layer of each of its requests, decoded together
+        runs, run = [], set()
+        for job in queue:
+            if job.many is None:
+                runs.append(run)
+                run = set()
+            else:
+                run.add(id(job.item.decoder))
+        runs.append(run)
+        shape = "".join("g" if job.many is not None else "." for job in queue)
+        together_at_least = sum(len(r) for r in runs if len(r) > 1)
+        assert together_at_least >= 2, f"no two requests' layers queued side by side: {shape}"
+        assert pipeline.batched_layers >= together_at_least, (pipeline.batched_layers, shape)
+        assert pipeline.rebuilt_layers == 8 * len(questions)

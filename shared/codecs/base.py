@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from shared import logs
 from shared.errors import InvalidArgument
 from shared.kv import Capture, KVSink, LayerState
 from shared.models import DTYPES, LoadedModel
@@ -155,8 +156,10 @@ def add_layers(jobs: Sequence[LayerJob]) -> tuple[list[BaseException | None], in
         if len(members) > 1:
             try:
                 errors = type(jobs[members[0]].decoder).add_layer_batch([jobs[i] for i in members])
-            except Exception:
-                pass
+            except Exception as exc:  # retried one by one below; said, since every batch failing costs its speed
+                logs.get("codecs").warning(
+                    "batched_rebuild_failed", layer=jobs[members[0]].layer, jobs=len(members), error=repr(exc)
+                )
             else:
                 for i, error in zip(members, errors):
                     out[i] = error
