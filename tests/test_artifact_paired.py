@@ -27,6 +27,9 @@ def test_pairs_by_example_maps_schedules_and_skips_partial_examples(tmp_path):
     assert s1["oracle_answers_agree"] == 1  # example 2's reference oracle answered otherwise
     assert rows["oracle"]["f1_gap"] == 0.0
     assert paired(new, ref, {}) == [rows["oracle"]]  # unmapped: no scd:s1 in the reference
+    alone = {r["mode"]: r for r in paired(new, ref, {"s2": "s7"}, strict=True)}["scd:s1"]
+    assert alone["reference_mode"] is None and alone["new_minus_reference"] is None  # strict: s1 has no counterpart
+    assert alone["n"] == 2 and alone["f1_gap"] == 0.25  # its gap alone, over the whole examples
 
 
 def test_schedules_pair_by_their_text():

@@ -31,40 +31,47 @@ def by_example(path: Path) -> dict[Example, dict[str, dict]]:
     return out
 
 
-def _ref_mode(mode: str, mapping: dict[str, str]) -> str:
+def _ref_mode(mode: str, mapping: dict[str, str], strict: bool) -> str | None:
+    """The reference's mode for `mode`: its schedule mapped; unmapped, the same name (None if strict:
+    the same name may be another schedule in another artifact)."""
     head, colon, schedule = mode.partition(":")
-    return f"{head}:{mapping.get(schedule, schedule)}" if colon else mapping.get(mode, mode)
+    if colon and schedule not in mapping:
+        return None if strict else mode
+    return f"{head}:{mapping[schedule]}" if colon else mode
 
 
-def paired(new: Path, reference: Path, mapping: dict[str, str]) -> list[dict]:
-    """One row per mode of `new` that has an oracle and a reference mode on the same examples: only
-    examples where the new file has every one of its modes (whole examples) count."""
+def paired(new: Path, reference: Path, mapping: dict[str, str], strict: bool = False) -> list[dict]:
+    """One row per mode of `new` over the examples where the new file has every one of its modes
+    (whole examples) and the reference its counterpart (a mode without one, strict: its gap alone,
+    over the whole examples)."""
     mine, ref = by_example(new), by_example(reference)
     modes = sorted({m for per in mine.values() for m in per})
     whole = [e for e, per in mine.items() if set(per) == set(modes) and "oracle" in per]
     out = []
     for mode in modes:
-        other = _ref_mode(mode, mapping)
-        both = [e for e in whole if other in ref.get(e, {})]
+        other = _ref_mode(mode, mapping, strict)
+        both = whole if other is None else [e for e in whole if other in ref.get(e, {})]
         if not both:
             continue
         a = [mine[e][mode]["f1"] for e in both]
         gap = [mine[e]["oracle"]["f1"] - x for e, x in zip(both, a)]
-        diff = [x - ref[e][other]["f1"] for e, x in zip(both, a)]
-        agree = sum(mine[e]["oracle"]["prediction"] == ref[e].get("oracle", {}).get("prediction") for e in both)
-        out.append(
-            {
-                "mode": mode,
-                "reference_mode": other,
-                "n": len(both),
-                "oracle_answers_agree": agree,
-                "f1": round(sum(a) / len(a), 4),
-                "f1_gap": round(sum(gap) / len(gap), 4),
-                "f1_gap_ci95": [round(v, 4) for v in bootstrap_ci(gap)],
-                "new_minus_reference": round(sum(diff) / len(diff), 4),
-                "new_minus_reference_ci95": [round(v, 4) for v in bootstrap_ci(diff)],
-            }
-        )
+        agree = sum(mine[e]["oracle"]["prediction"] == ref.get(e, {}).get("oracle", {}).get("prediction") for e in both)
+        row = {
+            "mode": mode,
+            "reference_mode": other,
+            "n": len(both),
+            "oracle_answers_agree": agree,
+            "f1": round(sum(a) / len(a), 4),
+            "f1_gap": round(sum(gap) / len(gap), 4),
+            "f1_gap_ci95": [round(v, 4) for v in bootstrap_ci(gap)],
+            "new_minus_reference": None,
+            "new_minus_reference_ci95": None,
+        }
+        if other is not None:
+            diff = [x - ref[e][other]["f1"] for e, x in zip(both, a)]
+            row["new_minus_reference"] = round(sum(diff) / len(diff), 4)
+            row["new_minus_reference_ci95"] = [round(v, 4) for v in bootstrap_ci(diff)]
+        out.append(row)
     return out
 
 
@@ -93,9 +100,10 @@ def table(rows: list[dict]) -> str:
         if r["mode"] == "oracle":  # its gap is 0 by definition; its agreement is in every other row
             continue
         g, d = r["f1_gap_ci95"], r["new_minus_reference_ci95"]
+        against = f"{100 * r['new_minus_reference']:+.1f} | {100 * d[0]:+.1f}..{100 * d[1]:+.1f}" if d else "- | -"
         lines.append(
-            f"| `{r['mode']}` | `{r['reference_mode']}` | {r['n']} | {r['oracle_answers_agree']} | {100 * r['f1_gap']:+.1f} | "
-            f"{100 * g[0]:+.1f}..{100 * g[1]:+.1f} | {100 * r['new_minus_reference']:+.1f} | {100 * d[0]:+.1f}..{100 * d[1]:+.1f} |"
+            f"| `{r['mode']}` | {'`' + r['reference_mode'] + '`' if r['reference_mode'] else 'none'} | {r['n']} | "
+            f"{r['oracle_answers_agree']} | {100 * r['f1_gap']:+.1f} | {100 * g[0]:+.1f}..{100 * g[1]:+.1f} | {against} |"
         )
     return "\n".join(lines)
 
@@ -109,15 +117,26 @@ def artifact_paired(root: Path) -> dict:
         reference = root / f"bench/results/real/pc-{first['split']}-{first['context_tokens']}.jsonl"
         ref_first = next(r for r in rows_of(reference) if r.get("kind") == "task")
         mapping = by_text(names.get(first["artifact"], {}), names.get(ref_first["artifact"], {}))
-        rows = paired(path, reference, mapping)
+        rows = paired(path, reference, mapping, strict=True)
         out[path.stem] = {
             "table": table(rows),
-            "rows": {r["mode"]: r for r in rows},
+            "rows": {r["mode"]: {**r, **_points(r)} for r in rows},
             "artifact": first["artifact"],
             "reference_artifact": ref_first["artifact"],
             "reference": str(reference.relative_to(root)),
         }
     return out
+
+
+def _points(r: dict) -> dict:
+    """The row's numbers in F1 points, as the results template quotes them."""
+    g, d = r["f1_gap_ci95"], r["new_minus_reference_ci95"]
+    return {
+        "f1_gap_pt": 100 * r["f1_gap"],
+        "f1_gap_ci_pt": f"{100 * g[0]:+.1f}..{100 * g[1]:+.1f}",
+        "diff_pt": 100 * r["new_minus_reference"] if d else float("nan"),
+        "diff_ci_pt": f"{100 * d[0]:+.1f}..{100 * d[1]:+.1f}" if d else "-",
+    }
 
 
 def _mapping(text: str) -> dict[str, str]:

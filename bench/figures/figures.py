@@ -16,8 +16,8 @@ import statistics
 from pathlib import Path
 
 from bench.figures import projection
-from bench.figures.gpu import gpu
 from bench.figures.artifact_paired import artifact_paired
+from bench.figures.gpu import gpu
 from bench.figures.joint_loss import joint_loss
 from bench.figures.keep import keep
 from bench.figures.keep_paired import keep_paired
