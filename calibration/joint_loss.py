@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from calibration import corpus as corpus_lib
+from calibration.pair import load_pair
 from calibration.search import LossEvaluator
-from shared.models import load_model
 from shared.scd.artifact import Artifact
 from shared.scd.schedule import Action, Schedule
 
@@ -107,10 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     art = Artifact.load(args.artifact)
-    producer = load_model(art.meta["producer"]["model_id"], "float32", "auto")
-    consumer = load_model(art.meta["consumer"]["model_id"], "float32", "auto")
-    art.check_model("producer", producer.info)
-    art.check_model("consumer", consumer.info)
+    producer, consumer = load_pair(art)
     corpus = corpus_lib.load(args.corpus, consumer.tokenizer, args.n, args.heldout, dict(args.corpus_arg))
     ev = LossEvaluator(art, producer, consumer, corpus.heldout)
     layers = consumer.info.num_layers

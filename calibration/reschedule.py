@@ -27,7 +27,8 @@ import torch
 
 from calibration import audit_thresholds, moments, search
 from calibration import corpus as corpus_lib
-from shared.models import LoadedModel, load_model
+from calibration.pair import load_pair
+from shared.models import LoadedModel
 from shared.scd.artifact import Artifact
 from shared.scd.schedule import Schedule
 
@@ -80,10 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     art = Artifact.load(args.artifact)
-    producer = load_model(art.meta["producer"]["model_id"], "float32", "auto")
-    consumer = load_model(art.meta["consumer"]["model_id"], "float32", "auto")
-    art.check_model("producer", producer.info)
-    art.check_model("consumer", consumer.info)
+    producer, consumer = load_pair(art)
     corpus = corpus_lib.load(args.corpus, consumer.tokenizer, args.n, args.heldout, dict(args.corpus_arg))
     digest = moments.corpus_digest(corpus.sequences)
     if digest != art.meta["corpus"]["digest"]:
