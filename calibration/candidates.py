@@ -25,11 +25,12 @@ from pathlib import Path
 import torch
 
 from calibration import corpus as corpus_lib
+from calibration.pair import load_pair
 from calibration.search import HeldOut, LossEvaluator
 from shared import kv
 from shared.codecs import Codec, EncodeRequest, StreamInfo, create_codecs
 from shared.errors import FailedPrecondition
-from shared.models import DTYPES, LoadedModel, load_model
+from shared.models import DTYPES, LoadedModel
 from shared.scd.artifact import Artifact
 from shared.scd.schedule import Action, Geometry, Schedule, bytes_per_token
 
@@ -142,12 +143,8 @@ def loaded(args: argparse.Namespace) -> tuple[Artifact, LoadedModel, LoadedModel
             f"{args.artifact}: calibrated with {art.geometry.kv_element_bytes}-byte K/V elements; --dtype {args.dtype} has "
             f"{DTYPES[args.dtype].itemsize}"
         )
-    producer = load_model(art.meta["producer"]["model_id"], args.dtype, "auto")
-    same = art.meta["consumer"]["model_id"] == art.meta["producer"]["model_id"]
-    consumer = producer if same else load_model(art.meta["consumer"]["model_id"], args.dtype, "auto")
     try:
-        art.check_model("producer", producer.info)
-        art.check_model("consumer", consumer.info)
+        producer, consumer = load_pair(art, args.dtype)
     except FailedPrecondition as exc:
         raise SystemExit(f"{args.artifact}: {exc}") from None
     n = art.meta["corpus"]["sequences"] if args.n is None else args.n  # a file corpus holds out the lines after the n

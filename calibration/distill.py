@@ -22,7 +22,7 @@ from shared.codecs.recompute import default_span
 from shared.models import LoadedModel
 from shared.scd import predictor
 from shared.scd.artifact import Artifact
-from shared.scd.schedule import Action, Geometry, Schedule
+from shared.scd.schedule import Action, Geometry
 
 
 def geometry(info) -> Geometry:
@@ -124,15 +124,7 @@ def distill(
         art = Artifact(tensors, meta)
         log(f"refitted with learned predictors on layers {chosen}")
     ev = search.LossEvaluator(art, producer, consumer, heldout)
-    if schedules:
-        given = [Schedule.parse(text, consumer.info.num_layers) for text in schedules]
-        front = sorted(
-            (search.Point(s, s.bytes_per_token(g), ev.loss(s.actions)) for s in given), key=lambda p: p.bytes_per_token
-        )
-        report = {"given": [str(s) for s in given]}
-    else:
-        lattice = search.action_lattice(g, with_quant=True)
-        front, report = search.search(ev, lattice, g, loss_target, generations=generations, seed=seed, log=log)
+    front, report = search.schedule_front(ev, g, loss_target, schedules=schedules, generations=generations, seed=seed, log=log)
     meta["schedules"] = search.entries(search.evenly_spaced(front, max_schedules))
     meta["search"] = report
     # the recompute baseline's span, chosen by profiling on the same held-out set (DroidSpeak-style):

@@ -30,7 +30,6 @@ from calibration import corpus as corpus_lib
 from calibration.pair import load_pair
 from shared.models import LoadedModel
 from shared.scd.artifact import Artifact
-from shared.scd.schedule import Schedule
 
 
 def reschedule(
@@ -49,15 +48,7 @@ def reschedule(
     """A new artifact with `art`'s tensors and schedules searched (or `schedules` measured) on `heldout`."""
     g = art.geometry
     ev = search.LossEvaluator(art, producer, consumer, heldout)
-    if schedules:
-        given = [Schedule.parse(text, art.num_layers) for text in schedules]
-        front = sorted(
-            (search.Point(s, s.bytes_per_token(g), ev.loss(s.actions)) for s in given), key=lambda p: p.bytes_per_token
-        )
-        report: dict = {"given": [str(s) for s in given]}
-    else:
-        lattice = search.action_lattice(g, with_quant=True)
-        front, report = search.search(ev, lattice, g, loss_target, generations=generations, seed=seed, log=log)
+    front, report = search.schedule_front(ev, g, loss_target, schedules=schedules, generations=generations, seed=seed, log=log)
     meta = copy.deepcopy(art.meta)
     meta.pop("artifact_id", None)
     meta["schedules"] = search.entries(search.evenly_spaced(front, max_schedules))

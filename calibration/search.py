@@ -254,3 +254,23 @@ def search(
         "greedy_path": [str(Schedule(a)) for a in evenly_spaced(path, path_points)],
     }
     return pareto(list(seen.values())), report
+
+
+def schedule_front(
+    ev: LossEvaluator,
+    g: Geometry,
+    loss_target: float,
+    *,
+    schedules: list[str] | None = None,
+    generations: int = 30,
+    seed: int = 0,
+    log=print,
+) -> tuple[list[Point], dict]:
+    """The schedules an artifact offers and the report that says how they were found: `schedules`
+    (texts) measured as given, cheapest first, or else the search over the lattice with the
+    quantized actions."""
+    if schedules:
+        given = [Schedule.parse(text, ev.art.num_layers) for text in schedules]
+        points = [Point(s, s.bytes_per_token(g), ev.loss(s.actions)) for s in given]
+        return sorted(points, key=lambda p: p.bytes_per_token), {"given": [str(s) for s in given]}
+    return search(ev, action_lattice(g, with_quant=True), g, loss_target, generations=generations, seed=seed, log=log)
