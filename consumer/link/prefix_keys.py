@@ -7,8 +7,11 @@ producer's identity and the dtype its KV was computed in, the codec, its payload
 resolved options. And whose it is: every key has the request's tenant (shared.tenants, the
 request's cache_salt or the caller's token) in its root, so one tenant never reuses another's.
 Lookups name the producer as the link check last saw it (consumer.link.readiness); inserts name the
-producer the stream's own header named (`made_by`), so KV a swapped or unlike producer made is
-never kept under another's key.
+producer and codec metadata the stream's own header named, so KV a swapped or unlike producer made is
+never kept under another's key. A lookup, made before any header, assumes the codec metadata the
+last stream of that codec and options from the producer the link sees now gave (`lookup_metadata`);
+a partial transfer's header must then name the same (the pipeline checks it), so a prefix rebuilt
+under one artifact or schedule is never joined to a tail rebuilt under another.
 
 Also remembers, per codec and options, what the last stream header said about the producer's own
 chunks (identity, dtype, codec metadata, chunk size): the producer's prefix key is computed from
@@ -57,22 +60,39 @@ class PrefixKeys:
         self.stream_roots: dict[str, StreamRoot] = {}  # per codec and options: what the last header said
         self.chains = chunks.Chains()  # a request's chains hashed once, whoever asks
 
+    def lookup_metadata(self, codec: Codec | None, options: dict[str, str]) -> dict[str, str]:
+        """The codec metadata a lookup of `codec` and `options` assumes: what the last stream of
+        them said, if it came from the producer the link sees now; else none (a codec whose streams
+        carry metadata then finds nothing until a stream has said it)."""
+        seen = self.stream_roots.get(stream_key(codec, options)) if codec is not None else None
+        if seen is None or (seen.producer_identity, seen.kv_dtype) != (self.producer_identity(), self.producer_dtype()):
+            return {}
+        return dict(seen.metadata)
+
     def root(
-        self, codec: Codec | None, options: dict[str, str], tenant: str, producer: tuple[str, str] | None = None
+        self,
+        codec: Codec | None,
+        options: dict[str, str],
+        tenant: str,
+        producer: tuple[str, str] | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> str | None:
         """The root of `tenant`'s KV made by `codec` (None: the own prefill) from `producer`'s
-        (identity, kv dtype), by default the producer as the link last saw it; None when it cannot
-        be named (the producer or its identity is not known yet, or no prefix cache). The
-        consumer's own identity is in every root: its pool holds KV in its own dtype."""
+        (identity, kv dtype) with the codec `metadata` its stream's header gave; by default the
+        producer as the link last saw it, with `lookup_metadata`. None when it cannot be named (the
+        producer or its identity is not known yet, or no prefix cache). The consumer's own identity
+        is in every root: its pool holds KV in its own dtype."""
         if self.chunk_tokens is None:
             return None
         if codec is None:
             return chunks.model_root(self.info.identity, self.info.dtype, tenant)
+        if metadata is None:
+            metadata = self.lookup_metadata(codec, options) if producer is None else {}
         identity, dtype = producer or (self.producer_identity(), self.producer_dtype())
         if not identity or not dtype:
             return None
         own = f"{self.info.identity}|{identity}"
-        return chunks.codec_root(own, dtype, codec.name, codec.format_version, options, {}, tenant)
+        return chunks.codec_root(own, dtype, codec.name, codec.format_version, options, metadata, tenant)
 
     def chain(
         self,
@@ -81,18 +101,13 @@ class PrefixKeys:
         context_ids: list[int],
         tenant: str,
         producer: tuple[str, str] | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> list[chunks.ChunkRef]:
         """The context's chunk refs under `root` ([] when it cannot be named)."""
-        root = self.root(codec, options, tenant, producer)
+        root = self.root(codec, options, tenant, producer, metadata)
         if root is None or self.chunk_tokens is None:
             return []
         return self.chains.chain(root, context_ids, self.chunk_tokens)
-
-    def made_by(
-        self, codec: Codec, options: dict[str, str], context_ids: list[int], tenant: str, stream: StreamInfo
-    ) -> list[chunks.ChunkRef]:
-        """The refs naming KV a stream rebuilt: under the producer its own header named."""
-        return self.chain(codec, options, context_ids, tenant, (stream.producer_identity, stream.kv_dtype))
 
     def saw_stream(self, codec: Codec, options: dict[str, str], stream: StreamInfo, chunk_tokens: int) -> None:
         self.stream_roots[stream_key(codec, options)] = StreamRoot(
@@ -100,13 +115,20 @@ class PrefixKeys:
         )
 
     def partial(
-        self, codec: Codec, options: dict[str, str], context_ids: list[int], cached_chunks: int, producer_tenant: str
+        self,
+        codec: Codec,
+        options: dict[str, str],
+        context_ids: list[int],
+        cached_chunks: int,
+        producer_tenant: str,
+        metadata: dict[str, str],
     ) -> tuple[int, str] | None:
         """(first_token, prefix_key) asking the producer for the context after `cached_chunks` full
         chunks, when it can: the producer cuts its chunks as we do, this codec's payloads cut along
         tokens there, and an earlier stream of this codec and options, from the producer the link
         sees now, told us its identity, dtype and codec metadata (its prefix key is computed from
-        them and `producer_tenant`, the tenant the producer files this request under)."""
+        them and `producer_tenant`, the tenant the producer files this request under), and that
+        metadata is the `metadata` the cached chunks were looked up under."""
         if not cached_chunks or self.chunk_tokens is None:
             return None
         seen = self.stream_roots.get(stream_key(codec, options))
@@ -116,6 +138,7 @@ class PrefixKeys:
             or not seen.producer_identity
             or seen.chunk_tokens != size
             or (seen.producer_identity, seen.kv_dtype) != (self.producer_identity(), self.producer_dtype())
+            or dict(seen.metadata) != metadata
         ):
             return None
         try:

@@ -189,14 +189,21 @@ class RequestPipeline:
         result = GenerateResult(job.request_id, job.mode, dict(job.options), len(job.context_ids), len(job.question_ids))
         result.auto = job.auto
         result.raw_kv_bytes = self.loaded.info.kv_bytes(len(job.context_ids))
-        refs = self.keys.chain(job.codec, job.options, job.context_ids, job.tenant)
+        # a codec's chunks are named by the metadata its streams carry (an SCD artifact and schedule):
+        # looked up under what the last stream said, and a partial transfer must say it again
+        assumed = self.keys.lookup_metadata(job.codec, job.options)
+        refs = self.keys.chain(job.codec, job.options, job.context_ids, job.tenant, metadata=assumed)
         verify = job.verify != VERIFY_OFF and job.codec is not None
         if job.verify != VERIFY_OFF and not verify:
             result.verify_decision = "skipped: mode oracle is exact"
-        seq, exact, partial = await self._admit(job, result, refs, reuse=True, verify=verify)
+        seq, exact, partial = await self._admit(job, result, refs, assumed, reuse=True, verify=verify)
+        if job.codec is not None and result.prefix_reused_tokens == len(job.context_ids):
+            result.options = {**result.options, **assumed}  # what made the cached KV (GenerateStats.transfer)
         try:
             try:
                 deferred = await self._cache(job, result, seq, result.prefix_reused_tokens, partial)
+                if partial is not None and result.stream_metadata != assumed:
+                    raise DataLoss(f"the stream's codec metadata {result.stream_metadata} is not the cached prefix's {assumed}")
             except ServiceError as exc:
                 if partial is None or isinstance(exc, Cancelled) or job.deadline - time.monotonic() <= 0:
                     raise
@@ -204,7 +211,7 @@ class RequestPipeline:
                 log.warning("generate.partial_transfer_failed", code=exc.code, reason=str(exc)[:300], first_token=partial[0])
                 self._release(seq, exact)
                 result.bytes_received = 0
-                seq, exact, partial = await self._admit(job, result, refs, reuse=False, verify=verify)
+                seq, exact, partial = await self._admit(job, result, refs, assumed, reuse=False, verify=verify)
                 deferred = await self._cache(job, result, seq, 0, None)
             if job.repair is not None and job.audit != AUDIT_REPAIR:  # under AUDIT_REPAIR: only when flagged
                 await self._repair(job, result, seq)
@@ -308,7 +315,9 @@ class RequestPipeline:
             return self.keys.chain(None, {}, job.context_ids, job.tenant)
         if result.stream_producer is None:
             return []  # nothing streamed: the whole context came from the cache, already kept
-        return self.keys.chain(job.codec, job.options, job.context_ids, job.tenant, result.stream_producer)
+        return self.keys.chain(
+            job.codec, job.options, job.context_ids, job.tenant, result.stream_producer, result.stream_metadata
+        )
 
     def _exact_made_as(self, job: GenerateJob, result: GenerateResult, via: GenerateJob | None) -> list[chunks.ChunkRef]:
         """The chunk refs of a verified answer's exact cache: the own prefill's, or the exact
@@ -324,11 +333,18 @@ class RequestPipeline:
         return self.prefix.peek(refs) if refs and self.prefix is not None else 0
 
     async def _admit(
-        self, job: GenerateJob, result: GenerateResult, refs: list[chunks.ChunkRef], reuse: bool, verify: bool = False
+        self,
+        job: GenerateJob,
+        result: GenerateResult,
+        refs: list[chunks.ChunkRef],
+        metadata: dict[str, str],
+        reuse: bool,
+        verify: bool = False,
     ) -> tuple[SequenceKV, SequenceKV | None, tuple[int, str] | None]:
         """KV blocks for the request, starting with what the prefix cache holds of its context:
         the whole context, or (own prefill, or a codec that can send from a chunk boundary) its
-        cached full chunks; and the (first_token, prefix_key) to ask the producer with. Under
+        cached full chunks (`refs`, named with the codec `metadata`); and the (first_token,
+        prefix_key) to ask the producer with. Under
         `verify` also the exact cache's own blocks (context + question + max_new_tokens again),
         reserved in the same admission: a request never holds one set while it waits for the other."""
         T = len(job.context_ids)
@@ -345,7 +361,7 @@ class RequestPipeline:
         hit = self.prefix.lookup(refs, hold=True) if (reuse and self.prefix is not None and refs) else Hit([])
         partial = None
         if job.codec is not None and hit.tokens < T and job.keep is None:
-            partial = self.keys.partial(job.codec, job.options, job.context_ids, len(hit.shared), job.producer_tenant)
+            partial = self.keys.partial(job.codec, job.options, job.context_ids, len(hit.shared), job.producer_tenant, metadata)
             kept = Hit(hit.shared) if partial is not None else Hit([])  # a tail is re-sent with the rest
             keep = set(kept.shared_blocks)
             pool.drop([b for b in hit.shared_blocks + hit.tail_blocks if b not in keep])

@@ -168,6 +168,7 @@ class GenerateResult:
     trailer: StreamTrailer | None = None  # the last stream's trailer (its timings feed the planner)
     chunk_tokens: int = 0  # the producer's chunk size as the last stream header gave it
     stream_producer: tuple[str, str] | None = None  # (model identity, kv dtype) the last stream's header named
+    stream_metadata: dict[str, str] = field(default_factory=dict)  # the codec metadata it named (SCD: artifact, schedule)
     abandoned_span: tuple[int, float] | None = None  # (bytes, ms) an abandoned stream delivered after its first layer
     verify_decision: str = ""  # what verified decoding did ("" off; "verified: ...", "skipped: ...")
     drafted_tokens: int = 0  # tokens drafted on the transferred cache before the exact one was complete

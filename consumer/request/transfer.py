@@ -342,6 +342,7 @@ class _Pulling:
         assert self.job.codec is not None
         self.transfer.keys.saw_stream(self.job.codec, self.job.options, info, event.chunk_tokens)
         result.stream_producer = (info.producer_identity, info.kv_dtype)
+        result.stream_metadata = dict(info.metadata)
         result.chunk_tokens = event.chunk_tokens
         result.options = {**info.options, **info.metadata}
         if self.job.keep is not None:  # what ran: the resolved selection (GenerateStats.transfer)
