@@ -390,3 +390,19 @@ async def test_a_kept_sequence_answers_the_same_from_the_engine_process(world):
     async with running_pair("tiny-llama", consumer_kw={"engine_process": True, "prefix_cache_bytes": 0}) as p:
         ids, _, _ = await p.generate(**fields(world, "raw", keep))
         assert ids == want
+
+
+@pytest.mark.parametrize("policy", ["streaming", "knorm", "h2o", "snapkv"])
+async def test_a_context_no_longer_than_the_observation_window_is_served_by_every_policy(world, pair, policy):
+    """Contexts of 1, 40 and 64 tokens (SnapKV's observation window is then the whole context, every
+    token in it alike): each policy answers as the offline kept cache, never an error; everything
+    kept is the whole transfer's answer."""
+    raw = create_codecs(world["model"], ["raw"])["raw"]
+    for n in (1, 40, 64):
+        short = {**world, "ids": world["ids"][:n]}
+        for keep in (f"{policy}:0.25", f"{policy}:1.0"):
+            want, kept = offline(short, "raw", KeepRequest.parse(keep).for_codec(raw))
+            ids, _, stats = await pair.generate(**fields(short, "raw", keep))
+            assert ids == want and stats.context_tokens == n, (keep, n)
+            if kept == n:
+                assert ids == (await pair.generate(**fields(short, "raw")))[0]

@@ -43,8 +43,12 @@ def snapkv(window_attention: torch.Tensor, num_kv_heads: int, kernel_size: int =
     """SnapKVPress: window_attention [H, w, T] = the causal softmax of the context's last w
     queries over all T keys. Mean over the window's queries of the attention on the T - w keys
     before it, smoothed by an average pool of `kernel_size` (zero padding counted, as torch's
-    avg_pool1d does), averaged per KV group; the window itself scores max + 1 (always kept)."""
+    avg_pool1d does), averaged per KV group; the window itself scores max + 1 (always kept). A
+    context no longer than the window is all window: every token scores the same (kvpress refuses
+    it; here a short context is simply kept by the selection's own rules)."""
     H, w, T = window_attention.shape
+    if w >= T:
+        return torch.ones(num_kv_heads, T, dtype=torch.float32, device=window_attention.device)
     scores = window_attention[..., : T - w].float().mean(dim=1)  # [H, T - w]
     scores = F.avg_pool1d(scores[None], kernel_size=kernel_size, padding=kernel_size // 2, stride=1)[0]
     scores = group_mean(scores, num_kv_heads)
