@@ -35,6 +35,7 @@ from aiohttp import http_exceptions, web
 from consumer.api import openai_chat
 from consumer.api import openai_schema as schema
 from consumer.api.openai_reply import Reply
+from consumer.api.token_bytes import TokenBytes
 from consumer.request.job import GenerateResult, TokenOut
 from shared import admission, health_service, logs, rpc_errors, security
 from shared.config import ConsumerConfig
@@ -201,6 +202,7 @@ class OpenAIServer:
         self.rejections = security.Rejections()
         self.started = int(time.time())
         self.max_body = config.http_body_limit
+        self._token_bytes: TokenBytes | None = None
         # the requests between their headers and admission (their body read, parsed, tokenized):
         # admission counts a request only from there, so without this many slow or large bodies
         # (each up to max_body) would hold memory without bound
@@ -355,8 +357,12 @@ class OpenAIServer:
             ) from None
         except (web.RequestPayloadError, http_exceptions.HttpProcessingError) as exc:  # bad chunks, a bad Content-Encoding
             raise InvalidArgument(f"body: cannot be read ({type(exc).__name__})") from None
+        try:  # RFC 8259: JSON between systems is UTF-8 (json.loads would also read UTF-16 and UTF-32)
+            text = raw.decode("utf-8", "surrogatepass").removeprefix("\ufeff")  # lone surrogates: check_unicode names them
+        except UnicodeDecodeError as exc:
+            raise InvalidArgument(f"body: not UTF-8 (byte {exc.start}); JSON request bodies must be UTF-8") from None
         try:
-            body = json.loads(raw)
+            body = json.loads(text)
         except RecursionError:
             raise InvalidArgument(f"body: JSON nested deeper than limit {schema.MAX_DEPTH}") from None
         except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, or an integer of > 4300 digits
@@ -401,7 +407,11 @@ class OpenAIServer:
         seed = params.seed if params.seed is not None else secrets.randbits(schema.SEED_BITS)
         echo = (text or str(loaded.tokenizer.decode(ids))) if params.echo else ""
         kind = "chatcmpl" if chat else "cmpl"
-        reply = Reply(f"{kind}-{rid}", self.model_id(), chat, len(ids), loaded.tokenizer, seed, echo)
+        if self._token_bytes is None or self._token_bytes.tokenizer is not loaded.tokenizer:
+            self._token_bytes = TokenBytes(loaded.tokenizer)  # one per model: its cache is bounded by the vocabulary
+        reply = Reply(
+            f"{kind}-{rid}", self.model_id(), chat, len(ids), loaded.tokenizer, seed, echo, token_bytes=self._token_bytes
+        )
         generate = schema.generate_request(rid, context, question, params, seed)
         items = self.servicer.generate_items(generate, self.config.default_timeout_s, _Caller(request), received, params.extras)
         with structlog.contextvars.bound_contextvars(request_id=rid):
@@ -445,7 +455,12 @@ class OpenAIServer:
                 item = await anext(items, None)
             if params.include_usage:
                 await response.write(sse(reply.usage_chunk()))
-        except ServiceError as exc:  # after the headers went out: the error as a chunk, as vLLM does
+        except ConnectionError:  # the client went away: nothing to write to
+            raise
+        except Exception as exc:  # after the headers went out: the error as a chunk, as vLLM does
+            if not isinstance(exc, ServiceError):  # never a second response inside the stream's body
+                log.error("http.stream_failed", error=f"{type(exc).__name__}: {str(exc)[:300]}")
+                exc = ServiceError("internal error")
             request[STREAM_ERROR] = exc
             await response.write(sse(error_body(exc, request[REQUEST_ID])[1]))
         await response.write(b"data: [DONE]\n\n")

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from consumer.api.token_bytes import CharOffsets, TokenBytes
 from consumer.engine.decoding import TokenLogprobs
 from consumer.request.job import GenerateResult, TokenOut
 
@@ -64,10 +65,13 @@ class Reply:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     result: GenerateResult | None = None
-    offset: int = 0  # completions' text_offset of the next token
+    token_bytes: TokenBytes | None = None  # each id's own bytes (logprobs' bytes and text offsets); None: made here
+    offsets: CharOffsets = field(init=False)  # completions' text_offset of the next token
 
     def __post_init__(self) -> None:
-        self.offset = len(self.echo)
+        if self.token_bytes is None:
+            self.token_bytes = TokenBytes(self.tokenizer)
+        self.offsets = CharOffsets(len(self.echo), self.token_bytes)
 
     def take(self, item: TokenOut) -> str:
         """An item's ids and log-probabilities kept; returns its text (the pipeline's Ending already
@@ -105,15 +109,11 @@ class Reply:
         if self.chat:
             content = []
             for r in records:
-                token = self._token(r.id)
-                top = [self._chat_entry(self._token(i), lp) for i, lp in r.top]
-                content.append({**self._chat_entry(token, r.logprob), "top_logprobs": top})
+                top = [self._chat_entry(i, lp) for i, lp in r.top]
+                content.append({**self._chat_entry(r.id, r.logprob), "top_logprobs": top})
             return {"content": content, "refusal": None}
         tokens = [self._token(r.id) for r in records]
-        offsets = []
-        for token in tokens:
-            offsets.append(self.offset)
-            self.offset += len(token)
+        offsets = [self.offsets.next(r.id) for r in records]
         tops = []
         for token, r in zip(tokens, records, strict=True):
             alternatives = {self._token(i): max(lp, MIN_LOGPROB) for i, lp in r.top}
@@ -126,9 +126,13 @@ class Reply:
             "text_offset": offsets,
         }
 
-    @staticmethod
-    def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
-        return {"token": token, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(token.encode("utf-8"))}
+    def _chat_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        assert self.token_bytes is not None
+        return {
+            "token": self._token(token_id),
+            "logprob": max(logprob, MIN_LOGPROB),
+            "bytes": list(self.token_bytes.of(token_id)),
+        }
 
     def chunk(
         self,

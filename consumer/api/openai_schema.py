@@ -33,6 +33,7 @@ MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs, as OpenAI allows
 MAX_TOP_LOGPROBS = 20  # /v1/chat/completions' top_logprobs, as OpenAI allows
 MAX_ID_CHARS = 256  # user, safety_identifier, prompt_cache_key
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default max_tokens of /v1/completions (chat: --max-new-tokens)
+FLOAT32_TINY = 1.1754944e-38  # the smallest normal float32
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default temperature (gRPC's is 0, greedy)
 SEED_BITS = 63  # an unseeded request's fresh seed: within int64 and uint64 both
 _CONTAINERS = {dict, list}  # what JSON nests
@@ -248,6 +249,7 @@ def read_params(body: Mapping[str, Any], cfg: ConsumerConfig, chat: bool) -> Par
     p.top_p = _number(body, "top_p", 0.0, 1.0, 1.0)
     if p.top_p == 0:
         raise InvalidArgument("top_p: 0 not a number in (0, 1]")
+    p.top_p = max(p.top_p, FLOAT32_TINY)  # the wire's float32 reads a smaller one as 0 ("off"): it keeps the top token only
     seed = body.get("seed")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 1 << 64):
         raise InvalidArgument(f"seed: {show(seed)} not an integer in [0, 2**64)")
@@ -280,17 +282,19 @@ def read_params(body: Mapping[str, Any], cfg: ConsumerConfig, chat: bool) -> Par
 
 
 def _max_tokens(body: Mapping[str, Any], cfg: ConsumerConfig, chat: bool) -> int:
+    """The answer's token limit: chat's max_completion_tokens, else max_tokens (each given one checked)."""
     limit = cfg.max_new_tokens
     names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-    name = next((n for n in names if body.get(n) is not None), names[-1])
-    max_tokens = body.get(name)
-    if max_tokens is None:
+    given = [n for n in names if body.get(n) is not None]
+    for name in given:
+        value = body[name]
+        if not _is_int(value) or value < 1:
+            raise InvalidArgument(f"{name}: must be an integer >= 1, got {show(value)}")
+        if value > limit:
+            raise InvalidArgument(f"{name}: {value} > limit max_new_tokens {limit}")
+    if not given:
         return limit if chat else min(COMPLETIONS_MAX_TOKENS, limit)
-    if not _is_int(max_tokens) or max_tokens < 1:
-        raise InvalidArgument(f"{name}: must be an integer >= 1, got {show(max_tokens)}")
-    if max_tokens > limit:
-        raise InvalidArgument(f"{name}: {max_tokens} > limit max_new_tokens {limit}")
-    return max_tokens
+    return int(body[given[0]])
 
 
 def _metadata(metadata: Any) -> None:

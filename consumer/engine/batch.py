@@ -56,7 +56,7 @@ from consumer.engine.pool_forward import PoolRunner
 from consumer.engine.rows import Row
 from consumer.engine.speculative import Nucleus
 from shared import liveness, logs, torch_threads
-from shared.errors import DataLoss
+from shared.errors import DataLoss, ServiceError
 from shared.finite import rows_finite
 from shared.models import LoadedModel
 
@@ -450,7 +450,13 @@ class BatchEngine(concurrent.futures.Executor):
                 self.stats.failed_rows += 1
                 self._finish(task, DataLoss("the rebuilt cache gives non-finite logits (corrupt or out-of-range values)"))
                 continue
-            token = greedy[i] if task.sampler.plain else task.sampler(logits[i])  # plain: greedy, nothing to process or keep
+            try:
+                token = greedy[i] if task.sampler.plain else task.sampler(logits[i])  # plain: greedy, nothing to process or keep
+            except Exception as exc:  # one row's sampling (its own parameters) fails that row only
+                self.stats.failed_rows += 1
+                log.error("engine.sampling_failed", error=f"{type(exc).__name__}: {str(exc)[:300]}")
+                self._finish(task, ServiceError(f"sampling failed: {type(exc).__name__}"))
+                continue
             task.generated += 1
             task.sink(token)
             if token in task.stop_ids:

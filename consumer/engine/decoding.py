@@ -14,10 +14,12 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
+GREEDY_BELOW = 1e-5  # a temperature under this is greedy (vLLM's _SAMPLING_EPS): logits / 1e-40 are inf
+
 
 @dataclass(frozen=True)
 class Sampling:
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 0.0  # 0 (or under GREEDY_BELOW): greedy
     top_p: float = 1.0
     seed: int = 0
     # the OpenAI endpoint's logit processors (consumer.api.openai_schema), applied to the logits in this
@@ -27,6 +29,10 @@ class Sampling:
     frequency_penalty: float = 0.0  # subtracted per time an id was generated so far
     top_k: int = 0  # sample among the k most likely ids only (0: all)
     logprobs: int | None = None  # keep each sampled id's log-probability and its top-k alternatives (None: keep none)
+
+    def __post_init__(self) -> None:
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def processed(self) -> bool:

@@ -113,7 +113,7 @@ class KeepRequest:
                 raise ValueError("weights=... given twice")
             name, budget, kw = parse_fields(selection)  # not built: a learned one's weights are the producer's
         except ValueError as exc:
-            raise InvalidArgument(f"transfer.options['keep']={text[:80]!r}: {exc}") from None
+            raise InvalidArgument(f"transfer.options['keep']: {text[:80]!r}: {exc}") from None
         weights = named[0].partition("=")[2] if named else ""
         check_weights(name, weights)
         heads = ("shared" if kw["shared"] else "each") if "shared" in kw else ""
