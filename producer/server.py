@@ -179,6 +179,8 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             return
         if roots is None:
             raise InvalidArgument("first_token: chunked prefix reuse is off on this producer (chunk_tokens=0)")
+        if not request.prefix_key:
+            raise InvalidArgument(f"prefix_key: empty with first_token = {first} (it names the tokens before first_token)")
         size = self.config.chunk_tokens
         if first >= n or first % size:
             raise InvalidArgument(f"first_token: {first} must be a multiple of chunk_tokens={size} and < {n} (context tokens)")

@@ -103,6 +103,7 @@ async def test_first_token_sends_only_the_rest_after_checking_the_prefix_key():
             ({"first_token": 30, "prefix_key": key}, grpc.StatusCode.INVALID_ARGUMENT),  # not a chunk boundary
             ({"first_token": 3 * C, "prefix_key": key}, grpc.StatusCode.INVALID_ARGUMENT),  # past the context
             ({"prefix_key": key}, grpc.StatusCode.INVALID_ARGUMENT),  # a key without a first token
+            ({"first_token": C}, grpc.StatusCode.INVALID_ARGUMENT),  # a first token without a key
             ({"first_token": C, "prefix_key": key_for(header, [1, *ids[1:]], C)}, grpc.StatusCode.FAILED_PRECONDITION),
         ):
             with pytest.raises(grpc.aio.AioRpcError) as err:
