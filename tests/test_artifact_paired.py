@@ -30,6 +30,8 @@ def test_pairs_by_example_maps_schedules_and_skips_partial_examples(tmp_path):
     alone = {r["mode"]: r for r in paired(new, ref, {"s2": "s7"}, strict=True)}["scd:s1"]
     assert alone["reference_mode"] is None and alone["new_minus_reference"] is None  # strict: s1 has no counterpart
     assert alone["n"] == 2 and alone["f1_gap"] == 0.25  # its gap alone, over the whole examples
+    # and against each of the reference's modes, on the examples both hold
+    assert alone["versus"] == {"scd:s7": {"n": 2, "new_minus_reference": 0.25, "new_minus_reference_ci95": [0.0, 0.5]}}
 
 
 def test_schedules_pair_by_their_text():

@@ -2,8 +2,8 @@
 per artifact), paired by example (seed, family, gold, context length), each of the new file's modes
 against a named mode of the reference file (`--map s1=s7` pairs `scd:s1` with `scd:s7`; equal names
 pair by default). Prints, per mode, the F1 gap to the new file's oracle and the paired difference
-new - reference with 95 % bootstrap intervals (qa.metrics.bootstrap_ci), and how many oracle answers
-agree between the two files (a check that both runs saw the same examples the same way).
+new - reference with 95 % bootstrap intervals (qa.metrics.bootstrap_ci), the same difference against
+each of the reference's modes (`versus`), and how many oracle answers agree between the two files (a check that both runs saw the same examples the same way).
 Measures nothing: `python -m bench.figures.artifact_paired NEW.jsonl REFERENCE.jsonl --map s1=s7,s2=s11`.
 
 As a figure (`artifact_paired(root)`): every bench/results/real-pred/*.jsonl against the main P -> C
@@ -68,11 +68,21 @@ def paired(new: Path, reference: Path, mapping: dict[str, str], strict: bool = F
             "new_minus_reference_ci95": None,
         }
         if other is not None:
-            diff = [x - ref[e][other]["f1"] for e, x in zip(both, a)]
-            row["new_minus_reference"] = round(sum(diff) / len(diff), 4)
-            row["new_minus_reference_ci95"] = [round(v, 4) for v in bootstrap_ci(diff)]
+            row["new_minus_reference"], row["new_minus_reference_ci95"] = _difference(mine, ref, both, mode, other)
+        if mode != "oracle":  # against each of the reference's modes too, on the examples both hold
+            row["versus"] = {}
+            for theirs in sorted({m for e in whole for m in ref.get(e, {})} - {"oracle"}):
+                shared = [e for e in whole if theirs in ref.get(e, {})]
+                mean, ci = _difference(mine, ref, shared, mode, theirs)
+                row["versus"][theirs] = {"n": len(shared), "new_minus_reference": mean, "new_minus_reference_ci95": ci}
         out.append(row)
     return out
+
+
+def _difference(mine: dict, ref: dict, examples: list[Example], mode: str, other: str) -> tuple[float, list[float]]:
+    """The mean of new - reference F1 over `examples` and its 95 % bootstrap interval."""
+    diff = [mine[e][mode]["f1"] - ref[e][other]["f1"] for e in examples]
+    return round(sum(diff) / len(diff), 4), [round(v, 4) for v in bootstrap_ci(diff)]
 
 
 def schedule_names(root: Path) -> dict[str, dict[str, str]]:
@@ -136,6 +146,14 @@ def _points(r: dict) -> dict:
         "f1_gap_ci_pt": f"{100 * g[0]:+.1f}..{100 * g[1]:+.1f}",
         "diff_pt": 100 * r["new_minus_reference"] if d else float("nan"),
         "diff_ci_pt": f"{100 * d[0]:+.1f}..{100 * d[1]:+.1f}" if d else "-",
+        "versus": {
+            mode: {
+                "n": v["n"],
+                "diff_pt": 100 * v["new_minus_reference"],
+                "diff_ci_pt": "{:+.1f}..{:+.1f}".format(*(100 * x for x in v["new_minus_reference_ci95"])),
+            }
+            for mode, v in r.get("versus", {}).items()
+        },
     }
 
 
