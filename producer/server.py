@@ -144,11 +144,10 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         with rpc_errors.request_scope(request_id):
             async with CallWatch(context, timeout_s, cfg.write_idle_timeout_s, flags) as watch:
                 messages = self._admitted(request, request_id, context, started, timeout_s)
-                watch.releases(messages)  # a reader that stops gets its slot, buffers and row taken back
-                async with contextlib.aclosing(messages):
-                    async for message in messages:
-                        with watch.writing():
-                            yield message
+                # a reader that stops: its slot, buffers and row taken back
+                async with contextlib.aclosing(watch.stream(messages)) as stream:
+                    async for message in stream:
+                        yield message
 
     async def _admitted(self, request, request_id: str, context, started: float, timeout_s: float):
         """The call's slot and outcome around its stream (what the call holds, all of it)."""

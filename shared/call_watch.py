@@ -8,11 +8,12 @@ generator that holds the call's admission slot, buffers and forward row (`releas
 
     async with CallWatch(context, timeout_s, idle_s) as watch:
         messages = the_call(...)  # an async generator holding what the call holds (slot, buffers)
-        watch.releases(messages)
-        async with contextlib.aclosing(messages):
-            async for message in messages:
-                with watch.writing():
-                    yield message
+        async with contextlib.aclosing(watch.stream(messages)) as stream:
+            async for message in stream:
+                yield message
+
+(`stream` never resumes `messages` while the watch is closing it: a reader that reads the pending
+message just then finds the call over, not a generator already running.)
 
 A watcher task wakes a few times per limit (at most once a second); a call's own work never waits
 for it. Knows nothing of the services' messages.
@@ -23,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -52,11 +53,31 @@ class CallWatch:
         self._handler: asyncio.Task | None = None
         self._held: Any = None  # the async generator that holds what the call holds
         self._status: asyncio.Future | None = None  # the abort sending the status (kept: it may outlive the handler)
+        self._closing: asyncio.Future | None = None  # the watch closing `_held` (set before anything awaits)
 
     def releases(self, messages: Any) -> None:
         """`messages` (an async generator the handler iterates) holds what the call holds: closed
         when the watch ends the call during a write."""
         self._held = messages
+
+    async def stream(self, messages: AsyncGenerator[Any, None]) -> AsyncIterator[Any]:
+        """The handler's loop over `messages` (which `releases` names): each message handed out
+        inside `writing`; once the watch closes `messages` itself, the loop waits for that close
+        and ends, never resuming the generator meanwhile."""
+        self.releases(messages)
+        try:
+            while self._closing is None:
+                try:
+                    message = await anext(messages)
+                except StopAsyncIteration:
+                    return
+                with self.writing():
+                    yield message
+        finally:  # also when the handler itself is closed (the status sent, grpc ends the call)
+            if self._closing is None:
+                await messages.aclose()
+            else:  # never a second close beside the watch's
+                await asyncio.shield(self._closing)
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
@@ -90,11 +111,16 @@ class CallWatch:
         # the status goes out behind the pending write, if any: only once the reader reads or leaves
         self._status = asyncio.ensure_future(self._abort(why))
         if self._writing_since is not None and self._held is not None:
-            with contextlib.suppress(Exception):  # suspended at its yield: its finally blocks run now
-                await self._held.aclose()
+            # suspended at its yield: its finally blocks run now; `stream` sees _closing and waits
+            self._closing = asyncio.ensure_future(self._close_held())
+            await asyncio.wait({self._closing})
         elif self._handler is not None:  # waiting on its own work (the forward, a flight)
             await asyncio.wait({self._status})  # no write pending: the status is out at once
             self._handler.cancel()
+
+    async def _close_held(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._held.aclose()
 
     async def _abort(self, why: str) -> None:
         with contextlib.suppress(Exception):  # grpc.aio raises AbortError once the status is sent

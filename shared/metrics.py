@@ -452,7 +452,8 @@ def _code(context, exc: BaseException | None) -> str:
         return next((c.name for c in grpc.StatusCode if c.value[0] == code), "UNKNOWN")
     if exc is None:
         return "OK"
-    return "CANCELLED" if isinstance(exc, BaseException) and type(exc).__name__ == "CancelledError" else "UNKNOWN"
+    # the call's task cancelled, or its response generator closed (the caller went away): as outcomes.track counts it
+    return "CANCELLED" if isinstance(exc, GeneratorExit) or type(exc).__name__ == "CancelledError" else "UNKNOWN"
 
 
 def _timed_coroutine(inner, method: str, record):
