@@ -10,8 +10,8 @@ import grpc
 from consumer.api.client import ConsumerClient
 from producer.server import ProducerServer
 from shared.config import ProducerConfig
-from shared.pb import producer_pb2, producer_pb2_grpc
-from tests.conftest import prompt
+from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
+from tests.conftest import prompt, running_pair
 from tests.hostile import consumer_of, record
 
 C = 64  # the chunk size of both sides
@@ -52,3 +52,26 @@ async def test_a_refused_prefix_key_is_retried_with_the_whole_context():
     s = answer.stats
     assert s.transfer.name == "raw" and s.prefix_reused_tokens == 0 and s.bytes_received == whole
     assert not s.transfer_failure and answer.ids == own.ids
+
+
+async def test_a_codec_whose_decoder_takes_only_whole_streams_is_never_asked_for_a_tail():
+    """recompute's span is recomputed over the whole context: on a partial prefix-cache hit the
+    consumer asks for the whole context at once (before, it asked for the tail, refused the stream
+    it got and asked again)."""
+
+    first = list(range(3, 303))  # a full chunk and a tail (the default chunk size: 256)
+    longer = first[:256] + list(range(10, 110))
+    spec = common_pb2.CodecSpec(name="recompute")
+    question = prompt(ids=[17, 42, 99])
+    async with running_pair("tiny-llama") as pair:
+        try:
+            await pair.client.generate(context=prompt(ids=first), question=question, max_new_tokens=4, transfer=spec)
+            before = (await pair.producer_stub.Describe(producer_pb2.ProducerServiceDescribeRequest())).stats
+            answer = await pair.client.generate(context=prompt(ids=longer), question=question, max_new_tokens=4, transfer=spec)
+            after = (await pair.producer_stub.Describe(producer_pb2.ProducerServiceDescribeRequest())).stats
+            own = await pair.client.generate(context=prompt(ids=longer), question=question, max_new_tokens=4, mode="oracle")
+        finally:
+            await pair.close()
+    assert after.prefills_started - before.prefills_started == 1
+    assert after.prefills_cancelled == before.prefills_cancelled and after.prefills_failed == before.prefills_failed
+    assert answer.stats.prefix_reused_tokens == 0 and answer.ids == own.ids

@@ -124,12 +124,12 @@ class PrefixKeys:
         metadata: dict[str, str],
     ) -> tuple[int, str] | None:
         """(first_token, prefix_key) asking the producer for the context after `cached_chunks` full
-        chunks, when it can: the producer cuts its chunks as we do, this codec's payloads cut along
-        tokens there, and an earlier stream of this codec and options, from the producer the link
-        sees now, told us its identity, dtype and codec metadata (its prefix key is computed from
-        them and `producer_tenant`, the tenant the producer files this request under), and that
+        chunks, when it can: the codec's decoder takes such a stream, the producer cuts its chunks as
+        we do, this codec's payloads cut along tokens there, and an earlier stream of this codec and
+        options, from the producer the link sees now, told us its identity, dtype and codec metadata
+        (its prefix key is computed from them and `producer_tenant`, the tenant the producer files this request under), and that
         metadata is the `metadata` the cached chunks were looked up under."""
-        if not cached_chunks or self.chunk_tokens is None:
+        if not cached_chunks or self.chunk_tokens is None or not codec.partial_streams:
             return None
         seen = self.stream_roots.get(stream_key(codec, options))
         size = self.chunk_tokens

@@ -237,6 +237,9 @@ class Codec(ABC):
     # shared by a layer's heads; "shared" only one shared by a layer's heads (payloads with one row
     # per token for every head)
     keep_heads: ClassVar[str] = ""
+    # whether its decoder takes a stream of the tokens after a prefix the consumer holds
+    # (StreamInfo.first_token > 0), so that a partial prefix-cache hit asks only for the rest
+    partial_streams: ClassVar[bool] = True
     # option name -> (default, parser); parsers raise ValueError on bad values
     option_parsers: ClassVar[Mapping[str, tuple[str, Callable[[str], object]]]] = {}
 

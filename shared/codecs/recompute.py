@@ -145,6 +145,7 @@ class RecomputeCodec(Codec):
         " hidden state (options start, end)"
     )
     option_parsers = {"start": ("auto", parse_layer), "end": ("auto", parse_layer)}
+    partial_streams = False  # the span's layers are recomputed over the whole context (RecomputeDecoder)
 
     def resolve(self, options: Mapping[str, str]) -> dict[str, str]:
         resolved = super().resolve(options)
