@@ -226,3 +226,21 @@ async def test_a_requests_context_is_packed_once_for_every_chain(monkeypatch):
         named = common_pb2.CodecSpec(name="raw")
         await pair.generate(context=prompt(context), question=prompt(" Why?"), max_new_tokens=2, transfer=named)
         assert packed == {"consumer": 2, "producer": 2}  # once per request and side (a fresh id list each time)
+
+
+def test_estimates_by_candidate_key_stay_bounded_whatever_options_callers_send():
+    """Each distinct option set (a caller's keep value, say) is a key of its own; the planner keeps
+    the ESTIMATE_KEYS most recently learned, so its memory and Describe's estimates stay bounded
+    (before, 6000 keep values made Describe larger than a client's 4 MiB message limit)."""
+    from consumer.auto.planner import ESTIMATE_KEYS
+
+    planner = TransferPlanner()
+    for i in range(3 * ESTIMATE_KEYS):
+        options = {"keep": f"h2o:{i + 1}"}
+        planner.observe(Observation("raw", options, 512, 512 * 100, 5.0, sent_tokens=512, computed_tokens=512,
+                                    producer_prefill_ms=3.0, producer_encode_ms=1.0))  # fmt: skip
+    for table in (planner.encode, planner.rebuild, planner.bytes_per_token):
+        assert len(table) == ESTIMATE_KEYS
+        assert planner.key("raw", {"keep": f"h2o:{3 * ESTIMATE_KEYS}"}) in table  # the latest kept
+        assert planner.key("raw", {"keep": "h2o:1"}) not in table  # the oldest dropped
+    assert len(planner.snapshot()) < 12 * ESTIMATE_KEYS

@@ -49,6 +49,7 @@ import collections
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from shared.labels import mode_label, options_label
 
@@ -61,6 +62,7 @@ FIT_WINDOW = 24  # samples a Fit keeps
 FIT_ALPHA = 0.1  # each new sample multiplies the weight of the older ones by 1 - FIT_ALPHA
 ROBUST_ROUNDS = 6  # reweighting rounds of a Fit (towards the least absolute relative error)
 ROBUST_FLOOR = 0.02  # residuals under this share of the sample count as this (no sample weighs unboundedly)
+ESTIMATE_KEYS = 256  # candidate keys whose estimates are kept (the least recently learned dropped first)
 MIN_SPREAD = 2.0  # lengths within this ratio cannot separate the fixed term; predictions beyond it are extrapolations
 
 
@@ -190,6 +192,25 @@ def _weighted_line(xs: list[float], ys: list[float], w: list[float]) -> tuple[fl
     return fixed, per_token
 
 
+V = TypeVar("V")
+
+
+class Recent(collections.OrderedDict[str, V], Generic[V]):
+    """Estimates by candidate key, at most ESTIMATE_KEYS: a caller's own options (a keep set, a
+    schedule given by text) make keys without end, and each one's estimates are kept (and listed by
+    Describe) only while it is among the most recently learned."""
+
+    def learn(self, key: str, make: Callable[[], V]) -> V:
+        value = self.get(key)
+        if value is None:
+            value = self[key] = make()
+            if len(self) > ESTIMATE_KEYS:
+                self.popitem(last=False)
+        else:
+            self.move_to_end(key)
+        return value
+
+
 @dataclass
 class RunningMedian:
     """The median of the last `window` samples (an outlier moves it at most one rank)."""
@@ -282,9 +303,9 @@ class TransferPlanner:
         self.producer_queue_ms = Ewma()
         self.link_bytes_per_ms = Ewma(alpha=0.5)
         self.link_lower_bound = False  # the estimate came from a compute-paced span: the link is at least this fast
-        self.encode: dict[str, Fit] = {}  # by candidate key, as are the two below
-        self.rebuild: dict[str, Fit] = {}
-        self.bytes_per_token: dict[str, Ewma] = {}
+        self.encode: Recent[Fit] = Recent()  # by candidate key, as are the two below
+        self.rebuild: Recent[Fit] = Recent()
+        self.bytes_per_token: Recent[Ewma] = Recent()
         self.header_ms: collections.deque = collections.deque(maxlen=RTT_WINDOW)
         self.overhead_ms: dict[str, RunningMedian] = {"remote": RunningMedian(), "local": RunningMedian()}
         self.choices_since_link_sample = 0  # auto choices made since the link was last measured
@@ -300,14 +321,14 @@ class TransferPlanner:
             return
         key = o.key or self.key(o.mode, o.options)
         sent = o.sent_tokens
-        self.bytes_per_token.setdefault(key, Ewma()).add(o.bytes_received / sent)
+        self.bytes_per_token.learn(key, Ewma).add(o.bytes_received / sent)
         if o.rebuilt and not o.local_tokens:
-            self.rebuild.setdefault(key, Fit()).add(sent, o.rebuild_ms)
+            self.rebuild.learn(key, Fit).add(sent, o.rebuild_ms)
         if o.computed_tokens:
             self.producer_prefill.add(o.computed_tokens, o.producer_prefill_ms)
             self.producer_queue_ms.add(o.queue_ms)
         if o.computed_tokens or o.producer_encode_ms > 0:  # a replay of stored payloads encodes nothing
-            self.encode.setdefault(key, Fit()).add(sent, o.producer_encode_ms)
+            self.encode.learn(key, Fit).add(sent, o.producer_encode_ms)
         if o.header_ms is not None:
             self.header_ms.append(o.header_ms)
         self._observe_link(o)
