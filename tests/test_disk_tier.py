@@ -179,3 +179,36 @@ async def test_a_running_request_holding_evicted_chunks_is_counted_until_it_ends
         replayed = await prefill(stub, second, spec=RAW)  # a replay pins and releases too
         assert replayed[2].store_hit and store.pinned_evicted_bytes == 0
         assert (await describe_tiers(stub))["ram"].pinned_evicted_bytes == 0
+
+
+def test_a_chunk_read_back_from_disk_keeps_its_token_ids_and_is_announced_again(tmp_path):
+    """A context's chunk written with its token ids reads back with them (checked to hash to its
+    key) and, promoted into RAM, is announced as stored in the KV events like any chunk; a file
+    whose token ids were altered is dropped as corrupt, never announced."""
+    from shared import chunks
+
+    class Announced:
+        def __init__(self):
+            self.stored, self.removed = [], []
+
+        def stored_(self, key, parent, start, tokens):
+            self.stored.append((key, parent, start, tuple(tokens)))
+
+    tokens = tuple(range(10, 74))
+    key = chunks.chunk_key("root", tokens)
+    e = ChunkEntry(key, "root", 64, {"0.k": torch.ones(2, 64, 4), "0.v": torch.zeros(2, 64, 4)}, tokens)
+    tier = DiskTier(tmp_path / "chunks", 1 << 20)
+    tier.write(e)
+    tier.flush()
+    back = tier.read(key)
+    assert back is not None and back.tokens == tokens
+    seen = Announced()
+    events = type("Events", (), {"stored": seen.stored_, "removed": seen.removed.append, "cleared": lambda self: None})()
+    store = ChunkStore(1 << 20, disk=tier, events=events)
+    assert store.get(key) is not None  # from disk into RAM
+    assert seen.stored == [(key, "root", 0, tokens)]
+    # the token ids are checked: a file naming others is corrupt
+    other = ChunkEntry(key, "root", 64, e.tensors, tuple(range(11, 75)))
+    tier.path(key).write_bytes(written(tmp_path, "other", other))
+    assert tier.read(key) is None and tier.corrupt == 1
+    tier.close()
