@@ -9,8 +9,8 @@ and counted (`write_skipped`): the disk copy is lost, RAM keeps the entry as usu
 Each file's metadata carries the entry's key, parent, end position, a sha256 of its tensors'
 bytes (name order), their order in the entry (a read gives them back in it: a stored keep
 transfer's layer is replayed in its payload order, producer.sources) and, for a chunk of a
-context, its token ids (checked to hash to its key; a chunk read back into RAM is announced in
-the KV events with them). A read opens the file
+context, its token ids and their sha256 (a chunk read back into RAM is announced in the KV
+events with them). A read opens the file
 once, reads its bytes and parses and checks those bytes in memory, so a file replaced or deleted
 meanwhile (a rewrite, an eviction, another process on the same directory) is read whole, old or
 new, never half of each. A file that does
@@ -40,7 +40,7 @@ from safetensors.torch import load as load_bytes
 from safetensors.torch import save_file
 
 from producer.chunk_store import ChunkEntry, Index, Slot
-from shared import chunks, logs, torch_threads
+from shared import logs, torch_threads
 
 log = logs.get("producer.disk_tier")
 FORMAT = "scd.chunk.v1"
@@ -147,8 +147,9 @@ class DiskTier:
                 "sha256": checksum(tensors),
                 "order": json.dumps(list(tensors)),  # the entry's tensor order (a stream's payload order)
             }
-            if entry.tokens:  # its token ids (they hash to its key): read back, it is announced in KV events
+            if entry.tokens:  # its token ids, checksummed: read back, it is announced in KV events
                 meta["tokens"] = json.dumps(list(entry.tokens))
+                meta["tokens_sha256"] = hashlib.sha256(meta["tokens"].encode()).hexdigest()
             save_file(tensors, str(tmp), metadata=meta)
             nbytes = tmp.stat().st_size
             with self._lock:
@@ -195,9 +196,10 @@ class DiskTier:
             order = json.loads(meta.get("order") or "[]") or sorted(tensors)
             if sorted(order) != sorted(tensors):
                 raise ValueError("tensor order names other tensors than the file holds")
-            tokens = tuple(int(t) for t in json.loads(meta.get("tokens") or "[]"))
-            if tokens and chunks.chunk_key(meta["parent"], tokens) != key:
-                raise ValueError("token ids that do not hash to the key")
+            text = meta.get("tokens") or ""
+            if text and meta.get("tokens_sha256") != hashlib.sha256(text.encode()).hexdigest():
+                raise ValueError("token ids fail their checksum")
+            tokens = tuple(int(t) for t in json.loads(text or "[]"))
             entry = ChunkEntry(key, meta["parent"], int(meta["end"]), {name: tensors[name] for name in order}, tokens)
         except Exception as exc:  # truncated, flipped, unparsable: never served
             with self._lock:

@@ -182,9 +182,9 @@ async def test_a_running_request_holding_evicted_chunks_is_counted_until_it_ends
 
 
 def test_a_chunk_read_back_from_disk_keeps_its_token_ids_and_is_announced_again(tmp_path):
-    """A context's chunk written with its token ids reads back with them (checked to hash to its
-    key) and, promoted into RAM, is announced as stored in the KV events like any chunk; a file
-    whose token ids were altered is dropped as corrupt, never announced."""
+    """A context's chunk written with its token ids reads back with them (checksummed) and,
+    promoted into RAM, is announced as stored in the KV events like any chunk; a file whose token
+    ids were altered is dropped as corrupt, never announced."""
     from shared import chunks
 
     class Announced:
@@ -207,8 +207,9 @@ def test_a_chunk_read_back_from_disk_keeps_its_token_ids_and_is_announced_again(
     store = ChunkStore(1 << 20, disk=tier, events=events)
     assert store.get(key) is not None  # from disk into RAM
     assert seen.stored == [(key, "root", 0, tokens)]
-    # the token ids are checked: a file naming others is corrupt
-    other = ChunkEntry(key, "root", 64, e.tensors, tuple(range(11, 75)))
-    tier.path(key).write_bytes(written(tmp_path, "other", other))
+    # the token ids are checked: a file naming others than its checksum is corrupt
+    data = tier.path(key).read_bytes()
+    tier.path(key).write_bytes(data.replace(b'"tokens":"[10, 11', b'"tokens":"[12, 11', 1))
+    assert tier.path(key).read_bytes() != data
     assert tier.read(key) is None and tier.corrupt == 1
     tier.close()
