@@ -52,8 +52,10 @@ from shared.kv import Capture, LayerState
 
 Layout = dict[str, tuple[int, int]]
 # A continuation from a stored tail starts at a multiple of this many tokens: measured on this
-# project's CPU (tiny-llama, float32), a forward continued at a multiple of 16 gives bitwise the
-# K/V of a whole prefill, at any other offset they differ by ~1.5e-6 (kernel blocking).
+# project's CPU (tiny-llama, float32), a forward continued at a multiple of 16 gave bitwise the
+# K/V of a whole prefill at the lengths first measured, at any other offset they differ by ~1.5e-6
+# (kernel blocking). Not bitwise at every length (150 -> 230 tokens: ~2e-6): a continuation equals
+# a whole prefill within float rounding (docs/design.md, tests/test_prefix_reuse.py).
 TAIL_ALIGN = 16
 
 
