@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 import grpc
@@ -60,7 +60,7 @@ class CallWatch:
         when the watch ends the call during a write."""
         self._held = messages
 
-    async def stream(self, messages: AsyncGenerator[Any, None]) -> AsyncIterator[Any]:
+    async def stream(self, messages: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
         """The handler's loop over `messages` (which `releases` names): each message handed out
         inside `writing`; once the watch closes `messages` itself, the loop waits for that close
         and ends, never resuming the generator meanwhile."""
