@@ -271,6 +271,7 @@ async def test_max_completion_tokens_and_stream_options(pair):
     assert reply["usage"]["completion_tokens"] == 3
     events = await stream(pair, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
     assert events[-2]["usage"]["completion_tokens"] == 3 and events[-2]["choices"] == []
+    assert all(e["usage"] is None for e in events[:-2])  # as OpenAI sends them: null until the usage chunk
     last = next(e for e in reversed(events[:-1]) if e["choices"])
     assert last["choices"][0]["finish_reason"] == "length" and last["scd"]["generated_tokens"] == 3
     events = await stream(pair, "/v1/chat/completions", body)

@@ -412,6 +412,7 @@ class OpenAIServer:
         reply = Reply(
             f"{kind}-{rid}", self.model_id(), chat, len(ids), loaded.tokenizer, seed, echo, token_bytes=self._token_bytes
         )
+        reply.include_usage = params.include_usage
         generate = schema.generate_request(rid, context, question, params, seed)
         items = self.servicer.generate_items(generate, self.config.default_timeout_s, _Caller(request), received, params.extras)
         with structlog.contextvars.bound_contextvars(request_id=rid):

@@ -65,6 +65,7 @@ class Reply:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     result: GenerateResult | None = None
+    include_usage: bool = False  # stream_options.include_usage: every chunk carries usage (null until the last)
     token_bytes: TokenBytes | None = None  # each id's own bytes (logprobs' bytes and text offsets); None: made here
     offsets: CharOffsets = field(init=False)  # completions' text_offset of the next token
 
@@ -157,6 +158,8 @@ class Reply:
         if ids is not None:
             choice["token_ids"] = ids
         out = {**self._envelope(True), "choices": [choice]}
+        if self.include_usage:  # OpenAI: null on every chunk but the usage chunk
+            out["usage"] = None
         if finish is not None:
             out["scd"] = self.scd()
         return out
