@@ -410,9 +410,16 @@ class OpenAIServer:
         if self._token_bytes is None or self._token_bytes.tokenizer is not loaded.tokenizer:
             self._token_bytes = TokenBytes(loaded.tokenizer)  # one per model: its cache is bounded by the vocabulary
         reply = Reply(
-            f"{kind}-{rid}", self.model_id(), chat, len(ids), loaded.tokenizer, seed, echo, token_bytes=self._token_bytes
+            f"{kind}-{rid}",
+            self.model_id(),
+            chat,
+            len(ids),
+            loaded.tokenizer,
+            seed,
+            echo,
+            include_usage=params.include_usage,
+            token_bytes=self._token_bytes,
         )
-        reply.include_usage = params.include_usage
         generate = schema.generate_request(rid, context, question, params, seed)
         items = self.servicer.generate_items(generate, self.config.default_timeout_s, _Caller(request), received, params.extras)
         with structlog.contextvars.bound_contextvars(request_id=rid):

@@ -127,8 +127,9 @@ class PrefixKeys:
         chunks, when it can: the codec's decoder takes such a stream, the producer cuts its chunks as
         we do, this codec's payloads cut along tokens there, and an earlier stream of this codec and
         options, from the producer the link sees now, told us its identity, dtype and codec metadata
-        (its prefix key is computed from them and `producer_tenant`, the tenant the producer files this request under), and that
-        metadata is the `metadata` the cached chunks were looked up under."""
+        (its prefix key is computed from them and `producer_tenant`, the tenant the producer files
+        this request under), and that metadata is the `metadata` the cached chunks were looked up
+        under."""
         if not cached_chunks or self.chunk_tokens is None or not codec.partial_streams:
             return None
         seen = self.stream_roots.get(stream_key(codec, options))
