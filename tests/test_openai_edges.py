@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 
 from consumer.api import openai_reply
+from consumer.api.openai_chat import read_messages
 from consumer.api.token_bytes import CharOffsets, TokenBytes
 from consumer.engine.decoding import TokenLogprobs
 from shared.models import load_model
@@ -125,3 +126,11 @@ def test_token_bytes_join_into_the_text_and_offsets_point_at_characters(model):
     completion = openai_reply.Reply("c", "m", False, 1, tokenizer, 0, echo="ab")
     first, rest = completion.format_logprobs(records[:3]), completion.format_logprobs(records[3:])
     assert first["text_offset"] + rest["text_offset"] == [2 + a for a in at]
+
+
+def test_text_parts_of_one_message_are_joined_by_newlines_as_vllm_joins_them():
+    parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+    (message,) = read_messages({"messages": [{"role": "user", "content": parts}]})
+    assert message == {"role": "user", "content": "first\nsecond"}
+    (one,) = read_messages({"messages": [{"role": "user", "content": parts[:1]}]})
+    assert one["content"] == "first"

@@ -53,6 +53,8 @@ def read_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
 
 
 def _content(content: Any, i: int) -> str:
+    """A message's text; a list of text parts is joined by newlines, as vLLM's server joins them
+    (concatenated, "a" and "b" would read as one word "ab")."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -64,7 +66,7 @@ def _content(content: Any, i: int) -> str:
                 extra = next(k for k in part if k not in ("type", "text"))
                 raise BadField(f"messages[{i}].content[{j}].{extra}", "unrecognized")
             parts.append(part["text"])
-        return "".join(parts)
+        return "\n".join(parts)
     raise InvalidArgument(f"messages[{i}].content: must be a string or a list of text parts")
 
 
