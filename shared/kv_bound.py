@@ -104,3 +104,48 @@ def layer_bounds(model: Any, hidden_size: int, num_kv_heads: int, head_dim: int)
         norm = math.hypot(key_norm, float(rows_v.norm()))  # R: ||[k_pre | v]||_2, one token
         out.append(LayerBound(MARGIN * keys, MARGIN * values, MARGIN * max(s, 1.0) * 3 * norm))
     return tuple(out)
+
+
+# Activations whose magnitude never exceeds their input's: |act(x)| <= |x| (SiLU, GELU, ReLU).
+_CONTRACTING_ACTS = frozenset({"silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu"})
+
+
+def hidden_bounds(model: Any, hidden_size: int) -> tuple[float, ...]:
+    """Per layer i, the most |element| of the residual stream entering layer i may reach (MARGIN
+    included): what a recompute stream's `hidden` payload is held to, so a finite but absurd
+    state (1e30, whose square overflows the RMSNorm into zero K/V) fails the request.
+
+    The stream starts as a token embedding (its largest |element|) and each layer adds an
+    attention and an MLP output. Attention's is o_proj of a convex combination of values, each
+    element at most the layer's largest value row bound V (module doc): |o_j| <= V ||W_o,j||_1 +
+    |b_j|. The MLP's input is normalized too, so gate and up rows are bounded as K/V rows are
+    (g_j, u_j); an activation with |act(x)| <= |x| makes |act(gate) up|_j <= g_j u_j, and the
+    output |m_i| <= sum_j |W_down,ij| g_j u_j + |b_i|. A layer this cannot read (another norm,
+    activation or MLP shape) leaves every later layer without a limit (inf)."""
+    act = str(getattr(model.config, "hidden_act", ""))
+    out = []
+    running = float(model.model.embed_tokens.weight.detach().float().abs().max())
+    for layer in model.model.layers:
+        out.append(MARGIN * running)
+        if not math.isfinite(running):
+            continue
+        attn: Any = layer.self_attn
+        mlp: Any = getattr(layer, "mlp", None)
+        w_in = _rms_weight(layer.input_layernorm, hidden_size)
+        w_post = _rms_weight(getattr(layer, "post_attention_layernorm", None), hidden_size)
+        parts = ("gate_proj", "up_proj", "down_proj")
+        if w_in is None or w_post is None or act not in _CONTRACTING_ACTS or not all(hasattr(mlp, p) for p in parts):
+            running = math.inf
+            continue
+        values = float(_row_bounds(attn.v_proj, w_in).max())
+        o_proj = attn.o_proj
+        attn_rows = o_proj.weight.detach().float().abs().sum(dim=1) * values
+        if getattr(o_proj, "bias", None) is not None:
+            attn_rows = attn_rows + o_proj.bias.detach().float().abs()
+        inner = _row_bounds(mlp.gate_proj, w_post) * _row_bounds(mlp.up_proj, w_post)  # [intermediate]
+        down = mlp.down_proj
+        mlp_rows = down.weight.detach().float().abs() @ inner
+        if getattr(down, "bias", None) is not None:
+            mlp_rows = mlp_rows + down.bias.detach().float().abs()
+        running += float(attn_rows.max()) + float(mlp_rows.max())
+    return tuple(out)

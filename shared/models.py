@@ -82,6 +82,11 @@ class LoadedModel:
         info = self.info
         return kv_bound.layer_bounds(self.model, info.hidden_size, info.num_kv_heads, info.head_dim)
 
+    @functools.cached_property
+    def hidden_bounds(self) -> tuple[float, ...]:
+        """Per layer, the most |element| of the residual stream entering it (shared.kv_bound), once."""
+        return kv_bound.hidden_bounds(self.model, self.info.hidden_size)
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":

@@ -17,7 +17,7 @@ from consumer.server import ConsumerServer
 from shared.config import ConsumerConfig
 from shared.pb import common_pb2, producer_pb2, producer_pb2_grpc
 
-Script = Callable[[producer_pb2.PrefillRequest], list]  # request -> messages; an int entry: sleep that many seconds
+Script = Callable[[producer_pb2.PrefillRequest], list]  # request -> messages; a number: sleep; a status or (status, details): abort
 
 
 def copy(message):
@@ -97,6 +97,8 @@ class HostileProducer(producer_pb2_grpc.ProducerServiceServicer):
                 await asyncio.sleep(item)
             elif isinstance(item, grpc.StatusCode):
                 await context.abort(item, "refused by 10.1.2.3:50051 (internal detail)")
+            elif isinstance(item, tuple):  # (status, details)
+                await context.abort(*item)
             else:
                 yield item
 

@@ -175,3 +175,54 @@ def test_non_finite_values_are_still_named_as_such(models):
         jobs = raw_jobs(loaded, [8, 8], lambda i, k, v, bad=bad: v.__setitem__((0, 7, 15), bad) if i == 0 else None)
         errors, _ = add_layers(jobs)
         assert "layer 1: rebuilt values hold non-finite values" in str(errors[0]) and errors[1] is None
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_the_residual_stream_never_passes_its_limit(models, name):
+    """Every layer's input in a forward from token embeddings, and from embeddings aimed at the
+    bound (every element +-max|E|, or one-hot at it), stays within hidden_bounds."""
+    loaded = models[(name, "float32")]
+    bounds = loaded.hidden_bounds
+    assert len(bounds) == loaded.info.num_layers and all(math.isfinite(b) for b in bounds)
+    top = float(loaded.model.model.embed_tokens.weight.detach().abs().max())
+    g = torch.Generator().manual_seed(0)
+    d = loaded.info.hidden_size
+    embeds = [
+        loaded.model.model.embed_tokens(torch.randint(0, 100, (1, 48), generator=g)),
+        top * torch.sign(torch.randn(1, 48, d, generator=g)),
+        top * torch.eye(d)[None, :48],
+    ]
+    with torch.inference_mode():
+        for x in embeds:
+            states = loaded.model(inputs_embeds=x, output_hidden_states=True).hidden_states[:-1]  # each layer's input
+            for layer, (h, limit) in enumerate(zip(states, bounds)):
+                assert float(h.abs().max()) <= limit, (layer, float(h.abs().max()), limit)
+
+
+@pytest.mark.parametrize("value", [1e30, 3e38, "past", "nan"])
+def test_a_recompute_hidden_state_past_its_limit_fails_naming_the_payload(models, value):
+    """A recompute stream's `hidden` at 1e30 (its square overflows the RMSNorm into zero K/V, which
+    pass every K/V limit) or 3e38 or 2% past the limit is DataLoss naming the layer, the payload and
+    the limit; NaN is named as non-finite; the true hidden state of a forward is accepted."""
+    loaded = models[("tiny-llama", "float32")]
+    info = loaded.info
+    codec = create_codecs(loaded, ["recompute"])["recompute"]
+    ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        true = loaded.model(ids, output_hidden_states=True).hidden_states[1][0]  # entering layer 1
+    limit = loaded.hidden_bounds[1]
+    bad = true.clone()
+    if value == "past":
+        bad[3, 5] = -limit * 1.02
+    elif value == "nan":
+        bad[0, 0] = math.nan
+    else:
+        bad.fill_(value)
+    for hidden, ok in ((true, True), (bad, False)):
+        decoder = codec.decoder(StreamInfo(info.num_layers, 12, "float32", {"start": "1", "end": "2"}))
+        (error,), _ = add_layers([LayerJob(decoder, 1, {"hidden": hidden})])
+        if ok:
+            assert error is None and {1} <= decoder.received
+            continue
+        assert isinstance(error, DataLoss) and str(error).startswith("layer 1: payload 'hidden' values"), error
+        assert ("non-finite" in str(error)) if value == "nan" else (f"past {limit:.4g}" in str(error)), error

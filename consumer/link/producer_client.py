@@ -70,7 +70,17 @@ _MAPPED: dict[grpc.StatusCode, tuple[type[ServiceError], str]] = {
 # address-like text removed; for transport-level codes the details (connection errors, peers,
 # internal messages) only go to the consumer's log.
 _PASS_DETAILS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS}
-_ADDRESS = re.compile(r"(?:(?:ipv[46]|dns|unix):/*)?\[?[\w.\-:]*[\w\]]:\d{1,5}\b")
+_ADDRESS = re.compile(
+    r"\b[a-z][a-z0-9+.\-]*://\S+"  # a URL: http://internal.corp/x, unix:///var/run/p.sock
+    r"|\bunix(?:-abstract)?:\S+"  # a unix socket target: unix:/path, unix:relative
+    r"|(?:(?:ipv[46]|dns):/*)?\[?[\w.\-:]*[\w\]]:\d{1,5}\b"  # host:port, [v6]:port, ipv4:a.b.c.d:port
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}\b"  # a bare IPv4 address
+    r"|\[[0-9a-fA-F:.]+\]",  # a bracketed IPv6 address
+    re.IGNORECASE,
+)
+# grpc's own words for a message past a receive limit, on either side of the call
+_TOO_LARGE = re.compile(r"received message larger than max \((\d+) vs\. (\d+)\)", re.IGNORECASE)
+RECEIVE_LIMIT = dict(GRPC_OPTIONS)["grpc.max_receive_message_length"]
 
 
 def upstream_error(exc: grpc.aio.AioRpcError, transport: str = "plaintext", link_problem: str = "") -> ServiceError:
@@ -80,6 +90,15 @@ def upstream_error(exc: grpc.aio.AioRpcError, transport: str = "plaintext", link
     cls, what = _MAPPED.get(exc.code(), (Unavailable, "producer failed"))
     details = (exc.details() or "")[:300]
     log.warning("producer.call_failed", code=exc.code().name, details=details)
+    too_large = _TOO_LARGE.search(details) if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+    if too_large is not None:  # a broken peer, not a busy one: never retried as "overloaded"
+        size, limit = int(too_large.group(1)), int(too_large.group(2))
+        if limit == RECEIVE_LIMIT:  # this channel's own limit: the producer's message
+            return DataLoss(
+                f"producer sent a message of {size} bytes, past this consumer's receive limit of {limit} bytes"
+                " (grpc.max_receive_message_length; a producer's payload chunks are <= 4 MiB)"
+            )
+        return FailedPrecondition(f"producer refused a request of {size} bytes: its receive limit is {limit} bytes")
     named = failure(exc.code(), details, transport)
     if named is not None:
         return named

@@ -113,9 +113,12 @@ class _Layer:
     nbytes: int = 0
 
 
+MAX_TRAILER_MS = 86_400_000.0  # one day: a producer's timing past it is corrupt, not slow (it feeds the auto planner)
+
+
 def _finite(value: float, name: str) -> float:
-    if value != value or value in (float("inf"), float("-inf")) or value < 0:
-        raise DataLoss(f"trailer.{name}: {value} is not a finite number >= 0")
+    if value != value or not 0 <= value <= MAX_TRAILER_MS:
+        raise DataLoss(f"trailer.{name}: {value} is not a number of milliseconds in 0..{MAX_TRAILER_MS:.0f} (one day)")
     return value
 
 
@@ -277,6 +280,9 @@ class StreamReader:
                 f"header.codec_metadata: more than {MAX_METADATA_ENTRIES} entries or an entry longer than "
                 f"{MAX_METADATA_CHARS} characters"
             )
+        for described, value in h.producer.ListFields():  # kept per request (and by the auto planner's memo)
+            if isinstance(value, str) and len(value) > MAX_METADATA_CHARS:
+                raise DataLoss(f"header.producer.{described.name}: {len(value)} characters, more than {MAX_METADATA_CHARS}")
         kept = self._kept(h)
         stream = StreamInfo(
             h.num_layers,
@@ -429,6 +435,11 @@ class StreamReader:
         for name in ("reused_tokens", "computed_tokens"):
             if getattr(t, name) > self.expect.num_tokens:
                 raise DataLoss(f"trailer.{name}={getattr(t, name)} > the context's {self.expect.num_tokens} tokens")
+        if t.reused_tokens + t.computed_tokens > self.expect.num_tokens:
+            raise DataLoss(
+                f"trailer.reused_tokens={t.reused_tokens} + computed_tokens={t.computed_tokens} > the context's "
+                f"{self.expect.num_tokens} tokens (each token is reused or computed, once)"
+            )
         self.state = "done"
         events.append(
             StreamTrailer(

@@ -136,14 +136,22 @@ class KVDecoder(CacheDecoder):
 def _out_of_bounds(layer: int, checks) -> DataLoss | None:
     """The first (name, peak, limit) whose peak is not finite or past its limit, as DataLoss."""
     for name, peak, limit in checks:
-        if not math.isfinite(peak):
-            return DataLoss(f"layer {layer}: rebuilt {name} hold non-finite values (corrupt payload)")
-        if peak > limit:
-            return DataLoss(
-                f"layer {layer}: rebuilt {name} reach |{peak:.4g}|, past {limit:.4g}, the most this consumer's "
-                f"layer {layer} can produce ({kv_bound.MARGIN:g}x the bound from its weights, shared.kv_bound; "
-                "corrupt payload)"
-            )
+        error = past_limit(f"layer {layer}: rebuilt {name}", peak, limit, f"the most this consumer's layer {layer} can produce")
+        if error is not None:
+            return error
+    return None
+
+
+def past_limit(subject: str, peak: float, limit: float, meaning: str, bound: str = "shared.kv_bound") -> DataLoss | None:
+    """DataLoss naming `subject` when its peak |value| is not finite or past `limit` (what `meaning`
+    says it is: MARGIN x a bound from the consumer's weights, `bound`); None when inside."""
+    if not math.isfinite(peak):
+        return DataLoss(f"{subject} hold non-finite values (corrupt payload)")
+    if peak > limit:
+        return DataLoss(
+            f"{subject} reach |{peak:.4g}|, past {limit:.4g}, {meaning} ({kv_bound.MARGIN:g}x the bound from its "
+            f"weights, {bound}; corrupt payload)"
+        )
     return None
 
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 import torch
 
-from shared import layers
+from shared import finite, layers
 from shared.codecs.base import (
     CacheDecoder,
     Capture,
@@ -35,7 +35,7 @@ from shared.codecs.base import (
     StreamInfo,
     register,
 )
-from shared.codecs.raw import KV_LAYOUT, KVDecoder, kv_payloads, kv_schema
+from shared.codecs.raw import KV_LAYOUT, KVDecoder, kv_payloads, kv_schema, past_limit
 from shared.errors import DataLoss, InvalidArgument
 
 
@@ -130,11 +130,29 @@ class RecomputeDecoder(KVDecoder):
 
     def add_layer(self, layer: int, payloads: dict[str, torch.Tensor]) -> None:
         if layer == self.start:
-            span_kv = layers.run_layers(self.loaded, payloads["hidden"].to(self.loaded.device), self.start, self.end)
+            hidden = payloads["hidden"].to(self.loaded.device)
+            self.check_hidden(layer, hidden)
+            span_kv = layers.run_layers(self.loaded, hidden, self.start, self.end)
             for offset, (keys, values) in enumerate(span_kv):
                 self.store(self.start + offset, keys, values)  # the consumer's own K/V for the span
         elif not self.start < layer < self.end:
             self.store(layer, payloads["k"], payloads["v"])
+
+    def check_hidden(self, layer: int, hidden: torch.Tensor) -> None:
+        """DataLoss unless `hidden` is finite and within what a residual stream entering `layer` can
+        hold (shared.kv_bound.hidden_bounds): a finite but absurd state (1e30) would overflow the
+        layer's RMSNorm into zero K/V that pass every K/V limit."""
+        (peak,) = finite.peaks([hidden])
+        meaning = f"the most a residual stream entering this consumer's layer {layer} can hold"
+        error = past_limit(
+            f"layer {layer}: payload 'hidden' values",
+            peak,
+            self.loaded.hidden_bounds[layer],
+            meaning,
+            "shared.kv_bound.hidden_bounds",
+        )
+        if error is not None:
+            raise error
 
 
 @register
