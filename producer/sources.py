@@ -75,9 +75,12 @@ class Sources:
         if config.chunk_tokens:
             disk = None
             if config.store_disk_dir and config.store_disk_bytes:
-                disk = DiskTier(
-                    config.store_disk_dir, config.store_disk_bytes, config.store_eviction, config.store_disk_queue_bytes
-                )
+                try:
+                    disk = DiskTier(
+                        config.store_disk_dir, config.store_disk_bytes, config.store_eviction, config.store_disk_queue_bytes
+                    )
+                except OSError as exc:  # not a directory, not writable: a start-up failure naming the flag
+                    raise ValueError(f"--store-disk-dir {config.store_disk_dir}: {exc.strerror or exc}") from None
             # KV events (--kv-events-endpoint): the RAM tier's chunks as vLLM blocks, medium CPU (host memory)
             self.events = KVEventPublisher.from_config(config, medium="CPU")
             self.chunks = ChunkStore(config.store_bytes, config.store_eviction, disk, self.events)

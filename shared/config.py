@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import inspect
 import os
 import re
@@ -304,6 +305,11 @@ class ConsumerConfig(ServerConfig):
             raise ValueError("audit_threshold: must be > 0")
         if self.default_timeout_s <= 0:
             raise ValueError("default_timeout_s: must be > 0")
+        if not self.producer or any(c.isspace() or not c.isprintable() for c in self.producer):
+            raise ValueError(
+                f"producer: {self.producer!r} is not a gRPC target (host:port, dns:///host:port, ipv4:a:p,b:p, unix:/path;"
+                " no spaces)"
+            )
         if self.producer_lb not in LB_POLICIES:
             raise ValueError(f"producer_lb: {self.producer_lb!r} not in {LB_POLICIES}")
         if bool(self.producer_tls_cert) != bool(self.producer_tls_key):
@@ -409,9 +415,25 @@ def parser_for(cls: type[C], service: str, env: Mapping[str, str]) -> argparse.A
     return parser
 
 
+def _unknown_variables(cls: type, service: str, env: Mapping[str, str]) -> None:
+    """FlagError for an SCD_<SERVICE>_* variable that names no setting (a misspelled one would
+    otherwise leave its setting at the default, silently), as an unknown flag is one. Compose's
+    host-side port publishing variables (`*_PUBLISH`) are not settings and are let through."""
+    prefix = f"SCD_{service.upper()}_"
+    names = {prefix + f.name.upper() for f in fields(cls)}
+    for var in sorted(env):
+        if var.startswith(prefix) and var not in names and not var.endswith("_PUBLISH"):
+            near = difflib.get_close_matches(var, sorted(names), n=1)
+            hint = f"; did you mean {near[0]}?" if near else ""
+            raise FlagError(
+                f"{var}: not a setting of the {service}{hint} (python -m {service} --help lists them with their variables)"
+            )
+
+
 def load(cls: type[C], service: str, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> C:
     """Build `cls` from flags and SCD_<SERVICE>_<FIELD> environment variables, then validate."""
     env = os.environ if env is None else env
+    _unknown_variables(cls, service, env)
     parser = parser_for(cls, service, env)
     config = cls(**vars(parser.parse_args(argv)))
     config.validate()

@@ -329,7 +329,9 @@ class KVEventPublisher:
                 self.replay_endpoint = self.replay.endpoint
         except zmq.ZMQError as e:
             self._close_sockets()
-            raise ValueError(f"kv events: cannot open {endpoint!r} / {replay_endpoint!r}: {e}") from e
+            raise ValueError(
+                f"--kv-events-endpoint {endpoint!r} / --kv-events-replay-endpoint {replay_endpoint!r}: cannot open ({e})"
+            ) from e
         self._running = True
         # sequence 0 of every start: a router drops what it held from this endpoint before a restart
         self.queue.put_nowait(("cleared",))

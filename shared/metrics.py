@@ -313,30 +313,15 @@ class Metrics:
             )
             info.add_metric([model_name, str(pool.block_tokens), str(pool.num_blocks), str(prefix is not None)], 1)
             yield info
-            if events is not None:
-                counters = [
-                    ("scd_kv_events_batches", "KV event batches published (shared.kv_events)", events.batches),
-                    ("scd_kv_events_events", "KV events published", events.events),
-                    ("scd_kv_events_dropped", "KV event records dropped: the publisher queue was full", events.dropped),
-                ]
-                if (replay := events.replay) is not None:
-                    counters += [
-                        ("scd_kv_events_replays", "replay answers sent to their end (shared.kv_events_replay)", replay.replays),
-                        ("scd_kv_events_replays_ignored", "malformed replay requests ignored", replay.ignored),
-                        (
-                            "scd_kv_events_replays_abandoned",
-                            "replay answers dropped: the reader left or stopped reading",
-                            replay.abandoned,
-                        ),
-                    ]
-                yield from unlabelled(CounterMetricFamily, *counters)
+            yield from _kv_event_families(events)
 
         self.registry.register(_Callback(families))
 
     def watch_prefill(self, servicer) -> None:
         """The producer's prefill engine: single-flight joins, batched forwards and the contexts
         they prefilled, prefills waiting for the compute thread (read from the servicer at
-        scrape time; zero until its model is attached)."""
+        scrape time; zero until its model is attached); with KV events on, their counters as the
+        consumer's (scd_kv_events_*)."""
 
         def families():
             engine = getattr(servicer, "engine", None)
@@ -355,6 +340,7 @@ class Metrics:
                 ("scd_prefill_waiting", "cold prefills waiting for the compute thread", len(engine.waiting) if engine else 0),
             )
             yield from _store_tiers(servicer)
+            yield from _kv_event_families(servicer.sources.events)
 
         self.registry.register(_Callback(families))
 
@@ -505,6 +491,24 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
             wrap = _timed_generator if inspect.isasyncgenfunction(inner) else _timed_coroutine
             return handler._replace(unary_stream=wrap(inner, method, record))
         return handler
+
+
+def _kv_event_families(events):
+    """The KV event publisher's counters (shared.kv_events), none while it is off: both services'."""
+    if events is None:
+        return
+    counters = [
+        ("scd_kv_events_batches", "KV event batches published (shared.kv_events)", events.batches),
+        ("scd_kv_events_events", "KV events published", events.events),
+        ("scd_kv_events_dropped", "KV event records dropped: the publisher queue was full", events.dropped),
+    ]
+    if (replay := events.replay) is not None:
+        counters += [
+            ("scd_kv_events_replays", "replay answers sent to their end (shared.kv_events_replay)", replay.replays),
+            ("scd_kv_events_replays_ignored", "malformed replay requests ignored", replay.ignored),
+            ("scd_kv_events_replays_abandoned", "replay answers dropped: the reader left or stopped reading", replay.abandoned),
+        ]
+    yield from unlabelled(CounterMetricFamily, *counters)
 
 
 def _store_tiers(servicer):

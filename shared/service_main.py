@@ -108,15 +108,17 @@ async def _serve(service: str, cfg: ServerConfig, server_cls: type, loaded, fail
         logs.get(service).warning("startup.heap_trace", directory=os.environ[heap_trace.ENV], note="diagnostic: slow")
     # asyncio.to_thread's pool (store reads, plans, kernel builds) forms no OpenMP team (shared.torch_threads)
     asyncio.get_running_loop().set_default_executor(torch_threads.pinned_pool(None, f"{service}-io"))
-    server = server_cls(cfg)
+    server = None
     try:
+        server = server_cls(cfg)  # binds ports, opens the disk tier and KV event sockets
         await server.start()
         await server.load(loaded)
         startup.loaded_artifacts(service, server.servicer)
     except Exception as exc:  # one line, not a traceback: the message says what to fix
         failed.append(str(exc) if isinstance(exc, startup.StartupError) else f"{type(exc).__name__}: {exc}")
-        with contextlib.suppress(Exception):
-            await server.stop(0)
+        if server is not None:
+            with contextlib.suppress(Exception):
+                await server.stop(0)
         return
     await stop.wait()
     await server.stop()

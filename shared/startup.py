@@ -155,6 +155,11 @@ def check_ports(cfg: ServerConfig) -> None:
     ports = [("--port", cfg.port), ("--health-port", cfg.health_port), ("--metrics-port", cfg.metrics_port)]
     ports.append(("--http-port", getattr(cfg, "http_port", -1)))  # the consumer's OpenAI-compatible API
     named = [(flag, p) for flag, p in ports if p > 0]
+    try:  # the address itself, whatever the ports (a port of 0 binds any free one)
+        with socket.create_server((cfg.host, 0)):
+            pass
+    except OSError as exc:
+        raise StartupError(f"--host {cfg.host}: cannot listen on it ({exc.strerror or exc})") from None
     seen: dict[int, str] = {}
     for flag, port in named:
         if port in seen:

@@ -349,6 +349,11 @@ def _(rec, request):
     return [rec["raw"][0], rec["raw"][1], grpc.StatusCode.CANCELLED]
 
 
+@case("producer_gone_mid_stream", "raw", grpc.StatusCode.UNAVAILABLE, "producer connection lost mid-stream (UNAVAILABLE)")
+def _(rec, request):  # a plaintext producer killed mid-stream: "Socket closed" was read as a TLS mismatch
+    return [rec["raw"][0], rec["raw"][1], (grpc.StatusCode.UNAVAILABLE, "Socket closed")]
+
+
 @case("producer_internal_error", "raw", grpc.StatusCode.UNAVAILABLE, "producer failed (INTERNAL)")
 def _(rec, request):
     return [rec["raw"][0], grpc.StatusCode.INTERNAL]

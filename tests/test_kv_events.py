@@ -512,7 +512,7 @@ def stored_hashes(events) -> list[int]:
 async def pair():
     async with running_pair(
         "tiny-llama",
-        producer_kw={**EVENTS, "chunk_tokens": 32},
+        producer_kw={**EVENTS, "chunk_tokens": 32, "metrics_port": 0},
         consumer_kw={**EVENTS, "chunk_tokens": 32, "metrics_port": 0, "max_batch": 8},
     ) as p:
         yield p
@@ -580,6 +580,8 @@ async def test_the_producer_publishes_its_chunk_store_under_the_same_block_hashe
         chunks = pair.producer.servicer.chunks
         await asyncio.to_thread(chunks.clear)
         await sub.until(lambda evs: any(isinstance(e, AllBlocksCleared) for e in evs))
+        counted = scrape(pair.producer.server.metrics_port)  # the producer counts its events as the consumer does
+        assert counted["scd_kv_events_events_total"] == events.events >= len(want) and counted["scd_kv_events_dropped_total"] == 0
     finally:
         sub.close()
 

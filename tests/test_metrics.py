@@ -167,10 +167,11 @@ def test_audit_decisions_and_divergences_are_counted():
 
 
 def test_the_metrics_port_bounds_what_idle_peers_hold(monkeypatch):
-    """40 connections that never finish a request hold at most MAX_CONNECTIONS threads (the rest
-    are closed unread), each only until its socket times out; a scrape then succeeds. Before
-    (prometheus_client's server: a thread per connection, no timeout): 5000 such peers held 1359
-    threads, 946 still there after they left (the script in shared/metrics_http.py's commit)."""
+    """40 connections from one peer that never finish a request hold at most MAX_PER_PEER threads
+    (the rest are closed unread), each only until its time is up; a scrape from another address
+    succeeds meanwhile, and from the same one after. Before (prometheus_client's server: a thread
+    per connection, no timeout): 5000 such peers held 1359 threads, 946 still there after they
+    left (the script in shared/metrics_http.py's commit)."""
     monkeypatch.setattr(metrics_http._Handler, "timeout", 5.0)
     metrics = Metrics("test")
     port = metrics.serve(0, "127.0.0.1")
@@ -180,14 +181,59 @@ def test_the_metrics_port_bounds_what_idle_peers_hold(monkeypatch):
         for peer in peers:
             peer.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # the headers never end
         deadline = time.monotonic() + 4
-        while metrics.http.refused < 40 - metrics_http.MAX_CONNECTIONS and time.monotonic() < deadline:
+        while metrics.http.refused < 40 - metrics_http.MAX_PER_PEER and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert metrics.http.refused == 40 - metrics_http.MAX_CONNECTIONS
-        assert threading.active_count() - before <= metrics_http.MAX_CONNECTIONS
-        time.sleep(6.0)  # the held ones time out (no peer has to leave first)
+        assert metrics.http.refused == 40 - metrics_http.MAX_PER_PEER
+        assert threading.active_count() - before <= 2 * metrics_http.MAX_PER_PEER  # a handler and its timer each
+        assert b"scd_" in scrape_bytes(port, source="127.0.0.2")  # another address is served meanwhile
+        time.sleep(6.0)  # the held ones are cut (no peer has to leave first)
         assert threading.active_count() <= before
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-            assert b"scd_" in reply.read() or reply.status == 200
+        assert b"scd_" in scrape_bytes(port)
+    finally:
+        for peer in peers:
+            peer.close()
+        metrics.stop()
+
+
+def scrape_bytes(port: int, source: str = "127.0.0.1") -> bytes:
+    """GET /metrics from a chosen loopback source address (Linux routes all of 127/8 locally)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0)) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.0 200"), reply[:200]
+    return reply
+
+
+def test_a_peer_trickling_its_request_is_cut_at_the_connections_time(monkeypatch):
+    """A socket timeout restarts at every byte: MAX_CONNECTIONS peers from different addresses
+    sending one header byte a second held every slot for as long as they went on (every scrape
+    failed). A connection now lives at most TIMEOUT_S from its accept, whatever it sends."""
+    monkeypatch.setattr(metrics_http._Handler, "timeout", 2.0)
+    metrics = Metrics("test")
+    port = metrics.serve(0, "127.0.0.1")
+    peers = [
+        socket.create_connection(("127.0.0.1", port), source_address=(f"127.0.1.{i}", 0))
+        for i in range(1, metrics_http.MAX_CONNECTIONS + 1)
+    ]
+    try:
+        for peer in peers:
+            peer.sendall(b"GET /metrics HTTP/1.1\r\n")
+        cut = set()
+        start = time.monotonic()
+        while len(cut) < len(peers) and time.monotonic() - start < 6:
+            for i, peer in enumerate(peers):
+                if i in cut:
+                    continue
+                try:
+                    peer.sendall(b"X")  # one byte a tick: a socket timeout would never fire
+                except OSError:
+                    cut.add(i)
+            time.sleep(0.5)
+        assert len(cut) == len(peers), f"{len(peers) - len(cut)} trickling peers still held after {time.monotonic() - start:.1f} s"
+        assert time.monotonic() - start < 2.0 + 2.5
+        assert b"scd_" in scrape_bytes(port)
     finally:
         for peer in peers:
             peer.close()

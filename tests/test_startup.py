@@ -137,6 +137,48 @@ def test_busy_and_clashing_ports_are_named():
         startup.check_ports(ProducerConfig(port=50999, health_port=50999))
 
 
+def test_a_host_it_cannot_listen_on_is_named_whatever_the_ports():
+    with pytest.raises(startup.StartupError, match="--host 999.1.1.1: cannot listen on it"):
+        startup.check_ports(ProducerConfig(host="999.1.1.1", port=0))
+
+
+def test_what_the_server_opens_itself_fails_in_one_line_naming_the_flag(tmp_path):
+    """The producer's disk tier and KV event sockets open in its constructor: a file where the
+    directory should be, or an endpoint already bound, is the one-line start-up failure (it was a
+    traceback and exit 1)."""
+    (tmp_path / "file").write_text("not a directory")
+    proc = run_service("producer", "--model", "tiny-llama", "--device", "cpu", "--store-disk-dir", str(tmp_path / "file"),
+                       "--store-disk-bytes", "1000000")
+    assert_one_line_failure(proc, f"--store-disk-dir {tmp_path / 'file'}")
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        endpoint = f"tcp://*:{busy.getsockname()[1]}"  # tcp://*: binds (a host connects)
+        proc = run_service("producer", "--model", "tiny-llama", "--device", "cpu", "--kv-events-endpoint", endpoint)
+    assert_one_line_failure(proc, f"--kv-events-endpoint {endpoint!r}")
+
+
+@pytest.mark.parametrize("cls, service", [(ProducerConfig, "producer"), (ConsumerConfig, "consumer")])
+def test_a_misspelled_variable_of_the_service_is_refused_naming_the_likely_one(cls, service):
+    """SCD_<SERVICE>_* names the settings: one that names none (a typo) would leave its setting at
+    the default without a word, so it is refused as an unknown flag is; compose's host-side
+    *_PUBLISH variables are not settings and pass, as do other services' variables."""
+    prefix = f"SCD_{service.upper()}_"
+    with pytest.raises(config_lib.FlagError, match=f"{prefix}KV_EVENT_ENDPOINT: not a setting of the {service}; "
+                                                   f"did you mean {prefix}KV_EVENTS_ENDPOINT"):
+        config_lib.load(cls, service, [], env={f"{prefix}KV_EVENT_ENDPOINT": "tcp://*:5557"})
+    other = "SCD_CONSUMER_MAX_NEW_TOKENS" if service == "producer" else "SCD_PRODUCER_MAX_CHUNK_BYTES"
+    config_lib.load(cls, service, [], env={f"{prefix}HTTP_PUBLISH": "127.0.0.1:8000", other: "7", "SCD_CACHE_DIR": "/x"})
+
+
+@pytest.mark.parametrize("target", ["", "not a target:::", "host:50051\n"])
+def test_a_producer_target_grpc_cannot_read_is_refused_naming_the_setting(target):
+    with pytest.raises(ValueError, match="producer: .* is not a gRPC target"):
+        ConsumerConfig(producer=target).validate()
+    for fine in ("127.0.0.1:50051", "dns:///producer:50051", "ipv4:10.0.0.1:1,10.0.0.2:2", "unix:/run/p.sock", "[::1]:5"):
+        ConsumerConfig(producer=fine).validate()
+
+
 def test_a_certificate_that_does_not_match_its_key_is_named(tmp_path):
     ca = trustme.CA()
     one, two = ca.issue_cert("localhost"), ca.issue_cert("localhost")

@@ -83,11 +83,18 @@ _TOO_LARGE = re.compile(r"received message larger than max \((\d+) vs\. (\d+)\)"
 RECEIVE_LIMIT = dict(GRPC_OPTIONS)["grpc.max_receive_message_length"]
 
 
-def upstream_error(exc: grpc.aio.AioRpcError, transport: str = "plaintext", link_problem: str = "") -> ServiceError:
+def upstream_error(
+    exc: grpc.aio.AioRpcError, transport: str = "plaintext", link_problem: str = "", mid_stream: bool = False
+) -> ServiceError:
     """The consumer's error for a failed producer call (never the producer's address); a rejected
     token or a failed TLS handshake is named as such (consumer.link.readiness.failure), and an
-    unavailable producer carries the cause the last link check found, if any."""
+    unavailable producer carries the cause the last link check found, if any. `mid_stream`: the
+    producer had sent part of its stream, so the connection was set up (a closed socket is then a
+    producer gone, not a TLS mismatch)."""
     cls, what = _MAPPED.get(exc.code(), (Unavailable, "producer failed"))
+    if mid_stream and exc.code() == grpc.StatusCode.UNAVAILABLE:
+        log.warning("producer.call_failed", code=exc.code().name, details=(exc.details() or "")[:300])
+        return Unavailable("producer connection lost mid-stream (UNAVAILABLE)")
     details = (exc.details() or "")[:300]
     log.warning("producer.call_failed", code=exc.code().name, details=details)
     too_large = _TOO_LARGE.search(details) if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
@@ -193,13 +200,15 @@ class ProducerClient:
             request, timeout=timeout_s, metadata=(("x-request-id", request_id), (HASH_HEADER, context_hash(context_ids)))
         )
         self.streams_open += 1
+        received = False
         try:
             async for message in call:
+                received = True
                 for event in reader.feed(message):
                     yield event
             reader.end()
         except grpc.aio.AioRpcError as exc:
-            raise upstream_error(exc, self.transport, self.link_problem) from None
+            raise upstream_error(exc, self.transport, self.link_problem, mid_stream=received) from None
         finally:
             self.streams_open -= 1
             call.cancel()  # a no-op once the call ended; stops the producer on any error here
