@@ -110,6 +110,10 @@ def layer_bounds(model: Any, hidden_size: int, num_kv_heads: int, head_dim: int)
 _CONTRACTING_ACTS = frozenset({"silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu"})
 
 
+# Families whose residual stream starts as the embedding row itself (no multiplier).
+_PLAIN_EMBEDDINGS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
 def hidden_bounds(model: Any, hidden_size: int) -> tuple[float, ...]:
     """Per layer i, the most |element| of the residual stream entering layer i may reach (MARGIN
     included): what a recompute stream's `hidden` payload is held to, so a finite but absurd
@@ -121,10 +125,13 @@ def hidden_bounds(model: Any, hidden_size: int) -> tuple[float, ...]:
     |b_j|. The MLP's input is normalized too, so gate and up rows are bounded as K/V rows are
     (g_j, u_j); an activation with |act(x)| <= |x| makes |act(gate) up|_j <= g_j u_j, and the
     output |m_i| <= sum_j |W_down,ij| g_j u_j + |b_i|. A layer this cannot read (another norm,
-    activation or MLP shape) leaves every later layer without a limit (inf)."""
+    activation or MLP shape), or a family not known to start from the plain embedding row, leaves
+    every later layer without a limit (inf)."""
     act = str(getattr(model.config, "hidden_act", ""))
     out = []
     running = float(model.model.embed_tokens.weight.detach().float().abs().max())
+    if getattr(model.config, "model_type", "") not in _PLAIN_EMBEDDINGS:  # Gemma scales its embeddings, MiniCPM too
+        running = math.inf
     for layer in model.model.layers:
         out.append(MARGIN * running)
         if not math.isfinite(running):

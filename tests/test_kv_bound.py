@@ -226,3 +226,11 @@ def test_a_recompute_hidden_state_past_its_limit_fails_naming_the_payload(models
             continue
         assert isinstance(error, DataLoss) and str(error).startswith("layer 1: payload 'hidden' values"), error
         assert ("non-finite" in str(error)) if value == "nan" else (f"past {limit:.4g}" in str(error)), error
+
+
+def test_a_family_that_scales_its_embeddings_gets_no_hidden_limit():
+    """Gemma multiplies the embedding by sqrt(d): the plain rows' bound would refuse valid streams,
+    so a family not known to start from the plain row is held to finite values only."""
+    loaded = load_model("tiny-llama", "float32", "cpu")
+    loaded.model.config.model_type = "gemma"
+    assert all(b == math.inf for b in kv_bound.hidden_bounds(loaded.model, loaded.info.hidden_size))
