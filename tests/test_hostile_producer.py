@@ -185,6 +185,36 @@ def _(rec, request):
     return out
 
 
+@case("negative_quant_scale", "quant", DL, "layer 1: payload 'k_scale' holds negative scales", {"bits": "8"})
+def _(rec, request):  # decoded values below each group's min: bounded, but no encoder makes them
+    out = [copy(m) for m in rec["quant"]]
+    poke(out[chunks(out, "k_scale", layer=1)[0]], torch.float16, 0, -0.5)
+    return out
+
+
+@case("negative_int8_row_scale", "scd", DL, "holds negative scales", {"schedule": P8})
+def _(rec, request):
+    out = [copy(m) for m in rec["p8_scd"]]
+    poke(out[chunks(out, "x_scale", layer=1)[0]], torch.float16, 0, -0.01)
+    return out
+
+
+@case("int8_code_of_minus_128", "scd", DL, "layer 1: payload 'x' holds int8 codes of -128", {"schedule": P8})
+def _(rec, request):
+    out = [copy(m) for m in rec["p8_scd"]]
+    poke(out[chunks(out, "x", layer=1)[0]], torch.int8, 3, -128)
+    return out
+
+
+@case("layer_chunks_of_two_layers", "raw", DL, "layer_chunks: chunks of layers [0, 1] in one message")
+def _(rec, request):
+    out = [copy(m) for m in rec["raw"]]
+    first, second = chunks(out, layer=0), chunks(out, layer=1)
+    both = producer_pb2.PrefillResponse(layer_chunks=producer_pb2.LayerChunks(chunks=[out[i].chunk for i in first + second]))
+    rest = [m for i, m in enumerate(out) if i not in first + second]
+    return [rest[0], both, *rest[1:]]
+
+
 # --- payload schema and chunking ---------------------------------------------------------
 @case("dtype_label_lies", "raw", DL, "dtype 2, the codec sends torch.float32")
 def _(rec, request):
@@ -469,7 +499,7 @@ async def test_a_second_stream_prefix_cannot_touch_a_handed_over_layer(world):
 
 
 def test_every_contract_rule_has_a_case():
-    assert len(CASES) >= 28
+    assert len(CASES) >= 40
     assert {status for _, _, _, status, _ in CASES.values()} >= {DL, FP, grpc.StatusCode.UNAVAILABLE}
 
 

@@ -204,6 +204,11 @@ class StreamReader:
             nbytes = sum(len(c.data) for c in chunks)
             if not chunks:
                 raise DataLoss("layer_chunks: a message with no chunks")
+            if kind == "layer_chunks" and any(c.layer != chunks[0].layer for c in chunks):
+                raise DataLoss(
+                    f"layer_chunks: chunks of layers {sorted({c.layer for c in chunks})} in one message (the contract:"
+                    " consecutive chunks of one layer)"
+                )
             if kind == "layer_chunks" and nbytes > wire_bytes.MAX_MESSAGE_DATA:  # a chunk's own bound is checked below
                 raise DataLoss(
                     f"layer_chunks: {nbytes} data bytes in one message, more than {wire_bytes.MAX_MESSAGE_DATA} "

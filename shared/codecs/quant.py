@@ -73,6 +73,18 @@ def decode_quant(
     return quantize.decode_kv(on_device, bits, group_size, kv_shape)
 
 
+SCALES = ("k_scale", "v_scale")
+
+
+def check_payload(layer: int, name: str, payload: torch.Tensor) -> None:
+    """DataLoss for a quantized payload no encoder makes: a negative scale (quantize._quantize's
+    are >= 0: max - min, rounded up). Checked as the payload completes, before the layer is
+    handed over. A zero or tiny scale with any codes is not refused: it decodes to what some
+    valid encoding of those values would (a lie the stream's format cannot show; the audit's part)."""
+    if name in SCALES and bool((payload < 0).any()):
+        raise DataLoss(f"layer {layer}: payload '{name}' holds negative scales (an encoder's are >= 0)")
+
+
 def quant_layout(group_size: int) -> dict[str, tuple[int, int]]:
     """Token axes of the quantized payloads: codes and value scales per token, key scales per
     group of group_size tokens (chunks cut only at multiples of group_size)."""
@@ -109,6 +121,9 @@ class QuantDecoder(KVDecoder):
 
     def expected(self, layer: int) -> Schema:
         return quant_schema(self.kv_shape, self.bits, self.group_size)
+
+    def check(self, layer: int, name: str, payload: torch.Tensor) -> None:
+        check_payload(layer, name, payload)
 
     def add_layer(self, layer: int, payloads: dict[str, torch.Tensor]) -> None:
         keys, values = decode_quant(layer, payloads, self.kv_shape, self.bits, self.group_size, self.loaded.device)

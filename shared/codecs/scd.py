@@ -27,6 +27,7 @@ from shared.codecs.base import (
     StreamInfo,
     register,
 )
+from shared.codecs.quant import check_payload as check_quant
 from shared.codecs.raw import KVDecoder
 from shared.errors import DataLoss, FailedPrecondition, InvalidArgument
 from shared.scd import ops
@@ -90,6 +91,16 @@ class ScdDecoder(KVDecoder):
             self.stream.kv_torch_dtype,
             self.art.geometry.quant_group,
         )
+
+    def check(self, layer: int, name: str, payload: torch.Tensor) -> None:
+        """Payloads no encoder makes, refused as they complete: int8 codes of -128 (ops.int8_rows
+        clamps to -127..127), negative row scales, a quant action's negative scales."""
+        if self.schedule.actions[layer].kind == "quant":
+            check_quant(layer, name, payload)
+        elif payload.dtype == torch.int8 and name in ("z", "x") and bool((payload == -128).any()):
+            raise DataLoss(f"layer {layer}: payload '{name}' holds int8 codes of -128 (an encoder's are in -127..127)")
+        elif name in ("z_scale", "x_scale") and bool((payload < 0).any()):
+            raise DataLoss(f"layer {layer}: payload '{name}' holds negative scales (an encoder's are >= 0)")
 
     def audit_thresholds(self) -> tuple[float, ...] | None:
         return self.art.audit_thresholds(str(self.schedule))
