@@ -479,7 +479,13 @@ def main(argv: list[str] | None = None) -> None:
     config = json.loads((ROOT / pair.consumer / "config.json").read_text())
     total = summary(rows, records, entry.schedule if entry else "(artifact default)", args.audit_positions, config)
     total.update(pair=args.pair, producer=pair.producer.split("/")[-1], consumer=pair.consumer.split("/")[-1])
-    ran_on = {"weights": provenance.TRAINED, **provenance.artifact_fields(pair.artifact)}
+    ran_on = {
+        "weights": provenance.TRAINED,
+        "producer_model": pair.producer,
+        "consumer_model": pair.consumer,
+        "dtype": args.dtype,
+        **provenance.artifact_fields(pair.artifact),
+    }
     rows = [{**r, **ran_on} for r in rows]
     total.update(ran_on)
     if args.scale_tokens:  # after the services stopped: the timing has the machine to itself

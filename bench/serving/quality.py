@@ -329,7 +329,9 @@ def main() -> None:
                 chosen = pick_headline([r for r in validation if r["pair"] == pair], spec.max_gap)
                 record_default(artifact_path, chosen, spec.max_gap)
             pair_rows = [row for ctx in ctxs for row in asyncio.run(run_pair(address=c.address, n=args.n, ctx=ctx, **fixed))]
-        rows += label(pair_rows, chosen, args.select_on, artifact_path)
+        ran_on = {"producer_model": producer, "consumer_model": consumer, "dtype": args.dtype}  # what every row ran on
+        rows += [{**r, **ran_on} for r in label(pair_rows, chosen, args.select_on, artifact_path)]
+        validation = [{**r, **ran_on} if r["pair"] == pair else r for r in validation]
     done = {r["pair"] for r in rows}
     if args.merge and (args.out_dir / "quality.jsonl").exists():
         kept = [json.loads(line) for line in (args.out_dir / "quality.jsonl").read_text().splitlines() if line.strip()]
