@@ -222,7 +222,18 @@ def load(root: Path = ROOT) -> dict:
         "hol_text": hol_text,
         "max_rise": MAX_RISE_PCT_PER_ROUND,
         "readme": _load_readme(runs, at_defaults[0] if at_defaults else None, hol, defaults),
+        "command": _load_command(at_defaults[0] if at_defaults else (runs[0] if runs else None)),
     }
+
+
+LOAD_TEST_ROUNDS = 20  # bench.serving.load_test's --rounds default (what a plain `make load-test` runs)
+
+
+def _load_command(r: dict | None) -> str:
+    """The command that makes a row like `r`: `make load-test`, with --rounds when the row ran another count."""
+    if r is None or r.get("rounds", LOAD_TEST_ROUNDS) == LOAD_TEST_ROUNDS:
+        return "make load-test"
+    return f'make load-test LOAD_ARGS="--rounds {r["rounds"]}"'
 
 
 def _limits(r: dict) -> str:

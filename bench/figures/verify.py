@@ -165,6 +165,8 @@ def verify(root: Path = ROOT) -> dict:
         "speed_table": _speed_table(speed) if speed else "(no rows)",
         "verify_min_identical": min((r["identical_to_oracle"] for r in verified), default=float("nan")),
         "verify_sets": len(verified),
+        "verify_cost_lo": min((r["cost_ratio_vs_prefill"] for r in verified), default=float("nan")),
+        "verify_cost_hi": max((r["cost_ratio_vs_prefill"] for r in verified), default=float("nan")),
         "repair_best_shifted": max((r["identical_to_oracle"] for r in shifted_repair), default=float("nan")),
         "repair_worst_shifted": min((r["identical_to_oracle"] for r in shifted_repair), default=float("nan")),
         "repair_cost_small_lo": min((r["cost_ratio_vs_prefill"] for r in small), default=float("nan")),
