@@ -29,6 +29,19 @@ def test_budget_counts_as_kvpress_and_refuses_nonsense():
         parse_selection("knorm:0.5:sinks=x")
 
 
+def test_a_budgets_text_reads_back_as_itself_so_no_two_budgets_share_a_key():
+    """The text is part of the stores' keys (KeepRequest.label): fraction 1.0 printed as the count
+    "1" and 0.4999999 as "0.5", so requests keeping different counts shared a producer store entry
+    (the second one failed DATA_LOSS on the first one's replayed stream)."""
+    budgets = [Budget(fraction=1.0), Budget(count=1), Budget(fraction=0.5), Budget(fraction=0.4999999),
+               Budget(fraction=0.1), Budget(fraction=1e-7), Budget(count=256)]
+    assert [Budget.parse(str(b)) for b in budgets] == budgets
+    assert len({str(b) for b in budgets}) == len(budgets)
+    assert [str(b) for b in budgets[:3]] == ["1.0", "1", "0.5"]
+    labels = {parse_selection(f"h2o:{b}").label for b in budgets}
+    assert len(labels) == len(budgets)
+
+
 def test_protected_tokens_come_first_then_the_best_scores():
     T = 20
     s = torch.arange(T, 0, -1, dtype=torch.float32)[None].repeat(2, 1)  # early tokens score highest

@@ -107,6 +107,20 @@ async def test_another_selection_codec_config_or_context_never_hits(store):
         await settled(server)
 
 
+@pytest.mark.parametrize("store", list(STORES))
+async def test_budgets_whose_text_was_the_same_never_share_an_entry(store):
+    """Fraction 1.0 and the count 1 printed alike ("1"), as 0.5 and 0.4999999 did ("0.5"): the second
+    request was answered from the first one's stream (a consumer refused it: DATA_LOSS)."""
+    ids = contexts(2 * 64 + 40, seed=73)[0]
+    for first, second in (("h2o:1.0:window=8", "h2o:1:window=8"), ("h2o:0.5:window=8", "h2o:0.4999999:window=8")):
+        (want,) = await cold([(ids, second, RAW)])
+        async with single_flight.producer(**STORES[store]) as (server, stub):
+            await stream(stub, ids, first)  # stored
+            header, sent, trailer = await stream(stub, ids, second)
+            assert not trailer.store_hit and header.kept_tokens == want[0].kept_tokens and sent == want[1], (first, second)
+            await settled(server)
+
+
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory) -> str:
     model = load_model("tiny-llama", "float32", "cpu")

@@ -46,7 +46,11 @@ class Budget:
         return max(1, min(num_tokens, n))
 
     def __str__(self) -> str:
-        return str(self.count) if self.count is not None else f"{self.fraction:g}"
+        """What `parse` reads back as this budget, and nothing else: a count's digits, a fraction's
+        shortest exact repr (always with a '.' or an exponent: 1.0, 0.4999999). Keys are made of it:
+        `:g` printed fraction 1.0 as the count "1" and kept 6 digits, so two budgets keeping different
+        counts shared a producer store key."""
+        return str(self.count) if self.count is not None else repr(float(self.fraction or 0.0))
 
 
 def protected(num_tokens: int, sinks: int, window: int) -> torch.Tensor:
