@@ -133,3 +133,30 @@ def test_a_prefix_key_is_asked_only_under_the_metadata_the_cached_chunks_were_lo
     assert keys.partial(scd, {}, ids, 2, tenant, meta_a) is None
     assert keys.partial(scd, {}, ids, 2, tenant, meta_b) is not None
     assert keys.chain(scd, {}, ids, tenant)[0].key != under_a[0].key
+
+
+async def test_a_heterogeneous_pairs_scd_follow_up_asks_only_for_the_tail():
+    """The consumer learned an SCD stream's token layout from an encoder of its own, which a
+    heterogeneous pair's artifact cannot give it (it is calibrated for the producer's weights), so
+    an SCD follow-up on the QA pair re-sent the whole context. The layout now comes from the header's
+    artifact and schedule: the cached chunks are reused, only the tail is sent, and the answer is
+    a fresh pair's."""
+    from pathlib import Path
+
+    from shared.pb import common_pb2
+    from tests.conftest import running_pair
+
+    root = Path(__file__).resolve().parents[1]
+    kw = {"artifacts": str(root / "artifacts" / "qa-base-to-tuned.safetensors"), "chunk_tokens": 32}
+    ids = [(13 * i + 7) % 500 + 20 for i in range(200)]
+    spec = common_pb2.CodecSpec(name="scd", options={"schedule": "s2"})
+    fields = dict(question=prompt(ids=[30, 31, 32]), max_new_tokens=6, transfer=spec)
+    base, tuned = str(root / "checkpoints" / "qa-base"), str(root / "checkpoints" / "qa-tuned")
+    async with running_pair(base, tuned, producer_kw=kw, consumer_kw=kw) as pair:
+        await pair.client.generate(context=prompt(ids=ids[:64]), timeout=60, **fields)
+        follow = await pair.client.generate(context=prompt(ids=ids), timeout=60, **fields)
+    async with running_pair(base, tuned, producer_kw={**kw, "store_bytes": 0}, consumer_kw={**kw, "prefix_cache_bytes": 0}) as pair:
+        fresh = await pair.client.generate(context=prompt(ids=ids), timeout=60, **fields)
+    assert follow.stats.prefix_reused_tokens == 64 and fresh.stats.prefix_reused_tokens == 0
+    assert follow.stats.bytes_received < fresh.stats.bytes_received
+    assert list(follow.ids) == list(fresh.ids)

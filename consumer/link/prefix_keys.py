@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from shared import chunks
 from shared.codecs import Codec, EncodeRequest
-from shared.codecs.base import StreamInfo, chunk_layouts
+from shared.codecs.base import StreamInfo, cut_at_chunks
 from shared.errors import ServiceError
 from shared.models import ModelInfo
 
@@ -143,10 +143,10 @@ class PrefixKeys:
         ):
             return None
         try:
-            encoder = codec.encoder(options, EncodeRequest(len(context_ids), self.info.weight_digest))
+            layouts = codec.stream_layouts(options, seen.metadata, EncodeRequest(len(context_ids), self.info.weight_digest))
         except ServiceError:
             return None
-        if chunk_layouts(encoder, self.info.num_layers, size) is None:
+        if cut_at_chunks(layouts, size) is None:
             return None
         first = cached_chunks * size
         root = chunks.codec_root(

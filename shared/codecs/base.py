@@ -123,13 +123,19 @@ class LayerEncoder(ABC):
 def chunk_layouts(encoder: LayerEncoder, num_layers: int, chunk_tokens: int) -> list[dict[str, tuple[int, int]]] | None:
     """Every layer's token layout when all of them cut at multiples of chunk_tokens (each
     group divides it), else None."""
-    layouts = []
-    for layer in range(num_layers):
-        layout = encoder.token_layout(layer)
+    return cut_at_chunks([encoder.token_layout(layer) for layer in range(num_layers)], chunk_tokens)
+
+
+def cut_at_chunks(
+    layouts: Sequence[dict[str, tuple[int, int]] | None], chunk_tokens: int
+) -> list[dict[str, tuple[int, int]]] | None:
+    """The layouts when every layer's cut at multiples of chunk_tokens (each group divides it), else None."""
+    out = []
+    for layout in layouts:
         if layout is None or any(chunk_tokens % group for _, group in layout.values()):
             return None
-        layouts.append(layout)
-    return layouts
+        out.append(layout)
+    return out
 
 
 @dataclass(frozen=True)
@@ -277,6 +283,16 @@ class Codec(ABC):
     @abstractmethod
     def decoder(self, stream: StreamInfo) -> CacheDecoder:
         """The consumer's entry point; raises FailedPrecondition/DataLoss when the stream cannot be decoded here."""
+
+    def stream_layouts(
+        self, options: Mapping[str, str], metadata: Mapping[str, str], request: EncodeRequest
+    ) -> list[dict[str, tuple[int, int]] | None]:
+        """Per layer, the token layout (LayerEncoder.token_layout) of the stream a producer sends
+        for these resolved options, whose header named `metadata`: what a consumer needs to ask for
+        a stream's tail. Default: this side's own encoder's (the same codec computes the same
+        layouts); a ServiceError when this side cannot build one."""
+        encoder = self.encoder(options, request)
+        return [encoder.token_layout(layer) for layer in range(self.model.info.num_layers)]
 
 
 _REGISTRY: dict[str, type[Codec]] = {}

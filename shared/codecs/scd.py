@@ -240,6 +240,15 @@ class ScdCodec(Codec):
         }
         return ScdEncoder(art, schedule, meta)
 
+    def stream_layouts(
+        self, options: Mapping[str, str], metadata: Mapping[str, str], request: EncodeRequest
+    ) -> list[dict[str, tuple[int, int]] | None]:
+        """From the artifact and schedule the header named (as ScdEncoder.token_layout): a consumer
+        cannot build this pair's encoder, which needs the producer's weights."""
+        art = self._by_id(metadata.get("artifact", ""))
+        schedule = Schedule.parse(metadata.get("schedule", ""), art.num_layers)
+        return [ops.token_layout(action, art.geometry.quant_group) for action in schedule.actions]
+
     def decoder(self, stream: StreamInfo) -> CacheDecoder:
         """Accepts only the artifact calibrated for this producer (its header digest) and this
         consumer, and exactly the schedule the request's options choose from it."""
