@@ -415,14 +415,25 @@ def parser_for(cls: type[C], service: str, env: Mapping[str, str]) -> argparse.A
     return parser
 
 
+# what Kubernetes' service links put in a pod for a Service named scd-<service>: SERVICE_HOST,
+# SERVICE_PORT[_<NAME>], PORT_<n>_TCP[_PROTO|_PORT|_ADDR] after the prefix (not settings)
+_SERVICE_LINK = re.compile(r"SERVICE_HOST$|SERVICE_PORT(_\w+)?$|PORT_\d+_(TCP|UDP|SCTP)(_\w+)?$")
+
+
 def _unknown_variables(cls: type, service: str, env: Mapping[str, str]) -> None:
     """FlagError for an SCD_<SERVICE>_* variable that names no setting (a misspelled one would
     otherwise leave its setting at the default, silently), as an unknown flag is one. Compose's
-    host-side port publishing variables (`*_PUBLISH`) are not settings and are let through."""
+    host-side port publishing variables (`*_PUBLISH`) and Kubernetes' service links are not
+    settings and are let through."""
     prefix = f"SCD_{service.upper()}_"
     names = {prefix + f.name.upper() for f in fields(cls)}
     for var in sorted(env):
-        if var.startswith(prefix) and var not in names and not var.endswith("_PUBLISH"):
+        if (
+            var.startswith(prefix)
+            and var not in names
+            and not var.endswith("_PUBLISH")
+            and not _SERVICE_LINK.match(var[len(prefix) :])
+        ):
             near = difflib.get_close_matches(var, sorted(names), n=1)
             hint = f"; did you mean {near[0]}?" if near else ""
             raise FlagError(

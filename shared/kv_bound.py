@@ -129,7 +129,8 @@ def hidden_bounds(model: Any, hidden_size: int) -> tuple[float, ...]:
     every later layer without a limit (inf)."""
     act = str(getattr(model.config, "hidden_act", ""))
     out = []
-    running = float(model.model.embed_tokens.weight.detach().float().abs().max())
+    low, high = torch.aminmax(model.model.embed_tokens.weight.detach())  # no vocabulary-sized copy
+    running = max(-float(low), float(high))
     if getattr(model.config, "model_type", "") not in _PLAIN_EMBEDDINGS:  # Gemma scales its embeddings, MiniCPM too
         running = math.inf
     for layer in model.model.layers:

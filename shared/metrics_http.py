@@ -77,11 +77,14 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         cut = threading.Timer(self.RequestHandlerClass.timeout, _cut, (request,))  # type: ignore[attr-defined]
         cut.daemon = True
-        cut.start()
         try:
+            try:
+                cut.start()
+            except RuntimeError:  # no thread to spare: served with the per-read timeout only
+                pass
             super().process_request_thread(request, client_address)
         finally:
-            cut.cancel()
+            cut.cancel()  # a no-op on a timer that never started
             self._release(str(client_address[0]))
 
 

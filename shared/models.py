@@ -226,7 +226,7 @@ def load_model(model_id: str, dtype: str = "float32", device: str = "auto") -> L
 def warm_up(loaded: LoadedModel, tokens: int = 16) -> None:
     """One short forward of the serving forward (shared.model: it fuses the projections once,
     here) so the first request does not pay for lazy initialization (and the K/V limits the
-    codecs check rebuilt layers against)."""
-    _ = loaded.kv_bounds
+    codecs check rebuilt layers against, and the residual stream's that recompute's check reads)."""
+    _ = loaded.kv_bounds, loaded.hidden_bounds
     ids = torch.arange(tokens, device=loaded.device).remainder(loaded.info.vocab_size)
     forward_of(loaded).prefill(ids)

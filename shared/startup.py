@@ -155,10 +155,11 @@ def check_ports(cfg: ServerConfig) -> None:
     ports = [("--port", cfg.port), ("--health-port", cfg.health_port), ("--metrics-port", cfg.metrics_port)]
     ports.append(("--http-port", getattr(cfg, "http_port", -1)))  # the consumer's OpenAI-compatible API
     named = [(flag, p) for flag, p in ports if p > 0]
-    try:  # the address itself, whatever the ports (a port of 0 binds any free one)
-        with socket.create_server((cfg.host, 0)):
+    try:  # the address itself, whatever the ports (a port of 0 binds any free one); IPv6 too
+        family = socket.getaddrinfo(cfg.host, None, type=socket.SOCK_STREAM)[0][0]
+        with socket.create_server((cfg.host, 0), family=family):
             pass
-    except OSError as exc:
+    except OSError as exc:  # socket.gaierror included: a name that does not resolve
         raise StartupError(f"--host {cfg.host}: cannot listen on it ({exc.strerror or exc})") from None
     seen: dict[int, str] = {}
     for flag, port in named:
@@ -166,7 +167,7 @@ def check_ports(cfg: ServerConfig) -> None:
             raise StartupError(f"{flag} {port}: the same port as {seen[port]}")
         seen[port] = flag
         try:
-            with socket.create_server((cfg.host, port)):
+            with socket.create_server((cfg.host, port), family=family):
                 pass
         except OSError as exc:
             raise StartupError(f"{flag} {port}: cannot listen on {cfg.host}:{port} ({exc.strerror or exc})") from None

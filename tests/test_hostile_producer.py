@@ -595,3 +595,17 @@ async def absurd_values_fail_alone(world, hostile) -> None:
             assert tokens(received) == alone_ids, i
     assert consumer.servicer.batch.stats.failed_rows == failed_before  # refused at the rebuild: no row ran
     await all_back(consumer)  # every request's blocks came back
+
+
+def test_passed_on_details_lose_addresses_and_keep_the_fields_they_name():
+    from consumer.link.producer_client import upstream_error
+
+    def passed(details: str) -> str:
+        error = grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+        return str(upstream_error(error))
+
+    for where in ("10.1.2.3", "http://internal.corp/x", "unix:///var/run/p.sock", "[fe80::1]", "producer-0:50051",
+                  "ipv4:10.0.0.1:50051", "dns:///producer:50051", "[::1]:80"):
+        assert where not in passed(f"refused by {where} now") and "<address>" in passed(f"refused by {where} now")
+    for kept in ("transfer.options['start']='1:2'", "keep 'snapkv:0.25:sinks=4'", "payload [8] of shape [4096, 64]"):
+        assert kept in passed(f"bad {kept}: must be"), passed(f"bad {kept}: must be")

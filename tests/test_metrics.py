@@ -238,3 +238,29 @@ def test_a_peer_trickling_its_request_is_cut_at_the_connections_time(monkeypatch
         for peer in peers:
             peer.close()
         metrics.stop()
+
+
+def test_a_connection_whose_timer_cannot_start_still_gives_its_slot_back(monkeypatch):
+    """Out of threads, the cut's timer fails to start: the connection is served with its per-read
+    timeout only and its peer and global slots come back (they leaked: every later scrape from
+    that address was refused)."""
+    metrics = Metrics("test")
+    port = metrics.serve(0, "127.0.0.1")
+    start = threading.Timer.start
+
+    def refuse(self):
+        if self.function is metrics_http._cut:
+            raise RuntimeError("can't start new thread")
+        return start(self)
+
+    monkeypatch.setattr(threading.Timer, "start", refuse)
+    try:
+        for _ in range(metrics_http.MAX_PER_PEER + 2):
+            assert b"scd_" in scrape_bytes(port)
+        monkeypatch.setattr(threading.Timer, "start", start)
+        deadline = time.monotonic() + 5
+        while metrics.http.peers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not metrics.http.peers and metrics.http.refused == 0
+    finally:
+        metrics.stop()

@@ -140,6 +140,8 @@ def test_busy_and_clashing_ports_are_named():
 def test_a_host_it_cannot_listen_on_is_named_whatever_the_ports():
     with pytest.raises(startup.StartupError, match="--host 999.1.1.1: cannot listen on it"):
         startup.check_ports(ProducerConfig(host="999.1.1.1", port=0))
+    if socket.has_ipv6:  # an IPv6 host is checked as IPv6 (it was refused: the check bound IPv4 only)
+        startup.check_ports(ProducerConfig(host="::1", port=0))
 
 
 def test_what_the_server_opens_itself_fails_in_one_line_naming_the_flag(tmp_path):
@@ -169,6 +171,8 @@ def test_a_misspelled_variable_of_the_service_is_refused_naming_the_likely_one(c
         config_lib.load(cls, service, [], env={f"{prefix}KV_EVENT_ENDPOINT": "tcp://*:5557"})
     other = "SCD_CONSUMER_MAX_NEW_TOKENS" if service == "producer" else "SCD_PRODUCER_MAX_CHUNK_BYTES"
     config_lib.load(cls, service, [], env={f"{prefix}HTTP_PUBLISH": "127.0.0.1:8000", other: "7", "SCD_CACHE_DIR": "/x"})
+    links = ["SERVICE_HOST", "SERVICE_PORT", "SERVICE_PORT_GRPC", "PORT_50052_TCP", "PORT_50052_TCP_PROTO", "PORT_8000_TCP_ADDR"]
+    config_lib.load(cls, service, [], env={prefix + name: "10.0.0.1" for name in links})  # Kubernetes' service links
 
 
 @pytest.mark.parametrize("target", ["", "not a target:::", "host:50051\n"])

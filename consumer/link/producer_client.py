@@ -73,9 +73,11 @@ _PASS_DETAILS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECON
 _ADDRESS = re.compile(
     r"\b[a-z][a-z0-9+.\-]*://\S+"  # a URL: http://internal.corp/x, unix:///var/run/p.sock
     r"|\bunix(?:-abstract)?:\S+"  # a unix socket target: unix:/path, unix:relative
-    r"|(?:(?:ipv[46]|dns):/*)?\[?[\w.\-:]*[\w\]]:\d{1,5}\b"  # host:port, [v6]:port, ipv4:a.b.c.d:port
+    # host:port, [v6]:port, ipv4:a.b.c.d:port: a host with a letter or a dot ('1:2' is no address), a port
+    # not followed by a decimal part ('snapkv:0.25' is a keep label)
+    r"|(?:(?:ipv[46]|dns):/*)?(?:\[[0-9a-fA-F:.]+\]|(?=[\w.-]*[A-Za-z.])[\w.-]+):\d{1,5}\b(?!\.\d)"
     r"|\b\d{1,3}(?:\.\d{1,3}){3}\b"  # a bare IPv4 address
-    r"|\[[0-9a-fA-F:.]+\]",  # a bracketed IPv6 address
+    r"|\[[0-9a-fA-F.]*:[0-9a-fA-F.]*:[0-9a-fA-F:.]*\]",  # a bracketed IPv6 address (two colons at least: not '[8]')
     re.IGNORECASE,
 )
 # grpc's own words for a message past a receive limit, on either side of the call
