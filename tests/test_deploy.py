@@ -164,6 +164,8 @@ def test_pods_run_as_non_root_and_drain_before_kill(deployment):
     drain = float(next(v for k, v in env(c).items() if k.endswith("_DRAIN_GRACE_S")))
     pause = c["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pod["terminationGracePeriodSeconds"] > drain + pause
+    # service links would put SCD_<SERVICE>_PORT=tcp://... (and _SERVICE_HOST...) in the pod's environment
+    assert pod["enableServiceLinks"] is False
 
 
 def test_compose_runs_producer_replicas_behind_a_dns_target_with_limits_and_a_gpu_profile():
