@@ -81,7 +81,14 @@ def check_payload(layer: int, name: str, payload: torch.Tensor) -> None:
     are >= 0: max - min, rounded up). Checked as the payload completes, before the layer is
     handed over. A zero or tiny scale with any codes is not refused: it decodes to what some
     valid encoding of those values would (a lie the stream's format cannot show; the audit's part)."""
-    if name in SCALES and bool((payload < 0).any()):
+    if name in SCALES:
+        refuse_negative_scales(layer, name, payload)
+
+
+def refuse_negative_scales(layer: int, name: str, payload: torch.Tensor) -> None:
+    """DataLoss naming the payload when a scale is negative: every encoder's scales are >= 0
+    (quant's here, SCD's int8 rows')."""
+    if bool((payload < 0).any()):
         raise DataLoss(f"layer {layer}: payload '{name}' holds negative scales (an encoder's are >= 0)")
 
 

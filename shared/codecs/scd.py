@@ -28,6 +28,7 @@ from shared.codecs.base import (
     register,
 )
 from shared.codecs.quant import check_payload as check_quant
+from shared.codecs.quant import refuse_negative_scales
 from shared.codecs.raw import KVDecoder
 from shared.errors import DataLoss, FailedPrecondition, InvalidArgument
 from shared.scd import ops
@@ -99,8 +100,8 @@ class ScdDecoder(KVDecoder):
             check_quant(layer, name, payload)
         elif payload.dtype == torch.int8 and name in ("z", "x") and bool((payload == -128).any()):
             raise DataLoss(f"layer {layer}: payload '{name}' holds int8 codes of -128 (an encoder's are in -127..127)")
-        elif name in ("z_scale", "x_scale") and bool((payload < 0).any()):
-            raise DataLoss(f"layer {layer}: payload '{name}' holds negative scales (an encoder's are >= 0)")
+        elif name in ("z_scale", "x_scale"):
+            refuse_negative_scales(layer, name, payload)
 
     def audit_thresholds(self) -> tuple[float, ...] | None:
         return self.art.audit_thresholds(str(self.schedule))
