@@ -20,13 +20,16 @@ def test_budget_counts_as_kvpress_and_refuses_nonsense():
     assert Budget(fraction=0.25).kept(1023) == 255  # floor, as int(T * (1 - ratio)) in ScorerPress
     assert Budget(count=300).kept(100) == 100 and Budget(fraction=0.001).kept(100) == 1
     assert Budget.parse("256") == Budget(count=256) and Budget.parse("0.5") == Budget(fraction=0.5)
-    for bad in ("0", "1.5", "-0.1", "x"):
+    assert Budget.parse("4294967295") == Budget(count=2**32 - 1)  # the wire's uint32
+    for bad in ("0", "1.5", "-0.1", "x", "4294967296", "²"):
         with pytest.raises(ValueError, match="budget"):
             Budget.parse(bad)
     with pytest.raises(ValueError, match="keep policy"):
         parse_selection("nope:0.5")
     with pytest.raises(ValueError, match="keep option"):
         parse_selection("knorm:0.5:sinks=x")
+    with pytest.raises(ValueError, match="above 4294967295"):
+        parse_selection("knorm:0.5:window=4294967296")
 
 
 def test_a_budgets_text_reads_back_as_itself_so_no_two_budgets_share_a_key():

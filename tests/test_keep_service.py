@@ -187,6 +187,10 @@ async def test_keep_never_meets_a_stored_chunk_or_a_cached_prefix_of_a_whole_tra
         ("raw", "h2o:0", "budget"),
         ("raw", "lru:0.5", "is not one of"),
         ("raw", "snapkv-q:0.5", "keep.policy: 'snapkv-q' is not served over the wire"),
+        # past the wire's uint32: INTERNAL (protobuf's ValueError filling KeepSpec) after admission
+        ("raw", "h2o:4294967296", "not in 1..4294967295"),
+        ("raw", "h2o:0.5:sinks=4294967296", "above 4294967295"),
+        ("raw", "h2o:0.5:window=99999999999", "above 4294967295"),
     ],
 )
 async def test_keep_requests_a_codec_cannot_serve_are_invalid_argument(world, pair, codec, keep, field):
@@ -277,6 +281,15 @@ def deltas(messages, layer: int, mutate) -> list:
     return out
 
 
+def keep_after_v(messages, layer: int) -> list:
+    """The layer's keep set moved after its v payload (the contract: keep comes first)."""
+    out = [copy(m) for m in messages]
+    m = out.pop(keep_chunk(out, layer))
+    v = max(i for i, x in enumerate(out) if x.WhichOneof("kind") == "chunk" and x.chunk.layer == layer and x.chunk.kind == "v")
+    out.insert(v + 1, m)
+    return out
+
+
 def header_with(messages, **changes) -> list:
     out = [copy(m) for m in messages]
     for name, value in changes.items():
@@ -319,6 +332,12 @@ HOSTILE = {  # name -> (keep asked, what the producer recorded with, mutate, the
         None,
         lambda r: deltas(r, 3, lambda v: v.__setitem__(5, 10_000)),
         "layer 3, payload 'keep': row 0 reaches position",
+    ),
+    "keep_after_the_layers_k_and_v": (
+        "h2o:0.3:window=8",
+        None,
+        lambda r: keep_after_v(r, 1),
+        "layer 1, payload 'k': arrived before the layer's 'keep' payload",
     ),
     "kept_count_not_the_request's": ("h2o:0.3:window=8", None, lambda r: header_with(r, kept_tokens=49), "header.kept_tokens=49"),
     "keep_not_echoed": ("h2o:0.3:window=8", None, lambda r: header_with(r, keep=None, kept_tokens=0), "header.keep=unset"),

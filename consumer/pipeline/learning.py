@@ -24,7 +24,9 @@ def learn(planner: TransferPlanner, memory: ProducerMemory, job: GenerateJob, it
         planner.observe_abandoned(*item.abandoned_span)
     _overhead(planner, job, item)
     planner.observe(_observation(job, item))
-    # a kept transfer left nothing in the producer's store (never chunk-stored: producer.sources)
+    # a kept transfer is stored whole (producer.sources: one entry, replayed only for the same whole
+    # context and selection), not per chunk as the memory models it: not remembered, so auto prices
+    # a repeat of it as a fresh forward (an overestimate of its time, never an underestimate)
     if item.trailer is not None and item.codec != ORACLE_MODE and job.codec is not None and job.keep is None:
         if item.stream_producer is not None:  # what the stream's header said, not the link check
             identity, dtype = item.stream_producer

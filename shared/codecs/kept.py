@@ -32,7 +32,7 @@ import torch
 
 from shared.codecs import keep_set
 from shared.codecs.base import CacheDecoder, Codec, LayerEncoder, PayloadSpec, Schema, StreamInfo
-from shared.errors import InvalidArgument
+from shared.errors import DataLoss, InvalidArgument
 from shared.keep import POLICIES, Budget, Policy, Selection
 from shared.keep.cache import gather
 from shared.keep.distill import LEARNED
@@ -230,6 +230,10 @@ class KeptDecoder(CacheDecoder):
     def check(self, layer: int, name: str, payload: torch.Tensor) -> None:
         if name == keep_set.KEEP_PAYLOAD:
             self.positions[layer] = keep_set.decode(payload, self.stream.num_tokens, self.stream.kept_tokens, layer)
+        elif layer not in self.positions:  # the contract (producer.proto, LayerChunk): a layer's keep set comes first
+            raise DataLoss(
+                f"layer {layer}, payload {name!r}: arrived before the layer's {keep_set.KEEP_PAYLOAD!r} payload, which comes first"
+            )
         self.inner.check(layer, name, payload)
 
     def add_layer(self, layer: int, payloads: dict[str, torch.Tensor]) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from shared import model as forward
 from shared.keep import attention, scores
-from shared.keep.select import Budget, keep_indices
+from shared.keep.select import MAX_COUNT, Budget, keep_indices
 from shared.kv import LayerState
 from shared.models import LoadedModel
 
@@ -169,7 +169,9 @@ def parse_fields(text: str) -> tuple[str, Budget, dict]:
     kw: dict = {}
     for opt in filter(None, opts.split(",")):
         key, _, value = opt.partition("=")
-        if key in ("sinks", "window") and value.isdigit():
+        if key in ("sinks", "window") and value.isascii() and value.isdigit():
+            if int(value) > MAX_COUNT:
+                raise ValueError(f"keep option {key}={value[:24]}: above {MAX_COUNT}")
             kw[key] = int(value)
         elif key == "heads" and value in ("shared", "each"):
             kw["shared"] = value == "shared"

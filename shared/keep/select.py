@@ -16,10 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_COUNT = 2**32 - 1  # the wire's uint32 (KeepSpec.count, .sinks, .window): a larger one cannot be asked
+
 
 @dataclass(frozen=True)
 class Budget:
-    """fraction in (0, 1] of the context's tokens, or a count >= 1 (exactly one of the two)."""
+    """fraction in (0, 1] of the context's tokens, or a count in 1..MAX_COUNT (exactly one of the two)."""
 
     fraction: float | None = None
     count: int | None = None
@@ -29,16 +31,16 @@ class Budget:
             raise ValueError("budget: give a fraction or a count, not both or neither")
         if self.fraction is not None and not 0.0 < self.fraction <= 1.0:
             raise ValueError(f"budget fraction: {self.fraction} is not in (0, 1]")
-        if self.count is not None and self.count < 1:
-            raise ValueError(f"budget count: {self.count} is not >= 1")
+        if self.count is not None and not 1 <= self.count <= MAX_COUNT:
+            raise ValueError(f"budget count: {self.count} is not in 1..{MAX_COUNT}")
 
     @classmethod
     def parse(cls, text: str) -> Budget:
         """'0.25' (a fraction) or '256' (a count)."""
         try:
-            return cls(count=int(text)) if text.isdigit() else cls(fraction=float(text))
+            return cls(count=int(text)) if text.isascii() and text.isdigit() else cls(fraction=float(text))
         except ValueError as e:
-            raise ValueError(f"budget: {text!r} is not a fraction in (0, 1] or a count >= 1 ({e})") from None
+            raise ValueError(f"budget: {text!r} is not a fraction in (0, 1] or a count in 1..{MAX_COUNT} ({e})") from None
 
     def kept(self, num_tokens: int) -> int:
         """Tokens kept per layer and KV head of a context of num_tokens (at least 1)."""
