@@ -9,6 +9,7 @@ self-consistently (CRCs recomputed), so each case breaks exactly one rule.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import pytest
@@ -459,6 +460,77 @@ async def test_local_prefill_policy_turns_a_corrupt_stream_into_the_oracle_answe
     stats = received[-1].stats
     assert stats.transfer.name == "oracle" and stats.transfer_failure.startswith("DATA_LOSS: ") and "non-finite" in stats.transfer_failure
     assert tokens(received) == tokens(oracle)
+
+
+async def test_a_failed_streams_rebuild_still_running_never_lands_on_the_local_prefill(world, monkeypatch):
+    """With --engine-process the own prefill a failed transfer falls back to runs in the child,
+    not behind the frontend's rebuilds: a rebuild still running when the stream failed (here
+    layer 0's, held here until the fallback's first token; in the fuzz a layer's rebuild over a
+    long context) wrote its K/V
+    over the fallback's, and the request was answered OK as "oracle" with other tokens (and the
+    prefix cache kept that K/V as the consumer's own). The transfer now returns only once its
+    running rebuilds have written, so the fallback's K/V is the last word."""
+    from consumer.engine.process import EngineProcess
+    from consumer.request.transfer import Transfer
+
+    stream = [copy(m) for m in world["rec"]["raw"]]
+    for i in chunks(stream, "k", layer=0):  # in bounds, CRC-valid: other tokens if it lands
+        flat = torch.frombuffer(bytearray(stream[i].chunk.data), dtype=torch.float32).clone()
+        set_data(stream[i], (-flat).view(torch.uint8).numpy().tobytes())
+    # layer 0 is handed over as layer 1's first chunk arrives; its second one fails the stream
+    second = chunks(stream, "k", layer=1)[1]
+    stream[second].chunk.crc32c ^= 1
+    stream.insert(second, 0.3)  # by then layer 0's rebuild runs
+    rebuild, add, answering = Transfer._rebuild_many, EngineProcess.add, threading.Event()
+
+    def late(self, jobs):  # layer 0's rebuild writes once the fallback answers (3 s at most)
+        if any(job.layer == 0 for job in jobs):
+            answering.wait(timeout=3)
+        return rebuild(self, jobs)
+
+    def watched(self, task):
+        sink = task.sink
+
+        def tell(item):
+            answering.set()
+            return sink(item)
+
+        task.sink = tell
+        return add(self, task)
+
+    monkeypatch.setattr(Transfer, "_rebuild_many", late)
+    monkeypatch.setattr(EngineProcess, "add", watched)
+    async with consumer_of(lambda request: stream, artifacts=str(world["path"]), engine_process=True) as (consumer, _):
+        client = ConsumerClient(consumer.address)
+        try:
+            consumer.servicer.pipeline.planner = None  # no mid-stream watch: the failure is the CRC's
+            fields = {**generate_fields("raw", {}), "max_new_tokens": 24}
+            oracle, err = await ask(client, **{**fields, "transfer": common_pb2.CodecSpec(name="oracle"), "cache_salt": "o"})
+            assert err is None
+            for rep in range(2):
+                answering.clear()
+                received, err = await ask(client, on_transfer_failure=consumer_pb2.TRANSFER_FAILURE_POLICY_LOCAL_PREFILL,
+                                          cache_salt=f"r{rep}", **fields)
+                assert err is None
+                stats = received[-1].stats
+                assert stats.transfer.name == "oracle" and "CRC32C mismatch" in stats.transfer_failure
+                assert tokens(received) == tokens(oracle), rep
+            await all_back(consumer)
+        finally:
+            await client.channel.close()
+
+
+async def test_the_producers_own_deadline_is_not_reported_as_the_callers(world, hostile):
+    """A producer ending the call DEADLINE_EXCEEDED (its --max-timeout-s fired) while the caller's
+    deadline is far off was reported as the caller's ("deadline passed during the transfer", and
+    counted as a cancelled request): it is UNAVAILABLE naming the producer's limit."""
+    holder, client, _, consumer = hostile
+    holder["script"] = lambda request: [world["rec"]["raw"][0], (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")]
+    received, err = await ask(client, timeout=30, **generate_fields("raw", {}))
+    assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE, err
+    assert "producer ended the transfer at its own time limit" in err.details() and "--max-timeout-s" in err.details()
+    assert received == []
+    await all_back(consumer)
 
 
 async def test_local_prefill_policy_covers_an_unreachable_producer():

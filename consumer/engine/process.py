@@ -186,8 +186,11 @@ def _child(spec: dict[str, Any], k: torch.Tensor, v: torch.Tensor, state: torch.
         engine.shutdown(wait=True)
         conn.send(("failed", f"{type(exc).__name__}: {str(exc)[:500]}"))
         return
-    engine.after_iteration = relay.flush  # from here on: the frontend's first message is "ready"
+    # "ready" goes first, then the relay: the iteration that ran the warm-up may still be ending on
+    # the engine thread, and a relay set before "ready" sent its counters as the first message
+    # (the frontend failed its start with "failed to start: []" and left this process running)
     conn.send(("ready",))
+    engine.after_iteration = relay.flush
     try:
         while True:
             try:
@@ -347,6 +350,9 @@ class EngineProcess(concurrent.futures.Executor):
         first = self._conn.recv()
         if first[0] != "ready":
             self._proc.join(10)
+            if self._proc.is_alive():  # it ignores SIGTERM (its frontend decides): never left behind
+                self._proc.kill()
+                self._proc.join(10)
             raise RuntimeError(f"the engine process failed to start: {first[1]}")
         self._reader = threading.Thread(target=self._read, name="consumer-engine-reader", daemon=True)
         self._reader.start()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections.abc import AsyncGenerator
 
 import grpc
@@ -52,6 +53,7 @@ RETRY_CONFIG = {
     ]
 }
 
+OWN_DEADLINE_SLACK_S = 0.05  # a DEADLINE_EXCEEDED with more of our deadline left is the producer's own
 # producer status -> (consumer error, what it means for the caller)
 _MAPPED: dict[grpc.StatusCode, tuple[type[ServiceError], str]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (Unavailable, "producer overloaded"),
@@ -86,14 +88,25 @@ RECEIVE_LIMIT = dict(GRPC_OPTIONS)["grpc.max_receive_message_length"]
 
 
 def upstream_error(
-    exc: grpc.aio.AioRpcError, transport: str = "plaintext", link_problem: str = "", mid_stream: bool = False
+    exc: grpc.aio.AioRpcError,
+    transport: str = "plaintext",
+    link_problem: str = "",
+    mid_stream: bool = False,
+    left_s: float | None = None,
 ) -> ServiceError:
     """The consumer's error for a failed producer call (never the producer's address); a rejected
     token or a failed TLS handshake is named as such (consumer.link.readiness.failure), and an
     unavailable producer carries the cause the last link check found, if any. `mid_stream`: the
     producer had sent part of its stream, so the connection was set up (a closed socket is then a
-    producer gone, not a TLS mismatch)."""
+    producer gone, not a TLS mismatch). `left_s`: what was left of the call's own deadline when it
+    failed; a DEADLINE_EXCEEDED with time left is the producer's own limit, not the caller's."""
     cls, what = _MAPPED.get(exc.code(), (Unavailable, "producer failed"))
+    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and left_s is not None and left_s > OWN_DEADLINE_SLACK_S:
+        log.warning("producer.call_failed", code=exc.code().name, details=(exc.details() or "")[:300])
+        return Unavailable(
+            f"producer ended the transfer at its own time limit (DEADLINE_EXCEEDED with {left_s:.1f} s of this"
+            " request's deadline left; see the producer's --max-timeout-s)"
+        )
     if mid_stream and exc.code() == grpc.StatusCode.UNAVAILABLE:
         log.warning("producer.call_failed", code=exc.code().name, details=(exc.details() or "")[:300])
         return Unavailable("producer connection lost mid-stream (UNAVAILABLE)")
@@ -198,6 +211,7 @@ class ProducerClient:
             accept_batches=True,
         )
         reader = StreamReader(expect)
+        ends_at = time.monotonic() + timeout_s
         call = self.prefill(
             request, timeout=timeout_s, metadata=(("x-request-id", request_id), (HASH_HEADER, context_hash(context_ids)))
         )
@@ -210,7 +224,8 @@ class ProducerClient:
                     yield event
             reader.end()
         except grpc.aio.AioRpcError as exc:
-            raise upstream_error(exc, self.transport, self.link_problem, mid_stream=received) from None
+            left_s = ends_at - time.monotonic()
+            raise upstream_error(exc, self.transport, self.link_problem, mid_stream=received, left_s=left_s) from None
         finally:
             self.streams_open -= 1
             call.cancel()  # a no-op once the call ended; stops the producer on any error here

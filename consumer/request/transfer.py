@@ -125,6 +125,26 @@ class Rebuilds:
         elif not self.failed.cancelled():
             self.failed.exception()  # retrieved: no "never retrieved" warning
 
+    async def settled(self) -> None:
+        """Return once no rebuild of this transfer can still write (after `cancel`: those already
+        running finish; a layer's rebuild takes milliseconds). Whatever writes the same blocks next
+        (the own prefill a failed transfer falls back to, which with --engine-process runs in
+        another process, not behind these rebuilds; or the pool reusing them) must come after:
+        a rebuild landing on a fallback's K/V answered OK with other tokens, and the prefix cache
+        kept that K/V as the consumer's own. Waits through a second cancellation, then re-raises it."""
+        running = [asyncio.wrap_future(f, loop=self.loop) for f in self._futures if not f.done()]
+        if not running:
+            return
+        waiting = asyncio.gather(*running, return_exceptions=True)
+        cancelled = False
+        while not waiting.done():
+            try:
+                await asyncio.shield(waiting)
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
+
 
 class Transfer:
     def __init__(
@@ -308,6 +328,7 @@ class _Pulling:
             pumping.cancel()
             rebuilds.cancel()  # layers not rebuilt yet never run once the transfer failed
             await asyncio.gather(pumping, return_exceptions=True)
+            await rebuilds.settled()  # and those running have written before anything else may
 
     async def _pump(self, open_stream: Callable[[], AsyncGenerator[Event, None]]) -> None:
         stream = open_stream()
