@@ -18,17 +18,37 @@ T = TypeVar("T")
 
 
 def configure(service: str, level: str = "INFO") -> None:
-    """JSON lines on stderr: timestamp, level, service, event, request_id and fields."""
-    logging.basicConfig(stream=sys.stderr, level=level.upper(), format="%(message)s")
+    """JSON lines on stderr: timestamp, level, service, event, request_id and fields. Libraries'
+    standard-library log records (grpc's, aiohttp's) become the same JSON lines, their tracebacks
+    bounded dicts too (they were printed as plain text: multi-line tracebacks among the JSON)."""
+    # tracebacks as bounded dicts: no local variables (peer data, tensors), at most 12 frames
+    tracebacks = structlog.processors.ExceptionRenderer(
+        structlog.tracebacks.ExceptionDictTransformer(show_locals=False, max_frames=12, use_rich=False)
+    )
+    stamp = structlog.processors.TimeStamper(fmt="iso", utc=True)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[
+                structlog.contextvars.merge_contextvars,
+                structlog.stdlib.add_logger_name,
+                structlog.processors.add_log_level,
+                stamp,
+            ],
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                tracebacks,
+                structlog.processors.JSONRenderer(),
+            ],
+        )
+    )
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            # tracebacks as bounded dicts: no local variables (peer data, tensors), at most 12 frames
-            structlog.processors.ExceptionRenderer(
-                structlog.tracebacks.ExceptionDictTransformer(show_locals=False, max_frames=12, use_rich=False)
-            ),
+            stamp,
+            tracebacks,
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),

@@ -95,6 +95,32 @@ async def test_a_header_over_the_limit_and_a_malformed_request_are_openai_errors
 POST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
 
 
+async def test_a_client_gone_while_its_body_arrives_is_a_499_without_a_traceback(pair, caplog):
+    """Headers and half the declared body, then the connection closed: aiohttp's "Error handling
+    request" with two plain-text tracebacks was written for each (an ordinary cancel); it is a 499
+    and one info line."""
+    before = counted(pair, "scd_rpc_total", code="499", method="POST /v1/completions")
+    with caplog.at_level("INFO"):
+        for _ in range(2):
+            reader, writer = await asyncio.open_connection("127.0.0.1", pair.consumer.http_port)
+            writer.write(POST + b"Content-Length: 100\r\n\r\n" + b'{"prompt": "hi"')
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.close()
+        for _ in range(100):
+            if counted(pair, "scd_rpc_total", code="499", method="POST /v1/completions") == before + 2:
+                break
+            await asyncio.sleep(0.05)
+    assert counted(pair, "scd_rpc_total", code="499", method="POST /v1/completions") == before + 2
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
+    got, _, _ = await call(pair, "GET", "/v1/models")
+    assert got == 200
+
+
+def counted(pair: Pair, name: str, **labels) -> float:
+    return pair.consumer.server.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
 async def test_bodies_being_read_are_bounded_and_a_stalled_one_times_out():
     """Before admission counts them, at most --max-inflight requests read their bodies: many slow
     senders hold bounded memory (the rest get 429 at once), and a body that stalls gets 408 at the

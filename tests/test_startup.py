@@ -149,8 +149,17 @@ def test_what_the_server_opens_itself_fails_in_one_line_naming_the_flag(tmp_path
     directory should be, or an endpoint already bound, is the one-line start-up failure (it was a
     traceback and exit 1)."""
     (tmp_path / "file").write_text("not a directory")
-    proc = run_service("producer", "--model", "tiny-llama", "--device", "cpu", "--store-disk-dir", str(tmp_path / "file"),
-                       "--store-disk-bytes", "1000000")
+    proc = run_service(
+        "producer",
+        "--model",
+        "tiny-llama",
+        "--device",
+        "cpu",
+        "--store-disk-dir",
+        str(tmp_path / "file"),
+        "--store-disk-bytes",
+        "1000000",
+    )
     assert_one_line_failure(proc, f"--store-disk-dir {tmp_path / 'file'}")
     with socket.socket() as busy:
         busy.bind(("", 0))
@@ -166,8 +175,10 @@ def test_a_misspelled_variable_of_the_service_is_refused_naming_the_likely_one(c
     the default without a word, so it is refused as an unknown flag is; compose's host-side
     *_PUBLISH variables are not settings and pass, as do other services' variables."""
     prefix = f"SCD_{service.upper()}_"
-    with pytest.raises(config_lib.FlagError, match=f"{prefix}KV_EVENT_ENDPOINT: not a setting of the {service}; "
-                                                   f"did you mean {prefix}KV_EVENTS_ENDPOINT"):
+    with pytest.raises(
+        config_lib.FlagError,
+        match=f"{prefix}KV_EVENT_ENDPOINT: not a setting of the {service}; did you mean {prefix}KV_EVENTS_ENDPOINT",
+    ):
         config_lib.load(cls, service, [], env={f"{prefix}KV_EVENT_ENDPOINT": "tcp://*:5557"})
     other = "SCD_CONSUMER_MAX_NEW_TOKENS" if service == "producer" else "SCD_PRODUCER_MAX_CHUNK_BYTES"
     config_lib.load(cls, service, [], env={f"{prefix}HTTP_PUBLISH": "127.0.0.1:8000", other: "7", "SCD_CACHE_DIR": "/x"})
@@ -405,3 +416,30 @@ def test_a_service_whose_stderr_reader_went_away_keeps_logging_without_failing()
     child.stderr.close()
     out, _ = child.communicate(timeout=60)
     assert child.returncode == 0 and out.strip() == "ok"
+
+
+def test_libraries_log_records_are_json_lines_too():
+    """grpc's and aiohttp's standard-library records (e.g. grpc's "ExecuteBatchError raised in core"
+    when a caller cancels as a stream ends, aiohttp's "Error handling request") were printed as
+    plain text with multi-line tracebacks among the services' JSON lines: each is one JSON line,
+    its traceback a bounded dict, beside structlog's own."""
+    code = (
+        "import logging\n"
+        "from shared import logs\n"
+        "logs.configure('svc')\n"
+        "try:\n"
+        "    raise ConnectionResetError('Connection lost')\n"
+        "except ConnectionResetError:\n"
+        "    logging.getLogger('aiohttp.server').exception('Error handling request from %s', '10.0.0.1')\n"
+        "logging.getLogger('grpc._cython.cygrpc').error('ExecuteBatchError raised in core by servicer method')\n"
+        "logs.get('x').info('ours', n=1)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[1])
+    lines = [json.loads(line) for line in out.stderr.splitlines()]  # every line is JSON
+    assert [r["event"] for r in lines] == [
+        "Error handling request from 10.0.0.1",
+        "ExecuteBatchError raised in core by servicer method",
+        "ours",
+    ]
+    assert lines[0]["logger"] == "aiohttp.server" and lines[0]["level"] == "error" and lines[0]["service"] == "svc"
+    assert lines[0]["exception"][0]["exc_type"] == "ConnectionResetError"

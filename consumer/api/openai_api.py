@@ -148,6 +148,12 @@ class _JsonErrors(web.RequestHandler):
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None):
         if request.writer.output_size > 0:  # a response already begun (a client gone mid-stream): aiohttp drops it
             raise ConnectionError("a response was already sent: no error response")
+        transport = request.transport
+        if isinstance(exc, ConnectionError) or transport is None or transport.is_closing():
+            # the client went away before its response began (e.g. while its body was arriving):
+            # an ordinary cancel (recorded 499), no one to answer and no traceback to log
+            log.info("http.client_gone", path=request.path[:200], error=type(exc).__name__ if exc is not None else "")
+            raise ConnectionError("the client went away: no error response")
         if status == 500:
             super().handle_error(request, status, exc, message)  # logs it with its traceback
         else:
