@@ -151,9 +151,14 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
 
     async def _admitted(self, request, request_id: str, context, started: float, timeout_s: float):
         """The call's slot and outcome around its stream (what the call holds, all of it)."""
+        ended: list[bool] = []  # the trailer handed over to be sent (the store and tenant counters count it then)
         with self.admission.slot():
             tracked = self.outcomes.track(
-                self._prefill(request, request_id, context, started, timeout_s), context, log, "prefill"
+                self._prefill(request, request_id, context, started, timeout_s, ended),
+                context,
+                log,
+                "prefill",
+                lambda: bool(ended),
             )
             async with contextlib.aclosing(tracked) as messages:  # closed with this one: nothing waits for the collector
                 async for message in messages:
@@ -194,7 +199,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                 " and codec metadata (the caller's prefix was built from another stream)"
             )
 
-    async def _prefill(self, request, request_id: str, context, started: float, timeout_s: float):
+    async def _prefill(self, request, request_id: str, context, started: float, timeout_s: float, ended: list[bool]):
         self._validate(request)
         tenant = tenants.tenant(tenants.checked_salt(request.cache_salt), self.token)
         codec = codec_lib.lookup(self.codecs, request.codec.name or "raw")
@@ -231,7 +236,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         label = keep.label if keep is not None else ""
         if keep is not None and weights is not None:  # another weights file keeps other tokens: never the same stored stream
             label = dataclasses.replace(keep, weights=weights.digest).label
-        messages = self._messages(request, codec.name, options, encoder, roots, tenant, started, label)
+        messages = self._messages(request, codec.name, options, encoder, roots, tenant, started, label, ended)
         if not request.accept_batches:  # one stream message per gRPC message, as before accept_batches
             yield header
             async with contextlib.aclosing(messages) as items:
@@ -249,7 +254,16 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
             await batched.aclose()
 
     async def _messages(
-        self, request, codec_name: str, options, encoder, roots: Roots | None, tenant: str, started: float, keep: str = ""
+        self,
+        request,
+        codec_name: str,
+        options,
+        encoder,
+        roots: Roots | None,
+        tenant: str,
+        started: float,
+        keep: str = "",
+        ended: list[bool] | None = None,
     ):
         """The stream after its header, serialized: each layer's messages (packed once at encode
         time, replayed as they are from the store) and the trailer, each with its chunk count."""
@@ -289,6 +303,8 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                         computed_tokens=item.computed_tokens,
                         queue_ms=item.queue_ms,
                     )
+                    if ended is not None:
+                        ended.append(True)
                     yield producer_pb2.PrefillResponse(trailer=trailer).SerializeToString(), 0
                     self.store_hits += store_hit
                     self.tokens_reused += item.reused_tokens

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -26,9 +26,19 @@ class Outcomes:
     cancelled: int = 0
     failed: int = 0
 
-    async def track(self, messages: AsyncGenerator[T, None], context: Any, log: Any, event: str) -> AsyncGenerator[T, None]:
+    async def track(
+        self,
+        messages: AsyncGenerator[T, None],
+        context: Any,
+        log: Any,
+        event: str,
+        final: Callable[[], bool] | None = None,
+    ) -> AsyncGenerator[T, None]:
         """Pass `messages` on; `context` is the grpc servicer context (asked whether the caller
-        went away), `event` the log event prefix ("prefill", "generate")."""
+        went away), `event` the log event prefix ("prefill", "generate"). `final()`: whether the
+        call's last message (the consumer's GenerateStats, the producer's trailer) was handed over
+        to be sent: a caller that cancels after that (as it reads it, before the OK status) is
+        counted completed, as everything else counted it (it was counted cancelled)."""
         self.started += 1
         outcome, reason = "failed", ""
         try:
@@ -37,7 +47,7 @@ class Outcomes:
                     yield item
             outcome = "completed"
         except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
+            outcome = "completed" if final is not None and final() else "cancelled"
             raise
         except ServiceError as exc:
             outcome = "cancelled" if exc.code in CANCEL_CODES else "failed"

@@ -223,11 +223,18 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
         request_id = rpc_errors.request_id(request.request_id)
         if self.probe is not None:
             self.probe.touch()
+        ended: list[GenerateResult] = []  # the call's GenerateStats, once handed over to be sent
+
+        def final(item):
+            if isinstance(item, GenerateResult):
+                ended.append(item)
+            return item
+
         with rpc_errors.request_scope(request_id), self.admission.slot():
             async for item in self.outcomes.track(
-                self._generate(request, request_id, timeout_s, received, extras), caller, log, "generate"
+                self._generate(request, request_id, timeout_s, received, extras), caller, log, "generate", lambda: bool(ended)
             ):
-                yield item
+                yield final(item)
 
     async def _generate(self, request, request_id: str, timeout_s: float, received: float, extras: Extras | None):
         self._ready()
