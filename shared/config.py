@@ -268,6 +268,7 @@ class ConsumerConfig(ServerConfig):
     stream_interval: int = 1  # tokens per streamed message after the first (1: each alone; as vLLM's --stream-interval)
     verify_draft_bytes: int = 32 << 20  # verified decoding: sampled drafts a request keeps, bytes (consumer.engine.speculative)
     engine_process: bool = False  # the engine's forwards in a child process, the KV pool in shared memory
+    exact_by_transfer: bool = True  # exact answers may rest on a producer that describes this model and dtype (its raw / recompute K/V); false: only on the own forward
     decode_attention: str = "auto"  # CPU decode rows: auto (paged kernel, else SDPA), kernel (or fail start), sdpa
     prefill_attention: str = "auto"  # CPU prefill rows, bf16: auto (AVX-512 BF16 kernel where it runs, else SDPA), kernel, sdpa
     packed_weights: bool = True  # CPU: projections on oneDNN-prepacked weights (a second copy in memory)

@@ -572,6 +572,13 @@ async def test_the_exact_transfer_is_chosen_only_when_estimated_faster_than_the_
             slow.observe(raw_transfer(tokens, 5.0))
         assert chooser.exact_transfer(ids) is None
         chooser.planner = fresh
+        chooser._cached = None
+        assert chooser.exact_transfer(ids) is not None
+        chooser.exact_by_transfer = False  # --exact-by-transfer false: exactness rests on the own forward only
+        chooser._cached = None
+        assert chooser.exact_transfer(ids) is None
+        assert not [c for c in chooser.candidates() if c.how == "exact" and c.mode != "oracle"]
+        chooser.exact_by_transfer = True
         chooser.producer_identity = lambda: "another"  # another model: raw is naive reuse, never exact
         chooser._cached = None
         assert chooser.exact_transfer(ids) is None

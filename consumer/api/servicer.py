@@ -93,6 +93,7 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             self._producer_dtype,
             self._producer_identity,
             self._producer_keep_weights,
+            exact_by_transfer=self.config.exact_by_transfer,
         )
         cfg = self.config
         self.jobs = JobBuilder(

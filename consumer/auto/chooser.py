@@ -160,8 +160,12 @@ class Chooser:
         producer_dtype: Callable[[], str] = lambda: "",
         producer_identity: Callable[[], str] = lambda: "",
         producer_keep_weights: Callable[[], Mapping[str, str]] = dict,
+        exact_by_transfer: bool = True,
     ):
         self.loaded, self.codecs, self.planner, self.memory = loaded, codecs, planner, memory
+        # whether an exact answer may rest on the producer's word that its K/V are this model's
+        # (--exact-by-transfer): its bytes are held to the stream contract's limits, not recomputed
+        self.exact_by_transfer = exact_by_transfer
         self.cached_tokens = cached_tokens  # tokens of the context the prefix cache holds made as a candidate makes them
         self.producer_digest, self.producer_usable = producer_digest, producer_usable
         self.producer_dtype = producer_dtype  # the dtype the producer computes its KV in ("" unknown)
@@ -205,7 +209,7 @@ class Chooser:
         # at the same precision, the same forward config (rope, window, eps...), computed in the same
         # dtype (a bfloat16 producer's K/V cast to a float32 consumer, or back, is not exact)
         identity = self.producer_identity()
-        if identity and identity == info.identity and self.producer_dtype() == info.dtype:
+        if self.exact_by_transfer and identity and identity == info.identity and self.producer_dtype() == info.dtype:
             raw_bytes = info.kv_bytes(1)
             for name in ("raw", "recompute"):
                 if name in self.codecs:
