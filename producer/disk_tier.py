@@ -6,8 +6,10 @@ thread, never on the caller's. The writes waiting for that thread hold their ten
 `queue_bytes` of tensor bytes wait (`queued_bytes`); a write that would go past it is skipped
 and counted (`write_skipped`): the disk copy is lost, RAM keeps the entry as usual.
 
-Each file's metadata carries the entry's key, parent, end position, a sha256 of its tensors'
-bytes (name order), their order in the entry (a read gives them back in it: a stored keep
+Each file's metadata carries the entry's key, parent, end position, a sha256 over all of it
+(every tensor's name, dtype, shape and bytes, and the key, parent, end, order and token ids: a
+header edited to another dtype or shape, or a metadata field changed, fails it), the tensors'
+order in the entry (a read gives them back in it: a stored keep
 transfer's layer is replayed in its payload order, producer.sources) and, for a chunk of a
 context, its token ids and their sha256 (a chunk read back into RAM is announced in the KV
 events with them). A read opens the file
@@ -16,21 +18,29 @@ meanwhile (a rewrite, an eviction, another process on the same directory) is rea
 new, never half of each. A file that does
 not parse, names another key or fails its checksum is deleted and counted (`corrupt`), and the
 caller falls back to the prefill: bad bytes are never served. A file gone between the index
-check and the open is a miss, not corruption. On start the directory is scanned (headers
-only), so a restarted producer serves what it had written; files past the budget (a smaller
+check and the open is a miss, not corruption; a file of another size than the index holds is
+dropped before it is read (memory stays bounded by the budget). On start the directory is scanned
+(headers only; an entry that is not a readable file is skipped, never a failed start), so a
+restarted producer serves what it had written; files past the budget (a smaller
 budget than the last run's) are evicted by the policy then. Making room is all or nothing
 (producer.chunk_store.Index.make_room): the files of the victims go with their index slots, or
 nothing does.
+
+The budget is this process's: two producers on one directory each keep theirs (together up to
+twice it until the next start trims the directory), and a start deletes only temporary files old
+enough not to be another process's write in progress.
 
 Knows nothing about gRPC, models or codecs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -43,16 +53,21 @@ from producer.chunk_store import ChunkEntry, Index, Slot
 from shared import logs, torch_threads
 
 log = logs.get("producer.disk_tier")
-FORMAT = "scd.chunk.v1"
+FORMAT = "scd.chunk.v2"  # v1's checksum covered tensor bytes only: its files are dropped, recomputed
 SUFFIX = ".safetensors"
 DEFAULT_QUEUE_BYTES = 256 << 20  # tensor bytes waiting for the writer thread, at most
+STALE_TMP_S = 600.0  # a temporary file older than this at start is a crashed write, not a live one
 
 
-def checksum(tensors: dict[str, torch.Tensor]) -> str:
+def checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
+    """sha256 of the tensors (name, dtype, shape, bytes, in name order) and the metadata fields a
+    read trusts (key, parent, end, order, tokens)."""
     digest = hashlib.sha256()
+    for field in ("key", "parent", "end", "order", "tokens"):
+        digest.update(f"{field}={meta.get(field, '')}".encode() + b"\0")
     for name in sorted(tensors):
         t = tensors[name].contiguous()
-        digest.update(name.encode() + b"\0")
+        digest.update(f"{name}\0{t.dtype}\0{list(t.shape)}\0".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
@@ -87,19 +102,34 @@ class DiskTier:
         return self.dir / f"{key}{SUFFIX}"
 
     def _scan(self) -> None:
-        for path in sorted(self.dir.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime):
+        found = []
+        for path in self.dir.glob(f"*{SUFFIX}"):
+            try:  # gone since the glob (another process evicted it), a dangling link: not ours to read
+                st = path.stat()
+            except OSError:
+                continue
+            if not path.is_file():  # a directory or other non-file under a chunk's name: left alone
+                log.warning("disk_tier.skipped", file=path.name[:80], why="not a regular file")
+                continue
+            found.append((st.st_mtime, path))
+        for _, path in sorted(found):
             try:
                 with safe_open(str(path), framework="pt") as f:
                     meta = f.metadata() or {}
                 if meta.get("format") != FORMAT or meta.get("key") != path.name[: -len(SUFFIX)]:
                     raise ValueError("not a chunk file of this format")
                 slot = Slot(path.stat().st_size, meta["parent"], int(meta["end"]))
+            except FileNotFoundError:  # evicted by another process meanwhile
+                continue
             except Exception as exc:  # any unreadable header: drop the file
                 self._drop_bad(path, f"scan: {exc}")
                 continue
             self.index.add(meta["key"], slot)
-        for stale in self.dir.glob(".*.tmp"):  # a write a crash interrupted
-            stale.unlink(missing_ok=True)
+        now = time.time()
+        for stale in self.dir.glob(".*.tmp"):  # a write a crash interrupted (not another process's, in progress)
+            with contextlib.suppress(OSError):
+                if now - stale.stat().st_mtime > STALE_TMP_S:
+                    stale.unlink(missing_ok=True)
         over = self.index.over_budget()  # files of a larger budget (or another process): evicted by policy
         for key in over:
             self.path(key).unlink(missing_ok=True)
@@ -108,8 +138,9 @@ class DiskTier:
 
     def _drop_bad(self, path: Path, why: str) -> None:
         self.corrupt += 1
-        log.warning("disk_tier.corrupt", file=path.name, why=why[:200])
-        path.unlink(missing_ok=True)
+        log.warning("disk_tier.corrupt", file=path.name[:80], why=why[:200])
+        with contextlib.suppress(OSError):  # already gone, or not a file: nothing more to drop
+            path.unlink(missing_ok=True)
 
     def has(self, key: str) -> bool:
         with self._lock:
@@ -144,12 +175,11 @@ class DiskTier:
                 "key": entry.key,
                 "parent": entry.parent,
                 "end": str(entry.end),
-                "sha256": checksum(tensors),
                 "order": json.dumps(list(tensors)),  # the entry's tensor order (a stream's payload order)
             }
-            if entry.tokens:  # its token ids, checksummed: read back, it is announced in KV events
+            if entry.tokens:  # its token ids: read back, it is announced in KV events
                 meta["tokens"] = json.dumps(list(entry.tokens))
-                meta["tokens_sha256"] = hashlib.sha256(meta["tokens"].encode()).hexdigest()
+            meta["sha256"] = checksum(tensors, meta)
             save_file(tensors, str(tmp), metadata=meta)
             nbytes = tmp.stat().st_size
             with self._lock:
@@ -175,11 +205,14 @@ class DiskTier:
         dropped, counted). The file is opened once: its bytes are parsed and checked in memory."""
         path = self.path(key)
         with self._lock:
-            if key not in self.index.slots:
+            slot = self.index.slots.get(key)
+            if slot is None:
                 return None
+            size = slot.nbytes
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                found = os.fstat(f.fileno()).st_size
+                data = f.read(size + 1) if found == size else b""  # never more than the index's size
         except FileNotFoundError:  # evicted, or deleted, since the index check: a miss
             with self._lock:
                 if key in self.index.slots and not path.exists():  # gone for good (the writer holds the lock)
@@ -189,16 +222,16 @@ class DiskTier:
             log.warning("disk_tier.read_failed", key=key[:16], error=str(exc)[:200])
             return None
         try:
+            if found != size or len(data) != size:
+                raise ValueError(f"{found} bytes, the index holds {size} for it")
             meta, tensors = parse(data)
             del data
-            if meta.get("key") != key or meta.get("sha256") != checksum(tensors):
-                raise ValueError("checksum or key mismatch")
+            if meta.get("format") != FORMAT or meta.get("key") != key or meta.get("sha256") != checksum(tensors, meta):
+                raise ValueError("checksum, key or format mismatch")
             order = json.loads(meta.get("order") or "[]") or sorted(tensors)
             if sorted(order) != sorted(tensors):
                 raise ValueError("tensor order names other tensors than the file holds")
             text = meta.get("tokens") or ""
-            if text and meta.get("tokens_sha256") != hashlib.sha256(text.encode()).hexdigest():
-                raise ValueError("token ids fail their checksum")
             tokens = tuple(int(t) for t in json.loads(text or "[]"))
             entry = ChunkEntry(key, meta["parent"], int(meta["end"]), {name: tensors[name] for name in order}, tokens)
         except Exception as exc:  # truncated, flipped, unparsable: never served

@@ -6,6 +6,7 @@ evicted while a running request's plan holds them are counted, and go after unpi
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 import structlog
@@ -212,4 +213,69 @@ def test_a_chunk_read_back_from_disk_keeps_its_token_ids_and_is_announced_again(
     tier.path(key).write_bytes(data.replace(b'"tokens":"[10, 11', b'"tokens":"[12, 11', 1))
     assert tier.path(key).read_bytes() != data
     assert tier.read(key) is None and tier.corrupt == 1
+    tier.close()
+
+
+# -- what a file may say about itself ----------------------------------------------------------------
+def rewrite_header(path, change) -> None:
+    """Edit a safetensors file's JSON header in place (padded to its length): bytes untouched."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    change(header)
+    new = json.dumps(header, separators=(",", ":")).encode()
+    assert len(new) <= n
+    path.write_bytes(data[:8] + new + b" " * (n - len(new)) + data[8 + n :])
+
+
+def test_a_header_edited_to_another_dtype_shape_or_end_is_never_served(tmp_path):
+    """The checksum covered the tensors' bytes only: a header saying F16 for BF16 bytes (or
+    another shape of the same size) was replayed with status OK as other K/V. It covers every
+    tensor's dtype and shape and the metadata a read trusts (end, parent, order, token ids)."""
+    changes = {
+        "dtype": lambda h: h["0.k"].__setitem__("dtype", "F16"),
+        "shape": lambda h: h["0.k"].__setitem__("shape", [4, 32, 4]),
+        "end": lambda h: h["__metadata__"].__setitem__("end", "99"),
+        "order": lambda h: h["__metadata__"].__setitem__("order", '["0.v", "0.k"]'),
+    }
+    for name, change in changes.items():
+        directory = tmp_path / name
+        tier = DiskTier(directory, 1 << 20)
+        tier.write(
+            ChunkEntry(
+                "a",
+                "root",
+                64,
+                {
+                    "0.k": torch.arange(512, dtype=torch.bfloat16).reshape(2, 64, 4),
+                    "0.v": torch.ones(2, 64, 4, dtype=torch.bfloat16),
+                },
+            )
+        )
+        tier.flush()
+        tier.close()
+        rewrite_header(tier.path("a"), change)
+        again = DiskTier(directory, 1 << 20)
+        assert again.read("a") is None and again.corrupt == 1, name
+        again.close()
+
+
+def test_entries_that_are_not_chunk_files_never_fail_a_start_and_a_grown_file_is_not_read(tmp_path):
+    """A directory or a dangling link under a chunk's name failed the start ("--store-disk-dir:
+    Is a directory"); a file that grew past the size the index holds was read whole into memory
+    (1 GiB for a 1 MiB tier) before it was refused."""
+    directory = tmp_path / "chunks"
+    tier = DiskTier(directory, 1 << 20)
+    tier.write(entry("a", 1.0))
+    tier.flush()
+    tier.close()
+    (directory / ("b" * 64 + disk_tier_module.SUFFIX)).mkdir()
+    os.symlink(directory / "nowhere", directory / ("c" * 64 + disk_tier_module.SUFFIX))
+    tier = DiskTier(directory, 1 << 20)  # starts
+    assert tier.has("a") and (directory / ("b" * 64 + disk_tier_module.SUFFIX)).is_dir()
+    with open(tier.path("a"), "r+b") as f:
+        f.truncate(1 << 30)  # sparse: a huge file in place of the chunk
+    with structlog.testing.capture_logs() as lines:
+        assert tier.read("a") is None
+    assert tier.corrupt == 1 and "the index holds" in next(x["why"] for x in lines if x["event"] == "disk_tier.corrupt")
     tier.close()

@@ -6,6 +6,7 @@ the bytes are the whole stream's, the answer is the consumer's own prefill's."""
 from __future__ import annotations
 
 import grpc
+import pytest
 
 from consumer.api.client import ConsumerClient
 from producer.server import ProducerServer
@@ -24,9 +25,14 @@ async def test_a_refused_prefix_key_is_retried_with_the_whole_context():
     await producer.start()
     await producer.load()
     try:
-        recorded = {len(first): await record(producer.address, first, "raw"), len(longer): await record(producer.address, longer, "raw")}
+        recorded = {
+            len(first): await record(producer.address, first, "raw"),
+            len(longer): await record(producer.address, longer, "raw"),
+        }
         async with grpc.aio.insecure_channel(producer.address) as channel:  # the consumer learns its weights from it
-            described = await producer_pb2_grpc.ProducerServiceStub(channel).Describe(producer_pb2.ProducerServiceDescribeRequest())
+            described = await producer_pb2_grpc.ProducerServiceStub(channel).Describe(
+                producer_pb2.ProducerServiceDescribeRequest()
+            )
     finally:
         await producer.stop(0)
     asked: list[tuple[int, int]] = []
@@ -75,3 +81,55 @@ async def test_a_codec_whose_decoder_takes_only_whole_streams_is_never_asked_for
     assert after.prefills_started - before.prefills_started == 1
     assert after.prefills_cancelled == before.prefills_cancelled and after.prefills_failed == before.prefills_failed
     assert answer.stats.prefix_reused_tokens == 0 and answer.ids == own.ids
+
+
+async def test_auto_never_serves_as_exact_a_stream_whose_producer_is_not_this_model():
+    """The link check saw a producer of this model and dtype, so auto offers its raw K/V as exact;
+    a producer swapped since (other weights on the same address, within the check interval) sends
+    a stream whose header names another model: answered OK as exact with that model's K/V. The
+    header is now held to this model's identity and dtype for an exact choice: the request falls
+    back to the own prefill (the oracle's answer) or, without that fallback, fails DATA_LOSS."""
+    context = list(range(10, 150))
+    producer = ProducerServer(ProducerConfig(port=0, model="tiny-llama", device="cpu", drain_grace_s=0))
+    await producer.start()
+    await producer.load()
+    try:
+        recorded = await record(producer.address, context, "raw")
+        async with grpc.aio.insecure_channel(producer.address) as channel:
+            described = await producer_pb2_grpc.ProducerServiceStub(channel).Describe(
+                producer_pb2.ProducerServiceDescribeRequest()
+            )
+    finally:
+        await producer.stop(0)
+    swapped = [producer_pb2.PrefillResponse() for _ in recorded]
+    for new, old in zip(swapped, recorded):
+        new.CopyFrom(old)
+    swapped[0].header.producer.identity = "f" * 64  # another model's K/V (the same bytes here: what matters is the claim)
+    question = prompt(ids=[5, 6, 7])
+    async with consumer_of(lambda request: swapped, describe=described) as (consumer, _):
+        client = ConsumerClient(consumer.address)
+        try:
+            own = await client.generate(mode="oracle", context=prompt(ids=context), question=question, max_new_tokens=4)
+            answer = await client.generate(
+                mode="auto",
+                options={"exact": "true"},
+                context=prompt(ids=context),
+                question=question,
+                max_new_tokens=4,
+                cache_salt="a",
+            )
+            assert answer.ids == own.ids
+            s = answer.stats
+            assert s.transfer.name == "oracle" and "is not this model" in s.transfer_failure, (s.transfer, s.transfer_failure)
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # a narrowed auto: no own-prefill fallback
+                await client.generate(
+                    mode="auto",
+                    options={"exact": "true", "candidates": "raw"},
+                    context=prompt(ids=context),
+                    question=question,
+                    max_new_tokens=4,
+                    cache_salt="b",
+                )
+            assert err.value.code() == grpc.StatusCode.DATA_LOSS and "is not this model" in err.value.details()
+        finally:
+            await client.channel.close()

@@ -363,6 +363,14 @@ class _Pulling:
         assert self.job.codec is not None
         self.transfer.keys.saw_stream(self.job.codec, self.job.options, info, event.chunk_tokens)
         result.stream_producer = (info.producer_identity, info.kv_dtype)
+        auto = self.job.auto
+        if auto is not None and auto.chosen.how == "exact":  # chosen as this model's own K/V on the link's view
+            own = (self.transfer.loaded.info.identity, self.transfer.loaded.info.dtype)
+            if result.stream_producer != own:  # the producer changed since the link check saw it
+                raise DataLoss(
+                    f"the stream's producer ({info.producer_identity[:16] or 'unnamed'}, {info.kv_dtype}) is not this"
+                    f" model in {own[1]}: auto chose {self.job.codec.name} as exact from the last link check"
+                )
         result.stream_metadata = dict(info.metadata)
         result.chunk_tokens = event.chunk_tokens
         result.options = {**info.options, **info.metadata}
