@@ -90,6 +90,7 @@ class DiskTier:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.index = Index(budget_bytes, policy)
         self.corrupt = 0  # files dropped because they did not parse or failed their checksum
+        self.format_dropped = 0  # files of an older format dropped at start (their entries are recomputed)
         self.queue_bytes = queue_bytes  # bound on queued_bytes
         self.queued_bytes = 0  # tensor bytes of the writes waiting for (or running on) the writer thread
         self.write_skipped = 0  # writes not queued: queued_bytes would have passed queue_bytes
@@ -116,6 +117,10 @@ class DiskTier:
             try:
                 with safe_open(str(path), framework="pt") as f:
                     meta = f.metadata() or {}
+                if str(meta.get("format", "")).startswith("scd.chunk.") and meta.get("format") != FORMAT:
+                    self.format_dropped += 1  # an older format's file: recomputed, not corruption
+                    path.unlink(missing_ok=True)
+                    continue
                 if meta.get("format") != FORMAT or meta.get("key") != path.name[: -len(SUFFIX)]:
                     raise ValueError("not a chunk file of this format")
                 slot = Slot(path.stat().st_size, meta["parent"], int(meta["end"]))
@@ -130,6 +135,8 @@ class DiskTier:
             with contextlib.suppress(OSError):
                 if now - stale.stat().st_mtime > STALE_TMP_S:
                     stale.unlink(missing_ok=True)
+        if self.format_dropped:
+            log.info("disk_tier.format_dropped", files=self.format_dropped, format=FORMAT)
         over = self.index.over_budget()  # files of a larger budget (or another process): evicted by policy
         for key in over:
             self.path(key).unlink(missing_ok=True)
@@ -221,6 +228,11 @@ class DiskTier:
         except OSError as exc:  # unreadable (permissions, I/O error): not served, the file stays
             log.warning("disk_tier.read_failed", key=key[:16], error=str(exc)[:200])
             return None
+        if found != size or len(data) != size:
+            with self._lock:
+                now = self.index.slots.get(key)
+                if now is None or now.nbytes != size:  # rewritten or evicted since: a miss, not corruption
+                    return None
         try:
             if found != size or len(data) != size:
                 raise ValueError(f"{found} bytes, the index holds {size} for it")

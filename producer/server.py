@@ -151,7 +151,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
 
     async def _admitted(self, request, request_id: str, context, started: float, timeout_s: float):
         """The call's slot and outcome around its stream (what the call holds, all of it)."""
-        ended: list[bool] = []  # the trailer handed over to be sent (the store and tenant counters count it then)
+        ended: list[bool] = []  # the message carrying the trailer handed over to be sent
         with self.admission.slot():
             tracked = self.outcomes.track(
                 self._prefill(request, request_id, context, started, timeout_s, ended),
@@ -236,11 +236,14 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         label = keep.label if keep is not None else ""
         if keep is not None and weights is not None:  # another weights file keeps other tokens: never the same stored stream
             label = dataclasses.replace(keep, weights=weights.digest).label
-        messages = self._messages(request, codec.name, options, encoder, roots, tenant, started, label, ended)
+        trailer: list[bytes] = []  # the serialized trailer, once made
+        messages = self._messages(request, codec.name, options, encoder, roots, tenant, started, label, trailer)
         if not request.accept_batches:  # one stream message per gRPC message, as before accept_batches
             yield header
             async with contextlib.aclosing(messages) as items:
                 async for message, _ in items:
+                    if trailer and message is trailer[0]:
+                        ended.append(True)
                     yield message
             return
         # the header goes alone and first (the caller's header time stays a round trip); the
@@ -249,6 +252,8 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         try:
             yield header
             async for message in batched:
+                if batched.done and batched.error is None and not batched.pending:  # the last: it ends with the trailer
+                    ended.append(True)
                 yield message
         finally:
             await batched.aclose()
@@ -263,7 +268,7 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
         tenant: str,
         started: float,
         keep: str = "",
-        ended: list[bool] | None = None,
+        made: list[bytes] | None = None,
     ):
         """The stream after its header, serialized: each layer's messages (packed once at encode
         time, replayed as they are from the store) and the trailer, each with its chunk count."""
@@ -303,9 +308,10 @@ class ProducerServicer(producer_pb2_grpc.ProducerServiceServicer):
                         computed_tokens=item.computed_tokens,
                         queue_ms=item.queue_ms,
                     )
-                    if ended is not None:
-                        ended.append(True)
-                    yield producer_pb2.PrefillResponse(trailer=trailer).SerializeToString(), 0
+                    last = producer_pb2.PrefillResponse(trailer=trailer).SerializeToString()
+                    if made is not None:
+                        made.append(last)
+                    yield last, 0
                     self.store_hits += store_hit
                     self.tokens_reused += item.reused_tokens
                     self.tokens_computed += item.computed_tokens

@@ -42,7 +42,12 @@ def configure(service: str, level: str = "INFO") -> None:
             ],
         )
     )
-    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    root = logging.getLogger()  # this function's handler replaced, any other (pytest's caplog) kept
+    for old in [h for h in root.handlers if getattr(h, "scd_json", False)]:
+        root.removeHandler(old)
+    handler.scd_json = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(level.upper())
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

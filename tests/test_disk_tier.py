@@ -279,3 +279,15 @@ def test_entries_that_are_not_chunk_files_never_fail_a_start_and_a_grown_file_is
         assert tier.read("a") is None
     assert tier.corrupt == 1 and "the index holds" in next(x["why"] for x in lines if x["event"] == "disk_tier.corrupt")
     tier.close()
+
+
+def test_an_older_formats_files_are_dropped_at_start_not_counted_corrupt(tmp_path):
+    directory = tmp_path / "chunks"
+    tier = DiskTier(directory, 1 << 20)
+    tier.write(entry("a", 1.0))
+    tier.flush()
+    tier.close()
+    rewrite_header(tier.path("a"), lambda h: h["__metadata__"].__setitem__("format", "scd.chunk.v1"))
+    again = DiskTier(directory, 1 << 20)
+    assert (again.format_dropped, again.corrupt) == (1, 0) and not again.has("a") and not again.path("a").exists()
+    again.close()

@@ -443,3 +443,19 @@ def test_libraries_log_records_are_json_lines_too():
     ]
     assert lines[0]["logger"] == "aiohttp.server" and lines[0]["level"] == "error" and lines[0]["service"] == "svc"
     assert lines[0]["exception"][0]["exc_type"] == "ConnectionResetError"
+
+
+def test_configuring_the_logs_keeps_other_handlers_such_as_pytests(caplog):
+    """configure replaces only its own handler (it replaced every root handler: pytest's caplog
+    saw nothing logged after a test configured the logs)."""
+    import logging
+
+    from shared import logs
+
+    with caplog.at_level("INFO"):
+        logs.configure("tests", "INFO")
+        logs.configure("tests", "INFO")  # twice: still one JSON handler
+        logging.getLogger("grpc").warning("seen by caplog")
+        ours = [h for h in logging.getLogger().handlers if getattr(h, "scd_json", False)]
+        logs.configure("tests", os.environ.get("SCD_TEST_LOG_LEVEL", "WARNING"))  # as conftest left it
+    assert "seen by caplog" in caplog.text and len(ours) == 1

@@ -232,10 +232,12 @@ class ConsumerServicer(consumer_pb2_grpc.ConsumerServiceServicer):
             return item
 
         with rpc_errors.request_scope(request_id), self.admission.slot():
-            async for item in self.outcomes.track(
+            tracked = self.outcomes.track(
                 self._generate(request, request_id, timeout_s, received, extras), caller, log, "generate", lambda: bool(ended)
-            ):
-                yield final(item)
+            )
+            async with contextlib.aclosing(tracked) as items:  # its outcome counted here, not when collected
+                async for item in items:
+                    yield final(item)
 
     async def _generate(self, request, request_id: str, timeout_s: float, received: float, extras: Extras | None):
         self._ready()

@@ -327,8 +327,10 @@ class _Pulling:
         finally:
             pumping.cancel()
             rebuilds.cancel()  # layers not rebuilt yet never run once the transfer failed
-            await asyncio.gather(pumping, return_exceptions=True)
-            await rebuilds.settled()  # and those running have written before anything else may
+            try:
+                await rebuilds.settled()  # and those running have written before anything else may
+            finally:
+                await asyncio.gather(pumping, return_exceptions=True)
 
     async def _pump(self, open_stream: Callable[[], AsyncGenerator[Event, None]]) -> None:
         stream = open_stream()
