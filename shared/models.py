@@ -51,6 +51,13 @@ class ModelInfo:
     identity: str = ""  # what shapes its K/V: weights at their precision, forward config, dtype (`model_identity`)
     origin: str = ""  # where the weights came from, for a registry model (shared.pretrained.origin), else ""
 
+    @property
+    def own_kv(self) -> tuple[str, str]:
+        """(identity, dtype): what a stream header must name for its K/V to be this model's own
+        (the identity names weights at their precision, forward config and dtype, so a producer of
+        other rope settings or of a float32 checkpoint that rounds to the same bfloat16 is not)."""
+        return self.identity, self.dtype
+
     def kv_bytes(self, tokens: int) -> int:
         """Bytes of the full K and V cache for `tokens` tokens in this model's dtype."""
         element = torch.finfo(DTYPES[self.dtype]).bits // 8

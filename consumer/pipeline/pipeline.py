@@ -272,8 +272,8 @@ class RequestPipeline:
                 await self.transfer.pull(via, scratch, exact)
             finally:
                 result.bytes_received += scratch.bytes_received  # both streams' bytes count, also a failed one's
-            if scratch.stream_producer != self._own_kv:
-                raise DataLoss(f"the stream's producer {scratch.stream_producer} is not this model in {self._own_kv[1]}")
+            if scratch.stream_producer != self.loaded.info.own_kv:
+                raise DataLoss(f"the stream's producer {scratch.stream_producer} is not this model in {self.loaded.info.dtype}")
         except ServiceError as exc:
             if isinstance(exc, Cancelled):
                 raise
@@ -283,13 +283,6 @@ class RequestPipeline:
         result.exact_transfer = via.mode
         ms = (time.perf_counter() - started) * 1e3
         return f"; exact cache: {via.mode} transfer ({scratch.bytes_received} bytes, {ms:.0f} ms)"
-
-    @property
-    def _own_kv(self) -> tuple[str, str]:
-        """(model identity, dtype) of this consumer's KV: what an exact transfer's producer must be
-        (the identity names weights at their precision, forward config and dtype, so a producer of
-        other rope settings or of a float32 checkpoint that rounds to the same bfloat16 is not)."""
-        return self.loaded.info.identity, self.loaded.info.dtype
 
     async def _exact_start(self, job: GenerateJob, exact: SequenceKV) -> int:
         """Verified decoding's exact cache starts with what the prefix cache holds of the context as
@@ -324,7 +317,7 @@ class RequestPipeline:
         transfer's (keyed by that transfer, its producer checked to be this model and dtype)."""
         if via is None or result.exact_transfer != via.mode:
             return self.keys.chain(None, {}, job.context_ids, job.tenant)
-        return self.keys.chain(via.codec, via.options, job.context_ids, job.tenant, self._own_kv)
+        return self.keys.chain(via.codec, via.options, job.context_ids, job.tenant, self.loaded.info.own_kv)
 
     def cached_tokens(self, codec: Codec | None, options: dict[str, str], context_ids: list[int], tenant: str = "") -> int:
         """Context tokens the prefix cache holds for `tenant` made by `codec` (None: the own prefill),

@@ -367,7 +367,7 @@ class _Pulling:
         result.stream_producer = (info.producer_identity, info.kv_dtype)
         auto = self.job.auto
         if auto is not None and auto.chosen.how == "exact":  # chosen as this model's own K/V on the link's view
-            own = (self.transfer.loaded.info.identity, self.transfer.loaded.info.dtype)
+            own = self.transfer.loaded.info.own_kv
             if result.stream_producer != own:  # the producer changed since the link check saw it
                 raise DataLoss(
                     f"the stream's producer ({info.producer_identity[:16] or 'unnamed'}, {info.kv_dtype}) is not this"
